@@ -1,0 +1,17 @@
+"""lowcomm: train one model on many workers over slow links, communicating far less than DDP.
+
+Public API: the general engine (:class:`LowComm` + :class:`SyncConfig`), its presets, and the
+per-step DDP comm hook.
+"""
+
+from .config import ConfigError, SyncConfig, TrainConfig
+from .engine import LowComm, SyncStats
+from .loco import GradReduceState, allreduce_hook
+from .presets import CO2, DiLoCo, SparseLoCo, StreamingDiLoCo, preset_config
+
+__all__ = [
+    "LowComm", "SyncConfig", "SyncStats", "TrainConfig", "ConfigError",
+    "DiLoCo", "StreamingDiLoCo", "SparseLoCo", "CO2", "preset_config",
+    "GradReduceState", "allreduce_hook",
+]
+__version__ = "0.1.0"

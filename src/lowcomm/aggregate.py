@@ -1,0 +1,197 @@
+"""Turn every worker's contribution into one averaged tensor: encode, exchange, decode, FP32 sum.
+
+Three ways, chosen by ``SyncConfig.reduce``:
+
+- ``allreduce``: dense codecs (fp32/bf16/fp16) cast the flat buffer and all-reduce it.
+- ``gather``: every worker encodes each tensor, the packed payloads are all-gathered, and each
+  receiver decodes all M payloads and sums them in FP32 (never in the low-bit format). Exact for
+  any codec and fine for small M; wire bytes grow as (M-1) x payload.
+- ``two-phase``: the flat buffer is cut into M shards; each shard is encoded and sent to its
+  owner by all-to-all; the owner decodes and sums its shard in FP32, re-encodes the average and
+  all-gathers it. Wire bytes stay about 2 x payload whatever M is. Element-wise codecs only.
+
+The math lives here; the bytes move through :class:`~lowcomm.transport.Transport`.
+``encode`` runs on the compute thread (it is also what error compensation needs to see), and
+``exchange`` is the blocking part that may run on the transport's comm thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .codecs.base import Codec, PayloadError
+from .config import DENSE_CODECS, SyncConfig
+from .transport import Transport
+
+_DENSE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Encoded:
+    """What one worker contributes to one exchange."""
+
+    payload: torch.Tensor           # the exact tensor handed to the first collective
+    shapes: list[torch.Size]        # the shapes of the tensors it encodes, in order
+    numel: int                      # total elements
+    local: torch.Tensor | None      # flat FP32 of what peers will decode from us (for compensation)
+
+
+class Aggregator:
+    """Averages flat groups of tensors across workers through a codec and a collective."""
+
+    def __init__(self, method: str, codec: Codec | None, world_size: int,
+                 aggregation: str = "mean", dense_dtype: torch.dtype = torch.float32) -> None:
+        if method not in ("allreduce", "gather", "two-phase"):
+            raise ValueError(f"unknown reduce method {method}")
+        if method != "allreduce" and codec is None:
+            raise ValueError(f"reduce={method} needs a codec")
+        if method == "two-phase" and codec is not None and not codec.elementwise:
+            raise ValueError(f"codec {codec.name} is not element-wise: use reduce=gather")
+        if aggregation == "selected-mean" and not hasattr(codec, "decode_sparse"):
+            raise ValueError("aggregation=selected-mean needs a sparse codec (codec=topk)")
+        self.method, self.codec, self.world_size = method, codec, world_size
+        self.aggregation = aggregation
+        self.dense_dtype = dense_dtype
+
+    # -- encode (compute thread) -----------------------------------------------------------------
+    def encode(self, tensors: list[torch.Tensor], need_local: bool = False) -> Encoded:
+        """Encode ``tensors`` (FP32, any shapes); ``need_local`` also returns our decoded view."""
+        shapes = [t.shape for t in tensors]
+        numel = sum(t.numel() for t in tensors)
+        if self.method == "allreduce":
+            flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+            payload = flat.to(self.dense_dtype)
+            local = payload.float() if need_local else None
+            return Encoded(payload, shapes, numel, local)
+        assert self.codec is not None
+        if self.method == "gather":
+            parts = [self.codec.encode(t) for t in tensors]
+            payload = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+            local = None
+            if need_local:
+                local = self._decode_flat(payload, shapes, numel)
+            return Encoded(payload, shapes, numel, local)
+        # two-phase: shard the flat buffer, one payload per destination worker
+        flat = torch.cat([t.reshape(-1).float() for t in tensors]) if tensors else torch.empty(0)
+        shards = self._shards(flat)
+        payload = torch.stack([self.codec.encode(s) for s in shards])
+        local = None
+        if need_local:
+            dec = [self.codec.decode(p, s.shape, f"shard {j}") for j, (p, s) in enumerate(zip(payload, shards))]
+            local = torch.cat(dec)[:numel]
+        return Encoded(payload, shapes, numel, local)
+
+    # -- exchange (may run on the comm thread) ---------------------------------------------------
+    def exchange(self, enc: Encoded, transport: Transport) -> torch.Tensor:
+        """Run the collectives and return the flat FP32 average over workers."""
+        m = transport.world_size
+        if self.method == "allreduce":
+            buf = enc.payload.clone()
+            transport.all_reduce(buf)
+            return buf.float().div_(m)
+        if self.method == "gather":
+            gathered = transport.all_gather(enc.payload)
+            return self._sum_gathered(gathered, enc.shapes, enc.numel, m)
+        return self._two_phase(enc, transport)
+
+    def _sum_gathered(self, gathered: list[torch.Tensor], shapes: list[torch.Size], numel: int,
+                      m: int) -> torch.Tensor:
+        assert self.codec is not None
+        total = torch.zeros(numel, dtype=torch.float32)
+        if self.aggregation == "selected-mean":
+            counts = torch.zeros(numel, dtype=torch.float32)
+        for w, payload in enumerate(gathered):
+            offset_b, offset_e = 0, 0
+            self._check_len(payload, shapes, f"worker {w}")
+            for i, shape in enumerate(shapes):
+                nb = self.codec.nbytes(shape)
+                n = _numel(shape)
+                piece = payload[offset_b:offset_b + nb]
+                name = f"tensor {i} from worker {w}"
+                if self.aggregation == "selected-mean":
+                    idx, vals = self.codec.decode_sparse(piece, shape, name)  # type: ignore[attr-defined]
+                    total[offset_e:offset_e + n].index_add_(0, idx, vals)
+                    counts[offset_e:offset_e + n].index_add_(0, idx, torch.ones_like(vals))
+                else:
+                    total[offset_e:offset_e + n] += self.codec.decode(piece, shape, name).reshape(-1)
+                offset_b += nb
+                offset_e += n
+        if self.aggregation == "selected-mean":
+            return total.div_(counts.clamp_(min=1.0))
+        return total.div_(m)
+
+    def _two_phase(self, enc: Encoded, transport: Transport) -> torch.Tensor:
+        assert self.codec is not None
+        m = transport.world_size
+        received = transport.all_to_all(list(enc.payload.unbind(0)))
+        shard_len = _shard_len(enc.numel, m)
+        shape = torch.Size([shard_len])
+        mine = torch.zeros(shard_len, dtype=torch.float32)
+        for w, p in enumerate(received):
+            mine += self.codec.decode(p, shape, f"shard {transport.rank} from worker {w}")
+        mine.div_(m)
+        gathered = transport.all_gather(self.codec.encode(mine))
+        out = torch.cat([self.codec.decode(p, shape, f"averaged shard {w}") for w, p in enumerate(gathered)])
+        return out[:enc.numel]
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _shards(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        m = self.world_size
+        n = _shard_len(flat.numel(), m)
+        padded = torch.zeros(n * m, dtype=torch.float32)
+        padded[:flat.numel()] = flat
+        return list(padded.view(m, n).unbind(0))
+
+    def _decode_flat(self, payload: torch.Tensor, shapes: list[torch.Size], numel: int) -> torch.Tensor:
+        assert self.codec is not None
+        out = torch.empty(numel, dtype=torch.float32)
+        ob = oe = 0
+        for i, shape in enumerate(shapes):
+            nb, n = self.codec.nbytes(shape), _numel(shape)
+            out[oe:oe + n] = self.codec.decode(payload[ob:ob + nb], shape, f"tensor {i}").reshape(-1)
+            ob += nb
+            oe += n
+        return out
+
+    def _check_len(self, payload: torch.Tensor, shapes: list[torch.Size], who: str) -> None:
+        assert self.codec is not None
+        want = sum(self.codec.nbytes(s) for s in shapes)
+        if payload.numel() != want:
+            raise PayloadError(f"payload from {who} has {payload.numel()} bytes, expected {want}")
+
+    def payload_nbytes(self, shapes: list[torch.Size]) -> int:
+        """Bytes this worker hands to the first collective for tensors of ``shapes``."""
+        numel = sum(_numel(s) for s in shapes)
+        if self.method == "allreduce":
+            return numel * torch.tensor([], dtype=self.dense_dtype).element_size()
+        assert self.codec is not None
+        if self.method == "gather":
+            return sum(self.codec.nbytes(s) for s in shapes)
+        return self.world_size * self.codec.nbytes(torch.Size([_shard_len(numel, self.world_size)]))
+
+
+def _numel(shape: torch.Size) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _shard_len(numel: int, m: int) -> int:
+    return -(-numel // m) if numel else 0
+
+
+def make_aggregator(cfg: SyncConfig, world_size: int) -> Aggregator:
+    """The aggregator for a config: resolves reduce=auto and builds the codec."""
+    method = cfg.reduce
+    if method == "auto":
+        method = "allreduce" if cfg.codec in DENSE_CODECS else "gather"
+    if method == "allreduce":
+        return Aggregator("allreduce", None, world_size, dense_dtype=_DENSE_DTYPES[cfg.codec])
+    from .codecs import make_codec  # the codec registry
+
+    codec = make_codec(cfg.codec, block_size=cfg.codec_block, density=cfg.density,
+                       value_bits=cfg.value_bits)
+    return Aggregator(method, codec, world_size, aggregation=cfg.aggregation)

@@ -1,0 +1,153 @@
+"""`lowcomm compare`: several strategies on the same model, data and seed; one table and plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError, build_configs
+from ..presets import STRATEGIES, preset_config
+from ..train.launch import launch
+
+
+@dataclass
+class Entry:
+    """One `--strategies` item: a strategy with its own overrides, e.g. sparseloco:density=1/32."""
+
+    strategy: str
+    overrides: dict[str, str] = field(default_factory=dict)
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.label or self.strategy
+
+
+def parse_entries(spec: str) -> list[Entry]:
+    """`ddp,diloco:sync_every=50,sparseloco:density=1/32` -> entries with unique names."""
+    out: list[Entry] = []
+    for item in [s.strip() for s in spec.split(",") if s.strip()]:
+        parts = item.split(":")
+        strategy = parts[0]
+        if strategy not in STRATEGIES:
+            raise ConfigError(f"unknown strategy '{strategy}': choose one of {', '.join(STRATEGIES)}")
+        overrides: dict[str, str] = {}
+        for kv in parts[1:]:
+            if "=" not in kv:
+                raise ConfigError(f"'{kv}' in '{item}' is not key=value (e.g. sparseloco:density=1/32)")
+            k, v = kv.split("=", 1)
+            overrides[k] = v
+        label = strategy + "".join(f"-{k}={v}" for k, v in overrides.items())
+        out.append(Entry(strategy, overrides, label.replace("/", "_")))
+    if not out:
+        raise ConfigError("--strategies is empty: give e.g. ddp,diloco")
+    names = [e.name for e in out]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ConfigError(f"--strategies lists {sorted(dup)} twice: give each entry different overrides")
+    return out
+
+
+def run_compare(entries: list[Entry], common: dict[str, Any], workers: int, seeds: list[int],
+                out_dir: Path, port: int | None = None) -> list[dict[str, Any]]:
+    """Run every entry for every seed, one after another; write results.json/.md and plots."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # validate every configuration before spending minutes on the first run
+    plans = []
+    for seed in seeds:
+        for e in entries:
+            values = {**common, **e.overrides, "seed": seed}
+            sync_keys = {k: v for k, v in values.items()}
+            sync_cfg, train_cfg = build_configs(sync_keys, sync=preset_config(e.strategy))
+            name = e.name if len(seeds) == 1 else f"{e.name}-seed{seed}"
+            plans.append((e, name, sync_cfg, train_cfg))
+    results: list[dict[str, Any]] = []
+    for e, name, sync_cfg, train_cfg in plans:
+        print(f"[compare] {name}: {e.strategy}, {workers} workers, {train_cfg.steps} steps", flush=True)
+        summary = launch(e.strategy, sync_cfg, train_cfg, out_dir / name, workers, port, name=name)
+        if summary is None:
+            continue
+        summary["entry"] = e.name
+        results.append(summary)
+        (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    table = results_table(results)
+    (out_dir / "results.md").write_text(table + "\n")
+    plot_results(results, out_dir)
+    return results
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return str(n)
+
+
+def results_table(results: list[dict[str, Any]]) -> str:
+    """Markdown table: loss, ratio to DDP, wire bytes, reduction vs DDP FP32, utilization."""
+    ddp = [r["final_val_loss"] for r in results if r["strategy"] == "ddp"]
+    ddp_loss = sum(ddp) / len(ddp) if ddp else None
+    lines = ["| name | strategy | final val loss | vs DDP | wire bytes sent / worker | "
+             "fewer bytes than DDP FP32 | wall s | compute util. |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        ratio = f"{r['final_val_loss'] / ddp_loss:.3f}" if ddp_loss else "-"
+        red = r["ddp_fp32_bytes_per_worker"] / r["bytes_sent_per_worker"] if r["bytes_sent_per_worker"] else math.inf
+        lines.append(f"| {r['name']} | {r['strategy']} | {r['final_val_loss']:.4f} | {ratio} | "
+                     f"{_fmt_bytes(r['bytes_sent_per_worker'])} | {red:.1f}x | {r['wall_s']:.1f} | "
+                     f"{r['compute_utilization']:.1%} |")
+    return "\n".join(lines)
+
+
+def _read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_results(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """PNG plots of validation loss vs tokens, vs wire bytes sent, vs wall-clock."""
+    if not results:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    axes_spec = [("tokens", "tokens trained", "loss_vs_tokens.png", False),
+                 ("bytes_sent", "wire bytes sent per worker", "loss_vs_bytes.png", True),
+                 ("wall_s", "wall-clock seconds (training loop)", "loss_vs_wallclock.png", False)]
+    written = []
+    for key, label, fname, logx in axes_spec:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for r in results:
+            pts = _val_points(out_dir / r["name"], key)
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="o", markersize=3, label=r["name"])
+        ax.set_xlabel(label)
+        ax.set_ylabel("validation loss (global parameters)")
+        if logx:
+            ax.set_xscale("symlog", linthresh=1e3)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / fname, dpi=110)
+        plt.close(fig)
+        written.append(out_dir / fname)
+    return written
+
+
+def _val_points(run_dir: Path, key: str) -> list[tuple[float, float]]:
+    """(x, val_loss) pairs; x carried forward from the latest record that had it."""
+    pts, last = [], {}
+    for rec in _read_metrics(run_dir):
+        last.update({k: v for k, v in rec.items() if k != "val_loss"})
+        if "val_loss" in rec and key in last:
+            pts.append((float(last[key]), float(rec["val_loss"])))
+    return pts

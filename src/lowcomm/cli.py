@@ -1,0 +1,205 @@
+"""`lowcomm train | compare | simulate | bench`: the command-line contract of DESIGN.md.
+
+User errors (unknown strategy or key, bad values, missing files, unwritable output, a port in
+use) print one line naming the problem and the fix, and exit with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from .config import ConfigError, build_configs, help_text, load_toml, parse_overrides
+
+
+class UsageError(Exception):
+    """Bad command-line input: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, like every other user error
+        raise UsageError(f"{self.prog}: {message} (see --help)")
+
+
+def _check_out_dir(path: str) -> Path:
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".lowcomm-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"cannot write to output folder {out}: {e.strerror}; choose a writable --out") from None
+    return out
+
+
+def _check_data(spec: str) -> None:
+    if spec in ("stdlib", "") or spec.startswith("hf:"):
+        return
+    path = spec.rsplit(":", 1)[0] if spec.rsplit(":", 1)[-1] in ("uint8", "uint16", "uint32") else spec
+    if not Path(path).exists():
+        raise ConfigError(f"data path {path} does not exist: give a text file, a folder, a .bin "
+                          f"token file, hf:NAME, or data=stdlib")
+
+
+def _check_model(name: str) -> None:
+    from .train.model import PRESETS
+
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset '{name}': choose one of {', '.join(PRESETS)}")
+
+
+def _values(args: argparse.Namespace) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        values.update(load_toml(args.config))
+    values.update(parse_overrides(args.overrides or []))
+    for key in ("model", "steps"):
+        v = getattr(args, key, None)
+        if v is not None:
+            values[key] = v
+    return values
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .presets import STRATEGIES, preset_config
+    from .train.launch import launch
+
+    if args.strategy not in STRATEGIES:
+        raise ConfigError(f"unknown strategy '{args.strategy}': choose one of {', '.join(STRATEGIES)}")
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+    values = _values(args)
+    sync_cfg, train_cfg = build_configs(values, sync=preset_config(args.strategy))
+    _check_model(train_cfg.model)
+    _check_data(train_cfg.data)
+    out = _check_out_dir(args.out)
+    summary = launch(args.strategy, sync_cfg, train_cfg, out, args.workers, args.port)
+    if summary is not None:
+        from .bench.compare import results_table
+
+        print(results_table([summary]))
+        print(f"summary: {out / 'summary.json'}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .bench.compare import parse_entries, results_table, run_compare
+
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+    if args.bandwidth or args.bandwidths:
+        raise ConfigError("--bandwidth/--bandwidths (shaped networks) are not available in this "
+                          "version yet: run without them on the local link")
+    entries = parse_entries(args.strategies)
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError(f"--seeds must be comma-separated integers, got {args.seeds!r}") from None
+    values = _values(args)
+    sync_cfg, train_cfg = build_configs(values)  # validate the common keys early
+    _check_model(train_cfg.model)
+    _check_data(train_cfg.data)
+    out = _check_out_dir(args.out)
+    results = run_compare(entries, values, args.workers, seeds or [0], out, args.port)
+    print()
+    print(results_table(results))
+    print(f"\nresults: {out / 'results.md'}, {out / 'results.json'}; plots: {out}/loss_vs_*.png")
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .sim.cli import run
+
+    return run(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "codecs":
+        from .bench.codecs import main as bench_codecs
+
+        return bench_codecs(args.rest)
+    raise ConfigError(f"unknown benchmark '{args.what}': choose codecs")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `lowcomm` argument parser (config keys are listed in `train --help`)."""
+    p = _Parser(prog="lowcomm", description="Low-communication distributed training.")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser)
+
+    t = sub.add_parser("train", help="train one strategy", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="config keys (key=value or in --config FILE.toml):\n" + help_text())
+    t.add_argument("--strategy", required=True, help="ddp, loco, diloco, streaming, sparseloco or co2")
+    t.add_argument("--workers", type=int, default=2, help="local worker processes (ignored under torchrun)")
+    t.add_argument("--model", default=None, help="model preset: tiny, small, base, 124m")
+    t.add_argument("--steps", type=int, default=None, help="inner steps per worker")
+    t.add_argument("--out", default="runs/train", help="output folder")
+    t.add_argument("--config", default=None, help="TOML file of config keys")
+    t.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
+    t.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    t.set_defaults(func=cmd_train)
+
+    c = sub.add_parser("compare", help="compare strategies on the same model, data and seed",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="config keys apply to every entry:\n" + help_text())
+    c.add_argument("--strategies", default="ddp,diloco",
+                   help="comma list; an entry may carry overrides: sparseloco:density=1/32:sync_every=50")
+    c.add_argument("--workers", type=int, default=4)
+    c.add_argument("--model", default=None)
+    c.add_argument("--steps", type=int, default=None)
+    c.add_argument("--seeds", default="0", help="comma list of seeds, e.g. 0,1")
+    c.add_argument("--bandwidth", default=None, help="shape the link to this rate (e.g. 50mbit)")
+    c.add_argument("--bandwidths", default=None, help="sweep these rates")
+    c.add_argument("--topology", default="shared", choices=["shared", "per-worker"])
+    c.add_argument("--out", default="runs/compare")
+    c.add_argument("--config", default=None)
+    c.add_argument("--port", type=int, default=None)
+    c.add_argument("overrides", nargs="*", metavar="key=value")
+    c.set_defaults(func=cmd_compare)
+
+    s = sub.add_parser("simulate", help="compute utilization vs bandwidth at scales we cannot run")
+    try:
+        from .sim.cli import add_arguments
+
+        add_arguments(s)
+    except ImportError:
+        pass
+    s.set_defaults(func=cmd_simulate)
+
+    b = sub.add_parser("bench", help="microbenchmarks: codecs")
+    b.add_argument("what", help="codecs")
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark (e.g. --json)")
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `lowcomm` command."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
+        return int(args.func(args) or 0)
+    except (UsageError, ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a worker died or the run failed: one line, non-zero status
+        from .train.launch import LaunchError
+
+        if isinstance(e, LaunchError):
+            print(f"error: {e}", file=sys.stderr)
+            return e.exitcode
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""Configuration as dataclasses: every knob of ALGORITHMS.md's table, one name per knob.
+
+Each field carries its help text in ``metadata["help"]``; the CLI's ``--help`` and the
+``key=value`` override parser read it from there, so docs and code cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message names the problem and the fix."""
+
+
+def knob(default: Any, help: str) -> Any:
+    """A dataclass field whose help text doubles as CLI documentation."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class SyncConfig:
+    """How workers synchronise: the one engine's knobs (ALGORITHMS.md, 'One engine, not five')."""
+
+    sync_every: int = knob(100, "H: inner steps between two syncs of the same parameters (>= 1).")
+    fragments: int = knob(1, "P: number of fragments, counting the embeddings+norm+head fragment "
+                             "when P >= 2. P = 1 syncs the whole model at once (plain DiLoCo).")
+    blocks_per_fragment: int = knob(0, "Blocks per fragment; when > 0 it sets P instead of "
+                                       "`fragments` (Streaming DiLoCo used 3).")
+    fragment_pattern: str = knob("strided", "How blocks map to fragments: strided (block b -> "
+                                            "fragment b mod (P-1)) or sequential (consecutive runs).")
+    overlap: int = knob(0, "tau: inner steps a fragment's collective stays in flight before its "
+                           "result is applied. 0 = blocking; tau < H/P; tau = H (with P = 1) is "
+                           "CO2's whole-round overlap.")
+    alpha: float = knob(0.0, "Merge weight after an overlapped sync: theta <- alpha*theta_local + "
+                             "(1-alpha)*theta_global. 0 discards the tau local steps, 0.5 averages.")
+    codec: str = knob("fp32", "What goes on the wire: fp32|bf16|fp16|int8|int4|int2|fp4|topk|loco.")
+    codec_block: int = knob(128, "Elements per scale block for the int-k and fp4 codecs.")
+    density: float = knob(1 / 64, "Top-k codec: fraction of entries kept per chunk (1/64 = 64 of 4096).")
+    value_bits: int = knob(2, "Top-k codec: bits per kept value (2 = 4-entry lookup of bin means).")
+    reduce: str = knob("auto", "Collective for the outer gradient: allreduce (dense codecs), gather "
+                               "(all-gather + FP32 sum), two-phase (all-to-all reduce-scatter + "
+                               "all-gather), or auto (allreduce for fp32/bf16/fp16, gather otherwise).")
+    aggregation: str = knob("mean", "Top-k aggregation: mean (1/M sum of decoded payloads) or "
+                                    "selected-mean (each entry averaged over the workers that sent it).")
+    compensation: str = knob("none", "Error compensation of what is sent: none, ef (error feedback, "
+                                     "SparseLoCo) or loco (moving average, LoCo).")
+    error_decay: float = knob(0.95, "beta of error feedback: e <- beta*e + delta.")
+    outer_optimizer: str = knob("nesterov", "Outer optimizer on the global copy: nesterov, sgd "
+                                            "(plain, SparseLoCo) or co2 (momentum + penalty + clip).")
+    outer_lr: float = knob(0.7, "Outer learning rate.")
+    outer_momentum: float = knob(0.9, "Outer momentum.")
+    nesterov: bool = knob(True, "Use Nesterov momentum in the outer optimizer.")
+    staleness_penalty: bool = knob(True, "CO2: damp the stale pseudo-gradient element-wise by how "
+                                         "far the global parameters moved (Gap-Aware form).")
+    momentum_clip: float = knob(0.0, "CO2: clip the outer momentum to +-phi element-wise (0 = off).")
+    loco_beta: float = knob(0.8, "LoCo: moving-average weight of the compensation buffer.")
+    loco_reset_every: int = knob(0, "LoCo: zero the compensation buffers every N optimizer steps (0 = never).")
+    state_device: str = knob("cpu", "Where the global copy and outer state live: cpu or the model's device (model).")
+    bucket_mb: float = knob(64.0, "Largest flat buffer handed to one collective, in MiB.")
+
+    def validate(self) -> "SyncConfig":
+        """Raise ConfigError on any setting that cannot work; return self."""
+        _choice("fragment_pattern", self.fragment_pattern, ("strided", "sequential"))
+        _choice("codec", self.codec, CODECS)
+        _choice("reduce", self.reduce, ("auto", "allreduce", "gather", "two-phase"))
+        _choice("aggregation", self.aggregation, ("mean", "selected-mean"))
+        _choice("compensation", self.compensation, ("none", "ef", "loco"))
+        _choice("outer_optimizer", self.outer_optimizer, ("nesterov", "sgd", "co2"))
+        if self.sync_every < 1:
+            raise ConfigError(f"sync_every (H) must be >= 1, got {self.sync_every}: set sync_every=1 or more")
+        if self.fragments < 1:
+            raise ConfigError(f"fragments (P) must be >= 1, got {self.fragments}")
+        if self.blocks_per_fragment < 0:
+            raise ConfigError(f"blocks_per_fragment must be >= 0, got {self.blocks_per_fragment}")
+        if self.overlap < 0:
+            raise ConfigError(f"overlap (tau) must be >= 0, got {self.overlap}")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"alpha must be in [0, 1], got {self.alpha}")
+        if not 0.0 < self.density <= 1.0:
+            raise ConfigError(f"density must be in (0, 1], got {self.density}")
+        if self.value_bits not in (1, 2, 4, 8, 32):
+            raise ConfigError(f"value_bits must be one of 1, 2, 4, 8, 32; got {self.value_bits}")
+        if not 0.0 <= self.error_decay <= 1.0:
+            raise ConfigError(f"error_decay must be in [0, 1], got {self.error_decay}")
+        if not 0.0 <= self.loco_beta < 1.0:
+            raise ConfigError(f"loco_beta must be in [0, 1), got {self.loco_beta}")
+        if self.outer_lr <= 0:
+            raise ConfigError(f"outer_lr must be > 0, got {self.outer_lr}")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.momentum_clip < 0:
+            raise ConfigError(f"momentum_clip must be >= 0 (0 = off), got {self.momentum_clip}")
+        if self.codec_block < 1:
+            raise ConfigError(f"codec_block must be >= 1, got {self.codec_block}")
+        if self.bucket_mb <= 0:
+            raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.reduce == "allreduce" and self.codec not in DENSE_CODECS:
+            raise ConfigError(f"reduce=allreduce needs a dense codec ({', '.join(DENSE_CODECS)}), "
+                              f"got codec={self.codec}: use reduce=gather or reduce=two-phase")
+        if self.reduce == "two-phase" and self.codec == "topk":
+            raise ConfigError("reduce=two-phase needs an element-wise codec; top-k tiles whole "
+                              "tensors: use reduce=gather")
+        return self
+
+    def check_schedule(self, n_fragments: int) -> None:
+        """Overlap constraints that depend on the resolved number of fragments."""
+        H, tau = self.sync_every, self.overlap
+        if tau == 0:
+            return
+        if tau == H and n_fragments == 1:
+            return  # CO2: the whole round overlaps the next one
+        if tau * n_fragments >= H:
+            raise ConfigError(
+                f"overlap (tau={tau}) must be < H/P = {H}/{n_fragments}: a fragment's result must land "
+                f"before the next fragment is sent; lower overlap, raise sync_every or use fewer "
+                f"fragments (or overlap=sync_every with fragments=1 for CO2's whole-round overlap)")
+
+
+DENSE_CODECS = ("fp32", "bf16", "fp16")
+CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "int2", "fp4", "topk", "loco")
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"unknown {name} '{value}': choose one of {', '.join(allowed)}")
+
+
+@dataclass
+class TrainConfig:
+    """The reference trainer's knobs (model, data, inner optimizer, logging, run control)."""
+
+    model: str = knob("small", "Model preset: tiny, small, base or 124m.")
+    data: str = knob("stdlib", "Corpus: stdlib (the Python standard library's source), a text file "
+                               "or folder, a token .bin file, or hf:NAME[:CONFIG].")
+    steps: int = knob(500, "Inner optimizer steps per worker.")
+    batch_size: int = knob(16, "Sequences per worker per step.")
+    seq_len: int = knob(128, "Tokens per sequence.")
+    inner_lr: float = knob(3e-3, "Peak AdamW learning rate of the inner optimizer.")
+    warmup_steps: int = knob(50, "Linear warm-up steps, then cosine decay.")
+    min_lr_ratio: float = knob(0.1, "Cosine decay floor as a fraction of inner_lr.")
+    weight_decay: float = knob(0.1, "AdamW weight decay.")
+    beta1: float = knob(0.9, "AdamW beta1.")
+    beta2: float = knob(0.95, "AdamW beta2.")
+    grad_clip: float = knob(1.0, "Clip the gradient norm to this (0 = off).")
+    seed: int = knob(0, "Seed of model init and data order; the same seed gives the same run.")
+    eval_every: int = knob(100, "Validation loss on the global parameters every N steps (0 = only at the end).")
+    eval_batches: int = knob(16, "Validation batches per evaluation (split across workers).")
+    log_every: int = knob(10, "Write a metrics.jsonl record every N steps.")
+    threads: int = knob(1, "Compute threads per worker on CPU.")
+    timeout_s: float = knob(300.0, "Collective timeout: a peer silent this long stops the run.")
+    checkpoint_every: int = knob(0, "Checkpoint every N inner steps, at the next sync boundary (0 = off).")
+    device: str = knob("auto", "cpu, cuda, or auto (cuda when available).")
+    loco_bits: int = knob(4, "LoCo strategy: bits per gradient value (8, 4 or 2).")
+    progress: bool = knob(True, "Show a progress bar on rank 0.")
+    comm_delay_s: float = knob(0.0, "Test only: sleep before each engine collective (a slow network).")
+
+
+def config_fields() -> dict[str, tuple[type, dataclasses.Field]]:
+    """Every config key -> (owning dataclass, field): the one namespace of `key=value`."""
+    out: dict[str, tuple[type, dataclasses.Field]] = {}
+    for cls in (SyncConfig, TrainConfig):
+        for f in fields(cls):
+            out[f.name] = (cls, f)
+    return out
+
+
+def _coerce(name: str, f: dataclasses.Field, raw: Any) -> Any:
+    kind = type(f.default)
+    if isinstance(raw, kind) and not (kind is int and isinstance(raw, bool)):
+        return raw
+    if isinstance(raw, (int, float)) and kind is float and not isinstance(raw, bool):
+        return float(raw)
+    text = str(raw).strip()
+    try:
+        if kind is bool:
+            low = text.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if kind is int:
+            return int(text)
+        if kind is float:
+            if "/" in text:  # density=1/64 reads naturally
+                num, den = text.split("/", 1)
+                return float(num) / float(den)
+            return float(text)
+        return text
+    except (ValueError, ZeroDivisionError):
+        raise ConfigError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    """`key=value` strings -> dict, rejecting malformed items."""
+    out: dict[str, str] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"'{item}' is not key=value (e.g. sync_every=50)")
+        key, value = item.split("=", 1)
+        out[key.strip()] = value.strip()
+    return out
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML config file; flat keys, or tables whose keys are merged (e.g. [sync], [train])."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} not found: give an existing .toml file")
+    try:
+        data = tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+    flat: dict[str, Any] = {}
+    for k, v in data.items():
+        if isinstance(v, dict):
+            flat.update(v)
+        else:
+            flat[k] = v
+    return flat
+
+
+def build_configs(values: dict[str, Any], sync: SyncConfig | None = None,
+                  train: TrainConfig | None = None) -> tuple[SyncConfig, TrainConfig]:
+    """Apply `values` (from TOML and key=value) over the given configs; unknown keys are errors."""
+    known = config_fields()
+    sync_kw: dict[str, Any] = {}
+    train_kw: dict[str, Any] = {}
+    for key, raw in values.items():
+        if key not in known:
+            close = [k for k in known if k.startswith(key[:4])] if len(key) >= 4 else []
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ConfigError(f"unknown config key '{key}'{hint}: see `lowcomm train --help` for the keys")
+        cls, f = known[key]
+        (sync_kw if cls is SyncConfig else train_kw)[key] = _coerce(key, f, raw)
+    s = dataclasses.replace(sync or SyncConfig(), **sync_kw)
+    t = dataclasses.replace(train or TrainConfig(), **train_kw)
+    s.validate()
+    validate_train(t)
+    return s, t
+
+
+def validate_train(t: TrainConfig) -> None:
+    """Raise ConfigError for trainer settings that cannot work."""
+    for name in ("steps", "batch_size", "seq_len", "threads", "eval_batches", "log_every"):
+        if getattr(t, name) < 1:
+            raise ConfigError(f"{name} must be >= 1, got {getattr(t, name)}")
+    for name in ("warmup_steps", "eval_every", "checkpoint_every"):
+        if getattr(t, name) < 0:
+            raise ConfigError(f"{name} must be >= 0, got {getattr(t, name)}")
+    if t.inner_lr <= 0:
+        raise ConfigError(f"inner_lr must be > 0, got {t.inner_lr}")
+    if t.timeout_s <= 0:
+        raise ConfigError(f"timeout_s must be > 0, got {t.timeout_s}")
+    if t.device not in ("auto", "cpu", "cuda") and not t.device.startswith("cuda:"):
+        raise ConfigError(f"device must be auto, cpu or cuda, got {t.device}")
+    if t.loco_bits not in (2, 4, 8):
+        raise ConfigError(f"loco_bits must be 2, 4 or 8, got {t.loco_bits}")
+
+
+def help_text() -> str:
+    """One line per config key, for `--help`."""
+    lines = []
+    for cls in (SyncConfig, TrainConfig):
+        lines.append(f"{cls.__name__} keys:")
+        for f in fields(cls):
+            lines.append(f"  {f.name}={f.default!r}: {f.metadata.get('help', '')}")
+    return "\n".join(lines)

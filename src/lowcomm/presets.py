@@ -1,0 +1,77 @@
+"""Named points of the one design space (ALGORITHMS.md's table): each preset is a SyncConfig.
+
+The classes are thin names over :class:`~lowcomm.engine.LowComm`; any knob can still be
+overridden by keyword, e.g. ``SparseLoCo(model, opt, sync_every=30, density=1/32)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .config import ConfigError, SyncConfig
+from .engine import LowComm
+
+# Strategy name -> the SyncConfig fields that differ from the defaults. `ddp` and `loco` are
+# per-step gradient reduction (no outer loop) and are handled by the trainer with DDP hooks.
+STRATEGY_CONFIGS: dict[str, dict[str, Any]] = {
+    "diloco": dict(sync_every=100, outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9),
+    "streaming": dict(sync_every=100, blocks_per_fragment=3, overlap=1, alpha=0.5, codec="fp4",
+                      outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9),
+    "sparseloco": dict(sync_every=15, codec="topk", density=1 / 64, value_bits=2, reduce="gather",
+                       compensation="ef", error_decay=0.95, outer_optimizer="sgd", outer_lr=1.0),
+    "co2": dict(sync_every=48, overlap=48, outer_optimizer="co2", outer_lr=1.0, outer_momentum=0.5,
+                staleness_penalty=True, momentum_clip=1.0),
+}
+PER_STEP_STRATEGIES = ("ddp", "loco")
+STRATEGIES = PER_STEP_STRATEGIES + tuple(STRATEGY_CONFIGS)
+
+
+def preset_config(strategy: str, **overrides: Any) -> SyncConfig:
+    """The SyncConfig of a named strategy, with overrides applied and validated."""
+    if strategy in PER_STEP_STRATEGIES:
+        return dataclasses.replace(SyncConfig(sync_every=1), **overrides)
+    if strategy not in STRATEGY_CONFIGS:
+        raise ConfigError(f"unknown strategy '{strategy}': choose one of {', '.join(STRATEGIES)}")
+    base = dict(STRATEGY_CONFIGS[strategy])
+    if "overlap" not in overrides and strategy == "co2" and "sync_every" in overrides:
+        base["overlap"] = int(overrides["sync_every"])  # CO2 overlaps a whole round
+    base.update(overrides)
+    return SyncConfig(**base).validate()
+
+
+class _Preset(LowComm):
+    strategy = ""
+
+    def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, **overrides: Any) -> None:
+        known = {f.name for f in dataclasses.fields(SyncConfig)}
+        sync_kw = {k: v for k, v in overrides.items() if k in known}
+        other = {k: v for k, v in overrides.items() if k not in known}
+        super().__init__(model, inner_optimizer, preset_config(self.strategy, **sync_kw), **other)
+
+
+class DiLoCo(_Preset):
+    """DiLoCo: H local steps, then Nesterov outer step on the averaged pseudo-gradient."""
+
+    strategy = "diloco"
+
+
+class StreamingDiLoCo(_Preset):
+    """Streaming DiLoCo: fragments synced in turn, overlapped by tau steps, FP4 outer gradients."""
+
+    strategy = "streaming"
+
+
+class SparseLoCo(_Preset):
+    """SparseLoCo: top-k 2-bit pseudo-gradients with error feedback, plain SGD outer step."""
+
+    strategy = "sparseloco"
+
+
+class CO2(_Preset):
+    """CO2: the outer all-reduce hidden behind a whole round, staleness penalty and clipping."""
+
+    strategy = "co2"

@@ -1,0 +1,139 @@
+"""Fragments and the sync schedule. Pure: no torch.distributed, no tensors.
+
+Every decision here is a function of the global inner step and the config only, so every worker
+syncs the same fragment at the same step (ALGORITHMS.md §2: mismatched order deadlocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from .config import ConfigError
+
+# Attribute paths where common models keep their list of transformer blocks.
+_BLOCK_LISTS = ("blocks", "layers", "h", "transformer.h", "model.layers", "transformer.layers",
+                "gpt_neox.layers", "model.decoder.layers")
+
+
+def find_blocks(model: nn.Module) -> list[str]:
+    """Module-name prefixes of the model's transformer blocks, in order; [] if none is found."""
+    for path in _BLOCK_LISTS:
+        obj: object = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if isinstance(obj, nn.ModuleList) and len(obj) > 0:
+            return [f"{path}.{i}" for i in range(len(obj))]
+    return []
+
+
+def assign_blocks(n_blocks: int, n_groups: int, pattern: str) -> list[list[int]]:
+    """Split block indices 0..n_blocks-1 into n_groups: strided (b mod n) or sequential runs."""
+    if n_groups < 1 or n_groups > n_blocks:
+        raise ConfigError(f"cannot split {n_blocks} blocks into {n_groups} fragments")
+    if pattern == "strided":
+        return [list(range(g, n_blocks, n_groups)) for g in range(n_groups)]
+    if pattern == "sequential":
+        base, extra = divmod(n_blocks, n_groups)
+        out, start = [], 0
+        for g in range(n_groups):
+            size = base + (1 if g < extra else 0)
+            out.append(list(range(start, start + size)))
+            start += size
+        return out
+    raise ConfigError(f"unknown fragment_pattern '{pattern}': choose strided or sequential")
+
+
+def resolve_fragment_count(n_blocks: int, fragments: int, blocks_per_fragment: int) -> int:
+    """P from either `fragments` or `blocks_per_fragment`, validated against the block count."""
+    if blocks_per_fragment > 0:
+        if n_blocks == 0:
+            raise ConfigError("blocks_per_fragment needs a model with a block list "
+                              "(model.blocks / model.layers / ...) or explicit fragments")
+        return -(-n_blocks // blocks_per_fragment) + 1
+    if fragments > 1 and fragments > n_blocks + 1:
+        raise ConfigError(f"fragments={fragments} but the model has {n_blocks} blocks: "
+                          f"P must be <= blocks + 1 = {n_blocks + 1}")
+    return fragments
+
+
+def build_fragments(param_names: list[str], block_prefixes: list[str], fragments: int,
+                    blocks_per_fragment: int = 0, pattern: str = "strided") -> list[list[str]]:
+    """Parameter names per fragment (ALGORITHMS.md §2).
+
+    P = 1: one fragment with everything. P >= 2: fragment 0 holds every parameter outside the
+    blocks (embeddings, final norm, head); blocks are split among fragments 1..P-1.
+    """
+    P = resolve_fragment_count(len(block_prefixes), fragments, blocks_per_fragment)
+    if P == 1:
+        return [list(param_names)]
+    groups = assign_blocks(len(block_prefixes), P - 1, pattern)
+    block_of: dict[str, int] = {}
+    for name in param_names:
+        for b, prefix in enumerate(block_prefixes):
+            if name.startswith(prefix + "."):
+                block_of[name] = b
+                break
+    frag_of_block = {b: g + 1 for g, blocks in enumerate(groups) for b in blocks}
+    out: list[list[str]] = [[] for _ in range(P)]
+    for name in param_names:
+        out[frag_of_block[block_of[name]] if name in block_of else 0].append(name)
+    if not out[0]:
+        out = out[1:]  # a model made only of blocks has no embeddings fragment
+    return out
+
+
+def check_fragments(fragments: list[list[str]], param_names: list[str]) -> None:
+    """Every trainable parameter in exactly one non-empty fragment, or ConfigError."""
+    seen: dict[str, int] = {}
+    for i, frag in enumerate(fragments):
+        if not frag:
+            raise ConfigError(f"fragment {i} is empty: every fragment needs at least one parameter")
+        for name in frag:
+            if name in seen:
+                raise ConfigError(f"parameter '{name}' is in fragments {seen[name]} and {i}: "
+                                  f"each parameter must be in exactly one")
+            seen[name] = i
+    known = set(param_names)
+    unknown = [n for n in seen if n not in known]
+    if unknown:
+        raise ConfigError(f"fragments name parameters the model does not have: {unknown[:5]}")
+    missing = [n for n in param_names if n not in seen]
+    if missing:
+        raise ConfigError(f"parameters in no fragment: {missing[:5]}: fragments must cover every parameter")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When each fragment is sent and when its result is applied, from the global step only.
+
+    Fragment p is sent after inner step t when t >= 1 and (t - t_p) mod H == 0, with offsets
+    t_p = floor(p * H / P) spread evenly over [0, H); its result is applied after step t + tau.
+    So every fragment sees exactly H inner steps between two of its sends.
+    """
+
+    sync_every: int
+    n_fragments: int = 1
+    overlap: int = 0
+
+    def offset(self, p: int) -> int:
+        """t_p: the step offset of fragment p."""
+        return (p * self.sync_every) // self.n_fragments
+
+    def sends_at(self, step: int) -> list[int]:
+        """Fragments whose pseudo-gradient is sent after inner step ``step`` (1-based)."""
+        if step < 1:
+            return []
+        return [p for p in range(self.n_fragments)
+                if (step - self.offset(p)) % self.sync_every == 0]
+
+    def apply_step(self, send_step: int) -> int:
+        """The inner step after which a result sent at ``send_step`` is applied."""
+        return send_step + self.overlap
+
+    def is_round_overlap(self) -> bool:
+        """CO2's mode: the collective spans a whole round (tau = H, one fragment)."""
+        return self.overlap > 0 and self.overlap == self.sync_every and self.n_fragments == 1

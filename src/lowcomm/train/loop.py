@@ -1,0 +1,297 @@
+"""The reference trainer: one worker's training loop, for every strategy.
+
+Per-step strategies (``ddp``) wrap the model in DistributedDataParallel with a metered comm
+hook; the others run the unchanged loop inside the engine's ``with`` block. Rank 0 writes
+``metrics.jsonl`` and ``summary.json`` (fields in DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import resource
+import subprocess
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..config import ConfigError, SyncConfig, TrainConfig
+from ..engine import LowComm
+from ..loco import GradReduceState, allreduce_hook
+from ..presets import PER_STEP_STRATEGIES
+from ..transport import Transport
+from .data import Batches, load_corpus, val_batches
+from .model import build_model, count_params
+
+
+def init_distributed(timeout_s: float, device: torch.device) -> None:
+    """Join the process group described by the environment (torchrun / our launcher)."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto -> cuda (this worker's local GPU) when available, else cpu."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError("device=cuda but no CUDA device is available: use device=cpu")
+        if name == "cuda":
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            name = f"cuda:{local % torch.cuda.device_count()}"
+        torch.cuda.set_device(torch.device(name))
+    return torch.device(name)
+
+
+def lr_lambda(cfg: TrainConfig):
+    """Linear warm-up to 1, then cosine decay to min_lr_ratio at the last step."""
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        span = max(1, cfg.steps - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+def git_rev() -> str:
+    """The source tree's git revision (with -dirty), or 'unknown'."""
+    here = Path(__file__).resolve().parent
+    try:
+        rev = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return (rev + ("-dirty" if dirty else "")) if rev else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+class _Clock:
+    """Splits the training loop's time into compute and blocked, excluding evaluation."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.excluded = 0.0
+        self.compute = 0.0
+        self.blocked_extra = 0.0  # blocked time not seen by the engine's meter (DDP hooks)
+
+    def wall(self) -> float:
+        return time.perf_counter() - self.t0 - self.excluded
+
+
+def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str | Path,
+               name: str | None = None) -> dict[str, Any] | None:
+    """Train on this process's rank; returns the summary on rank 0 (None elsewhere)."""
+    device = resolve_device(cfg.device)
+    if device.type == "cpu":
+        torch.set_num_threads(cfg.threads)
+    init_distributed(cfg.timeout_s, device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = Path(out_dir)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    if cfg.checkpoint_every:
+        raise ConfigError("checkpoint_every is not implemented yet: leave it at 0")
+
+    corpus = load_corpus(cfg.data)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, vocab_size=max(corpus.vocab_size, 1),
+                        max_seq_len=max(cfg.seq_len, 1)).to(device)
+    n_params = count_params(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr, betas=(cfg.beta1, cfg.beta2),
+                            weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    batches = Batches(corpus.train, cfg.batch_size, cfg.seq_len, rank, world, cfg.seed)
+    val = val_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches, seed=cfg.seed)
+    control = Transport()  # loss logging and summaries: counted as control traffic
+
+    _write_workers_json(out, rank)
+    per_step = strategy in PER_STEP_STRATEGIES
+    hook_state: GradReduceState | None = None
+    engine: LowComm | None = None
+    train_model: nn.Module = model
+    if strategy == "loco":
+        raise ConfigError("strategy loco is not implemented yet: use ddp, diloco or sparseloco")
+    if per_step:
+        grad_transport = Transport(dist.new_group(backend=dist.get_backend()))
+        # our own metered broadcast of the initial weights (DDP's would go uncounted)
+        with torch.no_grad():
+            for p in model.parameters():
+                grad_transport.broadcast(p.data, src=0, control=True)
+        ddp_kw: dict[str, Any] = {}
+        if "init_sync" in torch.nn.parallel.DistributedDataParallel.__init__.__code__.co_varnames:
+            ddp_kw["init_sync"] = False
+        train_model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None,
+            process_group=grad_transport.group, **ddp_kw)
+        hook_state = GradReduceState(grad_transport)
+        train_model.register_comm_hook(hook_state, allreduce_hook)
+    else:
+        engine = LowComm(model, opt, sync_cfg, timeout_s=cfg.timeout_s, comm_delay_s=cfg.comm_delay_s)
+
+    def meter_totals() -> dict[str, float]:
+        m = (engine.transport.meter if engine is not None and engine.transport is not None
+             else hook_state.transport.meter if hook_state is not None else None)
+        d = m.as_dict() if m is not None else {}
+        for k in ("control_payload_bytes", "control_sent_bytes", "control_received_bytes"):
+            d[k] = d.get(k, 0) + getattr(control.meter, k)
+        return d
+
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else contextlib.nullcontext())
+
+    def evaluate() -> float:
+        """Mean validation loss on the global parameters; batches split across workers."""
+        ctx = engine.global_parameters() if engine is not None else contextlib.nullcontext()
+        model.eval()
+        total = torch.zeros(2, dtype=torch.float64)
+        with ctx, torch.no_grad(), autocast:
+            for i in range(rank, len(val), world):
+                x, y = val[i]
+                total[0] += model(x.to(device), y.to(device)).item()
+                total[1] += 1
+        model.train()
+        control.all_reduce(total, control=True)
+        return float(total[0] / max(total[1], 1))
+
+    metrics_f = open(out / "metrics.jsonl", "w") if rank == 0 else None
+    tokens_per_step = cfg.batch_size * cfg.seq_len * world
+    bar = None
+    if rank == 0 and cfg.progress:
+        from tqdm import tqdm
+        bar = tqdm(total=cfg.steps, desc=name or strategy, unit="step", leave=False, dynamic_ncols=True)
+
+    def log(record: dict[str, Any]) -> None:
+        if metrics_f is not None:
+            metrics_f.write(json.dumps(record) + "\n")
+            metrics_f.flush()
+
+    val_loss = float("nan")
+    loss_sum = torch.zeros(2, dtype=torch.float64)
+    with (engine if engine is not None else contextlib.nullcontext()):
+        clock = _Clock()  # the loop starts after the engine's start-up broadcast
+        for step in range(1, cfg.steps + 1):
+            t_step = time.perf_counter()
+            blocked0 = engine.transport.meter.blocked_s if engine is not None else 0.0
+            x, y = batches.next()
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with autocast:
+                loss = train_model(x, y)
+            if hook_state is not None:
+                hook_state.last_launch = 0.0
+            loss.backward()
+            step_blocked_extra = 0.0
+            if hook_state is not None and hook_state.last_launch:
+                # backward returned this long after its last bucket was launched: network wait
+                step_blocked_extra = time.perf_counter() - hook_state.last_launch
+                clock.blocked_extra += step_blocked_extra
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()  # the engine's hook runs the outer step here when due
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            loss_sum[0] += loss.detach().item()
+            loss_sum[1] += 1
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            blocked = (engine.transport.meter.blocked_s - blocked0) if engine is not None else 0.0
+            clock.compute += time.perf_counter() - t_step - blocked - step_blocked_extra
+
+            t_side = time.perf_counter()  # logging and evaluation are not training time
+            record: dict[str, Any] | None = None
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                control.all_reduce(loss_sum, control=True)
+                train_loss = float(loss_sum[0] / max(loss_sum[1], 1))
+                loss_sum.zero_()
+                totals = meter_totals()
+                record = {"step": step, "tokens": step * tokens_per_step, "train_loss": train_loss,
+                          "lr": sched.get_last_lr()[0], "bytes_sent": totals.get("sent_bytes", 0),
+                          "payload_bytes": totals.get("payload_bytes", 0),
+                          "wall_s": clock.wall(), "compute_s": clock.compute,
+                          "blocked_s": totals.get("blocked_s", 0.0) + clock.blocked_extra}
+            if step < cfg.steps and cfg.eval_every and step % cfg.eval_every == 0:
+                val_loss = evaluate()
+                record = record or {"step": step, "tokens": step * tokens_per_step}
+                record["val_loss"] = val_loss
+            if record is not None:
+                log(record)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{record.get('train_loss', float('nan')):.3f}",
+                                    MB=f"{record.get('bytes_sent', 0) / 1e6:.1f}", refresh=False)
+            if bar is not None:
+                bar.update(1)
+            clock.excluded += time.perf_counter() - t_side
+        if engine is not None:
+            blocked0 = engine.transport.meter.blocked_s
+            t_fin = time.perf_counter()
+            engine.finish()  # drain in-flight results: the last sync ends the timed loop
+            clock.compute += time.perf_counter() - t_fin - (engine.transport.meter.blocked_s - blocked0)
+    wall_s = clock.wall()
+    if bar is not None:
+        bar.close()
+    val_loss = evaluate()
+    totals = meter_totals()
+    blocked_s = totals.get("blocked_s", 0.0) + clock.blocked_extra
+    log({"step": cfg.steps, "tokens": cfg.steps * tokens_per_step, "val_loss": val_loss,
+         "wall_s": wall_s, "final": True})
+
+    # per-worker figures averaged over workers; peak memory is the max
+    vec = torch.tensor([totals.get("sent_bytes", 0), totals.get("received_bytes", 0),
+                        totals.get("payload_bytes", 0), totals["control_sent_bytes"],
+                        wall_s, clock.compute, blocked_s], dtype=torch.float64)
+    control.all_reduce(vec, control=True)
+    vec /= world
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64)
+    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    summary = None
+    if rank == 0:
+        m = world
+        sent, recv, payload, control_sent, wall, compute, blocked = vec.tolist()
+        cfg_dict = {**dataclasses.asdict(cfg), **({} if per_step else dataclasses.asdict(sync_cfg))}
+        summary = {
+            "name": name or strategy, "strategy": strategy, "workers": world, "params": n_params,
+            "n_layers": len(getattr(model, "blocks", [])),
+            "tokens": cfg.steps * tokens_per_step, "inner_steps": cfg.steps,
+            "final_val_loss": val_loss,
+            "bytes_sent_per_worker": int(sent), "bytes_received_per_worker": int(recv),
+            "payload_bytes_per_worker": int(payload),
+            "ddp_fp32_bytes_per_worker": int(cfg.steps * 2 * (m - 1) / m * 4 * n_params),
+            "control_bytes_per_worker": int(control_sent),
+            "syncs": engine.stats.syncs if engine is not None else cfg.steps,
+            "peak_bytes_per_sync": (engine.stats.peak_bytes_per_sync if engine is not None
+                                    else int(2 * (m - 1) / m * 4 * n_params)),
+            "wall_s": wall, "compute_s": compute, "blocked_s": blocked,
+            "compute_utilization": compute / wall if wall > 0 else 0.0,
+            "step_compute_s": compute / cfg.steps,
+            "peak_rss_bytes": int(rss.item()), "seed": cfg.seed, "config": cfg_dict,
+            "torch_version": torch.__version__, "git_rev": git_rev(),
+            "device": str(device),
+        }
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        metrics_f.close()
+        with contextlib.suppress(FileNotFoundError):
+            (out / "workers.json").unlink()
+    dist.barrier()
+    return summary
+
+
+def _write_workers_json(out: Path, rank: int) -> None:
+    """DIR/workers.json: rank and pid of each live local worker, for operators and scripts."""
+    entries: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(entries, {"rank": rank, "pid": os.getpid(), "host": os.uname().nodename})
+    if rank == 0:
+        tmp = out / "workers.json.tmp"
+        tmp.write_text(json.dumps(entries, indent=2) + "\n")
+        tmp.replace(out / "workers.json")

@@ -1,0 +1,182 @@
+"""Moves bytes between workers over torch.distributed, and counts every byte it moves.
+
+Transport never does math on what it carries (DESIGN.md): it hands tensors to collectives and
+meters their sizes. Byte counts come from the tensors actually given to the collective, and the
+wire cost of each collective is the standard ring cost:
+
+- all-reduce: 2(M-1)/M of the buffer, sent and received;
+- all-gather: (M-1)/M of the gathered total, i.e. (M-1) x this worker's chunk;
+- all-to-all: (M-1)/M of this worker's input;
+- broadcast: the buffer once per receiver along a ring, i.e. (M-1)/M of it per worker on average.
+
+"Payload" bytes are what this worker contributed (the input buffer). Traffic flagged
+``control=True`` (start-up broadcasts, replica checks, loss logging) is counted apart.
+
+Asynchronous work runs on one communication thread per transport, so every worker issues its
+collectives in the same order (a mismatched order deadlocks) while the caller keeps computing.
+Gloo releases the GIL while it waits, so the compute thread really runs meanwhile.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+@dataclass
+class ByteMeter:
+    """Running totals of the bytes this worker handed to collectives (training vs control)."""
+
+    payload_bytes: int = 0
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    control_payload_bytes: int = 0
+    control_sent_bytes: int = 0
+    control_received_bytes: int = 0
+    collectives: int = 0
+    blocked_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def record(self, payload: int, sent: float, received: float, control: bool) -> None:
+        """Add one collective's bytes: ``payload`` this worker's input, ``sent``/``received`` wire bytes."""
+        with self._lock:
+            if control:
+                self.control_payload_bytes += int(payload)
+                self.control_sent_bytes += int(round(sent))
+                self.control_received_bytes += int(round(received))
+            else:
+                self.payload_bytes += int(payload)
+                self.sent_bytes += int(round(sent))
+                self.received_bytes += int(round(received))
+                self.collectives += 1
+
+    def add_blocked(self, seconds: float) -> None:
+        """Add time the compute thread spent waiting on the network."""
+        with self._lock:
+            self.blocked_s += seconds
+
+    def as_dict(self) -> dict:
+        """A plain-dict snapshot (for summaries and logs)."""
+        with self._lock:
+            return {k: v for k, v in asdict(self).items()}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Transport:
+    """Collectives over one process group, metered; async work on a single ordered comm thread."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, meter: ByteMeter | None = None,
+                 delay_s: float = 0.0) -> None:
+        """``delay_s`` adds a sleep before each collective: a test-only slow network, never a default."""
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "lowcomm needs torch.distributed initialised: launch with `torchrun` or "
+                "`lowcomm train --workers M`, or call torch.distributed.init_process_group first")
+        self.group = group
+        self.meter = meter if meter is not None else ByteMeter()
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.delay_s = delay_s
+        self._pool: ThreadPoolExecutor | None = None
+
+    # -- collectives (blocking; call from the comm thread for overlap) ------------------------
+    def all_reduce(self, t: torch.Tensor, control: bool = False) -> torch.Tensor:
+        """Sum ``t`` in place across workers; returns it."""
+        self._maybe_delay()
+        m = self.world_size
+        n = _nbytes(t)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        wire = 2 * (m - 1) / m * n
+        self.meter.record(n, wire, wire, control)
+        return t
+
+    def all_gather(self, t: torch.Tensor, control: bool = False) -> list[torch.Tensor]:
+        """Every worker's ``t`` (all equal in shape and dtype), in rank order."""
+        self._maybe_delay()
+        m = self.world_size
+        out = [torch.empty_like(t) for _ in range(m)]
+        dist.all_gather(out, t.contiguous(), group=self.group)
+        n = _nbytes(t)
+        self.meter.record(n, (m - 1) * n, (m - 1) * n, control)
+        return out
+
+    def all_to_all(self, chunks: list[torch.Tensor], control: bool = False) -> list[torch.Tensor]:
+        """Send ``chunks[j]`` to worker j; returns what each worker sent here, in rank order.
+
+        All chunks must have one shape and dtype (codecs give equal sizes for equal shapes).
+        """
+        self._maybe_delay()
+        m = self.world_size
+        if len(chunks) != m:
+            raise ValueError(f"all_to_all needs {m} chunks, got {len(chunks)}")
+        flat_in = torch.stack([c.contiguous() for c in chunks])
+        flat_out = torch.empty_like(flat_in)
+        dist.all_to_all_single(flat_out, flat_in, group=self.group)
+        n = _nbytes(flat_in)
+        wire = (m - 1) / m * n
+        self.meter.record(n, wire, wire, control)
+        return list(flat_out.unbind(0))
+
+    def all_reduce_async(self, t: torch.Tensor, control: bool = False) -> torch.futures.Future:
+        """Start a sum all-reduce of ``t`` in place; returns a Future of ``t`` (for DDP comm hooks)."""
+        m = self.world_size
+        n = _nbytes(t)
+        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        wire = 2 * (m - 1) / m * n
+        self.meter.record(n, wire, wire, control)
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    def broadcast(self, t: torch.Tensor, src: int = 0, control: bool = True) -> torch.Tensor:
+        """Copy rank ``src``'s ``t`` into every worker's ``t`` in place (control traffic by default)."""
+        m = self.world_size
+        n = _nbytes(t)
+        dist.broadcast(t, src=src, group=self.group)
+        wire = (m - 1) / m * n
+        self.meter.record(n if self.rank == src else 0, wire, wire, control)
+        return t
+
+    # -- asynchrony ------------------------------------------------------------------------------
+    def submit(self, fn: Callable[[], T]) -> Future:
+        """Run ``fn`` (a sequence of collectives) on the ordered comm thread; returns a Future."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lowcomm-comm")
+        return self._pool.submit(fn)
+
+    def wait(self, fut: Future) -> T:
+        """Block until ``fut`` is done, counting the time as blocked on the network."""
+        t0 = time.perf_counter()
+        try:
+            return fut.result()
+        finally:
+            self.meter.add_blocked(time.perf_counter() - t0)
+
+    def blocking(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` now on the caller's thread, counting its whole time as blocked."""
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.meter.add_blocked(time.perf_counter() - t0)
+
+    def close(self) -> None:
+        """Finish queued work and stop the comm thread."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def _maybe_delay(self) -> None:
+        if self.delay_s > 0:
+            time.sleep(self.delay_s)
