@@ -7,13 +7,15 @@ use) print one line naming the problem and the fix, and exit with status 2, neve
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from .config import ConfigError, build_configs, help_text, load_toml, parse_overrides
+
+
+_OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
 
 class UsageError(Exception):
@@ -180,8 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `lowcomm` command."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # key=value overrides may sit anywhere among the options (argparse cannot interleave them)
+    overrides = [a for a in argv if _OVERRIDE.match(a)]
+    rest = [a for a in argv if not _OVERRIDE.match(a)]
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(rest)
+        if hasattr(args, "overrides"):
+            args.overrides = (args.overrides or []) + overrides
+        elif overrides:
+            raise UsageError(f"lowcomm {args.command}: unexpected key=value arguments {overrides}")
         if not getattr(args, "func", None):
             parser.print_help()
             return 2

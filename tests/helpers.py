@@ -1,0 +1,35 @@
+"""Small deterministic pieces shared by tests (importable from spawned workers)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from lowcomm.train.data import Batches
+from lowcomm.train.model import build_model
+
+SEQ, BATCH = 16, 4
+
+
+def tokens(n: int = 20000, seed: int = 1234) -> np.ndarray:
+    """A synthetic byte-token corpus with some structure (so losses move)."""
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, size=257)
+    return base[(np.arange(n) * 7 + rng.integers(0, 3, size=n)) % 257].astype(np.int64)
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return build_model("tiny", max_seq_len=SEQ)
+
+
+def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def batches(rank: int, world: int, seed: int = 0) -> Batches:
+    return Batches(tokens(), BATCH, SEQ, rank, world, seed)
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])

@@ -1,0 +1,133 @@
+"""The engine on real gloo workers against an independent plain-torch computation."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import lowcomm
+from helpers import adamw, batches, flat_params, tiny_model
+
+
+def _diloco_worker(rank: int, world: int, H: int, rounds: int, lr: float, mom: float) -> dict:
+    model = tiny_model(seed=100 + rank)  # deliberately different: the engine starts all from rank 0
+    opt = adamw(model)
+    data = batches(rank, world)
+    sync = lowcomm.DiLoCo(model, opt, sync_every=H, outer_lr=lr, outer_momentum=mom)
+    globals_after = []
+    with sync:
+        for step in range(1, H * rounds + 1):
+            x, y = data.next()
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            if step % H == 0:
+                globals_after.append(sync.global_flat().clone())
+    return {"globals": globals_after, "final": flat_params(model), "stats": sync.stats.as_dict(),
+            "numel": flat_params(model).numel()}
+
+
+def reference_diloco(world: int, H: int, rounds: int, lr: float, mom: float) -> list[torch.Tensor]:
+    """ALGORITHMS.md §1 in plain torch: M model copies trained in turn, torch.optim.SGD outside."""
+    init = tiny_model(seed=100)
+    models = [copy.deepcopy(init) for _ in range(world)]
+    opts = [adamw(m) for m in models]
+    data = [batches(r, world) for r in range(world)]
+    global_params = [p.detach().clone() for p in init.parameters()]
+    outer = torch.optim.SGD(global_params, lr=lr, momentum=mom, nesterov=True)
+    out = []
+    for _ in range(rounds):
+        for m, o, d in zip(models, opts, data):
+            for _ in range(H):
+                x, y = d.next()
+                m(x, y).backward()
+                o.step()
+                o.zero_grad()
+        for i, g in enumerate(global_params):
+            deltas = [g - list(m.parameters())[i].detach() for m in models]
+            g.grad = torch.stack(deltas).mean(0)
+        outer.step()
+        for m in models:
+            with torch.no_grad():
+                for p, g in zip(m.parameters(), global_params):
+                    p.copy_(g)
+        out.append(torch.cat([g.detach().reshape(-1) for g in global_params]))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_diloco_matches_plain_torch(workers, world):
+    H, rounds, lr, mom = 4, 3, 0.7, 0.9
+    results = workers(_diloco_worker, world, H, rounds, lr, mom)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = reference_diloco(world, H, rounds, lr, mom)
+    finally:
+        torch.set_num_threads(threads)
+    for r, res in enumerate(results):
+        assert len(res["globals"]) == rounds
+        for k in range(rounds):
+            torch.testing.assert_close(res["globals"][k], expected[k], atol=1e-6, rtol=0,
+                                       msg=f"rank {r}, outer step {k + 1}")
+        # after the last sync every worker holds the global parameters
+        torch.testing.assert_close(res["final"], expected[-1], atol=1e-6, rtol=0)
+    # the global copy is bit-identical on every worker after every sync
+    for k in range(rounds):
+        for res in results[1:]:
+            assert torch.equal(res["globals"][k], results[0]["globals"][k])
+    # bytes: one FP32 ring all-reduce of the whole model per sync
+    st, n = results[0]["stats"], results[0]["numel"]
+    assert st["syncs"] == rounds
+    assert st["payload_bytes"] == rounds * 4 * n
+    assert st["bytes_sent"] == round(rounds * 2 * (world - 1) / world * 4 * n)
+    assert st["control_bytes_sent"] > 0  # the start-up broadcast is counted apart
+
+
+def _outer_moves_worker(rank: int, world: int) -> dict:
+    model = tiny_model(seed=0)
+    opt = adamw(model)
+    data = batches(rank, world)
+    before = flat_params(model)
+    with lowcomm.DiLoCo(model, opt, sync_every=3, outer_lr=1.0, outer_momentum=0.0, nesterov=False):
+        for _ in range(3):
+            x, y = data.next()
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    return {"before": before, "after": flat_params(model)}
+
+
+def test_outer_sgd_lr1_no_momentum_is_model_averaging(workers):
+    """With lr 1 and no momentum, the outer step lands exactly on the mean of the workers."""
+    res = workers(_outer_moves_worker, 2)
+    torch.set_num_threads(1)
+    locals_ = []
+    for r in range(2):
+        m = tiny_model(seed=0)
+        o = adamw(m)
+        d = batches(r, 2)
+        for _ in range(3):
+            x, y = d.next()
+            m(x, y).backward()
+            o.step()
+            o.zero_grad()
+        locals_.append(flat_params(m))
+    torch.testing.assert_close(res[0]["after"], (locals_[0] + locals_[1]) / 2, atol=1e-6, rtol=0)
+
+
+def test_unknown_option_is_a_clear_error():
+    model = tiny_model()
+    with pytest.raises(lowcomm.ConfigError, match="unknown sync option"):
+        lowcomm.LowComm(model, adamw(model), sync_evry=3)
+    with pytest.raises(lowcomm.ConfigError, match="sync_every"):
+        lowcomm.DiLoCo(model, adamw(model), sync_every=0)
+
+
+def test_engine_needs_distributed():
+    model = tiny_model()
+    sync = lowcomm.DiLoCo(model, adamw(model), sync_every=2)
+    with pytest.raises(RuntimeError, match="torch.distributed"):
+        sync.start()
