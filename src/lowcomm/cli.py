@@ -125,7 +125,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from .bench.codecs import main as bench_codecs
 
         return bench_codecs(args.rest)
-    raise ConfigError(f"unknown benchmark '{args.what}': choose codecs")
+    if args.what == "overhead":
+        from .bench.overhead import main as bench_overhead
+
+        return bench_overhead(args.rest)
+    raise ConfigError(f"unknown benchmark '{args.what}': choose codecs or overhead")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,8 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     s.set_defaults(func=cmd_simulate)
 
-    b = sub.add_parser("bench", help="microbenchmarks: codecs")
-    b.add_argument("what", help="codecs")
+    b = sub.add_parser("bench", help="microbenchmarks: codecs, overhead")
+    b.add_argument("what", help="codecs or overhead")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark (e.g. --json)")
     b.set_defaults(func=cmd_bench)
     return p

@@ -134,7 +134,8 @@ class LowComm:
         self.aggregator: Aggregator | None = None
         self.outer: OuterOptimizer = make_outer(cfg)
         self.compensation: Any = None
-        self.events: list[tuple[str, int, float]] = []  # (what, step, time): for overlap tests
+        # (what, fragment, time) for sent / completed / applied: lets tests and users see overlap
+        self.events: list[tuple[str, int, float]] = []
         self._started = False
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -229,7 +230,7 @@ class LowComm:
             self.events.append(("applied", p, time.perf_counter()))
         for p in sends:
             encoded = self._encode(self._frags[p])
-            job = self._exchange_job(encoded)
+            job = self._exchange_job(p, encoded)
             if self.schedule.overlap == 0:
                 results[p] = self.transport.blocking(job)
             else:
@@ -272,13 +273,14 @@ class LowComm:
                 encoded.append(enc)
         return encoded
 
-    def _exchange_job(self, encoded: list[Encoded]):
-        aggregator, transport, stats = self.aggregator, self.transport, self.stats
+    def _exchange_job(self, p: int, encoded: list[Encoded]):
+        aggregator, transport, stats, events = self.aggregator, self.transport, self.stats, self.events
         assert aggregator is not None and transport is not None
 
         def job() -> torch.Tensor:
             sent0 = transport.meter.sent_bytes
             out = [aggregator.exchange(e, transport) for e in encoded]
+            events.append(("completed", p, time.perf_counter()))
             stats.peak_bytes_per_sync = max(stats.peak_bytes_per_sync, transport.meter.sent_bytes - sent0)
             return torch.cat(out) if len(out) > 1 else out[0]
 
