@@ -57,7 +57,8 @@ class SyncConfig:
     nesterov: bool = knob(True, "Use Nesterov momentum in the outer optimizer.")
     staleness_penalty: bool = knob(True, "CO2: damp the stale pseudo-gradient element-wise by how "
                                          "far the global parameters moved (Gap-Aware form).")
-    momentum_clip: float = knob(0.0, "CO2: clip the outer momentum to +-phi element-wise (0 = off).")
+    momentum_clip: float = knob(0.0, "CO2: clip the outer momentum at phi (0 = off).")
+    momentum_clip_mode: str = knob("element", "CO2: clip element-wise to +-phi (element) or the L2 norm to phi (norm).")
     loco_beta: float = knob(0.8, "LoCo: moving-average weight of the compensation buffer.")
     loco_reset_every: int = knob(0, "LoCo: zero the compensation buffers every N optimizer steps (0 = never).")
     state_device: str = knob("cpu", "Where the global copy and outer state live: cpu or the model's device (model).")
@@ -71,6 +72,7 @@ class SyncConfig:
         _choice("aggregation", self.aggregation, ("mean", "selected-mean"))
         _choice("compensation", self.compensation, ("none", "ef", "loco"))
         _choice("outer_optimizer", self.outer_optimizer, ("nesterov", "sgd", "co2"))
+        _choice("momentum_clip_mode", self.momentum_clip_mode, ("element", "norm"))
         if self.sync_every < 1:
             raise ConfigError(f"sync_every (H) must be >= 1, got {self.sync_every}: set sync_every=1 or more")
         if self.fragments < 1:

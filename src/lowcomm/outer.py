@@ -57,11 +57,71 @@ class OuterSGD(OuterOptimizer):
         global_params.add_(g, alpha=-self.lr)
 
 
+def gap_aware_penalty(gap: torch.Tensor, mean_abs_update: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """Lambda = 1 / max(1, gap / (eps + C)), element-wise (Gap-Aware's form, ALGORITHMS.md §4).
+
+    ``gap`` is how far each global coordinate moved since the stale pseudo-gradient was computed
+    (|theta_r - theta_{r-1}|), ``C`` the running mean of |outer update| of that coordinate, so
+    only coordinates that moved more than usual are damped.
+    """
+    return 1.0 / torch.clamp(gap / (mean_abs_update + eps), min=1.0)
+
+
+class OuterCO2(OuterOptimizer):
+    """CO2's outer step on a one-round-stale average pseudo-gradient.
+
+    m <- beta*m + Lambda * stale_pseudo_grad;  clip m in place;  theta <- theta - lr*m.
+    Lambda is :func:`gap_aware_penalty` of the last outer update against C, the cumulative
+    mean of |outer update| per element (Lambda = 1 at the first step, and when the penalty is off).
+    Clipping: element-wise to +-phi (``clip_mode="element"``) or the whole momentum's L2 norm to
+    phi (``"norm"``); phi = 0 turns it off. Four model-sized buffers per fragment: m, C, the last
+    update, plus the engine's global copy; they live on ``state_device`` (CPU by default).
+    """
+
+    def __init__(self, lr: float, momentum: float, penalty: bool = True, clip: float = 0.0,
+                 clip_mode: str = "element") -> None:
+        super().__init__()
+        if clip_mode not in ("element", "norm"):
+            raise ValueError(f"clip_mode must be element or norm, got {clip_mode}")
+        self.lr, self.momentum, self.penalty = lr, momentum, penalty
+        self.clip, self.clip_mode = clip, clip_mode
+        self.last_penalty: torch.Tensor | None = None  # for inspection and tests
+
+    def step(self, key: str, global_params: torch.Tensor, pseudo_grad: torch.Tensor) -> None:
+        st = self.state.setdefault(key, {})
+        if "momentum" not in st:
+            st["momentum"] = torch.zeros_like(global_params)
+            st["mean_abs_update"] = torch.zeros_like(global_params)
+            st["last_update"] = torch.zeros_like(global_params)
+            st["steps"] = torch.zeros((), dtype=torch.int64)
+        m, C, last = st["momentum"], st["mean_abs_update"], st["last_update"]
+        g = pseudo_grad
+        if self.penalty and int(st["steps"]) > 0:
+            lam = gap_aware_penalty(last.abs(), C)
+            g = g * lam
+            self.last_penalty = lam
+        else:
+            self.last_penalty = None
+        m.mul_(self.momentum).add_(g)
+        if self.clip > 0:
+            if self.clip_mode == "element":
+                m.clamp_(-self.clip, self.clip)  # in place: the public CO2 code dropped the result
+            else:
+                norm = float(m.norm())
+                if norm > self.clip:
+                    m.mul_(self.clip / norm)
+        last.copy_(m).mul_(self.lr)
+        global_params.sub_(last)
+        st["steps"] += 1
+        n = int(st["steps"])
+        C.mul_((n - 1) / n).add_(last.abs(), alpha=1.0 / n)  # cumulative mean of |update|
+
+
 def make_outer(cfg: SyncConfig) -> OuterOptimizer:
     """The outer optimizer the config names."""
     if cfg.outer_optimizer == "nesterov":
         return OuterSGD(cfg.outer_lr, cfg.outer_momentum, nesterov=cfg.nesterov)
     if cfg.outer_optimizer == "sgd":
         return OuterSGD(cfg.outer_lr, 0.0)
-    raise NotImplementedError(
-        f"outer_optimizer={cfg.outer_optimizer} is not implemented yet: use nesterov or sgd")
+    return OuterCO2(cfg.outer_lr, cfg.outer_momentum, penalty=cfg.staleness_penalty,
+                    clip=cfg.momentum_clip, clip_mode=cfg.momentum_clip_mode)

@@ -1,0 +1,147 @@
+"""CO2 in the engine: one-round-stale outer momentum with penalty and clipping, vs plain torch."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+import lowcomm
+from lowcomm.outer import OuterCO2, gap_aware_penalty
+from helpers import adamw, batches, tiny_model
+
+H, ROUNDS, LR, BETA, CLIP = 3, 4, 1.0, 0.5, 0.004
+
+
+def _co2_worker(rank: int, world: int, penalty: bool, clip: float) -> dict:
+    model = tiny_model(seed=0)
+    opt = adamw(model)
+    data = batches(rank, world)
+    sync = lowcomm.CO2(model, opt, sync_every=H, outer_lr=LR, outer_momentum=BETA,
+                       staleness_penalty=penalty, momentum_clip=clip)
+    with sync:
+        for _ in range(H * ROUNDS):
+            x, y = data.next()
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    return {"global": sync.global_flat().clone()}
+
+
+def reference_co2(world: int, penalty: bool, clip: float) -> torch.Tensor:
+    """ALGORITHMS.md §4 in plain torch, with the Gap-Aware penalty written out again."""
+    init = tiny_model(seed=0)
+    models = [copy.deepcopy(init) for _ in range(world)]
+    opts = [adamw(m) for m in models]
+    data = [batches(r, world) for r in range(world)]
+    theta = torch.cat([p.detach().reshape(-1) for p in init.parameters()])
+    m = torch.zeros_like(theta)
+    mean_abs = torch.zeros_like(theta)
+    last = torch.zeros_like(theta)
+    n_updates = 0
+
+    def local(model):
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    def outer(stale):
+        nonlocal m, last, mean_abs, n_updates
+        lam = torch.ones_like(theta)
+        if penalty and n_updates > 0:
+            lam = 1.0 / torch.maximum(last.abs() / (mean_abs + 1e-12), torch.ones_like(theta))
+        m = BETA * m + lam * stale
+        if clip > 0:
+            m = m.clamp(-clip, clip)
+        last = LR * m
+        theta.sub_(last)
+        n_updates += 1
+        mean_abs = mean_abs * (n_updates - 1) / n_updates + last.abs() / n_updates
+
+    def restart():
+        for model in models:
+            torch.nn.utils.vector_to_parameters(theta.clone(), model.parameters())
+
+    stale = None
+    for _ in range(ROUNDS):
+        for model, o, d in zip(models, opts, data):
+            for _ in range(H):
+                x, y = d.next()
+                model(x, y).backward()
+                o.step()
+                o.zero_grad()
+        delta = torch.stack([theta - local(model) for model in models]).mean(0)
+        if stale is not None:
+            outer(stale)
+        restart()
+        stale = delta
+    outer(stale)  # the end: drain the round in flight
+    return theta
+
+
+@pytest.mark.parametrize("penalty,clip", [(True, CLIP), (False, 0.0)])
+def test_co2_matches_plain_torch(workers, penalty, clip):
+    res = workers(_co2_worker, 2, penalty, clip)
+    torch.set_num_threads(1)
+    expected = reference_co2(2, penalty, clip)
+    for r in res:
+        torch.testing.assert_close(r["global"], expected, atol=1e-6, rtol=0)
+
+
+def test_clipping_changes_momentum_exactly_when_exceeded():
+    g = torch.tensor([0.5, -2.0, 1.0, -0.2])
+    opt = OuterCO2(lr=1.0, momentum=0.0, penalty=False, clip=1.0)
+    theta = torch.zeros(4)
+    opt.step("f", theta, g)
+    assert torch.equal(opt.state["f"]["momentum"], torch.tensor([0.5, -1.0, 1.0, -0.2]))
+    assert torch.equal(theta, -torch.tensor([0.5, -1.0, 1.0, -0.2]))
+    big = OuterCO2(lr=1.0, momentum=0.0, penalty=False, clip=10.0)
+    theta2 = torch.zeros(4)
+    big.step("f", theta2, g)
+    assert torch.equal(theta2, -g)  # under the threshold: untouched
+    norm = OuterCO2(lr=1.0, momentum=0.0, penalty=False, clip=1.0, clip_mode="norm")
+    theta3 = torch.zeros(4)
+    norm.step("f", theta3, g)
+    torch.testing.assert_close(norm.state["f"]["momentum"].norm(), torch.tensor(1.0))
+
+
+def test_penalty_scales_by_documented_factor():
+    opt = OuterCO2(lr=1.0, momentum=0.0, penalty=True)
+    theta = torch.zeros(3)
+    opt.step("f", theta, torch.tensor([1.0, 1.0, 1.0]))  # first step: no penalty
+    assert opt.last_penalty is None
+    # now make coordinate 0 have moved 4x its usual amount
+    st = opt.state["f"]
+    st["last_update"] = torch.tensor([4.0, 1.0, 0.5])
+    st["mean_abs_update"] = torch.tensor([1.0, 1.0, 1.0])
+    before = theta.clone()
+    opt.step("f", theta, torch.tensor([1.0, 1.0, 1.0]))
+    assert torch.allclose(opt.last_penalty, torch.tensor([0.25, 1.0, 1.0]))
+    assert torch.allclose(before - theta, torch.tensor([0.25, 1.0, 1.0]))
+    assert torch.allclose(gap_aware_penalty(torch.tensor([3.0]), torch.tensor([1.5])), torch.tensor([0.5]))
+
+
+def _in_flight_worker(rank: int, world: int) -> dict:
+    model = tiny_model(seed=0)
+    opt = adamw(model)
+    data = batches(rank, world)
+    starts = []
+    sync = lowcomm.CO2(model, opt, sync_every=3, comm_delay_s=0.3)
+    with sync:
+        for _ in range(9):
+            starts.append(time.perf_counter())
+            x, y = data.next()
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    return {"events": sync.events, "starts": starts}
+
+
+def test_round_r_collective_in_flight_during_round_r_plus_1(workers):
+    for r in workers(_in_flight_worker, 2):
+        sent = [t for what, _, t in r["events"] if what == "sent"]
+        done = [t for what, _, t in r["events"] if what == "completed"]
+        assert len(sent) == 3 and len(done) == 3
+        for s, d in zip(sent[:-1], done[:-1]):
+            next_round = [t for t in r["starts"] if t > s]
+            assert next_round[0] < d  # round r+1 began while round r's all-reduce was in flight
