@@ -41,9 +41,9 @@ def test_train_writes_summary_with_every_field(tmp_path):
         assert f in s, f
     M, n = s["workers"], s["params"]
     assert s["tokens"] == 12 * 4 * 32 * M
-    # bytes are the sizes of the tensors sent: 3 FP32 all-reduces of the whole model
-    assert s["payload_bytes_per_worker"] == 3 * 4 * n
-    assert s["bytes_sent_per_worker"] == round(3 * 2 * (M - 1) / M * 4 * n)
+    # bytes are the sizes of the tensors sent: 3 FP32 all-reduces of the whole model + its flag
+    assert s["payload_bytes_per_worker"] == 3 * 4 * (n + 1)
+    assert s["bytes_sent_per_worker"] == 3 * round(2 * (M - 1) / M * 4 * (n + 1))
     assert s["ddp_fp32_bytes_per_worker"] == int(12 * 2 * (M - 1) / M * 4 * n)
     assert 0 < s["compute_utilization"] <= 1.0
     assert abs(s["compute_s"] + s["blocked_s"] - s["wall_s"]) <= 0.05 * s["wall_s"] + 0.05

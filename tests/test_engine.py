@@ -78,11 +78,11 @@ def test_diloco_matches_plain_torch(workers, world):
     for k in range(rounds):
         for res in results[1:]:
             assert torch.equal(res["globals"][k], results[0]["globals"][k])
-    # bytes: one FP32 ring all-reduce of the whole model per sync
+    # bytes: one FP32 ring all-reduce of the whole model (+ the 1-element validity flag) per sync
     st, n = results[0]["stats"], results[0]["numel"]
     assert st["syncs"] == rounds
-    assert st["payload_bytes"] == rounds * 4 * n
-    assert st["bytes_sent"] == round(rounds * 2 * (world - 1) / world * 4 * n)
+    assert st["payload_bytes"] == rounds * 4 * (n + 1)
+    assert st["bytes_sent"] == rounds * round(2 * (world - 1) / world * 4 * (n + 1))
     assert st["control_bytes_sent"] > 0  # the start-up broadcast is counted apart
 
 

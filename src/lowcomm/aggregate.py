@@ -10,6 +10,10 @@ Three ways, chosen by ``SyncConfig.reduce``:
   owner by all-to-all; the owner decodes and sums its shard in FP32, re-encodes the average and
   all-gathers it. Wire bytes stay about 2 x payload whatever M is. Element-wise codecs only.
 
+Every payload carries one extra element or byte: 1 if this worker's contribution is valid, 0
+if it was left out (a non-finite pseudo-gradient). The average divides by the number of valid
+workers, which every worker learns from the same exchange, with no extra collective.
+
 The math lives here; the bytes move through :class:`~lowcomm.transport.Transport`.
 ``encode`` runs on the compute thread (it is also what error compensation needs to see), and
 ``exchange`` is the blocking part that may run on the transport's comm thread.
@@ -32,10 +36,18 @@ _DENSE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 class Encoded:
     """What one worker contributes to one exchange."""
 
-    payload: torch.Tensor           # the exact tensor handed to the first collective
+    payload: torch.Tensor           # the exact tensor handed to the first collective (flag included)
     shapes: list[torch.Size]        # the shapes of the tensors it encodes, in order
     numel: int                      # total elements
     local: torch.Tensor | None      # flat FP32 of what peers will decode from us (for compensation)
+
+
+@dataclass
+class Reduced:
+    """The result of one exchange."""
+
+    mean: torch.Tensor              # flat FP32 average over the valid workers
+    valid_workers: int              # how many workers contributed
 
 
 class Aggregator:
@@ -56,55 +68,65 @@ class Aggregator:
         self.dense_dtype = dense_dtype
 
     # -- encode (compute thread) -----------------------------------------------------------------
-    def encode(self, tensors: list[torch.Tensor], need_local: bool = False) -> Encoded:
-        """Encode ``tensors`` (FP32, any shapes); ``need_local`` also returns our decoded view."""
+    def encode(self, tensors: list[torch.Tensor], need_local: bool = False, valid: bool = True) -> Encoded:
+        """Encode ``tensors`` (FP32, any shapes); ``need_local`` also returns our decoded view.
+
+        ``valid=False`` sends zeros flagged as "left out": peers average without this worker.
+        """
+        if not valid:
+            tensors = [torch.zeros_like(t) for t in tensors]
         shapes = [t.shape for t in tensors]
         numel = sum(t.numel() for t in tensors)
         if self.method == "allreduce":
             flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
-            payload = flat.to(self.dense_dtype)
-            local = payload.float() if need_local else None
+            payload = torch.cat([flat, flat.new_full((1,), float(valid))]).to(self.dense_dtype)
+            local = payload[:-1].float() if need_local else None
             return Encoded(payload, shapes, numel, local)
         assert self.codec is not None
+        flag = torch.tensor([int(valid)], dtype=torch.uint8)
         if self.method == "gather":
             parts = [self.codec.encode(t) for t in tensors]
-            payload = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+            payload = torch.cat(parts + [flag])
             local = None
             if need_local:
-                local = self._decode_flat(payload, shapes, numel)
+                local = self._decode_flat(payload[:-1], shapes, numel)
             return Encoded(payload, shapes, numel, local)
         # two-phase: shard the flat buffer, one payload per destination worker
         flat = torch.cat([t.reshape(-1).float() for t in tensors]) if tensors else torch.empty(0)
         shards = self._shards(flat)
-        payload = torch.stack([self.codec.encode(s) for s in shards])
+        packed = torch.stack([self.codec.encode(s) for s in shards])
+        payload = torch.cat([packed, flag.expand(len(shards), 1)], dim=1)
         local = None
         if need_local:
-            dec = [self.codec.decode(p, s.shape, f"shard {j}") for j, (p, s) in enumerate(zip(payload, shards))]
+            dec = [self.codec.decode(p, s.shape, f"shard {j}") for j, (p, s) in enumerate(zip(packed, shards))]
             local = torch.cat(dec)[:numel]
         return Encoded(payload, shapes, numel, local)
 
     # -- exchange (may run on the comm thread) ---------------------------------------------------
-    def exchange(self, enc: Encoded, transport: Transport) -> torch.Tensor:
-        """Run the collectives and return the flat FP32 average over workers."""
-        m = transport.world_size
+    def exchange(self, enc: Encoded, transport: Transport) -> Reduced:
+        """Run the collectives and return the flat FP32 average over the valid workers."""
         if self.method == "allreduce":
             buf = enc.payload.clone()
             transport.all_reduce(buf)
-            return buf.float().div_(m)
+            count = int(round(float(buf[-1])))
+            return Reduced(buf[:-1].float().div_(max(count, 1)), count)
         if self.method == "gather":
             gathered = transport.all_gather(enc.payload)
-            return self._sum_gathered(gathered, enc.shapes, enc.numel, m)
+            return self._sum_gathered(gathered, enc.shapes, enc.numel)
         return self._two_phase(enc, transport)
 
-    def _sum_gathered(self, gathered: list[torch.Tensor], shapes: list[torch.Size], numel: int,
-                      m: int) -> torch.Tensor:
+    def _sum_gathered(self, gathered: list[torch.Tensor], shapes: list[torch.Size], numel: int) -> Reduced:
         assert self.codec is not None
         total = torch.zeros(numel, dtype=torch.float32)
         if self.aggregation == "selected-mean":
             counts = torch.zeros(numel, dtype=torch.float32)
+        valid = 0
         for w, payload in enumerate(gathered):
             offset_b, offset_e = 0, 0
-            self._check_len(payload, shapes, f"worker {w}")
+            self._check_len(payload[:-1], shapes, f"worker {w}")
+            if not _flag(payload[-1], f"worker {w}"):
+                continue
+            valid += 1
             for i, shape in enumerate(shapes):
                 nb = self.codec.nbytes(shape)
                 n = _numel(shape)
@@ -119,22 +141,25 @@ class Aggregator:
                 offset_b += nb
                 offset_e += n
         if self.aggregation == "selected-mean":
-            return total.div_(counts.clamp_(min=1.0))
-        return total.div_(m)
+            return Reduced(total.div_(counts.clamp_(min=1.0)), valid)
+        return Reduced(total.div_(max(valid, 1)), valid)
 
-    def _two_phase(self, enc: Encoded, transport: Transport) -> torch.Tensor:
+    def _two_phase(self, enc: Encoded, transport: Transport) -> Reduced:
         assert self.codec is not None
         m = transport.world_size
         received = transport.all_to_all(list(enc.payload.unbind(0)))
         shard_len = _shard_len(enc.numel, m)
         shape = torch.Size([shard_len])
         mine = torch.zeros(shard_len, dtype=torch.float32)
+        valid = 0
         for w, p in enumerate(received):
-            mine += self.codec.decode(p, shape, f"shard {transport.rank} from worker {w}")
-        mine.div_(m)
+            if _flag(p[-1], f"worker {w}"):
+                mine += self.codec.decode(p[:-1], shape, f"shard {transport.rank} from worker {w}")
+                valid += 1
+        mine.div_(max(valid, 1))
         gathered = transport.all_gather(self.codec.encode(mine))
         out = torch.cat([self.codec.decode(p, shape, f"averaged shard {w}") for w, p in enumerate(gathered)])
-        return out[:enc.numel]
+        return Reduced(out[:enc.numel], valid)
 
     # -- helpers -------------------------------------------------------------------------------
     def _shards(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -162,14 +187,21 @@ class Aggregator:
             raise PayloadError(f"payload from {who} has {payload.numel()} bytes, expected {want}")
 
     def payload_nbytes(self, shapes: list[torch.Size]) -> int:
-        """Bytes this worker hands to the first collective for tensors of ``shapes``."""
+        """Bytes this worker hands to the first collective for tensors of ``shapes`` (flag included)."""
         numel = sum(_numel(s) for s in shapes)
         if self.method == "allreduce":
-            return numel * torch.tensor([], dtype=self.dense_dtype).element_size()
+            return (numel + 1) * torch.tensor([], dtype=self.dense_dtype).element_size()
         assert self.codec is not None
         if self.method == "gather":
-            return sum(self.codec.nbytes(s) for s in shapes)
-        return self.world_size * self.codec.nbytes(torch.Size([_shard_len(numel, self.world_size)]))
+            return sum(self.codec.nbytes(s) for s in shapes) + 1
+        return self.world_size * (self.codec.nbytes(torch.Size([_shard_len(numel, self.world_size)])) + 1)
+
+
+def _flag(byte: torch.Tensor, who: str) -> bool:
+    v = int(byte)
+    if v not in (0, 1):
+        raise PayloadError(f"payload from {who} has validity flag {v}, expected 0 or 1")
+    return v == 1
 
 
 def _numel(shape: torch.Size) -> int:

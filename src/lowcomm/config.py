@@ -61,6 +61,10 @@ class SyncConfig:
     momentum_clip_mode: str = knob("element", "CO2: clip element-wise to +-phi (element) or the L2 norm to phi (norm).")
     loco_beta: float = knob(0.8, "LoCo: moving-average weight of the compensation buffer.")
     loco_reset_every: int = knob(0, "LoCo: zero the compensation buffers every N optimizer steps (0 = never).")
+    nonfinite_patience: int = knob(3, "Stop the run after this many syncs in a row in which some worker's "
+                                      "pseudo-gradient was non-finite and left out (1 = stop at the first).")
+    replica_check_every: int = knob(10, "Every N syncs, compare a hash of the global parameters across "
+                                        "workers; a mismatch stops the run (0 = never).")
     state_device: str = knob("cpu", "Where the global copy and outer state live: cpu or the model's device (model).")
     bucket_mb: float = knob(64.0, "Largest flat buffer handed to one collective, in MiB.")
 
@@ -97,6 +101,10 @@ class SyncConfig:
             raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if self.momentum_clip < 0:
             raise ConfigError(f"momentum_clip must be >= 0 (0 = off), got {self.momentum_clip}")
+        if self.nonfinite_patience < 1:
+            raise ConfigError(f"nonfinite_patience must be >= 1, got {self.nonfinite_patience}")
+        if self.replica_check_every < 0:
+            raise ConfigError(f"replica_check_every must be >= 0, got {self.replica_check_every}")
         if self.codec_block < 1:
             raise ConfigError(f"codec_block must be >= 1, got {self.codec_block}")
         if self.bucket_mb <= 0:

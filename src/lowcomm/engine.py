@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -31,11 +33,22 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .aggregate import Aggregator, Encoded, make_aggregator
+from .aggregate import Aggregator, Encoded, Reduced, make_aggregator
 from .config import ConfigError, SyncConfig
 from .outer import OuterOptimizer, make_outer
 from .schedule import Schedule, build_fragments, check_fragments, find_blocks
 from .transport import Transport
+
+
+log = logging.getLogger("lowcomm")
+
+
+class NonFiniteError(RuntimeError):
+    """Too many syncs in a row had a worker with a non-finite pseudo-gradient."""
+
+
+class ReplicaMismatchError(RuntimeError):
+    """The global parameters differ between workers: the run cannot continue as one model."""
 
 
 @dataclass
@@ -76,6 +89,9 @@ class SyncStats:
     blocked_s: float = 0.0
     outer_s: float = 0.0
     peak_bytes_per_sync: int = 0
+    left_out_syncs: int = 0         # fragment syncs in which some worker was left out
+    left_out_here: int = 0          # ... of which this worker was the one left out
+    replica_checks: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -136,6 +152,10 @@ class LowComm:
         self.compensation: Any = None
         # (what, fragment, time) for sent / completed / applied: lets tests and users see overlap
         self.events: list[tuple[str, int, float]] = []
+        self._left_out: set[int] = set()      # fragments whose last pseudo-gradient here was non-finite
+        self._nonfinite_streak = 0
+        self._replica_check: Future | None = None
+        self._replica_hash = 0
         self._started = False
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -193,6 +213,7 @@ class LowComm:
         for p in sorted(self._pending):
             pend = self._pending.pop(p)
             self._apply(p, self.transport.wait(pend.future))
+        self._collect_replica_check()
         with torch.no_grad():
             for frag in self._frags:
                 self._load_global(frag)
@@ -223,7 +244,8 @@ class LowComm:
         assert self.transport is not None
         t0 = time.perf_counter()
         blocked0 = self.transport.meter.blocked_s
-        results: dict[int, torch.Tensor] = {}
+        self._collect_replica_check()
+        results: dict[int, Reduced] = {}
         for p in sorted(due):
             pend = self._pending.pop(p)
             results[p] = self.transport.wait(pend.future)
@@ -247,25 +269,40 @@ class LowComm:
         if sends:
             self.stats.syncs += 1
             self.stats.fragment_syncs += len(sends)
+            every = self.config.replica_check_every
+            if every and self.stats.syncs % every == 0:
+                self._start_replica_check()
         self.stats.outer_s += (time.perf_counter() - t0) - (self.transport.meter.blocked_s - blocked0)
         self._update_stats()
 
     def _encode(self, frag: _Fragment) -> list[Encoded]:
-        """pseudo_grad = global - local for one fragment, compensated and encoded per bucket."""
+        """pseudo_grad = global - local for one fragment, compensated and encoded per bucket.
+
+        A non-finite pseudo-gradient is not sent: this worker is flagged as left out, peers
+        average without it, and its error buffer is not polluted.
+        """
         assert self.aggregator is not None
         with torch.no_grad():
             local = torch.cat([p.detach().reshape(-1).to(frag.global_flat.device, torch.float32)
                                for p in frag.params])
             pseudo_grad = frag.global_flat - local
+            valid = bool(torch.isfinite(pseudo_grad).all())
+            if not valid:
+                self._left_out.add(frag.index)
+                self.stats.left_out_here += 1
+                log.warning("rank %d: non-finite pseudo-gradient in fragment %d at step %d; left out "
+                            "of this sync, restarting from the global parameters",
+                            self.transport.rank, frag.index, self.step)
             views = _views(pseudo_grad, frag.params)
-            comp = self.compensation
+            comp = self.compensation if valid else None
             if comp is not None:
                 to_send = [comp.accumulate(n, v) for n, v in zip(frag.names, views)]
             else:
                 to_send = views
             encoded = []
             for bucket in frag.buckets:
-                enc = self.aggregator.encode([to_send[i] for i in bucket], need_local=comp is not None)
+                enc = self.aggregator.encode([to_send[i] for i in bucket], need_local=comp is not None,
+                                             valid=valid)
                 if comp is not None:
                     assert enc.local is not None
                     for i, dec in zip(bucket, _views(enc.local, [frag.params[j] for j in bucket])):
@@ -277,21 +314,130 @@ class LowComm:
         aggregator, transport, stats, events = self.aggregator, self.transport, self.stats, self.events
         assert aggregator is not None and transport is not None
 
-        def job() -> torch.Tensor:
+        def job() -> Reduced:
             sent0 = transport.meter.sent_bytes
             out = [aggregator.exchange(e, transport) for e in encoded]
             events.append(("completed", p, time.perf_counter()))
             stats.peak_bytes_per_sync = max(stats.peak_bytes_per_sync, transport.meter.sent_bytes - sent0)
-            return torch.cat(out) if len(out) > 1 else out[0]
+            if len(out) == 1:
+                return out[0]
+            return Reduced(torch.cat([r.mean for r in out]), min(r.valid_workers for r in out))
 
         return job
 
-    def _apply(self, p: int, avg_pseudo_grad: torch.Tensor) -> None:
+    def _apply(self, p: int, reduced: Reduced) -> None:
         """Outer step on fragment p's global copy, then merge it into the local parameters."""
         frag = self._frags[p]
+        m = self.transport.world_size
+        if reduced.valid_workers < m:
+            self.stats.left_out_syncs += 1
+            self._nonfinite_streak += 1
+            log.warning("step %d: %d of %d workers left out of fragment %d's sync (non-finite "
+                        "pseudo-gradient); %d such syncs in a row", self.step, m - reduced.valid_workers,
+                        m, p, self._nonfinite_streak)
+            if self._nonfinite_streak >= self.config.nonfinite_patience:
+                raise NonFiniteError(
+                    f"{self._nonfinite_streak} syncs in a row had non-finite pseudo-gradients "
+                    f"(last at inner step {self.step}): lower inner_lr, check the data, or resume "
+                    f"from the last checkpoint; nonfinite_patience={self.config.nonfinite_patience}")
+        else:
+            self._nonfinite_streak = 0
         with torch.no_grad():
-            self.outer.step(frag.key, frag.global_flat, avg_pseudo_grad.to(frag.global_flat.device))
-            self._merge(frag)
+            if reduced.valid_workers > 0:
+                self.outer.step(frag.key, frag.global_flat, reduced.mean.to(frag.global_flat.device))
+            if p in self._left_out:
+                # this worker diverged: restart the fragment from the global copy, with fresh
+                # inner optimizer state (its moments may hold the same NaN/Inf)
+                self._left_out.discard(p)
+                self._load_global(frag)
+                for param in frag.params:
+                    self.inner_optimizer.state.pop(param, None)
+            else:
+                self._merge(frag)
+
+    def _start_replica_check(self) -> None:
+        """Hash the global copy now; gather every worker's hash on the comm thread (checked later)."""
+        digest = hashlib.sha256()
+        for f in self._frags:
+            digest.update(f.global_flat.detach().cpu().contiguous().numpy().tobytes())
+        self._replica_hash = int.from_bytes(digest.digest()[:8], "little", signed=True)
+        transport, mine = self.transport, torch.tensor([self._replica_hash], dtype=torch.int64)
+        # queued behind any exchange in flight, so it never stalls the overlap
+        self._replica_check = transport.submit(lambda: transport.all_gather(mine, control=True))
+
+    def _collect_replica_check(self) -> None:
+        if self._replica_check is None:
+            return
+        hashes = [int(h) for h in self.transport.wait(self._replica_check)]
+        self._replica_check = None
+        self.stats.replica_checks += 1
+        bad = [r for r, h in enumerate(hashes) if h != hashes[0]]
+        if bad:
+            raise ReplicaMismatchError(
+                f"global parameters differ between workers (ranks {bad} disagree with rank 0 after "
+                f"sync {self.stats.syncs}): the replicas diverged; resume from the last checkpoint")
+
+    # -- checkpoint state ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the engine needs to continue identically (tensors and plain types only).
+
+        Results still in flight are awaited and stored as pending, not applied early, so a
+        resumed run applies them at the same step as an uninterrupted one would.
+        """
+        assert self.transport is not None, "call start() (enter the with block) first"
+        pending = {}
+        for p in sorted(self._pending):
+            pend = self._pending[p]
+            red = self.transport.wait(pend.future)
+            done: Future = Future()
+            done.set_result(red)
+            self._pending[p] = _Pending(done, pend.sent_at, pend.apply_at)
+            pending[str(p)] = {"mean": red.mean.clone(), "valid_workers": red.valid_workers,
+                               "sent_at": pend.sent_at, "apply_at": pend.apply_at}
+        self._collect_replica_check()
+        return {
+            "step": self.step,
+            "fragments": [list(f.names) for f in self._frags],
+            "global": {f.key: f.global_flat.clone() for f in self._frags},
+            "outer": self.outer.state_dict(),
+            "compensation": self.compensation.state_dict() if self.compensation is not None else {},
+            "pending": pending,
+            "left_out": sorted(self._left_out),
+            "nonfinite_streak": self._nonfinite_streak,
+            "stats": {k: v for k, v in self.stats.as_dict().items() if k != "extra"},
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore from ``state_dict()``; call after ``start()``, then load the local model and
+        inner optimizer (the engine's start-up broadcast would otherwise overwrite them)."""
+        if not self._started:
+            raise RuntimeError("load_state_dict needs a started engine: enter the with block first")
+        if sd["fragments"] != [list(f.names) for f in self._frags]:
+            raise ConfigError("the checkpoint's fragments differ from this run's: resume with the "
+                              "same model and fragment settings")
+        with torch.no_grad():
+            for f in self._frags:
+                f.global_flat.copy_(sd["global"][f.key])
+        self.outer.load_state_dict(sd["outer"])
+        if self.compensation is not None and sd["compensation"]:
+            self.compensation.load_state_dict(sd["compensation"])
+        self.step = int(sd["step"])
+        self._pending = {}
+        for p, d in sd["pending"].items():
+            fut: Future = Future()
+            fut.set_result(Reduced(d["mean"], int(d["valid_workers"])))
+            self._pending[int(p)] = _Pending(fut, int(d["sent_at"]), int(d["apply_at"]))
+        self._left_out = set(sd["left_out"])
+        self._nonfinite_streak = int(sd["nonfinite_streak"])
+        for k, v in sd["stats"].items():
+            setattr(self.stats, k, v)
+        # byte and time totals continue from the checkpoint
+        m = self.transport.meter
+        m.payload_bytes, m.sent_bytes, m.received_bytes = (
+            self.stats.payload_bytes, self.stats.bytes_sent, self.stats.bytes_received)
+        m.control_sent_bytes, m.control_received_bytes = (
+            self.stats.control_bytes_sent, self.stats.control_bytes_received)
+        m.blocked_s = self.stats.blocked_s
 
     def _merge(self, frag: _Fragment) -> None:
         alpha = self.config.alpha if self.schedule.overlap > 0 else 0.0
