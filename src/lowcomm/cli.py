@@ -71,8 +71,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .presets import STRATEGIES, preset_config
     from .train.launch import launch
 
+    if args.resume:
+        return _resume(args)
+    if args.strategy is None:
+        raise UsageError("lowcomm train: --strategy is required (or --resume DIR)")
     if args.strategy not in STRATEGIES:
         raise ConfigError(f"unknown strategy '{args.strategy}': choose one of {', '.join(STRATEGIES)}")
+    args.workers = 2 if args.workers_given is None else args.workers_given
     if args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
     values = _values(args)
@@ -86,6 +91,31 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         print(results_table([summary]))
         print(f"summary: {out / 'summary.json'}")
+    return 0
+
+
+def _resume(args: argparse.Namespace) -> int:
+    """`lowcomm train --resume DIR`: continue the newest complete checkpoint of DIR."""
+    from .config import SyncConfig, TrainConfig
+    from .train.launch import find_resume, launch
+
+    last, meta = find_resume(args.resume)
+    run = meta["run"]
+    saved = {**run["sync"], **run["train"]}
+    values = {**saved, **_values(args)}
+    changed = sorted(k for k in values if k in saved and values[k] != saved[k])
+    if changed:
+        print(f"warning: resuming with changed settings {changed}: the run will not match an "
+              f"uninterrupted one", file=sys.stderr)
+    sync_cfg, train_cfg = build_configs(values, sync=SyncConfig(), train=TrainConfig())
+    workers = args.workers_given if args.workers_given is not None else meta["world_size"]
+    print(f"resuming {run['strategy']} from {last} (step {meta['step']}) on {workers} workers", flush=True)
+    summary = launch(run["strategy"], sync_cfg, train_cfg, Path(args.resume), workers, args.port,
+                     name=run.get("name"), resume=str(last))
+    if summary is not None:
+        from .bench.compare import results_table
+
+        print(results_table([summary]))
     return 0
 
 
@@ -139,8 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train one strategy", formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="config keys (key=value or in --config FILE.toml):\n" + help_text())
-    t.add_argument("--strategy", required=True, help="ddp, loco, diloco, streaming, sparseloco or co2")
-    t.add_argument("--workers", type=int, default=2, help="local worker processes (ignored under torchrun)")
+    t.add_argument("--strategy", default=None, help="ddp, loco, diloco, streaming, sparseloco or co2")
+    t.add_argument("--workers", type=int, default=None, dest="workers_given",
+                   help="local worker processes (default 2; ignored under torchrun)")
+    t.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue the run saved in DIR from its newest complete checkpoint")
     t.add_argument("--model", default=None, help="model preset: tiny, small, base, 124m")
     t.add_argument("--steps", type=int, default=None, help="inner steps per worker")
     t.add_argument("--out", default="runs/train", help="output folder")

@@ -34,8 +34,8 @@ class SyncConfig:
     fragment_pattern: str = knob("strided", "How blocks map to fragments: strided (block b -> "
                                             "fragment b mod (P-1)) or sequential (consecutive runs).")
     overlap: int = knob(0, "tau: inner steps a fragment's collective stays in flight before its "
-                           "result is applied. 0 = blocking; tau < H/P; tau = H (with P = 1) is "
-                           "CO2's whole-round overlap.")
+                           "result is applied. 0 = blocking; tau < H/P; -1 (or tau = H, with P = 1) "
+                           "is CO2's whole-round overlap.")
     alpha: float = knob(0.0, "Merge weight after an overlapped sync: theta <- alpha*theta_local + "
                              "(1-alpha)*theta_global. 0 discards the tau local steps, 0.5 averages.")
     codec: str = knob("fp32", "What goes on the wire: fp32|bf16|fp16|int8|int4|int2|fp4|topk|loco.")
@@ -83,8 +83,8 @@ class SyncConfig:
             raise ConfigError(f"fragments (P) must be >= 1, got {self.fragments}")
         if self.blocks_per_fragment < 0:
             raise ConfigError(f"blocks_per_fragment must be >= 0, got {self.blocks_per_fragment}")
-        if self.overlap < 0:
-            raise ConfigError(f"overlap (tau) must be >= 0, got {self.overlap}")
+        if self.overlap < -1:
+            raise ConfigError(f"overlap (tau) must be >= 0, or -1 for a whole round; got {self.overlap}")
         if not 0.0 <= self.alpha <= 1.0:
             raise ConfigError(f"alpha must be in [0, 1], got {self.alpha}")
         if not 0.0 < self.density <= 1.0:
@@ -117,9 +117,14 @@ class SyncConfig:
                               "tensors: use reduce=gather")
         return self
 
+    @property
+    def tau(self) -> int:
+        """The overlap in inner steps, with -1 resolved to a whole round (H)."""
+        return self.sync_every if self.overlap == -1 else self.overlap
+
     def check_schedule(self, n_fragments: int) -> None:
         """Overlap constraints that depend on the resolved number of fragments."""
-        H, tau = self.sync_every, self.overlap
+        H, tau = self.sync_every, self.tau
         if tau == 0:
             return
         if tau == H and n_fragments == 1:

@@ -136,7 +136,7 @@ class LowComm:
         check_fragments(fragments, names)
         cfg.check_schedule(len(fragments))
         self.fragment_names = fragments
-        self.schedule = Schedule(cfg.sync_every, len(fragments), cfg.overlap)
+        self.schedule = Schedule(cfg.sync_every, len(fragments), cfg.tau)
         self._by_name = dict(named)
         self._process_group = process_group
         self._timeout_s = timeout_s
@@ -145,6 +145,7 @@ class LowComm:
         self._pending: dict[int, _Pending] = {}
         self._hook: Any = None
         self.step = 0
+        self.last_sync_step = -1   # the last step at which anything was sent or applied
         self.stats = SyncStats()
         self.transport: Transport | None = None
         self.aggregator: Aggregator | None = None
@@ -266,6 +267,7 @@ class LowComm:
                 for p in sends:
                     if p not in results:  # CO2 round 0: no stale average yet, theta_1 = theta_0
                         self._merge(self._frags[p])
+        self.last_sync_step = step
         if sends:
             self.stats.syncs += 1
             self.stats.fragment_syncs += len(sends)

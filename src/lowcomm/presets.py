@@ -23,22 +23,25 @@ STRATEGY_CONFIGS: dict[str, dict[str, Any]] = {
                       outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9),
     "sparseloco": dict(sync_every=15, codec="topk", density=1 / 64, value_bits=2, reduce="gather",
                        compensation="ef", error_decay=0.95, outer_optimizer="sgd", outer_lr=1.0),
-    "co2": dict(sync_every=48, overlap=48, outer_optimizer="co2", outer_lr=1.0, outer_momentum=0.5,
+    "co2": dict(sync_every=48, overlap=-1, outer_optimizer="co2", outer_lr=1.0, outer_momentum=0.5,
                 staleness_penalty=True, momentum_clip=1.0),
 }
-PER_STEP_STRATEGIES = ("ddp", "loco")
+# Per-step strategies: no outer loop; only the gradient-compression knobs of SyncConfig apply.
+PER_STEP_CONFIGS: dict[str, dict[str, Any]] = {
+    "ddp": dict(sync_every=1),
+    "loco": dict(sync_every=1, codec="loco", compensation="loco", loco_beta=0.8),
+}
+PER_STEP_STRATEGIES = tuple(PER_STEP_CONFIGS)
 STRATEGIES = PER_STEP_STRATEGIES + tuple(STRATEGY_CONFIGS)
 
 
 def preset_config(strategy: str, **overrides: Any) -> SyncConfig:
     """The SyncConfig of a named strategy, with overrides applied and validated."""
     if strategy in PER_STEP_STRATEGIES:
-        return dataclasses.replace(SyncConfig(sync_every=1), **overrides)
+        return SyncConfig(**{**PER_STEP_CONFIGS[strategy], **overrides}).validate()
     if strategy not in STRATEGY_CONFIGS:
         raise ConfigError(f"unknown strategy '{strategy}': choose one of {', '.join(STRATEGIES)}")
     base = dict(STRATEGY_CONFIGS[strategy])
-    if "overlap" not in overrides and strategy == "co2" and "sync_every" in overrides:
-        base["overlap"] = int(overrides["sync_every"])  # CO2 overlaps a whole round
     base.update(overrides)
     return SyncConfig(**base).validate()
 

@@ -43,12 +43,13 @@ def check_port(port: int) -> None:
             raise ConfigError(f"port {port} is in use: pass another --port or omit it to pick a free one") from None
 
 
-def _entry(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str, name: str | None) -> Any:
+def _entry(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str, name: str | None,
+           resume: str | None) -> Any:
     os.environ["LOWCOMM_LAUNCHED"] = "1"
     from .loop import run_worker
 
     try:
-        return run_worker(strategy, sync_cfg, cfg, out_dir, name)
+        return run_worker(strategy, sync_cfg, cfg, out_dir, name, resume)
     except (ConfigError, FileNotFoundError) as e:
         # a user error found inside a worker: one line, status 2, no traceback
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -56,12 +57,16 @@ def _entry(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str, 
 
 
 def launch(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str | Path,
-           workers: int, port: int | None = None, name: str | None = None) -> dict[str, Any] | None:
-    """Run a training job; returns rank 0's summary (None on other ranks under torchrun)."""
+           workers: int, port: int | None = None, name: str | None = None,
+           resume: str | None = None) -> dict[str, Any] | None:
+    """Run a training job; returns rank 0's summary (None on other ranks under torchrun).
+
+    ``resume`` is a checkpoint folder (from :func:`find_resume`) to continue from.
+    """
     if under_torchrun():
         from .loop import run_worker
 
-        return run_worker(strategy, sync_cfg, cfg, out_dir, name)
+        return run_worker(strategy, sync_cfg, cfg, out_dir, name, resume)
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {workers}")
     if port is not None:
@@ -76,7 +81,7 @@ def launch(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str |
                       rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port or free_port()}",
                       max_restarts=0, monitor_interval=0.2, start_method="spawn")
     try:
-        results = elastic_launch(lc, _entry)(strategy, sync_cfg, cfg, str(out_dir), name)
+        results = elastic_launch(lc, _entry)(strategy, sync_cfg, cfg, str(out_dir), name, resume)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         msg = failure.message
@@ -84,5 +89,39 @@ def launch(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str |
             msg = msg.get("message", msg)
         if failure.exitcode == 2:
             raise LaunchError(f"worker {rank} stopped on a user error (above)", 2) from None
-        raise LaunchError(f"worker {rank} failed (exit code {failure.exitcode}): {msg}") from None
+        raise LaunchError(f"worker {rank} (pid {failure.pid}) was lost (exit code {failure.exitcode}): "
+                          f"{msg}; the other workers were stopped. {_last_checkpoint_hint(out_dir)}") from None
     return results.get(0)
+
+
+def _last_checkpoint_hint(out_dir: str | Path) -> str:
+    from .. import checkpoint as ckpt
+
+    try:
+        last = ckpt.latest_complete(Path(out_dir), checksums=False)
+    except Exception:  # the hint must never hide the real failure
+        last = None
+    if last is None:
+        return "No checkpoint was written (set checkpoint_every=N to make runs resumable)."
+    return f"Last checkpoint: {last} (continue with `lowcomm train --resume {out_dir}`)."
+
+
+def find_resume(run_dir: str | Path) -> tuple[Path, dict[str, Any]]:
+    """The newest complete checkpoint of a run folder and its saved run config, or ConfigError."""
+    import warnings
+
+    from .. import checkpoint as ckpt
+
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise ConfigError(f"--resume {run}: no such run folder")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        last = ckpt.latest_complete(run)
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
+    if last is None:
+        raise ConfigError(f"--resume {run}: no complete checkpoint in {run / 'checkpoints'} "
+                          f"(runs write them with checkpoint_every=N)")
+    meta = ckpt.read_meta(last)
+    return last, meta

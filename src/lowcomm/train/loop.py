@@ -23,9 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .. import checkpoint as ckpt
 from ..config import ConfigError, SyncConfig, TrainConfig
 from ..engine import LowComm
-from ..loco import GradReduceState, allreduce_hook
+from ..loco import GradReduceState, LoCoState, allreduce_hook, loco_hook
 from ..presets import PER_STEP_STRATEGIES
 from ..transport import Transport
 from .data import Batches, load_corpus, val_batches
@@ -92,8 +93,11 @@ class _Clock:
 
 
 def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str | Path,
-               name: str | None = None) -> dict[str, Any] | None:
-    """Train on this process's rank; returns the summary on rank 0 (None elsewhere)."""
+               name: str | None = None, resume: str | None = None) -> dict[str, Any] | None:
+    """Train on this process's rank; returns the summary on rank 0 (None elsewhere).
+
+    ``resume`` names a checkpoint folder to continue from (see :func:`restore`).
+    """
     device = resolve_device(cfg.device)
     if device.type == "cpu":
         torch.set_num_threads(cfg.threads)
@@ -102,8 +106,6 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
     out = Path(out_dir)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-    if cfg.checkpoint_every:
-        raise ConfigError("checkpoint_every is not implemented yet: leave it at 0")
 
     corpus = load_corpus(cfg.data)
     torch.manual_seed(cfg.seed)
@@ -122,8 +124,6 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
     hook_state: GradReduceState | None = None
     engine: LowComm | None = None
     train_model: nn.Module = model
-    if strategy == "loco":
-        raise ConfigError("strategy loco is not implemented yet: use ddp, diloco or sparseloco")
     if per_step:
         grad_transport = Transport(dist.new_group(backend=dist.get_backend()))
         # our own metered broadcast of the initial weights (DDP's would go uncounted)
@@ -136,8 +136,15 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
         train_model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None,
             process_group=grad_transport.group, **ddp_kw)
-        hook_state = GradReduceState(grad_transport)
-        train_model.register_comm_hook(hook_state, allreduce_hook)
+        if strategy == "loco":
+            hook_state = LoCoState(model, grad_transport, bits=cfg.loco_bits, beta=sync_cfg.loco_beta,
+                                   group_size=sync_cfg.codec_block, reset_every=sync_cfg.loco_reset_every,
+                                   reduce=sync_cfg.reduce if sync_cfg.reduce in ("gather", "two-phase") else "auto",
+                                   compensate=sync_cfg.compensation == "loco")
+            train_model.register_comm_hook(hook_state, loco_hook)
+        else:
+            hook_state = GradReduceState(grad_transport)
+            train_model.register_comm_hook(hook_state, allreduce_hook)
     else:
         engine = LowComm(model, opt, sync_cfg, timeout_s=cfg.timeout_s, comm_delay_s=cfg.comm_delay_s)
 
@@ -166,7 +173,12 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
         control.all_reduce(total, control=True)
         return float(total[0] / max(total[1], 1))
 
-    metrics_f = open(out / "metrics.jsonl", "w") if rank == 0 else None
+    start_step = 1
+    resumed: dict[str, Any] | None = None
+    if resume is not None:
+        resumed = ckpt.load_rank_state(Path(resume), rank if _same_world(resume, world) else 0)
+        start_step = int(resumed["step"]) + 1
+    metrics_f = _open_metrics(out, rank, start_step)
     tokens_per_step = cfg.batch_size * cfg.seq_len * world
     bar = None
     if rank == 0 and cfg.progress:
@@ -180,9 +192,17 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
 
     val_loss = float("nan")
     loss_sum = torch.zeros(2, dtype=torch.float64)
+    pending_ckpt = False  # a checkpoint is due: taken at the next sync boundary
+    run_cfg = {"strategy": strategy, "name": name, "sync": dataclasses.asdict(sync_cfg),
+               "train": dataclasses.asdict(cfg)}
     with (engine if engine is not None else contextlib.nullcontext()):
         clock = _Clock()  # the loop starts after the engine's start-up broadcast
-        for step in range(1, cfg.steps + 1):
+        if resumed is not None:
+            restore(resumed, _same_world(resume, world), model, opt, sched, batches, engine,
+                    hook_state, clock)
+            if bar is not None:
+                bar.update(start_step - 1)
+        for step in range(start_step, cfg.steps + 1):
             t_step = time.perf_counter()
             blocked0 = engine.transport.meter.blocked_s if engine is not None else 0.0
             x, y = batches.next()
@@ -225,6 +245,11 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
                 val_loss = evaluate()
                 record = record or {"step": step, "tokens": step * tokens_per_step}
                 record["val_loss"] = val_loss
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                pending_ckpt = True
+            if pending_ckpt and (engine is None or engine.last_sync_step == step):
+                save_checkpoint(out, step, run_cfg, model, opt, sched, batches, engine, hook_state, clock)
+                pending_ckpt = False
             if record is not None:
                 log(record)
                 if bar is not None:
@@ -279,12 +304,100 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
             "torch_version": torch.__version__, "git_rev": git_rev(),
             "device": str(device),
         }
+        # the trained model: the global parameters, identical on every worker
+        torch.save({k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, out / "model.pt")
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         metrics_f.close()
         with contextlib.suppress(FileNotFoundError):
             (out / "workers.json").unlink()
     dist.barrier()
     return summary
+
+
+def _same_world(resume: str | None, world: int) -> bool:
+    return resume is not None and ckpt.read_meta(Path(resume))["world_size"] == world
+
+
+def _open_metrics(out: Path, rank: int, start_step: int):
+    """Rank 0's metrics.jsonl; on resume, records after the checkpoint are dropped, then appended to."""
+    if rank != 0:
+        return None
+    path = out / "metrics.jsonl"
+    if start_step > 1 and path.exists():
+        keep = [line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) < start_step and not json.loads(line).get("final")]
+        path.write_text("".join(line + "\n" for line in keep))
+        return open(path, "a")
+    return open(path, "w")
+
+
+def save_checkpoint(out: Path, step: int, run_cfg: dict[str, Any], model: nn.Module,
+                    opt: torch.optim.Optimizer, sched: Any, batches: Batches, engine: LowComm | None,
+                    hook_state: GradReduceState | None, clock: "_Clock") -> Path:
+    """Every rank writes its state; rank 0 marks the checkpoint complete and prunes old ones.
+
+    Taken at a sync boundary: the engine's in-flight results are awaited and stored as pending.
+    """
+    t0 = time.perf_counter()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    d = ckpt.checkpoint_dir(out, step)
+    state = {
+        "step": step,
+        "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "data": batches.state_dict(),
+        "rng": ckpt.rng_state(),
+        "engine": engine.state_dict() if engine is not None else {},
+        "hook": hook_state.state_dict() if isinstance(hook_state, LoCoState) else {},
+        "clock": {"compute": clock.compute, "blocked_extra": clock.blocked_extra, "wall": clock.wall()},
+    }
+    sha = ckpt.save_rank_state(d, rank, state)
+    shas: list[Any] = [None] * world
+    dist.all_gather_object(shas, sha)
+    if rank == 0:
+        ckpt.finalize(d, step=step, world_size=world, checksums=shas, config=run_cfg, extra={"run": run_cfg})
+        ckpt.prune(out, keep=3, checksums=False)
+    dist.barrier()
+    clock.excluded += time.perf_counter() - t0  # checkpointing is not training time
+    return d
+
+
+def restore(state: dict[str, Any], same_world: bool, model: nn.Module, opt: torch.optim.Optimizer,
+            sched: Any, batches: Batches, engine: LowComm | None, hook_state: GradReduceState | None,
+            clock: "_Clock") -> None:
+    """Load a checkpoint into a started run.
+
+    Same number of workers: everything, so the run continues bit-identically on CPU.
+    A different number: the global parameters, outer optimizer state, step counter and LR
+    schedule carry over; every worker starts from the global parameters with fresh inner
+    optimizer state and error buffers, on its new data shard; results in flight are dropped.
+    """
+    sched.load_state_dict(state["scheduler"])
+    batches.load_state_dict(state["data"])
+    if same_world:
+        if engine is not None:
+            engine.load_state_dict(state["engine"])
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        if isinstance(hook_state, LoCoState) and state["hook"]:
+            hook_state.load_state_dict(state["hook"])
+        ckpt.set_rng_state(state["rng"])
+        clock.compute = state["clock"]["compute"]
+        clock.blocked_extra = state["clock"]["blocked_extra"]
+        clock.t0 -= state["clock"]["wall"]
+        return
+    if engine is not None:
+        sd = dict(state["engine"], pending={}, compensation={}, left_out=[])
+        engine.load_state_dict(sd)
+        with torch.no_grad():
+            for name, value in engine.global_state().items():
+                dict(model.named_parameters())[name].copy_(value)
+    else:
+        model.load_state_dict(state["model"])
+    # keep the schedule's position: AdamW's per-parameter moments are per worker and start fresh
+    for group, saved in zip(opt.param_groups, state["optimizer"]["param_groups"]):
+        group["lr"] = saved["lr"]
 
 
 def _write_workers_json(out: Path, rank: int) -> None:
