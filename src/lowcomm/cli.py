@@ -124,9 +124,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     if args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+    bandwidths = None
     if args.bandwidth or args.bandwidths:
-        raise ConfigError("--bandwidth/--bandwidths (shaped networks) are not available in this "
-                          "version yet: run without them on the local link")
+        from .bench.netshape import NetworkUnavailable, check_prerequisites, parse_rate
+
+        bandwidths = [b.strip() for b in (args.bandwidths or args.bandwidth).split(",") if b.strip()]
+        for b in bandwidths:
+            try:
+                parse_rate(b)
+            except ValueError as e:
+                raise ConfigError(f"--bandwidth {b}: {e}") from None
+        try:
+            check_prerequisites()
+        except NetworkUnavailable as e:
+            raise ConfigError(f"shaped networks unavailable: {e}") from None
     entries = parse_entries(args.strategies)
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -137,7 +148,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     _check_model(train_cfg.model)
     _check_data(train_cfg.data)
     out = _check_out_dir(args.out)
-    results = run_compare(entries, values, args.workers, seeds or [0], out, args.port)
+    results = run_compare(entries, values, args.workers, seeds or [0], out, args.port,
+                          bandwidths=bandwidths, topology=args.topology)
     print()
     print(results_table(results))
     print(f"\nresults: {out / 'results.md'}, {out / 'results.json'}; plots: {out}/loss_vs_*.png")

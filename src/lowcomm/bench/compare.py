@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, build_configs
 from ..presets import STRATEGIES, preset_config
-from ..train.launch import launch
+from ..train.launch import LaunchError, launch
 
 
 @dataclass
@@ -52,31 +55,87 @@ def parse_entries(spec: str) -> list[Entry]:
 
 
 def run_compare(entries: list[Entry], common: dict[str, Any], workers: int, seeds: list[int],
-                out_dir: Path, port: int | None = None) -> list[dict[str, Any]]:
-    """Run every entry for every seed, one after another; write results.json/.md and plots."""
+                out_dir: Path, port: int | None = None, bandwidths: list[str] | None = None,
+                topology: str = "shared") -> list[dict[str, Any]]:
+    """Run every entry for every seed (and bandwidth), one after another.
+
+    Writes results.json, results.md and the plots. With ``bandwidths``, each run's workers sit
+    behind a kernel-shaped link (see :mod:`lowcomm.bench.netshape`), set up and checked once per
+    bandwidth and torn down after it.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     # validate every configuration before spending minutes on the first run
     plans = []
     for seed in seeds:
         for e in entries:
             values = {**common, **e.overrides, "seed": seed}
-            sync_keys = {k: v for k, v in values.items()}
-            sync_cfg, train_cfg = build_configs(sync_keys, sync=preset_config(e.strategy))
-            name = e.name if len(seeds) == 1 else f"{e.name}-seed{seed}"
-            plans.append((e, name, sync_cfg, train_cfg))
+            sync_cfg, train_cfg = build_configs(values, sync=preset_config(e.strategy))
+            plans.append((e, seed, values, sync_cfg, train_cfg))
     results: list[dict[str, Any]] = []
-    for e, name, sync_cfg, train_cfg in plans:
-        print(f"[compare] {name}: {e.strategy}, {workers} workers, {train_cfg.steps} steps", flush=True)
-        summary = launch(e.strategy, sync_cfg, train_cfg, out_dir / name, workers, port, name=name)
-        if summary is None:
-            continue
-        summary["entry"] = e.name
-        results.append(summary)
-        (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    for bw in bandwidths or [None]:
+        net = None
+        if bw is not None:
+            from .netshape import ShapedNetwork
+
+            net = ShapedNetwork(bw, topology=topology, workers=workers)
+            net.__enter__()
+            print(f"[compare] link {bw} ({topology}): measured {net.measured_mbit:.1f} Mbit/s", flush=True)
+        try:
+            for e, seed, values, sync_cfg, train_cfg in plans:
+                name = e.name + (f"-{bw}" if bw else "") + (f"-seed{seed}" if len(seeds) > 1 else "")
+                print(f"[compare] {name}: {e.strategy}, {workers} workers, {train_cfg.steps} steps", flush=True)
+                if net is None:
+                    summary = launch(e.strategy, sync_cfg, train_cfg, out_dir / name, workers, port, name=name)
+                else:
+                    summary = launch_shaped(net, e.strategy, values, out_dir / name, name)
+                    summary.update(bandwidth=bw, topology=topology, measured_link_mbit=net.measured_mbit)
+                    (out_dir / name / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+                if summary is None:
+                    continue
+                summary["entry"] = e.name
+                results.append(summary)
+                (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        finally:
+            if net is not None:
+                net.close()
     table = results_table(results)
     (out_dir / "results.md").write_text(table + "\n")
     plot_results(results, out_dir)
     return results
+
+
+def launch_shaped(net: Any, strategy: str, values: dict[str, Any], out_dir: Path, name: str) -> dict[str, Any]:
+    """Start each worker in its namespace (torchrun-style env), one core each; rank 0's summary.
+
+    One code path for both topologies: in ``shared`` every rank's namespace is the same one.
+    """
+    argv = [sys.executable, "-m", "lowcomm.cli", "train", "--strategy", strategy, "--out", str(out_dir),
+            *[f"{k}={v}" for k, v in values.items()], "progress=false"]
+    cores = os.cpu_count() or 1
+    procs = []
+    for rank in range(net.workers):
+        env = {**os.environ, **net.env(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(net.workers)}
+        env.pop("LOWCOMM_LAUNCHED", None)
+        cmd = net.command(rank, ["taskset", "-c", str(rank % cores), *argv])
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL if rank else None))
+    codes = [None] * len(procs)
+    try:
+        while any(c is None for c in codes):
+            for r, p in enumerate(procs):
+                if codes[r] is None:
+                    try:
+                        codes[r] = p.wait(timeout=0.5)
+                    except subprocess.TimeoutExpired:
+                        continue
+                    if codes[r] != 0:
+                        raise LaunchError(f"{name}: worker {r} failed with exit code {codes[r]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+    summary = json.loads((out_dir / "summary.json").read_text())
+    summary["name"] = name
+    return summary
 
 
 def _fmt_bytes(n: float) -> str:
