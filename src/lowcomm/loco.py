@@ -109,7 +109,7 @@ def loco_hook(state: LoCoState, bucket: dist.GradBucket) -> torch.futures.Future
 
     def done(f) -> None:
         try:
-            buf.copy_(f.result().view_as(buf))
+            buf.copy_(f.result().mean.view_as(buf))
             result.set_result(buf)
         except Exception as e:  # surface the failure in backward, not on the comm thread
             result.set_exception(e)

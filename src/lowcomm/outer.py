@@ -86,6 +86,8 @@ class OuterCO2(OuterOptimizer):
         self.lr, self.momentum, self.penalty = lr, momentum, penalty
         self.clip, self.clip_mode = clip, clip_mode
         self.last_penalty: torch.Tensor | None = None  # for inspection and tests
+        self.clipped_elements = 0  # momentum entries the clip changed, summed over steps
+        self.penalized_elements = 0  # entries damped by the penalty (Lambda < 1)
 
     def step(self, key: str, global_params: torch.Tensor, pseudo_grad: torch.Tensor) -> None:
         st = self.state.setdefault(key, {})
@@ -98,6 +100,7 @@ class OuterCO2(OuterOptimizer):
         g = pseudo_grad
         if self.penalty and int(st["steps"]) > 0:
             lam = gap_aware_penalty(last.abs(), C)
+            self.penalized_elements += int((lam < 1).sum())
             g = g * lam
             self.last_penalty = lam
         else:
@@ -105,10 +108,12 @@ class OuterCO2(OuterOptimizer):
         m.mul_(self.momentum).add_(g)
         if self.clip > 0:
             if self.clip_mode == "element":
+                self.clipped_elements += int((m.abs() > self.clip).sum())
                 m.clamp_(-self.clip, self.clip)  # in place: the public CO2 code dropped the result
             else:
                 norm = float(m.norm())
                 if norm > self.clip:
+                    self.clipped_elements += m.numel()
                     m.mul_(self.clip / norm)
         last.copy_(m).mul_(self.lr)
         global_params.sub_(last)

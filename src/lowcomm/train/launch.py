@@ -89,8 +89,10 @@ def launch(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str |
             msg = msg.get("message", msg)
         if failure.exitcode == 2:
             raise LaunchError(f"worker {rank} stopped on a user error (above)", 2) from None
-        raise LaunchError(f"worker {rank} (pid {failure.pid}) was lost (exit code {failure.exitcode}): "
-                          f"{msg}; the other workers were stopped. {_last_checkpoint_hint(out_dir)}") from None
+        what = (f"was lost (killed by signal {-failure.exitcode})" if failure.exitcode < 0
+                else f"failed (exit code {failure.exitcode})")
+        raise LaunchError(f"worker {rank} (pid {failure.pid}) {what}: {msg}; the other workers were "
+                          f"stopped. {_last_checkpoint_hint(out_dir)}") from None
     return results.get(0)
 
 

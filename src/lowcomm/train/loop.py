@@ -295,8 +295,9 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
             "ddp_fp32_bytes_per_worker": int(cfg.steps * 2 * (m - 1) / m * 4 * n_params),
             "control_bytes_per_worker": int(control_sent),
             "syncs": engine.stats.syncs if engine is not None else cfg.steps,
+            # per-step strategies send every step: their "sync" is one step's traffic
             "peak_bytes_per_sync": (engine.stats.peak_bytes_per_sync if engine is not None
-                                    else int(2 * (m - 1) / m * 4 * n_params)),
+                                    else int(sent / cfg.steps)),
             "wall_s": wall, "compute_s": compute, "blocked_s": blocked,
             "compute_utilization": compute / wall if wall > 0 else 0.0,
             "step_compute_s": compute / cfg.steps,
@@ -304,6 +305,10 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
             "torch_version": torch.__version__, "git_rev": git_rev(),
             "device": str(device),
         }
+        if engine is not None:
+            for key in ("clipped_elements", "penalized_elements"):
+                if hasattr(engine.outer, key):
+                    summary[f"outer_{key}"] = getattr(engine.outer, key)
         # the trained model: the global parameters, identical on every worker
         torch.save({k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, out / "model.pt")
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
