@@ -1,0 +1,127 @@
+"""The common 16-byte payload header and the checks every decoder runs on untrusted bytes.
+
+Header (little-endian), at byte 0 of every payload::
+
+    0..1   magic  b"LC"
+    2      format version (1)
+    3      codec id (CODEC_IDS)
+    4..7   uint32 codec parameter (block size for int-k / fp4, k per chunk for top-k,
+           value bits for the lookup codec, 0 for dense)
+    8..15  uint64 number of elements
+
+Sections after the header start at 4-byte aligned offsets so they can be viewed as fp32.
+Multi-byte fields are little-endian (x86, ARM and CUDA devices all are).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import sys
+
+import torch
+
+from .base import PayloadError
+
+if sys.byteorder != "little":  # pragma: no cover - no big-endian torch platform in use
+    raise ImportError("lowcomm codecs assume a little-endian host")
+
+HEADER_BYTES = 16
+MAGIC = b"LC"
+VERSION = 1
+CODEC_IDS = {"fp32": 1, "bf16": 2, "fp16": 3, "int8": 4, "int4": 5, "int2": 6, "fp4": 7,
+             "topk": 8, "lut": 9}
+_ID_NAMES = {v: k for k, v in CODEC_IDS.items()}
+_STRUCT = struct.Struct("<2sBBIQ")
+
+#: elements per chunk of the CPU encode/decode loops: big enough to amortise the Python
+#: overhead, small enough that the temporaries stay in cache (1 MiB of fp32).
+CPU_CHUNK = 1 << 18
+#: on accelerators a chunk only bounds the temporaries' memory
+DEVICE_CHUNK = 1 << 24
+
+
+def chunk_elems(device: torch.device) -> int:
+    return CPU_CHUNK if device.type == "cpu" else DEVICE_CHUNK
+
+
+def numel_of(shape) -> int:
+    return math.prod(tuple(shape))
+
+
+def write_header(payload: torch.Tensor, codec: str, param: int, numel: int) -> None:
+    raw = _STRUCT.pack(MAGIC, VERSION, CODEC_IDS[codec], param, numel)
+    payload[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+
+
+def check_payload(
+    payload: torch.Tensor,
+    *,
+    name: str,
+    codec: str,
+    describe: str,
+    expected_nbytes: int,
+    param: int,
+    numel: int,
+    shape,
+) -> torch.Tensor:
+    """Validate size and header; return the payload, copied if its start is misaligned."""
+    if not isinstance(payload, torch.Tensor):
+        raise PayloadError(f"{name}: payload is a {type(payload).__name__}, expected a uint8 tensor")
+    if payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise PayloadError(
+            f"{name}: payload must be a 1-D uint8 tensor, got {payload.dtype} of shape "
+            f"{tuple(payload.shape)}"
+        )
+    n = payload.numel()
+    if n != expected_nbytes:
+        raise PayloadError(
+            f"{name}: payload has {n} bytes, expected {expected_nbytes} for shape "
+            f"{tuple(shape)} with codec {describe}"
+        )
+    if not payload.is_contiguous() or payload.data_ptr() % 16:
+        payload = payload.contiguous() if not payload.is_contiguous() else payload.clone()
+        if payload.data_ptr() % 16:  # pragma: no cover - allocators align far more
+            payload = payload.clone()
+    magic, version, cid, got_param, got_numel = _STRUCT.unpack(
+        bytes(payload[:HEADER_BYTES].tolist())
+    )
+    if magic != MAGIC:
+        raise PayloadError(f"{name}: bad magic {magic!r} (expected {MAGIC!r}): not a lowcomm payload")
+    if version != VERSION:
+        raise PayloadError(f"{name}: payload format version {version}, this build reads {VERSION}")
+    if cid != CODEC_IDS[codec]:
+        raise PayloadError(
+            f"{name}: payload was encoded with codec {_ID_NAMES.get(cid, f'id {cid}')}, "
+            f"decoding with {describe}"
+        )
+    if got_param != param:
+        raise PayloadError(
+            f"{name}: header parameter {got_param} does not match {describe} (expected {param})"
+        )
+    if got_numel != numel:
+        raise PayloadError(
+            f"{name}: header says {got_numel} elements, shape {tuple(shape)} has {numel}"
+        )
+    return payload
+
+
+def check_finite_scales(scales: torch.Tensor, name: str, what: str = "scale") -> None:
+    """Scales must be finite and non-negative (one host sync)."""
+    if scales.numel() and not bool((torch.isfinite(scales) & (scales >= 0)).all()):
+        bad = scales[~(torch.isfinite(scales) & (scales >= 0))][:3].tolist()
+        raise PayloadError(f"{name}: invalid {what} (NaN, inf or negative): {bad}")
+
+
+def check_finite(values: torch.Tensor, name: str, what: str) -> None:
+    if values.numel() and not bool(torch.isfinite(values).all()):
+        raise PayloadError(f"{name}: non-finite {what}: {values[:8].tolist()}")
+
+
+def as_float_input(x: torch.Tensor) -> torch.Tensor:
+    """Flat fp32 view (or copy) of a float tensor to encode."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"codecs encode floating-point tensors, got {x.dtype}")
+    return x.detach().reshape(-1).to(torch.float32)

@@ -1,0 +1,246 @@
+"""Error compensation: what a lossy codec dropped is kept locally and sent later.
+
+Two rules, each holding one buffer per parameter, keyed by the parameter's name:
+
+- ``ErrorFeedback`` (SparseLoCo, ALGORITHMS.md §3 steps 1 and 4)::
+
+      e <- beta * e + x          accumulate(key, x) -> e   (encode and send C(e))
+      e <- e - D(C(e))           subtract(key, decoded)
+
+- ``MovingAverageCompensation`` (LoCo, ALGORITHMS.md §5)::
+
+      h = g + e                                  compensate(key, g) -> h   (send C(h))
+      e <- beta * e + (1 - beta) * (h - D(C(h)))  update(key, h, decoded)
+
+  ``beta = 0`` is plain error feedback on the last step only. ``step()`` counts optimizer
+  steps and zeroes every buffer each ``reset_every`` steps (0: never); ``reset()`` zeroes them
+  at once (LoCo drops its errors after a loss-scale overflow).
+
+Storage. Buffers live on ``device`` (``"cpu"`` keeps them off the accelerator) in ``dtype``:
+``torch.float32``, ``torch.bfloat16``, or ``torch.int8`` (a per-tensor absmax scale,
+``e ~ q * scale / 127`` with round-to-nearest; LoCo's memory-saving option). Arithmetic is
+always FP32 on the device of the incoming tensor; the buffer is rounded to the storage dtype
+when written back. Between ``accumulate`` and ``subtract`` the FP32 ``e`` that was returned is
+kept (with FP32 storage on the same device it *is* the stored buffer: the caller must not
+modify it), so the residual ``e - D(C(e))`` is computed
+from exactly what was encoded rather than from its rounded copy.
+
+``state_dict()`` holds only tensors, strings and numbers, so it loads with
+``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, str):
+        key = {"fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype)
+        if key not in _DTYPES:
+            raise ValueError(f"compensation storage dtype must be one of fp32, bf16, int8; got {dtype!r}")
+        return _DTYPES[key]
+    if dtype not in _NAMES:
+        raise ValueError(f"compensation storage dtype must be float32, bfloat16 or int8; got {dtype}")
+    return dtype
+
+
+class _BufferStore:
+    """Named buffers in a storage dtype (int8 with a per-tensor scale) on a chosen device."""
+
+    def __init__(self, dtype: torch.dtype | str, device: torch.device | str) -> None:
+        self.dtype = _as_dtype(dtype)
+        self.device = torch.device(device)
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.scales: dict[str, torch.Tensor] = {}  # int8 only: fp32 0-d absmax / 127
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.buffers
+
+    def get(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        """The buffer as FP32 on ``like``'s device (zeros, shaped like ``like``, if absent)."""
+        buf = self.buffers.get(key)
+        if buf is None:
+            return torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+        if buf.shape != like.shape:
+            raise ValueError(f"compensation buffer {key!r} has shape {tuple(buf.shape)}, "
+                             f"got a tensor of shape {tuple(like.shape)}")
+        out = buf.to(device=like.device, dtype=torch.float32, copy=True)  # never an alias
+        if self.dtype == torch.int8:
+            out.mul_(self.scales[key].to(like.device))
+        return out
+
+    def put(self, key: str, value: torch.Tensor) -> None:
+        """Store an FP32 value, rounding it to the storage dtype."""
+        value = value.detach()
+        if self.dtype == torch.int8:
+            absmax = value.abs().amax() if value.numel() else value.new_zeros(())
+            scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+            q = torch.round(value / scale).clamp_(-127, 127).to(torch.int8)
+            self.buffers[key] = q.to(self.device)
+            self.scales[key] = scale.to(device=self.device, dtype=torch.float32)
+        else:
+            # callers hand over fresh tensors: keep them as they are when nothing changes
+            self.buffers[key] = value.to(device=self.device, dtype=self.dtype)
+
+    def zero(self) -> None:
+        for buf in self.buffers.values():
+            buf.zero_()
+
+    def clear(self) -> None:
+        self.buffers.clear()
+        self.scales.clear()
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "dtype": _NAMES[self.dtype],
+            "buffers": {k: v.clone() for k, v in self.buffers.items()},
+            "scales": {k: v.clone() for k, v in self.scales.items()},
+        }
+
+    def load(self, state: dict[str, Any]) -> None:
+        dtype = _as_dtype(state["dtype"])
+        if dtype != self.dtype:
+            raise ValueError(f"state holds {state['dtype']} buffers, this compensation stores "
+                             f"{_NAMES[self.dtype]}")
+        self.buffers = {str(k): v.to(self.device) for k, v in state["buffers"].items()}
+        self.scales = {str(k): v.to(self.device) for k, v in state.get("scales", {}).items()}
+        if self.dtype == torch.int8 and set(self.scales) != set(self.buffers):
+            raise ValueError("int8 compensation state lacks a scale for some buffers")
+
+
+class ErrorFeedback:
+    """SparseLoCo's error feedback: ``e <- beta e + x``; send ``C(e)``; ``e <- e - D(C(e))``."""
+
+    def __init__(self, beta: float, dtype: torch.dtype | str = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"error decay beta must be in [0, 1], got {beta}")
+        self.beta = float(beta)
+        self._store = _BufferStore(dtype, device)
+        self._pending: dict[str, torch.Tensor] = {}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._store.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._store.device
+
+    def keys(self) -> list[str]:
+        return list(self._store.buffers)
+
+    def buffer(self, key: str) -> torch.Tensor | None:
+        """The stored error for ``key`` as FP32 on the storage device (None if absent)."""
+        if key not in self._store:
+            return None
+        return self._store.get(key, self._store.buffers[key].to(torch.float32))
+
+    def accumulate(self, key: str, x: torch.Tensor) -> torch.Tensor:
+        """``e <- beta e + x``; returns ``e`` in FP32 on ``x``'s device (encode this)."""
+        e = self._store.get(key, x)
+        e.mul_(self.beta).add_(x.detach().to(torch.float32))
+        self._store.put(key, e)
+        self._pending[key] = e
+        return e
+
+    def subtract(self, key: str, sent_decoded: torch.Tensor) -> None:
+        """``e <- e - D(C(e))`` with ``sent_decoded`` what peers decode of the sent ``e``."""
+        e = self._pending.pop(key, None)
+        if e is None:
+            if key not in self._store:
+                raise KeyError(f"no error buffer for {key!r}: call accumulate first")
+            e = self._store.get(key, sent_decoded)
+        if e.shape != sent_decoded.shape:
+            raise ValueError(f"decoded tensor for {key!r} has shape {tuple(sent_decoded.shape)}, "
+                             f"error buffer has {tuple(e.shape)}")
+        self._store.put(key, e - sent_decoded.to(device=e.device, dtype=torch.float32))
+
+    def reset(self) -> None:
+        """Zero every buffer."""
+        self._store.zero()
+        self._pending.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": "error_feedback", "beta": self.beta, **self._store.state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") != "error_feedback":
+            raise ValueError(f"not an ErrorFeedback state (kind={state.get('kind')!r})")
+        self.beta = float(state["beta"])
+        self._store.load(state)
+        self._pending.clear()
+
+
+class MovingAverageCompensation:
+    """LoCo: ``h = g + e``; send ``C(h)``; ``e <- beta e + (1 - beta)(h - D(C(h)))``."""
+
+    def __init__(self, beta: float, dtype: torch.dtype | str = torch.float32,
+                 device: torch.device | str = "cpu", reset_every: int = 0) -> None:
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"LoCo beta must be in [0, 1], got {beta}")
+        if reset_every < 0:
+            raise ValueError(f"reset_every must be >= 0 (0 = never), got {reset_every}")
+        self.beta = float(beta)
+        self.reset_every = int(reset_every)
+        self.steps = 0
+        self._store = _BufferStore(dtype, device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._store.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._store.device
+
+    def keys(self) -> list[str]:
+        return list(self._store.buffers)
+
+    def buffer(self, key: str) -> torch.Tensor | None:
+        if key not in self._store:
+            return None
+        return self._store.get(key, self._store.buffers[key].to(torch.float32))
+
+    def compensate(self, key: str, g: torch.Tensor) -> torch.Tensor:
+        """``h = g + e`` in FP32 on ``g``'s device (encode this)."""
+        h = self._store.get(key, g)
+        return h.add_(g.detach().to(torch.float32))
+
+    def update(self, key: str, h: torch.Tensor, decoded: torch.Tensor) -> None:
+        """``e <- beta e + (1 - beta)(h - decoded)``."""
+        if h.shape != decoded.shape:
+            raise ValueError(f"decoded tensor for {key!r} has shape {tuple(decoded.shape)}, "
+                             f"compensated tensor has {tuple(h.shape)}")
+        e = self._store.get(key, h)
+        err = h.detach().to(torch.float32) - decoded.to(device=h.device, dtype=torch.float32)
+        e.mul_(self.beta).add_(err, alpha=1.0 - self.beta)
+        self._store.put(key, e)
+
+    def step(self) -> None:
+        """Count one optimizer step; zero all buffers every ``reset_every`` steps."""
+        self.steps += 1
+        if self.reset_every and self.steps % self.reset_every == 0:
+            self.reset()
+
+    def reset(self) -> None:
+        """Zero every buffer (e.g. after a loss-scale overflow)."""
+        self._store.zero()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": "loco", "beta": self.beta, "reset_every": self.reset_every,
+                "steps": self.steps, **self._store.state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") != "loco":
+            raise ValueError(f"not a MovingAverageCompensation state (kind={state.get('kind')!r})")
+        self.beta = float(state["beta"])
+        self.reset_every = int(state["reset_every"])
+        self.steps = int(state["steps"])
+        self._store.load(state)
