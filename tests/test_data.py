@@ -52,21 +52,26 @@ def test_stdlib_split_by_file(stdlib: Corpus) -> None:
 
 
 def _starts_in_shard(b: Batches, step: int) -> None:
-    lo, hi = b.shard_start, b.shard_start + b.shard_len
     starts = b.window_starts(step)
-    assert np.all(starts >= lo) and np.all(starts + b.seq_len + 1 <= hi)
+    for s in starts:  # every window lies inside one of this worker's ranges
+        assert any(lo <= s and s + b.seq_len + 1 <= hi for lo, hi in b.owned_ranges())
 
 
-def test_shards_disjoint() -> None:
+@pytest.mark.parametrize("shard,block", [("contiguous", 65536), ("striped", 500)])
+def test_shards_disjoint(shard, block) -> None:
     tokens = np.arange(10_000, dtype=np.int64) % 256
     world = 4
-    samplers = [Batches(tokens, 8, 16, rank=r, world_size=world, seed=3) for r in range(world)]
-    shards = [(b.shard_start, b.shard_start + b.shard_len) for b in samplers]
-    for (_, end), (start, _) in zip(shards, shards[1:]):
-        assert end <= start
+    samplers = [Batches(tokens, 8, 16, rank=r, world_size=world, seed=3, shard=shard, block_tokens=block)
+                for r in range(world)]
+    ranges = sorted(r for b in samplers for r in b.owned_ranges())
+    for (_, end), (start, _) in zip(ranges, ranges[1:]):
+        assert end <= start  # no token belongs to two workers
     for b in samplers:
         for step in range(20):
             _starts_in_shard(b, step)
+    if shard == "striped":  # each worker's data spans the whole corpus
+        for b in samplers:
+            assert b.owned_ranges()[0][0] < 2000 and b.owned_ranges()[-1][1] > 8000
 
 
 def test_batches_content_and_determinism() -> None:

@@ -152,6 +152,9 @@ class TrainConfig:
     model: str = knob("small", "Model preset: tiny, small, base or 124m.")
     data: str = knob("stdlib", "Corpus: stdlib (the Python standard library's source), a text file "
                                "or folder, a token .bin file, or hf:NAME[:CONFIG].")
+    shard: str = knob("striped", "How the train tokens are split between workers: striped (disjoint "
+                                 "64K-token blocks dealt round-robin: IID-like) or contiguous (one "
+                                 "slice each: non-IID on a corpus sorted by path).")
     steps: int = knob(500, "Inner optimizer steps per worker.")
     batch_size: int = knob(16, "Sequences per worker per step.")
     seq_len: int = knob(128, "Tokens per sequence.")
@@ -274,6 +277,8 @@ def validate_train(t: TrainConfig) -> None:
         raise ConfigError(f"timeout_s must be > 0, got {t.timeout_s}")
     if t.device not in ("auto", "cpu", "cuda") and not t.device.startswith("cuda:"):
         raise ConfigError(f"device must be auto, cpu or cuda, got {t.device}")
+    if t.shard not in ("striped", "contiguous"):
+        raise ConfigError(f"shard must be striped or contiguous, got {t.shard}")
     if t.loco_bits not in (2, 4, 8):
         raise ConfigError(f"loco_bits must be 2, 4 or 8, got {t.loco_bits}")
 

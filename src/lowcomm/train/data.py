@@ -123,7 +123,17 @@ def split_files(root: Path, files: list[Path]) -> tuple[list[Path], list[Path]]:
 
 
 class Batches:
-    """Random training windows from this worker's disjoint shard; batch s depends on (seed, rank, s) only."""
+    """Random training windows from this worker's disjoint shard; batch s depends on (seed, rank, s) only.
+
+    Shards (``shard``):
+      - ``striped`` (default): the tokens are cut into blocks of ``block_tokens`` dealt round-robin
+        to the workers, so shards are disjoint yet each spans the whole corpus (IID-like data,
+        as in DiLoCo's main experiments);
+      - ``contiguous``: worker r gets the r-th of ``world_size`` equal slices. On a corpus sorted
+        by path (the stdlib) the workers then see different kinds of code: non-IID data, which
+        hurts local-update methods much more than per-step averaging.
+    A window never crosses a block (striped) or shard (contiguous) edge.
+    """
 
     def __init__(
         self,
@@ -133,6 +143,8 @@ class Batches:
         rank: int = 0,
         world_size: int = 1,
         seed: int = 0,
+        shard: str = "striped",
+        block_tokens: int = 65536,
     ) -> None:
         if batch_size < 1 or seq_len < 1:
             raise ValueError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
@@ -140,6 +152,8 @@ class Batches:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if seed < 0:
             raise ValueError(f"seed must be non-negative, got {seed}")
+        if shard not in ("striped", "contiguous"):
+            raise ValueError(f"shard must be striped or contiguous, got {shard!r}")
         shard_len = len(tokens) // world_size
         if shard_len < seq_len + 1:
             raise ValueError(
@@ -152,19 +166,32 @@ class Batches:
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
-        self.shard_start = rank * shard_len
-        """Offset of this worker's shard in `tokens`; the shard is [shard_start, shard_start + shard_len)."""
+        self.shard = shard
+        if shard == "contiguous":
+            self.block_len = shard_len
+            self.blocks = np.array([rank * shard_len], dtype=np.int64)
+        else:
+            # blocks no longer than a shard (small corpora) and long enough for a few windows
+            self.block_len = max(min(block_tokens, shard_len), seq_len + 1)
+            n_blocks = len(tokens) // self.block_len
+            self.blocks = np.arange(rank, n_blocks, world_size, dtype=np.int64) * self.block_len
+        self.shard_start = int(self.blocks[0])
+        """Offset of this worker's first block in `tokens`."""
         self.shard_len = shard_len
         self.step = 0
         """Index of the batch the next call to `next()` returns."""
+
+    def owned_ranges(self) -> list[tuple[int, int]]:
+        """The [start, end) token ranges this worker samples from."""
+        return [(int(b), int(b) + self.block_len) for b in self.blocks]
 
     def window_starts(self, step: int) -> np.ndarray:
         """Offsets in `tokens` of the batch_size windows (seq_len + 1 tokens each) of batch `step`."""
         # A fresh generator per step, seeded by (seed, rank, step): any batch can be recomputed
         # from its step alone, so resuming needs no sampler state but the counter.
         rng = np.random.default_rng((self.seed, self.rank, step))
-        local = rng.integers(0, self.shard_len - self.seq_len, size=self.batch_size)
-        return self.shard_start + local
+        block = self.blocks[rng.integers(0, len(self.blocks), size=self.batch_size)]
+        return block + rng.integers(0, self.block_len - self.seq_len, size=self.batch_size)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets [batch_size, seq_len] of batch `step`, without advancing."""

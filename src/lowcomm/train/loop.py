@@ -115,7 +115,7 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr, betas=(cfg.beta1, cfg.beta2),
                             weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-    batches = Batches(corpus.train, cfg.batch_size, cfg.seq_len, rank, world, cfg.seed)
+    batches = Batches(corpus.train, cfg.batch_size, cfg.seq_len, rank, world, cfg.seed, shard=cfg.shard)
     val = val_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches, seed=cfg.seed)
     control = Transport()  # loss logging and summaries: counted as control traffic
 
