@@ -67,7 +67,9 @@ def lr_lambda(cfg: TrainConfig):
 
 
 def git_rev() -> str:
-    """The source tree's git revision (with -dirty), or 'unknown'."""
+    """The source tree's git revision (with -dirty), LOWCOMM_GIT_REV if set, or 'unknown'."""
+    if os.environ.get("LOWCOMM_GIT_REV"):  # benchmarks run from a snapshot of the tree
+        return os.environ["LOWCOMM_GIT_REV"]
     here = Path(__file__).resolve().parent
     try:
         rev = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"],
