@@ -7,6 +7,7 @@ LoCo's compressed hook will live here as well (ALGORITHMS.md §5).
 
 # no `from __future__ import annotations`: DDP checks the hook's annotations at runtime
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -116,3 +117,93 @@ def loco_hook(state: LoCoState, bucket: dist.GradBucket) -> torch.futures.Future
 
     transport.submit(job).add_done_callback(done)
     return result
+
+
+def _fsdp_reduce_scatter_base():
+    """FSDP2's ReduceScatter interface class, or a clear error where this torch lacks it."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    except ImportError:
+        return None, None
+    if not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+        return None, None
+    return FSDPModule, ReduceScatter
+
+
+_FSDPModule, _ReduceScatterBase = _fsdp_reduce_scatter_base()
+
+
+class LoCoReduceScatter(_ReduceScatterBase or object):  # type: ignore[misc]
+    """LoCo as FSDP2's gradient reduce-scatter (torch >= 2.9, ``set_custom_reduce_scatter``).
+
+    FSDP hands over one flat input, the concatenation of every rank's shard (rank-major), and
+    wants this rank's shard back. Per call: h = input + e; each destination's shard is
+    quantized (4-bit by default) and sent by all-to-all; the received shards are decoded and
+    summed in FP32 and divided by M (so use ``set_gradient_divide_factor(1.0)``; see
+    :func:`enable_fsdp_loco`); e <- beta*e + (1-beta)*(h - D(Q(h))). Only the reduce-scatter
+    half of LoCo's all-reduce is needed under FSDP. One instance per FSDP module: its
+    compensation buffer is keyed by that module's name.
+    """
+
+    def __init__(self, key: str, bits: int = 4, beta: float = 0.8, group_size: int = 128,
+                 storage_dtype: torch.dtype = torch.float32, compensate: bool = True) -> None:
+        from .codecs import make_codec
+        from .compensation import MovingAverageCompensation
+
+        self.key = key
+        self.codec = make_codec(f"int{bits}", block_size=group_size)
+        self.compensation = MovingAverageCompensation(beta, dtype=storage_dtype) if compensate else None
+        self._transports: dict[int, Transport] = {}
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A fresh buffer for FSDP's reduce-scatter input/output."""
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def transport(self, group: dist.ProcessGroup) -> Transport:
+        """The metered transport for ``group`` (FSDP may pass its own group)."""
+        t = self._transports.get(id(group))
+        if t is None:
+            t = self._transports[id(group)] = Transport(group)
+        return t
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op: Any = None, async_op: bool = False) -> None:
+        transport = self.transport(group)
+        m = transport.world_size
+        comp = self.compensation
+        with torch.no_grad():
+            g = input_tensor.detach().float().reshape(-1)
+            h = comp.compensate(self.key, g) if comp is not None else g
+            shards = h.view(m, -1)
+            payloads = [self.codec.encode(s) for s in shards]
+            if comp is not None:
+                decoded = torch.cat([self.codec.decode(p, s.shape, f"{self.key} shard {j}")
+                                     for j, (p, s) in enumerate(zip(payloads, shards))])
+                comp.update(self.key, h, decoded)
+            received = transport.all_to_all(payloads)
+            shard_shape = shards[0].shape
+            total = torch.zeros(shard_shape, dtype=torch.float32, device=g.device)
+            for w, p in enumerate(received):
+                total += self.codec.decode(p, shard_shape, f"{self.key} shard from worker {w}")
+            output_tensor.copy_(total.div_(m).view_as(output_tensor).to(output_tensor.dtype))
+        return None
+
+
+def enable_fsdp_loco(model: torch.nn.Module, **kw: Any) -> dict[str, "LoCoReduceScatter"]:
+    """Install :class:`LoCoReduceScatter` on every FSDP2 module of ``model``; returns them by name.
+
+    Sets each module's gradient divide factor to 1.0, since the reduce-scatter returns the mean.
+    """
+    if _FSDPModule is None:
+        raise RuntimeError(f"this torch ({torch.__version__}) has no FSDP2 set_custom_reduce_scatter "
+                           f"(needs torch >= 2.9): use LoCo through DDP (loco_hook) instead")
+    installed: dict[str, LoCoReduceScatter] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, _FSDPModule):
+            rs = installed[name or "root"] = LoCoReduceScatter(name or "root", **kw)
+            module.set_custom_reduce_scatter(rs)
+            module.set_gradient_divide_factor(1.0)
+    if not installed:
+        raise ValueError("no FSDP2 module found: call torch.distributed.fsdp.fully_shard first")
+    return installed
