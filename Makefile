@@ -16,8 +16,11 @@ $(BIN)/activate: pyproject.toml
 
 install: $(BIN)/activate
 
+# Every strategy on the same model, data and seed: 2 workers, small model, 200 inner steps each.
+DEMO_STRATEGIES := ddp,loco,diloco:sync_every=25,streaming:sync_every=25,sparseloco,co2:sync_every=25
 demo: install
-	$(BIN)/lowcomm compare --strategies ddp,diloco --model small --workers 4 --steps 300 --out runs/demo sync_every=50
+	$(BIN)/lowcomm compare --strategies $(DEMO_STRATEGIES) --model small --workers 2 --steps 200 \
+		--out runs/demo batch_size=8 eval_every=50 eval_batches=8 warmup_steps=20
 
 test: install
 	$(BIN)/python -m pytest

@@ -38,7 +38,15 @@ def _kill_after_checkpoint(out: Path, args: list[str]) -> subprocess.CompletedPr
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), time.time() - t0
 
 
-@pytest.mark.parametrize("strategy,extra", [("diloco", ["sync_every=4"])])
+@pytest.mark.parametrize("strategy,extra", [
+    ("diloco", ["sync_every=4"]),
+    pytest.param("ddp", [], marks=pytest.mark.slow),
+    pytest.param("loco", [], marks=pytest.mark.slow),
+    # results in flight at the checkpoint (tau = 1; CO2's whole round) are stored as pending
+    pytest.param("streaming", ["sync_every=4", "overlap=1", "alpha=0.5"], marks=pytest.mark.slow),
+    pytest.param("co2", ["sync_every=4"], marks=pytest.mark.slow),
+    pytest.param("sparseloco", ["sync_every=4"], marks=pytest.mark.slow),  # error buffers
+])
 def test_kill_worker_then_resume_is_bit_identical(tmp_path, strategy, extra):
     full, broken = tmp_path / "full", tmp_path / "broken"
     ref = _train(["--strategy", strategy, "--workers", "2", "--out", str(full), *COMMON, *extra])

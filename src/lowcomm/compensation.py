@@ -114,7 +114,33 @@ class _BufferStore:
             raise ValueError("int8 compensation state lacks a scale for some buffers")
 
 
-class ErrorFeedback:
+class _Compensation:
+    """What both compensations share: buffers keyed by parameter name in one store."""
+
+    _store: _BufferStore
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Storage dtype of the buffers."""
+        return self._store.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the buffers live."""
+        return self._store.device
+
+    def keys(self) -> list[str]:
+        """Names of the buffers held."""
+        return list(self._store.buffers)
+
+    def buffer(self, key: str) -> torch.Tensor | None:
+        """The stored error for ``key`` as FP32 on the storage device (None if absent)."""
+        if key not in self._store:
+            return None
+        return self._store.get(key, self._store.buffers[key].to(torch.float32))
+
+
+class ErrorFeedback(_Compensation):
     """SparseLoCo's error feedback: ``e <- beta e + x``; send ``C(e)``; ``e <- e - D(C(e))``."""
 
     def __init__(self, beta: float, dtype: torch.dtype | str = torch.float32,
@@ -125,22 +151,7 @@ class ErrorFeedback:
         self._store = _BufferStore(dtype, device)
         self._pending: dict[str, torch.Tensor] = {}
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._store.dtype
 
-    @property
-    def device(self) -> torch.device:
-        return self._store.device
-
-    def keys(self) -> list[str]:
-        return list(self._store.buffers)
-
-    def buffer(self, key: str) -> torch.Tensor | None:
-        """The stored error for ``key`` as FP32 on the storage device (None if absent)."""
-        if key not in self._store:
-            return None
-        return self._store.get(key, self._store.buffers[key].to(torch.float32))
 
     def accumulate(self, key: str, x: torch.Tensor) -> torch.Tensor:
         """``e <- beta e + x``; returns ``e`` in FP32 on ``x``'s device (encode this)."""
@@ -178,7 +189,7 @@ class ErrorFeedback:
         self._pending.clear()
 
 
-class MovingAverageCompensation:
+class MovingAverageCompensation(_Compensation):
     """LoCo: ``h = g + e``; send ``C(h)``; ``e <- beta e + (1 - beta)(h - D(C(h)))``."""
 
     def __init__(self, beta: float, dtype: torch.dtype | str = torch.float32,
@@ -192,21 +203,7 @@ class MovingAverageCompensation:
         self.steps = 0
         self._store = _BufferStore(dtype, device)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._store.dtype
 
-    @property
-    def device(self) -> torch.device:
-        return self._store.device
-
-    def keys(self) -> list[str]:
-        return list(self._store.buffers)
-
-    def buffer(self, key: str) -> torch.Tensor | None:
-        if key not in self._store:
-            return None
-        return self._store.get(key, self._store.buffers[key].to(torch.float32))
 
     def compensate(self, key: str, g: torch.Tensor) -> torch.Tensor:
         """``h = g + e`` in FP32 on ``g``'s device (encode this)."""

@@ -1,4 +1,5 @@
-"""Fragments and the sync schedule. Pure: no torch.distributed, no tensors.
+"""Fragments and the sync schedule. Pure: no torch.distributed, no tensors (and no torch import
+at module level, so the simulator shares these rules without needing torch).
 
 Every decision here is a function of the global inner step and the config only, so every worker
 syncs the same fragment at the same step (ALGORITHMS.md §2: mismatched order deadlocks).
@@ -7,8 +8,7 @@ syncs the same fragment at the same step (ALGORITHMS.md §2: mismatched order de
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch.nn as nn
+from typing import Any
 
 from .config import ConfigError
 
@@ -17,8 +17,10 @@ _BLOCK_LISTS = ("blocks", "layers", "h", "transformer.h", "model.layers", "trans
                 "gpt_neox.layers", "model.decoder.layers")
 
 
-def find_blocks(model: nn.Module) -> list[str]:
-    """Module-name prefixes of the model's transformer blocks, in order; [] if none is found."""
+def find_blocks(model: Any) -> list[str]:
+    """Module-name prefixes of the model's transformer blocks (an nn.Module's), in order; [] if none."""
+    import torch.nn as nn
+
     for path in _BLOCK_LISTS:
         obj: object = model
         for part in path.split("."):

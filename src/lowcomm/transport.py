@@ -132,6 +132,7 @@ class Transport:
 
     def all_reduce_async(self, t: torch.Tensor, control: bool = False) -> torch.futures.Future:
         """Start a sum all-reduce of ``t`` in place; returns a Future of ``t`` (for DDP comm hooks)."""
+        self._maybe_delay()
         m = self.world_size
         n = _nbytes(t)
         work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)

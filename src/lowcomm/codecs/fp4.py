@@ -65,14 +65,6 @@ class FP4Codec(BlockCodec):
     pad_code = 0
     invalid_codes = "0b1000, negative zero"
 
-    def __init__(
-        self,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        stochastic: bool = False,
-        generator: torch.Generator | None = None,
-    ) -> None:
-        super().__init__(block_size, stochastic, generator)
-
     def _keys(self, xb, scales, work, iwork) -> None:
         """iwork <- the 10-bit table key (sign, exponent, first mantissa bit) of x / s."""
         s = self._block_absmax(xb, work, scales)

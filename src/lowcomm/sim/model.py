@@ -192,18 +192,10 @@ class Strategy:
 
 
 def layer_groups(layers: int, fragments: int, pattern: str = "strided") -> list[list[int]]:
-    """Split layers 0..L-1 into groups (same rule as lowcomm.schedule.assign_blocks)."""
-    if not 1 <= fragments <= layers:
-        raise ValueError(f"cannot split {layers} layers into {fragments} fragments")
-    if pattern == "strided":
-        return [list(range(g, layers, fragments)) for g in range(fragments)]
-    base, extra = divmod(layers, fragments)
-    out, start = [], 0
-    for g in range(fragments):
-        size = base + (1 if g < extra else 0)
-        out.append(list(range(start, start + size)))
-        start += size
-    return out
+    """Split layers 0..L-1 into groups: the engine's own rule, so simulation and runs agree."""
+    from ..schedule import assign_blocks
+
+    return assign_blocks(layers, fragments, pattern)
 
 
 def make_strategies(workload: Workload, *, sync_every: int = 100, blocks_per_fragment: int = 3,

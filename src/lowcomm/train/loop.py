@@ -127,7 +127,7 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
     engine: LowComm | None = None
     train_model: nn.Module = model
     if per_step:
-        grad_transport = Transport(dist.new_group(backend=dist.get_backend()))
+        grad_transport = Transport(dist.new_group(backend=dist.get_backend()), delay_s=cfg.comm_delay_s)
         # our own metered broadcast of the initial weights (DDP's would go uncounted)
         with torch.no_grad():
             for p in model.parameters():
