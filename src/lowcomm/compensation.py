@@ -161,6 +161,14 @@ class ErrorFeedback(_Compensation):
         self._pending[key] = e
         return e
 
+    def before_send(self, key: str, x: torch.Tensor) -> torch.Tensor:
+        """The engine's common call: what to encode for ``x`` (here ``accumulate``)."""
+        return self.accumulate(key, x)
+
+    def after_send(self, key: str, sent: torch.Tensor, decoded: torch.Tensor) -> None:
+        """The engine's common call once ``sent`` was encoded (here ``subtract``)."""
+        self.subtract(key, decoded)
+
     def subtract(self, key: str, sent_decoded: torch.Tensor) -> None:
         """``e <- e - D(C(e))`` with ``sent_decoded`` what peers decode of the sent ``e``."""
         e = self._pending.pop(key, None)
@@ -209,6 +217,14 @@ class MovingAverageCompensation(_Compensation):
         """``h = g + e`` in FP32 on ``g``'s device (encode this)."""
         h = self._store.get(key, g)
         return h.add_(g.detach().to(torch.float32))
+
+    def before_send(self, key: str, g: torch.Tensor) -> torch.Tensor:
+        """The engine's common call: what to encode for ``g`` (here ``compensate``)."""
+        return self.compensate(key, g)
+
+    def after_send(self, key: str, h: torch.Tensor, decoded: torch.Tensor) -> None:
+        """The engine's common call once ``h`` was encoded (here ``update``)."""
+        self.update(key, h, decoded)
 
     def update(self, key: str, h: torch.Tensor, decoded: torch.Tensor) -> None:
         """``e <- beta e + (1 - beta)(h - decoded)``."""

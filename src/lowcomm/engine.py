@@ -205,7 +205,6 @@ class LowComm:
                 self._load_global(frag)
         self._hook = self.inner_optimizer.register_step_post_hook(self._after_inner_step)
         self._started = True
-        self._t_start = time.perf_counter()
 
     def finish(self) -> None:
         """Await and apply everything in flight, then load the global parameters into the model."""
@@ -297,10 +296,9 @@ class LowComm:
                             self.transport.rank, frag.index, self.step)
             views = _views(pseudo_grad, frag.params)
             comp = self.compensation if valid else None
-            if comp is not None:
-                to_send = [comp.accumulate(n, v) for n, v in zip(frag.names, views)]
-            else:
-                to_send = views
+            # error feedback: e <- beta e + delta, send e, e <- e - sent;
+            # LoCo: h = delta + e, send h, e <- beta e + (1 - beta)(h - sent)
+            to_send = [comp.before_send(n, v) for n, v in zip(frag.names, views)] if comp else views
             encoded = []
             for bucket in frag.buckets:
                 enc = self.aggregator.encode([to_send[i] for i in bucket], need_local=comp is not None,
@@ -308,7 +306,7 @@ class LowComm:
                 if comp is not None:
                     assert enc.local is not None
                     for i, dec in zip(bucket, _views(enc.local, [frag.params[j] for j in bucket])):
-                        comp.subtract(frag.names[i], dec)
+                        comp.after_send(frag.names[i], to_send[i], dec)
                 encoded.append(enc)
         return encoded
 
@@ -397,6 +395,7 @@ class LowComm:
             pending[str(p)] = {"mean": red.mean.clone(), "valid_workers": red.valid_workers,
                                "sent_at": pend.sent_at, "apply_at": pend.apply_at}
         self._collect_replica_check()
+        self._update_stats()  # the awaited exchanges' bytes are counted now
         return {
             "step": self.step,
             "fragments": [list(f.names) for f in self._frags],
@@ -407,6 +406,7 @@ class LowComm:
             "left_out": sorted(self._left_out),
             "nonfinite_streak": self._nonfinite_streak,
             "stats": {k: v for k, v in self.stats.as_dict().items() if k != "extra"},
+            "meter": self.transport.meter.as_dict(),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -434,12 +434,7 @@ class LowComm:
         for k, v in sd["stats"].items():
             setattr(self.stats, k, v)
         # byte and time totals continue from the checkpoint
-        m = self.transport.meter
-        m.payload_bytes, m.sent_bytes, m.received_bytes = (
-            self.stats.payload_bytes, self.stats.bytes_sent, self.stats.bytes_received)
-        m.control_sent_bytes, m.control_received_bytes = (
-            self.stats.control_bytes_sent, self.stats.control_bytes_received)
-        m.blocked_s = self.stats.blocked_s
+        self.transport.meter.load_dict(sd.get("meter", {}))
 
     def _merge(self, frag: _Fragment) -> None:
         alpha = self.config.alpha if self.schedule.overlap > 0 else 0.0
@@ -516,8 +511,9 @@ def _buckets(params: list[nn.Parameter], bucket_numel: int) -> list[list[int]]:
 def _make_compensation(cfg: SyncConfig) -> Any:
     if cfg.compensation == "none":
         return None
-    from .compensation import ErrorFeedback
+    from .compensation import ErrorFeedback, MovingAverageCompensation
 
+    device = cfg.state_device if cfg.state_device != "model" else "cpu"
     if cfg.compensation == "ef":
-        return ErrorFeedback(cfg.error_decay, device=cfg.state_device if cfg.state_device != "model" else "cpu")
-    raise NotImplementedError("compensation=loco on pseudo-gradients is not implemented yet")
+        return ErrorFeedback(cfg.error_decay, device=device)
+    return MovingAverageCompensation(cfg.loco_beta, device=device, reset_every=cfg.loco_reset_every)

@@ -66,9 +66,16 @@ class ByteMeter:
             self.blocked_s += seconds
 
     def as_dict(self) -> dict:
-        """A plain-dict snapshot (for summaries and logs)."""
+        """A plain-dict snapshot (for summaries, logs and checkpoints)."""
         with self._lock:
             return {k: v for k, v in asdict(self).items()}
+
+    def load_dict(self, d: dict) -> None:
+        """Continue counting from an ``as_dict()`` snapshot (a resumed run)."""
+        with self._lock:
+            for k, v in d.items():
+                if hasattr(self, k):
+                    setattr(self, k, v)
 
 
 def _nbytes(t: torch.Tensor) -> int:

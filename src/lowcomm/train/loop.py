@@ -201,7 +201,7 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
         clock = _Clock()  # the loop starts after the engine's start-up broadcast
         if resumed is not None:
             restore(resumed, _same_world(resume, world), model, opt, sched, batches, engine,
-                    hook_state, clock)
+                    hook_state, clock, control)
             if bar is not None:
                 bar.update(start_step - 1)
         for step in range(start_step, cfg.steps + 1):
@@ -250,7 +250,8 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                 pending_ckpt = True
             if pending_ckpt and (engine is None or engine.last_sync_step == step):
-                save_checkpoint(out, step, run_cfg, model, opt, sched, batches, engine, hook_state, clock)
+                save_checkpoint(out, step, run_cfg, model, opt, sched, batches, engine, hook_state, clock,
+                                control)
                 pending_ckpt = False
             if record is not None:
                 log(record)
@@ -340,7 +341,7 @@ def _open_metrics(out: Path, rank: int, start_step: int):
 
 def save_checkpoint(out: Path, step: int, run_cfg: dict[str, Any], model: nn.Module,
                     opt: torch.optim.Optimizer, sched: Any, batches: Batches, engine: LowComm | None,
-                    hook_state: GradReduceState | None, clock: "_Clock") -> Path:
+                    hook_state: GradReduceState | None, clock: "_Clock", control: Transport) -> Path:
     """Every rank writes its state; rank 0 marks the checkpoint complete and prunes old ones.
 
     Taken at a sync boundary: the engine's in-flight results are awaited and stored as pending.
@@ -358,6 +359,8 @@ def save_checkpoint(out: Path, step: int, run_cfg: dict[str, Any], model: nn.Mod
         "engine": engine.state_dict() if engine is not None else {},
         "hook": hook_state.state_dict() if isinstance(hook_state, LoCoState) else {},
         "clock": {"compute": clock.compute, "blocked_extra": clock.blocked_extra, "wall": clock.wall()},
+        "meters": {"hook": hook_state.transport.meter.as_dict() if hook_state is not None else {},
+                   "control": control.meter.as_dict()},
     }
     sha = ckpt.save_rank_state(d, rank, state)
     shas: list[Any] = [None] * world
@@ -372,7 +375,7 @@ def save_checkpoint(out: Path, step: int, run_cfg: dict[str, Any], model: nn.Mod
 
 def restore(state: dict[str, Any], same_world: bool, model: nn.Module, opt: torch.optim.Optimizer,
             sched: Any, batches: Batches, engine: LowComm | None, hook_state: GradReduceState | None,
-            clock: "_Clock") -> None:
+            clock: "_Clock", control: Transport) -> None:
     """Load a checkpoint into a started run.
 
     Same number of workers: everything, so the run continues bit-identically on CPU.
@@ -390,6 +393,9 @@ def restore(state: dict[str, Any], same_world: bool, model: nn.Module, opt: torc
         if isinstance(hook_state, LoCoState) and state["hook"]:
             hook_state.load_state_dict(state["hook"])
         ckpt.set_rng_state(state["rng"])
+        if hook_state is not None:
+            hook_state.transport.meter.load_dict(state["meters"]["hook"])
+        control.meter.load_dict(state["meters"]["control"])
         clock.compute = state["clock"]["compute"]
         clock.blocked_extra = state["clock"]["blocked_extra"]
         clock.t0 -= state["clock"]["wall"]
