@@ -151,14 +151,14 @@ def results_table(results: list[dict[str, Any]]) -> str:
     ddp = [r["final_val_loss"] for r in results if r["strategy"] == "ddp"]
     ddp_loss = sum(ddp) / len(ddp) if ddp else None
     lines = ["| name | strategy | final val loss | vs DDP | wire bytes sent / worker | "
-             "fewer bytes than DDP FP32 | wall s | compute util. |",
-             "|---|---|---|---|---|---|---|---|"]
+             "peak wire bytes / sync | fewer bytes than DDP FP32 | wall s | compute util. |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         ratio = f"{r['final_val_loss'] / ddp_loss:.3f}" if ddp_loss else "-"
         red = r["ddp_fp32_bytes_per_worker"] / r["bytes_sent_per_worker"] if r["bytes_sent_per_worker"] else math.inf
         lines.append(f"| {r['name']} | {r['strategy']} | {r['final_val_loss']:.4f} | {ratio} | "
-                     f"{_fmt_bytes(r['bytes_sent_per_worker'])} | {red:.1f}x | {r['wall_s']:.1f} | "
-                     f"{r['compute_utilization']:.1%} |")
+                     f"{_fmt_bytes(r['bytes_sent_per_worker'])} | {_fmt_bytes(r.get('peak_bytes_per_sync', 0))} | "
+                     f"{red:.1f}x | {r['wall_s']:.1f} | {r['compute_utilization']:.1%} |")
     return "\n".join(lines)
 
 
