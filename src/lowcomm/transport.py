@@ -98,6 +98,11 @@ class Transport:
         self.world_size = dist.get_world_size(group)
         self.delay_s = delay_s
         self._pool: ThreadPoolExecutor | None = None
+        # NCCL moves only CUDA tensors: payloads built on the CPU (the global copy may live
+        # there) are staged through this device and handed back where they came from.
+        backend = dist.get_backend(group)
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+                       else torch.device("cpu"))
 
     # -- collectives (blocking; call from the comm thread for overlap) ------------------------
     def all_reduce(self, t: torch.Tensor, control: bool = False) -> torch.Tensor:
@@ -105,7 +110,10 @@ class Transport:
         self._maybe_delay()
         m = self.world_size
         n = _nbytes(t)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        buf = t.to(self.device)
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
+        if buf is not t:
+            t.copy_(buf)
         wire = 2 * (m - 1) / m * n
         self.meter.record(n, wire, wire, control)
         return t
@@ -114,11 +122,12 @@ class Transport:
         """Every worker's ``t`` (all equal in shape and dtype), in rank order."""
         self._maybe_delay()
         m = self.world_size
-        out = [torch.empty_like(t) for _ in range(m)]
-        dist.all_gather(out, t.contiguous(), group=self.group)
+        src = t.contiguous().to(self.device)
+        out = [torch.empty_like(src) for _ in range(m)]
+        dist.all_gather(out, src, group=self.group)
         n = _nbytes(t)
         self.meter.record(n, (m - 1) * n, (m - 1) * n, control)
-        return out
+        return [o.to(t.device) for o in out]
 
     def all_to_all(self, chunks: list[torch.Tensor], control: bool = False) -> list[torch.Tensor]:
         """Send ``chunks[j]`` to worker j; returns what each worker sent here, in rank order.
@@ -129,13 +138,13 @@ class Transport:
         m = self.world_size
         if len(chunks) != m:
             raise ValueError(f"all_to_all needs {m} chunks, got {len(chunks)}")
-        flat_in = torch.stack([c.contiguous() for c in chunks])
+        flat_in = torch.stack([c.contiguous() for c in chunks]).to(self.device)
         flat_out = torch.empty_like(flat_in)
         dist.all_to_all_single(flat_out, flat_in, group=self.group)
         n = _nbytes(flat_in)
         wire = (m - 1) / m * n
         self.meter.record(n, wire, wire, control)
-        return list(flat_out.unbind(0))
+        return list(flat_out.to(chunks[0].device).unbind(0))
 
     def all_reduce_async(self, t: torch.Tensor, control: bool = False) -> torch.futures.Future:
         """Start a sum all-reduce of ``t`` in place; returns a Future of ``t`` (for DDP comm hooks)."""
@@ -151,7 +160,10 @@ class Transport:
         """Copy rank ``src``'s ``t`` into every worker's ``t`` in place (control traffic by default)."""
         m = self.world_size
         n = _nbytes(t)
-        dist.broadcast(t, src=src, group=self.group)
+        buf = t.to(self.device)
+        dist.broadcast(buf, src=src, group=self.group)
+        if buf is not t:
+            t.copy_(buf)
         wire = (m - 1) / m * n
         self.meter.record(n if self.rank == src else 0, wire, wire, control)
         return t
