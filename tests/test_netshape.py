@@ -15,7 +15,6 @@ import textwrap
 
 import pytest
 
-from lowcomm.bench import netshape
 from lowcomm.bench.netshape import (
     LinkCheckFailed,
     NetworkUnavailable,

@@ -138,7 +138,6 @@ def test_collective_in_flight_while_training_continues(workers):
 
 
 def _streamed_topk_worker(rank: int, world: int) -> dict:
-    losses = []
     model = tiny_model(seed=0)
     opt = adamw(model)
     data = batches(rank, world)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ._block import DEFAULT_BLOCK_SIZE, BlockCodec, dither
+from ._block import BlockCodec, dither
 
 
 def _encode_table() -> torch.Tensor:
