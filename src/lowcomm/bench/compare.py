@@ -199,7 +199,32 @@ def plot_results(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         fig.savefig(out_dir / fname, dpi=110)
         plt.close(fig)
         written.append(out_dir / fname)
+    swept = sorted({r["bandwidth"] for r in results if r.get("bandwidth")}, key=_rate)
+    if len(swept) > 1:  # a --bandwidths sweep: compute utilization per entry vs link rate
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for entry in dict.fromkeys(r.get("entry", r["name"]) for r in results):
+            pts = sorted((_rate(r["bandwidth"]) / 1e6, r["compute_utilization"]) for r in results
+                         if r.get("entry", r["name"]) == entry and r.get("bandwidth"))
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="o", label=entry)
+        ax.set_xscale("log")
+        ax.set_xlabel("link rate per worker (Mbit/s)")
+        ax.set_ylabel("compute utilization (compute / wall)")
+        ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / "utilization_vs_bandwidth.png", dpi=110)
+        plt.close(fig)
+        written.append(out_dir / "utilization_vs_bandwidth.png")
     return written
+
+
+def _rate(bandwidth: str) -> float:
+    from .netshape import parse_rate
+
+    return float(parse_rate(bandwidth))
 
 
 def _val_points(run_dir: Path, key: str) -> list[tuple[float, float]]:
