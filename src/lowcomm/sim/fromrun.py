@@ -159,6 +159,8 @@ def load_run(run_dir: str | Path, *, layers: int | None = None, step_time_s: flo
     else:
         sync_every = int(config.get("sync_every") or 1)
         overlap = int(config.get("overlap") or 0)
+        if overlap == -1:  # the engine's "a whole round" (CO2): tau = H
+            overlap = sync_every
         pattern = str(config.get("fragment_pattern") or "strided")
         bpf = int(config.get("blocks_per_fragment") or 0)
         frags = int(config.get("fragments") or 1)
