@@ -174,7 +174,7 @@ class TrainConfig:
     checkpoint_every: int = knob(0, "Checkpoint every N inner steps, at the next sync boundary (0 = off).")
     device: str = knob("auto", "cpu, cuda, or auto (cuda when available).")
     loco_bits: int = knob(4, "LoCo strategy: bits per gradient value (8, 4 or 2).")
-    progress: bool = knob(True, "Show a progress bar on rank 0.")
+    progress: bool = knob(True, "Show a progress bar on rank 0 (only when stderr is a terminal).")
     comm_delay_s: float = knob(0.0, "Test only: sleep before each engine collective (a slow network).")
 
 

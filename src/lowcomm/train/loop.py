@@ -14,6 +14,7 @@ import math
 import os
 import resource
 import subprocess
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -183,7 +184,7 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
     metrics_f = _open_metrics(out, rank, start_step)
     tokens_per_step = cfg.batch_size * cfg.seq_len * world
     bar = None
-    if rank == 0 and cfg.progress:
+    if rank == 0 and cfg.progress and sys.stderr.isatty():  # no \r-spam in logs and CI
         from tqdm import tqdm
         bar = tqdm(total=cfg.steps, desc=name or strategy, unit="step", leave=False, dynamic_ncols=True)
 
