@@ -33,3 +33,12 @@ def batches(rank: int, world: int, seed: int = 0) -> Batches:
 
 def flat_params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+
+
+def local_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, data: Batches, steps: int) -> None:
+    """``steps`` plain inner steps of one worker (what the references replay per worker)."""
+    for _ in range(steps):
+        x, y = data.next()
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()

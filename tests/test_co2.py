@@ -10,7 +10,7 @@ import torch
 
 import lowcomm
 from lowcomm.outer import OuterCO2, gap_aware_penalty
-from helpers import adamw, batches, tiny_model
+from helpers import adamw, batches, local_steps, tiny_model
 
 H, ROUNDS, LR, BETA, CLIP = 3, 4, 1.0, 0.5, 0.004
 
@@ -65,11 +65,7 @@ def reference_co2(world: int, penalty: bool, clip: float) -> torch.Tensor:
     stale = None
     for _ in range(ROUNDS):
         for model, o, d in zip(models, opts, data):
-            for _ in range(H):
-                x, y = d.next()
-                model(x, y).backward()
-                o.step()
-                o.zero_grad()
+            local_steps(model, o, d, H)
         delta = torch.stack([theta - local(model) for model in models]).mean(0)
         if stale is not None:
             outer(stale)

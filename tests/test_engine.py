@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import lowcomm
-from helpers import adamw, batches, flat_params, tiny_model
+from helpers import adamw, batches, flat_params, local_steps, tiny_model
 
 
 def _diloco_worker(rank: int, world: int, H: int, rounds: int, lr: float, mom: float) -> dict:
@@ -40,11 +40,7 @@ def reference_diloco(world: int, H: int, rounds: int, lr: float, mom: float) -> 
     out = []
     for _ in range(rounds):
         for m, o, d in zip(models, opts, data):
-            for _ in range(H):
-                x, y = d.next()
-                m(x, y).backward()
-                o.step()
-                o.zero_grad()
+            local_steps(m, o, d, H)
         for i, g in enumerate(global_params):
             deltas = [g - list(m.parameters())[i].detach() for m in models]
             g.grad = torch.stack(deltas).mean(0)
@@ -107,13 +103,7 @@ def test_outer_sgd_lr1_no_momentum_is_model_averaging(workers):
     locals_ = []
     for r in range(2):
         m = tiny_model(seed=0)
-        o = adamw(m)
-        d = batches(r, 2)
-        for _ in range(3):
-            x, y = d.next()
-            m(x, y).backward()
-            o.step()
-            o.zero_grad()
+        local_steps(m, adamw(m), batches(r, 2), 3)
         locals_.append(flat_params(m))
     torch.testing.assert_close(res[0]["after"], (locals_[0] + locals_[1]) / 2, atol=1e-6, rtol=0)
 

@@ -6,7 +6,7 @@ import torch
 
 import lowcomm
 from lowcomm.engine import NonFiniteError, ReplicaMismatchError
-from helpers import adamw, batches, flat_params, tiny_model
+from helpers import adamw, batches, flat_params, local_steps, tiny_model
 
 
 def _nan_worker(rank: int, world: int, inject_rounds: tuple, patience: int, steps: int) -> dict:
@@ -42,13 +42,7 @@ def test_nonfinite_worker_is_left_out_and_restarts(workers):
     healthy = []
     for r in (0, 2):
         m = tiny_model(seed=0)
-        o = adamw(m)
-        d = batches(r, world)
-        for _ in range(2):
-            x, y = d.next()
-            m(x, y).backward()
-            o.step()
-            o.zero_grad()
+        local_steps(m, adamw(m), batches(r, world), 2)
         healthy.append(flat_params(m))
     expected = (healthy[0] + healthy[1]) / 2
     for r in res:

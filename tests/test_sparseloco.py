@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lowcomm
-from helpers import adamw, batches, tiny_model
+from helpers import adamw, batches, local_steps, tiny_model
 
 H, ROUNDS, DENSITY, BETA = 3, 3, 1 / 16, 0.95
 
@@ -60,11 +60,7 @@ def reference_sparseloco(world: int, aggregation: str) -> list[torch.Tensor]:
     out = []
     for _ in range(ROUNDS):
         for model, o, d in zip(models, opts, data):
-            for _ in range(H):
-                x, y = d.next()
-                model(x, y).backward()
-                o.step()
-                o.zero_grad()
+            local_steps(model, o, d, H)
         for n in names:
             total = torch.zeros_like(glob[n])
             count = torch.zeros_like(glob[n])
