@@ -47,3 +47,43 @@ def test_ddp_equals_single_process_on_the_big_batch(workers):
     n = res[0]["numel"]
     assert res[0]["meter"]["payload_bytes"] == STEPS * 4 * n
     assert res[0]["meter"]["sent_bytes"] == round(STEPS * 2 * (world - 1) / world * 4 * n)
+
+
+def _torch_hook_worker(rank: int, world: int, kind: str) -> dict:
+    import torch.distributed as dist
+
+    model = tiny_model(seed=0)
+    opt = adamw(model)
+    transport = Transport(dist.new_group(backend="gloo"))
+    ddp = DDP(model, process_group=transport.group)
+    state = lowcomm.TorchHookState(transport, kind, rank=1, start_iter=2)
+    ddp.register_comm_hook(state, lowcomm.torch_hook)
+    data = batches(rank, world)
+    per_step = []
+    for _ in range(STEPS):
+        before = transport.meter.payload_bytes
+        x, y = data.next()
+        ddp(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        per_step.append(transport.meter.payload_bytes - before)
+    return {"params": flat_params(model), "per_step": per_step, "numel": flat_params(model).numel()}
+
+
+def test_bf16_hook_is_metered_at_half_the_bytes_and_tracks_fp32(workers):
+    res = workers(_torch_hook_worker, 2, "bf16")
+    ref = workers(_ddp_worker, 2)
+    n = res[0]["numel"]
+    assert res[0]["per_step"] == [2 * n] * STEPS  # bf16 on the wire: 2 bytes per gradient entry
+    assert torch.equal(res[0]["params"], res[1]["params"])
+    diff = (res[0]["params"] - ref[0]["params"]).abs().max().item()
+    assert 0 < diff < 1e-2  # the hook really rounded, and stayed close to the FP32 run
+
+
+def test_powersgd_hook_compresses_after_its_start_steps(workers):
+    res = workers(_torch_hook_worker, 2, "powersgd")
+    n = res[0]["numel"]
+    per_step = res[0]["per_step"]
+    assert per_step[:2] == [4 * n, 4 * n]  # PyTorch's PowerSGD all-reduces plain FP32 at first
+    assert all(0 < b < n for b in per_step[2:])  # rank 1: far below 4 bytes per entry
+    assert torch.equal(res[0]["params"], res[1]["params"])

@@ -12,12 +12,12 @@ _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from .config import ConfigError, SyncConfig, TrainConfig
 from .engine import LowComm, SyncStats
-from .loco import GradReduceState, LoCoState, allreduce_hook, loco_hook
+from .loco import GradReduceState, LoCoState, TorchHookState, allreduce_hook, loco_hook, torch_hook
 from .presets import CO2, DiLoCo, SparseLoCo, StreamingDiLoCo, preset_config
 
 __all__ = [
     "LowComm", "SyncConfig", "SyncStats", "TrainConfig", "ConfigError",
     "DiLoCo", "StreamingDiLoCo", "SparseLoCo", "CO2", "preset_config",
-    "GradReduceState", "allreduce_hook", "LoCoState", "loco_hook",
+    "GradReduceState", "allreduce_hook", "LoCoState", "loco_hook", "TorchHookState", "torch_hook",
 ]
 __version__ = "0.1.0"

@@ -174,6 +174,10 @@ class TrainConfig:
     checkpoint_every: int = knob(0, "Checkpoint every N inner steps, at the next sync boundary (0 = off).")
     device: str = knob("auto", "cpu, cuda, or auto (cuda when available).")
     loco_bits: int = knob(4, "LoCo strategy: bits per gradient value (8, 4 or 2).")
+    ddp_hook: str = knob("allreduce", "DDP strategy: gradient hook: allreduce (FP32, lowcomm's), bf16 "
+                         "(PyTorch's bf16_compress_hook) or powersgd (PyTorch's PowerSGD hook).")
+    powersgd_rank: int = knob(1, "DDP with ddp_hook=powersgd: matrix approximation rank.")
+    powersgd_start: int = knob(10, "DDP with ddp_hook=powersgd: plain all-reduce for this many steps first.")
     progress: bool = knob(True, "Show a progress bar on rank 0 (only when stderr is a terminal).")
     comm_delay_s: float = knob(0.0, "Test only: sleep before each engine collective (a slow network).")
 
@@ -281,6 +285,13 @@ def validate_train(t: TrainConfig) -> None:
         raise ConfigError(f"shard must be striped or contiguous, got {t.shard}")
     if t.loco_bits not in (2, 4, 8):
         raise ConfigError(f"loco_bits must be 2, 4 or 8, got {t.loco_bits}")
+    if t.ddp_hook not in ("allreduce", "bf16", "powersgd"):
+        raise ConfigError(f"ddp_hook must be allreduce, bf16 or powersgd, got {t.ddp_hook}")
+    if t.powersgd_rank < 1:
+        raise ConfigError(f"powersgd_rank must be >= 1, got {t.powersgd_rank}")
+    if t.powersgd_start < 2:
+        raise ConfigError(f"powersgd_start must be >= 2 (PyTorch's PowerSGD needs two plain steps), "
+                          f"got {t.powersgd_start}")
 
 
 def help_text() -> str:

@@ -2,12 +2,13 @@
 
 ``allreduce_hook`` is the plain FP32 baseline (DDP's own behaviour, but metered by lowcomm's
 byte meter and timed, so DDP and the low-communication methods are measured the same way).
-LoCo's compressed hook will live here as well (ALGORITHMS.md §5).
+``loco_hook`` is LoCo's compensated low-bit reduction (ALGORITHMS.md §5), and ``torch_hook``
+runs PyTorch's own bf16 and PowerSGD hooks under the same meter, as baselines.
 """
 
 # no `from __future__ import annotations`: DDP checks the hook's annotations at runtime
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,75 @@ def allreduce_hook(state: GradReduceState, bucket: dist.GradBucket) -> torch.fut
     buf = bucket.buffer()
     buf.div_(state.transport.world_size)
     return state.transport.all_reduce_async(buf)
+
+
+# PyTorch's built-in hooks call torch.distributed.all_reduce themselves (PowerSGD's second one
+# from a future's callback), so they are metered by wrapping that function once, per process,
+# and counting only the calls made on a registered hook's own process group.
+_METERED_GROUPS: dict[int, "Transport"] = {}
+_UNWRAPPED_ALL_REDUCE = None
+
+
+def _metered_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    group = kwargs.get("group", args[1] if len(args) > 1 else None)
+    transport = _METERED_GROUPS.get(id(group)) if group is not None else None
+    if transport is not None:
+        m = transport.world_size
+        n = tensor.numel() * tensor.element_size()
+        wire = 2 * (m - 1) / m * n  # ring all-reduce, as the transport counts its own
+        transport.meter.record(n, wire, wire, control=False)
+    return _UNWRAPPED_ALL_REDUCE(tensor, *args, **kwargs)
+
+
+def _meter_group(transport: "Transport") -> None:
+    global _UNWRAPPED_ALL_REDUCE
+    if _UNWRAPPED_ALL_REDUCE is None:
+        _UNWRAPPED_ALL_REDUCE = dist.all_reduce
+        dist.all_reduce = _metered_all_reduce
+    _METERED_GROUPS[id(transport.group)] = transport
+
+
+TORCH_HOOKS = ("bf16", "powersgd")
+
+
+class TorchHookState(GradReduceState):
+    """PyTorch's own DDP compression hooks (the baselines LoCo is compared with), metered.
+
+    ``kind`` is ``bf16`` (``bf16_compress_hook``: gradients cast to bf16, summed, cast back) or
+    ``powersgd`` (``powerSGD_hook`` with error feedback and warm start; rank ``rank``; plain
+    all-reduce for the first ``start_iter`` steps, as PyTorch requires before compressing).
+    Their bytes are counted at the ``all_reduce`` calls they make on this hook's process group.
+    """
+
+    def __init__(self, transport: "Transport", kind: str, rank: int = 1, start_iter: int = 10) -> None:
+        super().__init__(transport)
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
+
+        if transport.group is None:
+            raise ValueError("TorchHookState needs a transport with its own process group "
+                             "(its collectives are metered by group)")
+        if kind == "bf16":
+            self.inner_state: Any = transport.group
+            self.inner_hook: Callable = default_hooks.bf16_compress_hook
+        elif kind == "powersgd":
+            if rank < 1:
+                raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
+            self.inner_state = psgd.PowerSGDState(
+                process_group=transport.group, matrix_approximation_rank=rank,
+                start_powerSGD_iter=max(start_iter, 2), use_error_feedback=True, warm_start=True,
+                random_seed=0)
+            self.inner_hook = psgd.powerSGD_hook
+        else:
+            raise ValueError(f"unknown PyTorch hook '{kind}': choose one of {', '.join(TORCH_HOOKS)}")
+        self.kind = kind
+        _meter_group(transport)
+
+
+def torch_hook(state: TorchHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Run PyTorch's hook on one bucket; marks the launch time like the other hooks."""
+    state.last_launch = time.perf_counter()
+    state.buckets += 1
+    return state.inner_hook(state.inner_state, bucket)
 
 
 class LoCoState(GradReduceState):

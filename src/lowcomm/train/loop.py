@@ -27,7 +27,7 @@ import torch.nn as nn
 from .. import checkpoint as ckpt
 from ..config import ConfigError, SyncConfig, TrainConfig
 from ..engine import LowComm
-from ..loco import GradReduceState, LoCoState, allreduce_hook, loco_hook
+from ..loco import GradReduceState, LoCoState, TorchHookState, allreduce_hook, loco_hook, torch_hook
 from ..presets import PER_STEP_STRATEGIES
 from ..transport import Transport
 from .data import Batches, load_corpus, val_batches
@@ -145,6 +145,10 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
                                    reduce=sync_cfg.reduce if sync_cfg.reduce in ("gather", "two-phase") else "auto",
                                    compensate=sync_cfg.compensation == "loco")
             train_model.register_comm_hook(hook_state, loco_hook)
+        elif cfg.ddp_hook != "allreduce":
+            hook_state = TorchHookState(grad_transport, cfg.ddp_hook, rank=cfg.powersgd_rank,
+                                        start_iter=cfg.powersgd_start)
+            train_model.register_comm_hook(hook_state, torch_hook)
         else:
             hook_state = GradReduceState(grad_transport)
             train_model.register_comm_hook(hook_state, allreduce_hook)
