@@ -390,6 +390,10 @@ def restore(state: dict[str, Any], same_world: bool, model: nn.Module, opt: torc
     """
     sched.load_state_dict(state["scheduler"])
     batches.load_state_dict(state["data"])
+    if isinstance(hook_state, TorchHookState) and hook_state.kind == "powersgd" and dist.get_rank() == 0:
+        # PyTorch keeps PowerSGD's memories by bucket index with a numpy RNG: not checkpointed
+        print("lowcomm: resuming a PowerSGD run restarts PyTorch's PowerSGD error-feedback and "
+              "warm-start memories (they are not part of the checkpoint)", file=sys.stderr)
     if same_world:
         if engine is not None:
             engine.load_state_dict(state["engine"])
