@@ -156,6 +156,17 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    """`lowcomm report DIR...`: one table and plots over runs from several compare folders."""
+    from .bench.compare import results_table, write_report
+
+    out = Path(args.out)
+    results = write_report([Path(p) for p in args.dirs], out)
+    print(results_table(results))
+    print(f"\nresults: {out / 'results.md'}, {out / 'results.json'}; plots: {out}/loss_vs_*.png")
+    return 0
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from .sim.cli import run
 
@@ -211,6 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--port", type=int, default=None)
     c.add_argument("overrides", nargs="*", metavar="key=value")
     c.set_defaults(func=cmd_compare)
+
+    r = sub.add_parser("report", help="one table and plots over finished runs from several folders")
+    r.add_argument("dirs", nargs="+", help="run folders or `compare --out` folders")
+    r.add_argument("--out", default="runs/report", help="where results.md, results.json and plots go")
+    r.set_defaults(func=cmd_report)
 
     s = sub.add_parser("simulate", help="compute utilization vs bandwidth at scales we cannot run")
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -185,7 +186,7 @@ def plot_results(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     for key, label, fname, logx in axes_spec:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r in results:
-            pts = _val_points(out_dir / r["name"], key)
+            pts = _val_points(Path(r.get("run_dir") or out_dir / r["name"]), key)
             if pts:
                 xs, ys = zip(*pts)
                 ax.plot(xs, ys, marker="o", markersize=3, label=r["name"])
@@ -219,6 +220,66 @@ def plot_results(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         plt.close(fig)
         written.append(out_dir / "utilization_vs_bandwidth.png")
     return written
+
+
+def collect_runs(paths: list[Path]) -> list[dict[str, Any]]:
+    """The summaries of finished runs under ``paths`` (run folders or `compare` output folders).
+
+    Each summary gains ``run_dir``; its ``name`` is prefixed with the compare folder's name
+    when runs come from more than one folder (e.g. a screen and a second-seed run).
+    """
+    found: list[tuple[Path, Path]] = []
+    for p in paths:
+        if not p.exists():
+            raise FileNotFoundError(f"{p}: no such folder (give run folders or `lowcomm compare --out` folders)")
+        if (p / "summary.json").exists():
+            found.append((p.parent, p))
+        else:
+            found.extend((p, s.parent) for s in sorted(p.glob("*/summary.json")))
+    if not found:
+        raise FileNotFoundError(f"no finished runs (summary.json) under {', '.join(map(str, paths))}")
+    prefix = len({parent for parent, _ in found}) > 1
+    results = []
+    for parent, run in found:
+        try:
+            summary = json.loads((run / "summary.json").read_text())
+        except json.JSONDecodeError as e:
+            raise FileNotFoundError(f"{run / 'summary.json'} is not valid JSON ({e}): re-run that entry") from None
+        summary["run_dir"] = str(run)
+        summary.setdefault("entry", re.sub(r"-seed\d+$", "", summary.get("name") or run.name))
+        if prefix:
+            summary["name"] = f"{parent.name}/{summary.get('name') or run.name}"
+        results.append(summary)
+    return results
+
+
+def write_report(paths: list[Path], out_dir: Path) -> list[dict[str, Any]]:
+    """`lowcomm report`: one results table (results.md/json) and the plots for runs from many folders."""
+    results = collect_runs(paths)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out_dir / "results.md").write_text(results_table(results) + "\n\n" + seeds_table(results) + "\n")
+    plot_results(results, out_dir)
+    return results
+
+
+def seeds_table(results: list[dict[str, Any]]) -> str:
+    """Markdown table per entry over its seeds: mean final loss, spread (max - min), ratio to DDP's mean."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        groups.setdefault(r.get("entry", r["name"]), []).append(r)
+    ddp = [r["final_val_loss"] for r in results if r["strategy"] == "ddp" and r.get("entry", "ddp") == "ddp"]
+    ddp_mean = sum(ddp) / len(ddp) if ddp else None
+    lines = ["| entry | runs | mean final val loss | spread (max - min) | mean vs DDP | wire bytes sent / worker |",
+             "|---|---|---|---|---|---|"]
+    for entry, rs in groups.items():
+        losses = [r["final_val_loss"] for r in rs]
+        mean = sum(losses) / len(losses)
+        ratio = f"{mean / ddp_mean:.3f}" if ddp_mean else "-"
+        sent = sum(r["bytes_sent_per_worker"] for r in rs) / len(rs)
+        lines.append(f"| {entry} | {len(rs)} | {mean:.4f} | {max(losses) - min(losses):.4f} | {ratio} | "
+                     f"{_fmt_bytes(sent)} |")
+    return "\n".join(lines)
 
 
 def _rate(bandwidth: str) -> float:
