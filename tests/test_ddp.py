@@ -49,13 +49,13 @@ def test_ddp_equals_single_process_on_the_big_batch(workers):
     assert res[0]["meter"]["sent_bytes"] == round(STEPS * 2 * (world - 1) / world * 4 * n)
 
 
-def _torch_hook_worker(rank: int, world: int, kind: str) -> dict:
+def _torch_hook_worker(rank: int, world: int, kind: str, bucket_cap_mb: float = 25.0) -> dict:
     import torch.distributed as dist
 
     model = tiny_model(seed=0)
     opt = adamw(model)
     transport = Transport(dist.new_group(backend="gloo"))
-    ddp = DDP(model, process_group=transport.group)
+    ddp = DDP(model, process_group=transport.group, bucket_cap_mb=bucket_cap_mb)
     state = lowcomm.TorchHookState(transport, kind, rank=1, start_iter=2)
     ddp.register_comm_hook(state, lowcomm.torch_hook)
     data = batches(rank, world)
@@ -67,7 +67,8 @@ def _torch_hook_worker(rank: int, world: int, kind: str) -> dict:
         opt.step()
         opt.zero_grad()
         per_step.append(transport.meter.payload_bytes - before)
-    return {"params": flat_params(model), "per_step": per_step, "numel": flat_params(model).numel()}
+    return {"params": flat_params(model), "per_step": per_step, "numel": flat_params(model).numel(),
+            "buckets": state.buckets}
 
 
 def test_bf16_hook_is_metered_at_half_the_bytes_and_tracks_fp32(workers):
@@ -87,3 +88,11 @@ def test_powersgd_hook_compresses_after_its_start_steps(workers):
     assert per_step[:2] == [4 * n, 4 * n]  # PyTorch's PowerSGD all-reduces plain FP32 at first
     assert all(0 < b < n for b in per_step[2:])  # rank 1: far below 4 bytes per entry
     assert torch.equal(res[0]["params"], res[1]["params"])
+
+
+def test_powersgd_hook_keeps_collective_order_across_many_buckets(workers):
+    """PowerSGD's callback all-reduces of several buckets in flight must not interleave (gloo aborts)."""
+    res = workers(_torch_hook_worker, 2, "powersgd", 0.002)
+    assert res[0]["buckets"] >= 3 * STEPS  # really several buckets per step
+    assert torch.equal(res[0]["params"], res[1]["params"])
+    assert all(0 < b < res[0]["numel"] for b in res[0]["per_step"][2:])

@@ -97,14 +97,45 @@ class TorchHookState(GradReduceState):
         else:
             raise ValueError(f"unknown PyTorch hook '{kind}': choose one of {', '.join(TORCH_HOOKS)}")
         self.kind = kind
+        self.tail: torch.futures.Future | None = None  # the last bucket's future (PowerSGD chaining)
         _meter_group(transport)
 
 
 def torch_hook(state: TorchHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Run PyTorch's hook on one bucket; marks the launch time like the other hooks."""
+    """Run PyTorch's hook on one bucket; marks the launch time like the other hooks.
+
+    PowerSGD issues its second and third all-reduce from callbacks, so two buckets in flight
+    could interleave their collectives differently on different workers (gloo then aborts on a
+    size mismatch). Each PowerSGD bucket therefore starts when the previous one has finished:
+    the same collective order everywhere, still off the backward thread. bf16 issues one
+    all-reduce per bucket, in bucket order, and needs no chaining.
+    """
     state.last_launch = time.perf_counter()
     state.buckets += 1
-    return state.inner_hook(state.inner_state, bucket)
+    prev = state.tail
+    if state.kind == "bf16" or prev is None or prev.done():
+        fut = state.inner_hook(state.inner_state, bucket)
+    else:
+        fut = torch.futures.Future()
+
+        def start(_: torch.futures.Future) -> None:
+            try:
+                inner = state.inner_hook(state.inner_state, bucket)
+            except Exception as e:  # surface it in backward
+                fut.set_exception(e)
+                return
+
+            def forward(f: torch.futures.Future) -> None:
+                try:
+                    fut.set_result(f.value())
+                except Exception as e:
+                    fut.set_exception(e)
+
+            inner.add_done_callback(forward)
+
+        prev.add_done_callback(start)
+    state.tail = fut
+    return fut
 
 
 class LoCoState(GradReduceState):
