@@ -183,13 +183,22 @@ def plot_results(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
                  ("bytes_sent", "wire bytes sent per worker", "loss_vs_bytes.png", True),
                  ("wall_s", "wall-clock seconds (training loop)", "loss_vs_wallclock.png", False)]
     written = []
+    # one colour per entry; its further seeds (or bandwidths) get their own line style
+    entries = list(dict.fromkeys(r.get("entry", r["name"]) for r in results))
+    colours = {e: f"C{i % 10}" for i, e in enumerate(entries)}
+    styles, seen = [], {}
+    for r in results:
+        e = r.get("entry", r["name"])
+        styles.append(("-", "--", ":", "-.")[seen.get(e, 0) % 4])
+        seen[e] = seen.get(e, 0) + 1
     for key, label, fname, logx in axes_spec:
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for r in results:
+        for r, style in zip(results, styles):
             pts = _val_points(Path(r.get("run_dir") or out_dir / r["name"]), key)
             if pts:
                 xs, ys = zip(*pts)
-                ax.plot(xs, ys, marker="o", markersize=3, label=r["name"])
+                ax.plot(xs, ys, style, marker="o", markersize=3, label=r["name"],
+                        color=colours[r.get("entry", r["name"])])
         ax.set_xlabel(label)
         ax.set_ylabel("validation loss (global parameters)")
         if logx:
