@@ -137,6 +137,7 @@ def test_names_commands_and_env() -> None:
     env = net.env(1)
     assert env["MASTER_ADDR"] == "10.213.0.1" and env["RANK"] == "1"
     assert env["WORLD_SIZE"] == "3" and env["GLOO_SOCKET_IFNAME"] == "eth0"
+    assert env["LOWCOMM_ADDR"] == net.address(1) == "10.213.0.2"
     with pytest.raises(ValueError):
         net.namespace(3)
 

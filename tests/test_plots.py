@@ -60,3 +60,44 @@ def test_report_cli_names_a_missing_folder(tmp_path, capsys):
 
     assert main(["report", str(tmp_path / "nope"), "--out", str(tmp_path / "r")]) == 2
     assert "nope: no such folder" in capsys.readouterr().err
+
+
+def _curve(folder, name, entry, bw, steps, walls, losses, **extra):
+    d = folder / name
+    d.mkdir(parents=True)
+    recs = [{"step": s, "wall_s": w, "val_loss": v} for s, w, v in zip(steps, walls, losses)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    summary = {"name": name, "entry": entry, "strategy": entry, "final_val_loss": losses[-1],
+               "bytes_sent_per_worker": 100, "ddp_fp32_bytes_per_worker": 1000, "wall_s": walls[-1],
+               "compute_utilization": 0.5, "tokens": steps[-1] * 1000, "inner_steps": steps[-1], **extra}
+    if bw:
+        summary["bandwidth"] = bw
+    (d / "summary.json").write_text(json.dumps(summary))
+    return d
+
+
+def test_time_to_loss_interpolates_between_evaluations(tmp_path):
+    from lowcomm.bench.compare import time_to_loss
+
+    d = _curve(tmp_path, "a", "a", None, [10, 20, 30], [1.0, 3.0, 5.0], [4.0, 3.0, 2.0])
+    assert time_to_loss(d, 2.5) == (4.0, 25.0)   # halfway between steps 20 and 30
+    assert time_to_loss(d, 4.0) == (1.0, 10.0)   # reached at the first evaluation
+    assert time_to_loss(d, 1.0) is None
+
+
+def test_network_table_relates_each_link_to_the_unshaped_run(tmp_path):
+    from lowcomm.bench.compare import network_table, write_report
+
+    _curve(tmp_path / "net", "ddp", "ddp", None, [10, 20], [1.0, 2.0], [3.0, 2.0])
+    # a 10-step window on a slow link: 4 s per step, never reaches 2.0 itself
+    _curve(tmp_path / "net", "ddp-10mbit", "ddp", "10mbit", [5, 10], [20.0, 40.0], [3.5, 3.2])
+    _curve(tmp_path / "net", "diloco-10mbit", "diloco", "10mbit", [10, 20], [1.5, 3.0], [2.8, 1.9])
+    results = write_report([tmp_path / "net"], tmp_path / "r", target_loss=2.0)
+    table = network_table(results, 2.0)
+    rows = {tuple(c.strip() for c in line.strip("|").split("|")[:2]): line for line in table.splitlines()[2:]}
+    # unshaped DDP: 20,000 tokens in 2 s; on 10mbit 10,000 tokens in 40 s -> 0.025 of the unshaped rate
+    assert "| 10,000 | 1.000 | 20 | 2 |" in rows[("ddp", "unshaped")]
+    assert "| 250 | 0.025 | 10 | ≈ 80 (est.) |" in rows[("ddp", "10mbit")]  # 20 steps x 4 s
+    # DiLoCo crosses 2.0 between 1.5 s (2.8) and 3.0 s (1.9): 1.5 + 0.8/0.9 x 1.5
+    assert "| 3 |" in rows[("diloco", "10mbit")] and "| - |" in rows[("diloco", "10mbit")]
+    assert "time to val loss 2.0" in (tmp_path / "r" / "results.md").read_text()

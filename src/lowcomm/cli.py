@@ -158,11 +158,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """`lowcomm report DIR...`: one table and plots over runs from several compare folders."""
-    from .bench.compare import results_table, write_report
+    from .bench.compare import network_table, results_table, write_report
 
     out = Path(args.out)
-    results = write_report([Path(p) for p in args.dirs], out)
+    results = write_report([Path(p) for p in args.dirs], out, args.target_loss)
     print(results_table(results))
+    if args.target_loss is not None:
+        print()
+        print(network_table(results, args.target_loss))
     print(f"\nresults: {out / 'results.md'}, {out / 'results.json'}; plots: {out}/loss_vs_*.png")
     return 0
 
@@ -226,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="one table and plots over finished runs from several folders")
     r.add_argument("dirs", nargs="+", help="run folders or `compare --out` folders")
     r.add_argument("--out", default="runs/report", help="where results.md, results.json and plots go")
+    r.add_argument("--target-loss", type=float, default=None,
+                   help="add a per-link table: utilization, tokens/s vs unshaped, time to this validation loss")
     r.set_defaults(func=cmd_report)
 
     s = sub.add_parser("simulate", help="compute utilization vs bandwidth at scales we cannot run")

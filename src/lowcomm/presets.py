@@ -34,16 +34,19 @@ PER_STEP_CONFIGS: dict[str, dict[str, Any]] = {
     "loco": dict(sync_every=1, codec="loco", compensation="loco", loco_beta=0.8),
 }
 PER_STEP_STRATEGIES = tuple(PER_STEP_CONFIGS)
-STRATEGIES = PER_STEP_STRATEGIES + tuple(STRATEGY_CONFIGS)
+# Peers: other libraries' implementations run by our trainer on the same model, data and link
+# (optional extras; see lowcomm.bench.torchft_peer). Same knobs as our DiLoCo.
+PEER_CONFIGS: dict[str, dict[str, Any]] = {"torchft-diloco": dict(STRATEGY_CONFIGS["diloco"])}
+STRATEGIES = PER_STEP_STRATEGIES + tuple(STRATEGY_CONFIGS) + tuple(PEER_CONFIGS)
 
 
 def preset_config(strategy: str, **overrides: Any) -> SyncConfig:
     """The SyncConfig of a named strategy, with overrides applied and validated."""
     if strategy in PER_STEP_STRATEGIES:
         return SyncConfig(**{**PER_STEP_CONFIGS[strategy], **overrides}).validate()
-    if strategy not in STRATEGY_CONFIGS:
+    if strategy not in STRATEGY_CONFIGS and strategy not in PEER_CONFIGS:
         raise ConfigError(f"unknown strategy '{strategy}': choose one of {', '.join(STRATEGIES)}")
-    base = dict(STRATEGY_CONFIGS[strategy])
+    base = dict(STRATEGY_CONFIGS.get(strategy) or PEER_CONFIGS[strategy])
     base.update(overrides)
     return SyncConfig(**base).validate()
 

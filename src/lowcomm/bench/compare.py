@@ -15,6 +15,7 @@ from typing import Any
 from ..config import ConfigError, build_configs
 from ..presets import STRATEGIES, preset_config
 from ..train.launch import LaunchError, launch
+from . import torchft_peer
 
 
 @dataclass
@@ -71,6 +72,8 @@ def run_compare(entries: list[Entry], common: dict[str, Any], workers: int, seed
         for e in entries:
             values = {**common, **e.overrides, "seed": seed}
             sync_cfg, train_cfg = build_configs(values, sync=preset_config(e.strategy))
+            if e.strategy == torchft_peer.STRATEGY:
+                torchft_peer.check_config(sync_cfg, train_cfg.checkpoint_every, None)
             plans.append((e, seed, values, sync_cfg, train_cfg))
     results: list[dict[str, Any]] = []
     for bw in bandwidths or [None]:
@@ -90,10 +93,10 @@ def run_compare(entries: list[Entry], common: dict[str, Any], workers: int, seed
                 else:
                     summary = launch_shaped(net, e.strategy, values, out_dir / name, name)
                     summary.update(bandwidth=bw, topology=topology, measured_link_mbit=net.measured_mbit)
-                    (out_dir / name / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
                 if summary is None:
                     continue
-                summary["entry"] = e.name
+                summary["entry"] = e.name  # what `report` groups seeds and links by
+                (out_dir / name / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
                 results.append(summary)
                 (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
         finally:
@@ -255,19 +258,26 @@ def collect_runs(paths: list[Path]) -> list[dict[str, Any]]:
         except json.JSONDecodeError as e:
             raise FileNotFoundError(f"{run / 'summary.json'} is not valid JSON ({e}): re-run that entry") from None
         summary["run_dir"] = str(run)
-        summary.setdefault("entry", re.sub(r"-seed\d+$", "", summary.get("name") or run.name))
+        entry = re.sub(r"-seed\d+$", "", summary.get("name") or run.name)
+        if summary.get("bandwidth") and entry.endswith(f"-{summary['bandwidth']}"):
+            entry = entry[: -len(summary["bandwidth"]) - 1]
+        summary.setdefault("entry", entry)
         if prefix:
             summary["name"] = f"{parent.name}/{summary.get('name') or run.name}"
         results.append(summary)
     return results
 
 
-def write_report(paths: list[Path], out_dir: Path) -> list[dict[str, Any]]:
-    """`lowcomm report`: one results table (results.md/json) and the plots for runs from many folders."""
+def write_report(paths: list[Path], out_dir: Path, target_loss: float | None = None) -> list[dict[str, Any]]:
+    """`lowcomm report`: one results table (results.md/json) and the plots for runs from many folders.
+
+    With ``target_loss``, also the per-link table of :func:`network_table`.
+    """
     results = collect_runs(paths)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out_dir / "results.md").write_text(results_table(results) + "\n\n" + seeds_table(results) + "\n")
+    extra = "\n\n" + network_table(results, target_loss) if target_loss is not None else ""
+    (out_dir / "results.md").write_text(results_table(results) + "\n\n" + seeds_table(results) + extra + "\n")
     plot_results(results, out_dir)
     return results
 
@@ -288,6 +298,57 @@ def seeds_table(results: list[dict[str, Any]]) -> str:
         sent = sum(r["bytes_sent_per_worker"] for r in rs) / len(rs)
         lines.append(f"| {entry} | {len(rs)} | {mean:.4f} | {max(losses) - min(losses):.4f} | {ratio} | "
                      f"{_fmt_bytes(sent)} |")
+    return "\n".join(lines)
+
+
+def time_to_loss(run_dir: Path, target: float) -> tuple[float, float] | None:
+    """(training wall-clock seconds, inner step) at which validation loss first reaches ``target``.
+
+    Linear interpolation between the two evaluations around the crossing; None if never reached.
+    """
+    prev: tuple[float, float, float] | None = None
+    last: dict[str, Any] = {}
+    for rec in _read_metrics(run_dir):
+        last.update({k: v for k, v in rec.items() if k != "val_loss"})
+        if "val_loss" not in rec or "wall_s" not in last:
+            continue
+        cur = (float(last["wall_s"]), float(last["step"]), float(rec["val_loss"]))
+        if cur[2] <= target:
+            if prev is None or prev[2] == cur[2]:
+                return cur[0], cur[1]
+            f = (prev[2] - target) / (prev[2] - cur[2])
+            return prev[0] + f * (cur[0] - prev[0]), prev[1] + f * (cur[1] - prev[1])
+        prev = cur
+    return None
+
+
+def network_table(results: list[dict[str, Any]], target: float) -> str:
+    """Markdown table per entry and link: utilization, tokens/s vs the unshaped run, time to ``target`` loss.
+
+    A run too short to reach the target (DDP on the slowest links, BENCHMARKS.md §2) gets an
+    estimate: the steps its unshaped run needed times its own measured seconds per step.
+    """
+    unshaped = {r.get("entry", r["name"]): r for r in results if not r.get("bandwidth")}
+    lines = [f"| entry | link | compute util. | tokens/s | tokens/s vs unshaped | steps | "
+             f"time to val loss {target} (s) | final val loss | wire bytes sent / worker |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    order = sorted(results, key=lambda r: (r.get("entry", r["name"]),
+                                           -_rate(r["bandwidth"]) if r.get("bandwidth") else -math.inf))
+    for r in order:
+        entry = r.get("entry", r["name"])
+        tps = r["tokens"] / r["wall_s"] if r["wall_s"] > 0 else math.nan
+        base = unshaped.get(entry)
+        rel = f"{tps / (base['tokens'] / base['wall_s']):.3f}" if base and base["wall_s"] > 0 else "-"
+        hit = time_to_loss(Path(r["run_dir"]), target) if r.get("run_dir") else None
+        if hit is not None:
+            ttl = f"{hit[0]:.0f}"
+        else:
+            base_hit = time_to_loss(Path(base["run_dir"]), target) if base and base.get("run_dir") else None
+            ttl = (f"≈ {base_hit[1] * r['wall_s'] / r['inner_steps']:.0f} (est.)" if base_hit
+                   else "not reached")
+        lines.append(f"| {entry} | {r.get('bandwidth') or 'unshaped'} | {r['compute_utilization']:.1%} | "
+                     f"{tps:,.0f} | {rel} | {r['inner_steps']} | {ttl} | {r['final_val_loss']:.4f} | "
+                     f"{_fmt_bytes(r['bytes_sent_per_worker'])} |")
     return "\n".join(lines)
 
 

@@ -571,6 +571,7 @@ class ShapedNetwork:
             "MASTER_PORT": str(self.master_port),
             "RANK": str(rank),
             "WORLD_SIZE": str(self.workers),
+            "LOWCOMM_ADDR": self.address(rank),  # for servers a worker advertises (torchft's stores)
             "GLOO_SOCKET_IFNAME": self.ifname,
             "TP_SOCKET_IFNAME": self.ifname,
             "NCCL_SOCKET_IFNAME": self.ifname,

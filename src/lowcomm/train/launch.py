@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from ..bench import torchft_peer
 from ..config import ConfigError, SyncConfig, TrainConfig
 
 
@@ -63,6 +64,8 @@ def launch(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str |
 
     ``resume`` is a checkpoint folder (from :func:`find_resume`) to continue from.
     """
+    if strategy == torchft_peer.STRATEGY:
+        torchft_peer.check_config(sync_cfg, cfg.checkpoint_every, resume)
     if under_torchrun():
         from .loop import run_worker
 

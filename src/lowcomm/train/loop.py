@@ -26,6 +26,8 @@ import torch.nn as nn
 
 from .. import checkpoint as ckpt
 from ..config import ConfigError, SyncConfig, TrainConfig
+from ..bench import torchft_peer
+from ..bench.torchft_peer import STRATEGY as TORCHFT
 from ..engine import LowComm
 from ..loco import GradReduceState, LoCoState, TorchHookState, allreduce_hook, loco_hook, torch_hook
 from ..presets import PER_STEP_STRATEGIES
@@ -152,6 +154,9 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
         else:
             hook_state = GradReduceState(grad_transport)
             train_model.register_comm_hook(hook_state, allreduce_hook)
+    elif strategy == TORCHFT:
+        torchft_peer.check_config(sync_cfg, cfg.checkpoint_every, resume)
+        engine = torchft_peer.TorchftDiLoCo(model, opt, sync_cfg, timeout_s=cfg.timeout_s)
     else:
         engine = LowComm(model, opt, sync_cfg, timeout_s=cfg.timeout_s, comm_delay_s=cfg.comm_delay_s)
 

@@ -1,0 +1,203 @@
+"""The `torchft-diloco` compare entry: PyTorch's torchft DiLoCo run by our trainer, as a peer.
+
+torchft (PyPI ``torchft-nightly``, an optional extra) is fault-tolerant training from the PyTorch
+team; its ``DiLoCo`` is the implementation users most often compare us with. This module runs it
+inside :func:`lowcomm.train.loop.run_worker` with the same model, data, inner optimizer, schedule,
+H, outer optimizer and (shaped) network as our own DiLoCo, so the two are measured side by side.
+
+Each of our workers is one torchft replica group of size 1: it owns a TCPStore and a Manager;
+rank 0 also runs the lighthouse (torchft's quorum server) in-process. torchft's traffic goes
+through its own gloo process group, which we meter by wrapping ``Manager.allreduce`` (ring
+all-reduce wire cost, as for every other strategy) and time by wrapping DiLoCo's optimizer hook:
+the quorum, the wait for the all-reduce and the outer step all count as blocked time.
+
+:class:`TorchftDiLoCo` offers the part of :class:`~lowcomm.engine.LowComm` the trainer uses
+(context manager, ``global_parameters``, ``transport.meter``, ``stats``, ``finish``) so the
+training loop stays one loop. Checkpoints and resume are not supported for this peer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Any, Iterator
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..config import ConfigError, SyncConfig
+from ..engine import SyncStats
+from ..transport import ByteMeter
+
+STRATEGY = "torchft-diloco"
+
+
+def _import_torchft() -> Any:
+    if not os.environ.get("LOWCOMM_DEBUG"):
+        # torchft's Rust side logs every quorum at INFO; keep run logs readable (LOWCOMM_DEBUG=1 shows them)
+        os.environ.setdefault("RUST_LOG", "warn")
+        logging.getLogger("torchft").setLevel(logging.WARNING)
+    try:
+        import torchft  # noqa: F401
+        from torchft._torchft import LighthouseServer
+        from torchft.local_sgd import DiLoCo
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+    except ImportError as e:
+        raise ConfigError(
+            f"the '{STRATEGY}' entry needs torchft: pip install 'lowcomm[torchft]' "
+            f"(or pip install torchft-nightly) ({e})") from None
+    return SimpleNamespace(LighthouseServer=LighthouseServer, DiLoCo=DiLoCo, Manager=Manager,
+                           ProcessGroupGloo=ProcessGroupGloo)
+
+
+def check_config(sync_cfg: SyncConfig, checkpoint_every: int, resume: str | None) -> None:
+    """Reject what this peer cannot do (or a missing torchft), before any worker starts."""
+    _import_torchft()
+    if sync_cfg.outer_optimizer != "nesterov":
+        raise ConfigError(f"{STRATEGY} runs torchft's DiLoCo with a Nesterov SGD outer optimizer; "
+                          f"outer_optimizer={sync_cfg.outer_optimizer!r} is not supported")
+    if sync_cfg.codec not in ("none", "fp32"):
+        raise ConfigError(f"{STRATEGY} sends FP32 pseudo-gradients; codec={sync_cfg.codec!r} is not supported")
+    if checkpoint_every or resume:
+        raise ConfigError(f"{STRATEGY} is a benchmark peer: checkpoints and resume are not supported "
+                          "(set checkpoint_every=0)")
+
+
+def _own_address() -> str:
+    """The address peers reach this worker at: ours in a shaped namespace, else loopback."""
+    return os.environ.get("LOWCOMM_ADDR") or os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+
+class TorchftDiLoCo:
+    """torchft's DiLoCo behind the slice of the LowComm interface that the trainer uses."""
+
+    def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, sync_cfg: SyncConfig,
+                 timeout_s: float = 300.0) -> None:
+        ft = _import_torchft()
+        self.model = model
+        self.opt = inner_optimizer
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.transport = SimpleNamespace(meter=ByteMeter())
+        self.stats = SyncStats()
+        self.outer = SimpleNamespace()  # no clipping or penalty counters
+        self.last_sync_step = -1
+        self._step = 0
+        timeout = timedelta(seconds=timeout_s)
+
+        # the lighthouse runs in rank 0's process; everyone learns its address over the control group
+        self._lighthouse = None
+        addr = [None]
+        if self.rank == 0:
+            self._lighthouse = ft.LighthouseServer(bind="0.0.0.0:0", min_replicas=self.world)
+            port = urlparse(self._lighthouse.address()).port
+            addr = [f"http://{_own_address()}:{port}"]
+        dist.broadcast_object_list(addr, src=0)
+        host = _own_address()
+        if os.environ.get("LOWCOMM_ADDR"):
+            # torchft advertises socket.gethostname() for its process group's store; inside a
+            # per-worker namespace that name resolves to the namespace's own loopback, which the
+            # peers cannot reach. This process is one worker, so point the name at our address.
+            socket.gethostname = lambda: host  # type: ignore[assignment]
+        # a replica group of one: its own store, on the address its peers can reach
+        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                    timeout=timeout)
+        self.manager = ft.Manager(
+            pg=ft.ProcessGroupGloo(timeout=timeout), min_replica_size=self.world,
+            load_state_dict=self._load_state, state_dict=self._state,
+            # every rank builds the same seeded model, so no step-0 healing (with init_sync, torchft's
+            # first quorum, after H local steps, would overwrite replica 1's first round with replica 0's)
+            init_sync=False, use_async_quorum=False, replica_id=f"lowcomm_{self.rank}",
+            store_addr=host, store_port=self._store.port, rank=0, world_size=1,
+            lighthouse_addr=addr[0], hostname=host, port=0,
+            timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
+        self._meter_allreduce()
+        outer = torch.optim.SGD(model.parameters(), lr=sync_cfg.outer_lr, momentum=sync_cfg.outer_momentum,
+                                nesterov=sync_cfg.outer_momentum > 0)
+        self.diloco = ft.DiLoCo(self.manager, [model], inner_optimizer, outer, sync_every=sync_cfg.sync_every,
+                                backup_device=next(model.parameters()).device)
+        self._time_hook()
+
+    # -- state for torchft's healing of a replica that joins late (not used when all start together)
+    def _state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "inner_optim": self.opt.state_dict()}
+
+    def _load_state(self, sd: dict[str, Any]) -> None:
+        self.model.load_state_dict(sd["model"])
+        self.opt.load_state_dict(sd["inner_optim"])
+
+    def _meter_allreduce(self) -> None:
+        """Count each all-reduce torchft issues at the ring cost 2(M-1)/M of its bytes."""
+        orig = self.manager.allreduce
+        meter = self.transport.meter
+
+        def allreduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            n = tensor.numel() * tensor.element_size()
+            m = max(self.manager.num_participants(), 1)
+            wire = 2 * (m - 1) / m * n
+            meter.record(n, wire, wire, control=False)
+            self.stats.payload_bytes += n
+            self.stats.bytes_sent += int(wire)
+            return orig(tensor, *args, **kwargs)
+
+        self.manager.allreduce = allreduce
+
+    def _time_hook(self) -> None:
+        """Time DiLoCo's optimizer post-hook: on a sync step it is quorum + all-reduce + outer step."""
+        orig = self.diloco._step_post_hook
+        meter = self.transport.meter
+
+        def hook(*args: Any, **kwargs: Any) -> None:
+            self._step += 1
+            before = self.stats.bytes_sent
+            t0 = time.perf_counter()
+            orig(*args, **kwargs)
+            if self.stats.bytes_sent != before:  # this step synced
+                meter.add_blocked(time.perf_counter() - t0)
+                self.stats.syncs += 1
+                self.stats.peak_bytes_per_sync = max(self.stats.peak_bytes_per_sync,
+                                                     self.stats.bytes_sent - before)
+                self.last_sync_step = self._step
+
+        self.diloco._step_post_hook = hook  # registered by DiLoCo.__enter__, so patch before it
+
+    def __enter__(self) -> "TorchftDiLoCo":
+        self.diloco.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.diloco.__exit__(*exc)
+        # every replica leaves its last quorum before rank 0 takes the lighthouse down
+        dist.barrier()
+        self.manager.shutdown(wait=False)
+        if self._lighthouse is not None:
+            self._lighthouse.shutdown()
+
+    @contextlib.contextmanager
+    def global_parameters(self) -> Iterator[None]:
+        """Swap in torchft's global copy (its backup of the last synced parameters) for evaluation."""
+        frag = self.diloco._fragments[0]
+        params = dict(self.model.named_parameters())
+        local = {n: p.detach().clone() for n, p in params.items()}
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(frag.original_parameters[n])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(local[n])
+
+    def finish(self) -> None:
+        """Nothing in flight: torchft's DiLoCo (fragment_sync_delay 0) waits within the sync step."""
+        self.stats.inner_steps = self._step
+        self.stats.blocked_s = self.transport.meter.blocked_s
+
