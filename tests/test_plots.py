@@ -101,3 +101,37 @@ def test_network_table_relates_each_link_to_the_unshaped_run(tmp_path):
     # DiLoCo crosses 2.0 between 1.5 s (2.8) and 3.0 s (1.9): 1.5 + 0.8/0.9 x 1.5
     assert "| 3 |" in rows[("diloco", "10mbit")] and "| - |" in rows[("diloco", "10mbit")]
     assert "time to val loss 2.0" in (tmp_path / "r" / "results.md").read_text()
+
+
+def test_compare_goes_on_after_a_lost_run_and_fails_at_the_end(tmp_path, monkeypatch):
+    """A worker crash in one entry of a sweep keeps the other entries' results, then exits non-zero."""
+    import pytest
+
+    from lowcomm.bench import compare
+    from lowcomm.train.launch import LaunchError
+
+    ran = []
+
+    def fake_launch(strategy, sync_cfg, train_cfg, out, workers, port, name):
+        ran.append(name)
+        if name == "diloco":
+            raise LaunchError("worker 1 failed with exit code -6")
+        _finished(out.parent, name, strategy, 2.0)
+        return json.loads((out / "summary.json").read_text())
+
+    monkeypatch.setattr(compare, "launch", fake_launch)
+    entries = compare.parse_entries("ddp,diloco,sparseloco")
+    with pytest.raises(LaunchError, match=r"1 of 3 runs failed \(diloco\)"):
+        compare.run_compare(entries, {"model": "tiny", "steps": 30}, 2, [0], tmp_path)
+    assert ran == ["ddp", "diloco", "sparseloco"]
+    table = (tmp_path / "results.md").read_text()
+    assert "| ddp |" in table and "| sparseloco |" in table and "| diloco |" not in table
+
+    def user_error(*args, **kwargs):
+        raise LaunchError("worker 0 stopped on a user error", 2)
+
+    ran.clear()
+    monkeypatch.setattr(compare, "launch", lambda *a, **k: (ran.append(k["name"]), user_error())[1])
+    with pytest.raises(LaunchError, match="user error"):
+        compare.run_compare(entries, {"model": "tiny", "steps": 30}, 2, [0], tmp_path / "again")
+    assert ran == ["ddp"]  # a user error would hit every run: stop at once

@@ -76,6 +76,7 @@ def run_compare(entries: list[Entry], common: dict[str, Any], workers: int, seed
                 torchft_peer.check_config(sync_cfg, train_cfg.checkpoint_every, None)
             plans.append((e, seed, values, sync_cfg, train_cfg))
     results: list[dict[str, Any]] = []
+    failed: list[str] = []
     for bw in bandwidths or [None]:
         net = None
         if bw is not None:
@@ -88,11 +89,19 @@ def run_compare(entries: list[Entry], common: dict[str, Any], workers: int, seed
             for e, seed, values, sync_cfg, train_cfg in plans:
                 name = e.name + (f"-{bw}" if bw else "") + (f"-seed{seed}" if len(seeds) > 1 else "")
                 print(f"[compare] {name}: {e.strategy}, {workers} workers, {train_cfg.steps} steps", flush=True)
-                if net is None:
-                    summary = launch(e.strategy, sync_cfg, train_cfg, out_dir / name, workers, port, name=name)
-                else:
-                    summary = launch_shaped(net, e.strategy, values, out_dir / name, name)
-                    summary.update(bandwidth=bw, topology=topology, measured_link_mbit=net.measured_mbit)
+                try:
+                    if net is None:
+                        summary = launch(e.strategy, sync_cfg, train_cfg, out_dir / name, workers, port, name=name)
+                    else:
+                        summary = launch_shaped(net, e.strategy, values, out_dir / name, name)
+                        summary.update(bandwidth=bw, topology=topology, measured_link_mbit=net.measured_mbit)
+                except LaunchError as err:
+                    if err.exitcode == 2:  # a user error: every later run would hit it too
+                        raise
+                    # one lost run must not cost the rest of a sweep: note it, go on, fail at the end
+                    print(f"error: {err}; going on with the other runs", file=sys.stderr, flush=True)
+                    failed.append(name)
+                    continue
                 if summary is None:
                     continue
                 summary["entry"] = e.name  # what `report` groups seeds and links by
@@ -105,6 +114,10 @@ def run_compare(entries: list[Entry], common: dict[str, Any], workers: int, seed
     table = results_table(results)
     (out_dir / "results.md").write_text(table + "\n")
     plot_results(results, out_dir)
+    if failed:
+        raise LaunchError(f"{len(failed)} of {len(failed) + len(results)} runs failed ({', '.join(failed)}); "
+                          f"the others are in {out_dir / 'results.md'}: re-run the failed ones with "
+                          f"`lowcomm compare --strategies ...` and merge them with `lowcomm report`")
     return results
 
 
@@ -132,7 +145,8 @@ def launch_shaped(net: Any, strategy: str, values: dict[str, Any], out_dir: Path
                     except subprocess.TimeoutExpired:
                         continue
                     if codes[r] != 0:
-                        raise LaunchError(f"{name}: worker {r} failed with exit code {codes[r]}")
+                        raise LaunchError(f"{name}: worker {r} failed with exit code {codes[r]}",
+                                          2 if codes[r] == 2 else 1)
     finally:
         for p in procs:
             if p.poll() is None:

@@ -27,7 +27,6 @@ import torch.nn as nn
 from .. import checkpoint as ckpt
 from ..config import ConfigError, SyncConfig, TrainConfig
 from ..bench import torchft_peer
-from ..bench.torchft_peer import STRATEGY as TORCHFT
 from ..engine import LowComm
 from ..loco import GradReduceState, LoCoState, TorchHookState, allreduce_hook, loco_hook, torch_hook
 from ..presets import PER_STEP_STRATEGIES
@@ -36,12 +35,16 @@ from .data import Batches, load_corpus, val_batches
 from .model import build_model, count_params
 
 
-def init_distributed(timeout_s: float, device: torch.device) -> None:
-    """Join the process group described by the environment (torchrun / our launcher)."""
+def init_distributed(timeout_s: float, device: torch.device) -> bool:
+    """Join the process group described by the environment (torchrun / our launcher).
+
+    Returns True when this call created the group (the caller then destroys it when done).
+    """
     if dist.is_initialized():
-        return
+        return False
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return True
 
 
 def resolve_device(name: str) -> torch.device:
@@ -106,7 +109,7 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
     device = resolve_device(cfg.device)
     if device.type == "cpu":
         torch.set_num_threads(cfg.threads)
-    init_distributed(cfg.timeout_s, device)
+    owns_group = init_distributed(cfg.timeout_s, device)
     rank, world = dist.get_rank(), dist.get_world_size()
     out = Path(out_dir)
     if rank == 0:
@@ -154,7 +157,7 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
         else:
             hook_state = GradReduceState(grad_transport)
             train_model.register_comm_hook(hook_state, allreduce_hook)
-    elif strategy == TORCHFT:
+    elif strategy == torchft_peer.STRATEGY:
         torchft_peer.check_config(sync_cfg, cfg.checkpoint_every, resume)
         engine = torchft_peer.TorchftDiLoCo(model, opt, sync_cfg, timeout_s=cfg.timeout_s)
     else:
@@ -329,6 +332,11 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
         with contextlib.suppress(FileNotFoundError):
             (out / "workers.json").unlink()
     dist.barrier()
+    if owns_group:
+        # Tear gloo down while the interpreter is whole: left to interpreter exit, its worker
+        # threads can still hold finished work and abort the process (SIGABRT, "terminate called
+        # without an active exception"), seen on shaped links after the summary was written.
+        dist.destroy_process_group()
     return summary
 
 
