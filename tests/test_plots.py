@@ -127,11 +127,12 @@ def test_compare_goes_on_after_a_lost_run_and_fails_at_the_end(tmp_path, monkeyp
     table = (tmp_path / "results.md").read_text()
     assert "| ddp |" in table and "| sparseloco |" in table and "| diloco |" not in table
 
-    def user_error(*args, **kwargs):
+    def user_error(*args, name, **kwargs):
+        ran.append(name)
         raise LaunchError("worker 0 stopped on a user error", 2)
 
     ran.clear()
-    monkeypatch.setattr(compare, "launch", lambda *a, **k: (ran.append(k["name"]), user_error())[1])
+    monkeypatch.setattr(compare, "launch", user_error)
     with pytest.raises(LaunchError, match="user error"):
         compare.run_compare(entries, {"model": "tiny", "steps": 30}, 2, [0], tmp_path / "again")
     assert ran == ["ddp"]  # a user error would hit every run: stop at once

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .transport import Transport
+from .transport import Transport, ring_all_reduce_bytes
 
 
 class GradReduceState:
@@ -51,7 +51,7 @@ def _metered_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     if transport is not None:
         m = transport.world_size
         n = tensor.numel() * tensor.element_size()
-        wire = 2 * (m - 1) / m * n  # ring all-reduce, as the transport counts its own
+        wire = ring_all_reduce_bytes(n, m)  # as the transport counts its own
         transport.meter.record(n, wire, wire, control=False)
     return _UNWRAPPED_ALL_REDUCE(tensor, *args, **kwargs)
 

@@ -31,6 +31,11 @@ import torch.distributed as dist
 T = TypeVar("T")
 
 
+def ring_all_reduce_bytes(nbytes: float, workers: int) -> float:
+    """Bytes each worker sends (and receives) in a ring all-reduce of ``nbytes``: 2(M-1)/M of them."""
+    return 2 * (workers - 1) / workers * nbytes
+
+
 @dataclass
 class ByteMeter:
     """Running totals of the bytes this worker handed to collectives (training vs control)."""
@@ -114,7 +119,7 @@ class Transport:
         dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
         if buf is not t:
             t.copy_(buf)
-        wire = 2 * (m - 1) / m * n
+        wire = ring_all_reduce_bytes(n, m)
         self.meter.record(n, wire, wire, control)
         return t
 
@@ -152,7 +157,7 @@ class Transport:
         m = self.world_size
         n = _nbytes(t)
         work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        wire = 2 * (m - 1) / m * n
+        wire = ring_all_reduce_bytes(n, m)
         self.meter.record(n, wire, wire, control)
         return work.get_future().then(lambda fut: fut.value()[0])
 

@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from ..config import ConfigError, SyncConfig
 from ..engine import SyncStats
-from ..transport import ByteMeter
+from ..transport import ByteMeter, ring_all_reduce_bytes
 
 STRATEGY = "torchft-diloco"
 
@@ -140,8 +140,7 @@ class TorchftDiLoCo:
 
         def allreduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             n = tensor.numel() * tensor.element_size()
-            m = max(self.manager.num_participants(), 1)
-            wire = 2 * (m - 1) / m * n
+            wire = ring_all_reduce_bytes(n, max(self.manager.num_participants(), 1))
             meter.record(n, wire, wire, control=False)
             self.stats.payload_bytes += n
             self.stats.bytes_sent += int(wire)

@@ -30,7 +30,7 @@ from ..bench import torchft_peer
 from ..engine import LowComm
 from ..loco import GradReduceState, LoCoState, TorchHookState, allreduce_hook, loco_hook, torch_hook
 from ..presets import PER_STEP_STRATEGIES
-from ..transport import Transport
+from ..transport import Transport, ring_all_reduce_bytes
 from .data import Batches, load_corpus, val_batches
 from .model import build_model, count_params
 
@@ -157,8 +157,7 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
         else:
             hook_state = GradReduceState(grad_transport)
             train_model.register_comm_hook(hook_state, allreduce_hook)
-    elif strategy == torchft_peer.STRATEGY:
-        torchft_peer.check_config(sync_cfg, cfg.checkpoint_every, resume)
+    elif strategy == torchft_peer.STRATEGY:  # its settings were checked by launch()
         engine = torchft_peer.TorchftDiLoCo(model, opt, sync_cfg, timeout_s=cfg.timeout_s)
     else:
         engine = LowComm(model, opt, sync_cfg, timeout_s=cfg.timeout_s, comm_delay_s=cfg.comm_delay_s)
@@ -308,7 +307,7 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
             "final_val_loss": val_loss,
             "bytes_sent_per_worker": int(sent), "bytes_received_per_worker": int(recv),
             "payload_bytes_per_worker": int(payload),
-            "ddp_fp32_bytes_per_worker": int(cfg.steps * 2 * (m - 1) / m * 4 * n_params),
+            "ddp_fp32_bytes_per_worker": int(cfg.steps * ring_all_reduce_bytes(4 * n_params, m)),
             "control_bytes_per_worker": int(control_sent),
             "syncs": engine.stats.syncs if engine is not None else cfg.steps,
             # per-step strategies send every step: their "sync" is one step's traffic
