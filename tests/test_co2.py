@@ -31,7 +31,7 @@ def _co2_worker(rank: int, world: int, penalty: bool, clip: float) -> dict:
 
 
 def reference_co2(world: int, penalty: bool, clip: float) -> torch.Tensor:
-    """ALGORITHMS.md §4 in plain torch, with the Gap-Aware penalty written out again."""
+    """docs/algorithms.md §4 in plain torch, with the Gap-Aware penalty written out again."""
     init = tiny_model(seed=0)
     models = [copy.deepcopy(init) for _ in range(world)]
     opts = [adamw(m) for m in models]

@@ -296,7 +296,7 @@ def test_topk_keeps_exactly_the_k_largest_per_chunk(x, density):
 
 
 def lut_reference(v: torch.Tensor, bits: int = 2) -> torch.Tensor:
-    """Independent few-line computation of the LUT codec's decode (ALGORITHMS.md §3 step 3)."""
+    """Independent few-line computation of the LUT codec's decode (docs/algorithms.md §3 step 3)."""
     L = 2**bits
     if v.numel() == 0:
         return v.clone()

@@ -1,4 +1,4 @@
-"""LoCo's DDP hook on real workers vs an independent plain-torch computation (ALGORITHMS.md §5)."""
+"""LoCo's DDP hook on real workers vs an independent plain-torch computation (docs/algorithms.md §5)."""
 
 from __future__ import annotations
 

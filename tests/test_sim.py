@@ -17,7 +17,7 @@ from lowcomm.sim import (GRID, PAPER_WIRE_SCALE, PRESETS, TARGETS, Link, Strateg
 from lowcomm.sim import cli
 
 # The Streaming DiLoCo paper's Table 4 (Douillard et al., 2025): first Gbit/s of the grid that
-# reaches 50/80/90/95/99% compute utilization. The 1B block is BENCHMARKS.md §4's bar.
+# reaches 50/80/90/95/99% compute utilization. The 1B block is docs/benchmarking.md §4's bar.
 PAPER_TABLE4 = {
     "1b": {"dp": [86.8, 152.6, 184.2, 222.3, 569.0],
            "diloco": [1.4, 6.2, 13.3, 23.3, 86.8],
@@ -65,7 +65,7 @@ def test_grid_is_the_papers():
 
 
 def test_1b_table_within_one_grid_step():
-    """BENCHMARKS.md §4: every 1B cell within one step of the 50-point grid (physical model)."""
+    """docs/benchmarking.md §4: every 1B cell within one step of the 50-point grid (physical model)."""
     offsets = step_offsets("1b")
     bad = {k: v for k, v in offsets.items() if max(abs(x) for x in v) > 1}
     assert not bad, f"cells more than one grid step away: {bad}"

@@ -1,4 +1,4 @@
-"""SparseLoCo in the engine vs an independent plain-torch computation of ALGORITHMS.md §3."""
+"""SparseLoCo in the engine vs an independent plain-torch computation of docs/algorithms.md §3."""
 
 from __future__ import annotations
 

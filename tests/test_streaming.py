@@ -52,7 +52,7 @@ def _streaming_worker(rank: int, world: int, H: int, P: int, tau: int, alpha: fl
 
 
 def reference_streaming(world, H, P, tau, alpha):
-    """ALGORITHMS.md §2 in plain torch: M model copies stepped in lockstep, one SGD per fragment."""
+    """docs/algorithms.md §2 in plain torch: M model copies stepped in lockstep, one SGD per fragment."""
     init = tiny_model(seed=0)
     names = [n for n, _ in init.named_parameters()]
     blocks = len(init.blocks)

@@ -1,4 +1,4 @@
-"""`lowcomm train | compare | simulate | bench`: the command-line contract of DESIGN.md.
+"""`lowcomm train | compare | simulate | bench`: the command-line contract of docs/design.md.
 
 User errors (unknown strategy or key, bad values, missing files, unwritable output, a port in
 use) print one line naming the problem and the fix, and exit with status 2, never a traceback.

@@ -2,12 +2,12 @@
 
 Two rules, each holding one buffer per parameter, keyed by the parameter's name:
 
-- ``ErrorFeedback`` (SparseLoCo, ALGORITHMS.md §3 steps 1 and 4)::
+- ``ErrorFeedback`` (SparseLoCo, docs/algorithms.md §3 steps 1 and 4)::
 
       e <- beta * e + x          accumulate(key, x) -> e   (encode and send C(e))
       e <- e - D(C(e))           subtract(key, decoded)
 
-- ``MovingAverageCompensation`` (LoCo, ALGORITHMS.md §5)::
+- ``MovingAverageCompensation`` (LoCo, docs/algorithms.md §5)::
 
       h = g + e                                  compensate(key, g) -> h   (send C(h))
       e <- beta * e + (1 - beta) * (h - D(C(h)))  update(key, h, decoded)

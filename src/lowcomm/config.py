@@ -1,4 +1,4 @@
-"""Configuration as dataclasses: every knob of ALGORITHMS.md's table, one name per knob.
+"""Configuration as dataclasses: every knob of docs/algorithms.md's table, one name per knob.
 
 Each field carries its help text in ``metadata["help"]``; the CLI's ``--help`` and the
 ``key=value`` override parser read it from there, so docs and code cannot drift apart.
@@ -24,7 +24,7 @@ def knob(default: Any, help: str) -> Any:
 
 @dataclass
 class SyncConfig:
-    """How workers synchronise: the one engine's knobs (ALGORITHMS.md, 'One engine, not five')."""
+    """How workers synchronise: the one engine's knobs (docs/algorithms.md, 'One engine, not five')."""
 
     sync_every: int = knob(100, "H: inner steps between two syncs of the same parameters (>= 1).")
     fragments: int = knob(1, "P: number of fragments, counting the embeddings+norm+head fragment "

@@ -2,7 +2,7 @@
 
 ``allreduce_hook`` is the plain FP32 baseline (DDP's own behaviour, but metered by lowcomm's
 byte meter and timed, so DDP and the low-communication methods are measured the same way).
-``loco_hook`` is LoCo's compensated low-bit reduction (ALGORITHMS.md §5), and ``torch_hook``
+``loco_hook`` is LoCo's compensated low-bit reduction (docs/algorithms.md §5), and ``torch_hook``
 runs PyTorch's own bf16 and PowerSGD hooks under the same meter, as baselines.
 """
 
@@ -139,7 +139,7 @@ def torch_hook(state: TorchHookState, bucket: dist.GradBucket) -> torch.futures.
 
 
 class LoCoState(GradReduceState):
-    """State of the LoCo hook (ALGORITHMS.md §5): codec, compensation buffers, aggregator.
+    """State of the LoCo hook (docs/algorithms.md §5): codec, compensation buffers, aggregator.
 
     Compensation buffers are keyed by parameter *name* (DDP rebuilds its buckets after the first
     iteration, so bucket indices are not stable), stored in ``storage_dtype`` on ``state_device``.

@@ -1,6 +1,6 @@
 """Outer optimizers: update the global copy from the averaged pseudo-gradient. Pure math.
 
-Sign convention (ALGORITHMS.md): pseudo_grad = theta_global - theta_local, so a descent step
+Sign convention (docs/algorithms.md): pseudo_grad = theta_global - theta_local, so a descent step
 theta_global <- theta_global - lr * pseudo_grad moves the global copy toward the workers.
 Each optimizer keeps state per key (one key per fragment), so fragments are independent.
 """
@@ -58,7 +58,7 @@ class OuterSGD(OuterOptimizer):
 
 
 def gap_aware_penalty(gap: torch.Tensor, mean_abs_update: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
-    """Lambda = 1 / max(1, gap / (eps + C)), element-wise (Gap-Aware's form, ALGORITHMS.md §4).
+    """Lambda = 1 / max(1, gap / (eps + C)), element-wise (Gap-Aware's form, docs/algorithms.md §4).
 
     ``gap`` is how far each global coordinate moved since the stale pseudo-gradient was computed
     (|theta_r - theta_{r-1}|), ``C`` the running mean of |outer update| of that coordinate, so

@@ -1,4 +1,4 @@
-"""Named points of the one design space (ALGORITHMS.md's table): each preset is a SyncConfig.
+"""Named points of the one design space (docs/algorithms.md's table): each preset is a SyncConfig.
 
 The classes are thin names over :class:`~lowcomm.engine.LowComm`; any knob can still be
 overridden by keyword, e.g. ``SparseLoCo(model, opt, sync_every=30, density=1/32)``.

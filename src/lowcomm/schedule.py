@@ -2,7 +2,7 @@
 at module level, so the simulator shares these rules without needing torch).
 
 Every decision here is a function of the global inner step and the config only, so every worker
-syncs the same fragment at the same step (ALGORITHMS.md §2: mismatched order deadlocks).
+syncs the same fragment at the same step (docs/algorithms.md §2: mismatched order deadlocks).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def resolve_fragment_count(n_blocks: int, fragments: int, blocks_per_fragment: i
 
 def build_fragments(param_names: list[str], block_prefixes: list[str], fragments: int,
                     blocks_per_fragment: int = 0, pattern: str = "strided") -> list[list[str]]:
-    """Parameter names per fragment (ALGORITHMS.md §2).
+    """Parameter names per fragment (docs/algorithms.md §2).
 
     P = 1: one fragment with everything. P >= 2: fragment 0 holds every parameter outside the
     blocks (embeddings, final norm, head); blocks are split among fragments 1..P-1.

@@ -1,6 +1,6 @@
 """Moves bytes between workers over torch.distributed, and counts every byte it moves.
 
-Transport never does math on what it carries (DESIGN.md): it hands tensors to collectives and
+Transport never does math on what it carries (docs/design.md): it hands tensors to collectives and
 meters their sizes. Byte counts come from the tensors actually given to the collective, and the
 wire cost of each collective is the standard ring cost:
 

@@ -16,7 +16,7 @@ FP32 tensor, and glibc serves allocations above 32 MiB with a new mmap whose pag
 ``THP_MEM_ALLOC_ENABLE=1`` (read once, before torch allocates anything) backs large tensors
 with 2 MiB pages and removes most of that cost; the header line says which was in effect.
 
-Targets (BENCHMARKS.md §3): encode >= 0.25x copy for dense and uniform codecs, >= 0.1x for
+Targets (docs/benchmarking.md §3): encode >= 0.25x copy for dense and uniform codecs, >= 0.1x for
 top-k; wire bits within 1% of the formula.
 """
 

@@ -339,7 +339,7 @@ def time_to_loss(run_dir: Path, target: float) -> tuple[float, float] | None:
 def network_table(results: list[dict[str, Any]], target: float) -> str:
     """Markdown table per entry and link: utilization, tokens/s vs the unshaped run, time to ``target`` loss.
 
-    A run too short to reach the target (DDP on the slowest links, BENCHMARKS.md §2) gets an
+    A run too short to reach the target (DDP on the slowest links, docs/benchmarking.md §2) gets an
     estimate: the steps its unshaped run needed times its own measured seconds per step.
     """
     unshaped = {r.get("entry", r["name"]): r for r in results if not r.get("bandwidth")}

@@ -1,6 +1,6 @@
 """Run a training run's workers behind a link shaped by the Linux kernel.
 
-Two topologies (BENCHMARKS.md section 2):
+Two topologies (docs/benchmarking.md section 2):
 
 - ``shared``: one network namespace whose loopback is shaped with a token bucket (tbf). Every
   worker runs in it and talks over 127.0.0.1, so all traffic of all workers, in both directions,

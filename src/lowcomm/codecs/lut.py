@@ -1,6 +1,6 @@
 """Lookup-table value codec: SparseLoCo's 2-bit quantization of the kept top-k values.
 
-Per tensor (ALGORITHMS.md §3 step 3, generalised from 2 to ``bits`` bits with ``L = 2**bits``):
+Per tensor (docs/algorithms.md §3 step 3, generalised from 2 to ``bits`` bits with ``L = 2**bits``):
 ``shift = mean(v)``, ``sigma = std(v)`` (unbiased, as ``torch.std``, computed on the values
 scaled by their absmax so it neither overflows nor underflows; 0 for fewer than 2 values), ``width = 6 sigma / L`` (1 when sigma is 0), and each value gets
 ``code = clamp(round((v - shift) / width + L/2), 0, L-1)`` -- for 2 bits the reference code's

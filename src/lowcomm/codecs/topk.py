@@ -1,4 +1,4 @@
-"""Chunked top-k: the SparseLoCo format (ALGORITHMS.md §3).
+"""Chunked top-k: the SparseLoCo format (docs/algorithms.md §3).
 
 Chunks. A tensor is viewed as 2-D ``R x C``: a 2-D tensor as itself, a tensor with more than 2
 dims as ``shape[0] x prod(shape[1:])`` (the "first dim x rest" view of a weight), a 1-D or 0-d

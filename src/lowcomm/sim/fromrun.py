@@ -2,7 +2,7 @@
 
 The run gives the step time, the layer count, the parameter count and the bytes it actually put
 on the wire; the simulator then predicts its compute utilization at other bandwidths. Fields
-(DESIGN.md): params, inner_steps, strategy, workers, config{sync_every, fragments,
+(docs/design.md): params, inner_steps, strategy, workers, config{sync_every, fragments,
 blocks_per_fragment, fragment_pattern, overlap}, bytes_sent_per_worker (wire) or
 payload_bytes_per_worker, n_layers, step_compute_s (else compute_s / inner_steps), wall_s,
 compute_s, compute_utilization.
@@ -46,7 +46,7 @@ class RunScenario:
     bandwidth_gbps: float | None
     """The shaped link's bandwidth if the summary records one (None: unshaped or unknown)."""
     topology: str
-    """'shared' (all workers behind one shaped link, BENCHMARKS.md §2 "simple") or 'per-worker'."""
+    """'shared' (all workers behind one shaped link, docs/benchmarking.md §2 "simple") or 'per-worker'."""
     wire_bits_per_param: float
     """Bits each worker sent per parameter per sync, from the measured bytes."""
     syncs_per_param: float

@@ -1,4 +1,4 @@
-"""Compute-utilization model of low-communication training (BENCHMARKS.md §4).
+"""Compute-utilization model of low-communication training (docs/benchmarking.md §4).
 
 A per-step dependency model in the spirit of the Streaming DiLoCo paper's simulation
 (Douillard et al., 2025): one worker's accelerator runs, per transformer layer, a forward, a

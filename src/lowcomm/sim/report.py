@@ -117,14 +117,14 @@ def main() -> None:
 
     w("## Fidelity: the paper's Table 4\n")
     w("The Streaming DiLoCo paper (Douillard et al., 2025, Table 4; its 1B block is "
-      "BENCHMARKS.md §4) lists the first grid bandwidth reaching each utilization for 1B, 10B "
+      "docs/benchmarking.md §4) lists the first grid bandwidth reaching each utilization for 1B, 10B "
       "and 100B. Cells below: paper / ours with physical accounting / ours with the paper "
       "calibration (`--wire-scale 0.84`), and the offsets in grid steps (ours minus paper; one "
       "step = x1.207). Published values are matched to the nearest grid point (the paper prints "
       "one decimal, e.g. 0.373 as 0.4). Source: the table as transcribed from the paper's arXiv "
       "HTML (arXiv:2501.18512, Table 4, found reproduced in the public repository "
       "deep-diver/ai-paper-reviewer, content/paper-reviews/2501.18512); its 1B block is identical "
-      "to BENCHMARKS.md §4, and Table 1's hours below come from the same page.\n")
+      "to docs/benchmarking.md §4, and Table 1's hours below come from the same page.\n")
     counts = {1.0: [], PAPER_WIRE_SCALE: []}
     for name, table in PAPER_TABLE4.items():
         pr = PRESETS[name]
@@ -150,7 +150,7 @@ def main() -> None:
       "cell of all three sizes lands on the paper's grid point or the next one, most exactly, "
       "and the constant is the same at 1B, 10B and 100B although their step times come from "
       "different FLOP counts. With the physical accounting our bandwidths are one grid step "
-      "(about 20%) higher than the paper's in most cells — within the BENCHMARKS.md §4 bar for "
+      "(about 20%) higher than the paper's in most cells — within the docs/benchmarking.md §4 bar for "
       "all 25 1B cells and all 10B cells — and one 100B cell (streaming + overlap, 50%) is two "
       "steps high. No schedule detail we tried removes the gap: DiLoCo's row alone bounds the "
       "bits per full exchange at 13.2–14.0 Gbit for the 1B model (16 Gbit in bf16) whatever the "
@@ -176,7 +176,7 @@ def main() -> None:
 
     w("## Calibration against our measured runs — PENDING\n")
     w("**Status: pending; no measured run is in this report yet.** The lead fills this section "
-      "from the shaped-network runs of BENCHMARKS.md §2 once their `summary.json` files carry "
+      "from the shaped-network runs of docs/benchmarking.md §2 once their `summary.json` files carry "
       "`n_layers` and `step_compute_s` (and the link's bandwidth, e.g. `config.bandwidth = "
       "\"100mbit\"`, and `topology = \"shared\"` when all workers sit behind one shaped link). "
       "For each run directory:\n")

@@ -2,7 +2,7 @@
 
 Per-step strategies (``ddp``) wrap the model in DistributedDataParallel with a metered comm
 hook; the others run the unchanged loop inside the engine's ``with`` block. Rank 0 writes
-``metrics.jsonl`` and ``summary.json`` (fields in DESIGN.md).
+``metrics.jsonl`` and ``summary.json`` (fields in docs/design.md).
 """
 
 from __future__ import annotations
