@@ -58,8 +58,7 @@ _MAPPINGS = (dict, collections.OrderedDict)  # model.state_dict() is an OrderedD
 _SEQUENCES = (list, tuple, torch.Size)
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint (or one of its files) is missing, incomplete or corrupt."""
+from .errors import CheckpointError  # noqa: E402,F401  (re-exported)
 
 
 class CheckpointWarning(UserWarning):

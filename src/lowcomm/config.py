@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 
-class ConfigError(ValueError):
-    """A configuration that cannot work; the message names the problem and the fix."""
+from .errors import ConfigError  # noqa: F401  (re-exported: the historical import path)
 
 
 def knob(default: Any, help: str) -> Any:

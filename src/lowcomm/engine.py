@@ -43,12 +43,7 @@ from .transport import Transport
 log = logging.getLogger("lowcomm")
 
 
-class NonFiniteError(RuntimeError):
-    """Too many syncs in a row had a worker with a non-finite pseudo-gradient."""
-
-
-class ReplicaMismatchError(RuntimeError):
-    """The global parameters differ between workers: the run cannot continue as one model."""
+from .errors import NonFiniteError, ReplicaMismatchError  # noqa: E402,F401
 
 
 @dataclass

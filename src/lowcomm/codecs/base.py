@@ -13,8 +13,7 @@ from abc import ABC, abstractmethod
 import torch
 
 
-class PayloadError(ValueError):
-    """A payload failed validation on decode (peers' payloads are untrusted input)."""
+from ..errors import PayloadError  # noqa: F401  (re-exported)
 
 
 class Codec(ABC):

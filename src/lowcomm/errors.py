@@ -1,0 +1,30 @@
+"""Every error lowcomm raises for users to catch derives from :class:`LowCommError`.
+
+Kept free of torch so that light modules (config, schedule, the simulator) can import it.
+"""
+
+from __future__ import annotations
+
+
+class LowCommError(Exception):
+    """Base of lowcomm's user-facing errors: ``except lowcomm.LowCommError`` catches them all."""
+
+
+class ConfigError(LowCommError, ValueError):
+    """A configuration that cannot work; the message names the problem and the fix."""
+
+
+class NonFiniteError(LowCommError, RuntimeError):
+    """Too many syncs in a row had a worker with a non-finite pseudo-gradient."""
+
+
+class ReplicaMismatchError(LowCommError, RuntimeError):
+    """The global parameters differ between workers: the run cannot continue as one model."""
+
+
+class PayloadError(LowCommError, ValueError):
+    """A payload failed validation on decode (peers' payloads are untrusted input)."""
+
+
+class CheckpointError(LowCommError, RuntimeError):
+    """A checkpoint (or one of its files) is missing, incomplete or corrupt."""
