@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,9 +38,9 @@ from .config import SyncConfig
 from .errors import ConfigError
 
 try:  # an optional extra: pip install 'lowcomm[hf]'
-    import transformers
     from transformers import (AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel,
                               Trainer, TrainerCallback)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 except ImportError as err:  # pragma: no cover - exercised only without the extra
     raise ImportError("lowcomm.hf needs Hugging Face transformers: pip install 'lowcomm[hf]'") from err
 
@@ -117,22 +116,26 @@ def hf_config(arch: str, preset: str = "tiny", vocab_size: int = 256,
         hidden_size=shape["dim"], num_hidden_layers=shape["n_layers"],
         num_attention_heads=shape["n_heads"], vocab_size=vocab_size,
         max_position_embeddings=max_seq_len or PRESETS[preset].max_seq_len)
-    try:
-        cfg = AutoConfig.for_model(arch, **kw)
-    except ValueError:
+    if arch not in CONFIG_MAPPING:
         raise ConfigError(f"unknown Hugging Face model type '{arch}' in model=hf:{arch}: use a "
-                          f"transformers model type (llama, gpt2, qwen2, ...) or a local folder") from None
+                          f"transformers model type (llama, gpt2, qwen2, ...) or a local folder")
+    config_cls = CONFIG_MAPPING[arch]
+    # Default special ids (GPT-2's 50256) may lie outside a small vocabulary; we never use them.
+    defaults = config_cls()
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(defaults, key, None)
+        if isinstance(value, int) and value >= vocab_size:
+            kw[key] = None
+    cfg = config_cls(**kw)
     if hasattr(cfg, "intermediate_size"):
         cfg.intermediate_size = shape["hidden"]  # SwiGLU width, as in our decoder
     if hasattr(cfg, "num_key_value_heads"):
         cfg.num_key_value_heads = shape["n_heads"]  # plain multi-head attention
+    for key, value in cfg.to_dict().items():  # no dropout, as in our decoder (short runs, deterministic)
+        if isinstance(value, float) and ("dropout" in key or key.endswith("pdrop")):
+            setattr(cfg, key, 0.0)
     if getattr(cfg, "head_dim", None) is not None:
         cfg.head_dim = shape["dim"] // shape["n_heads"]
-    # Default special ids (GPT-2's 50256) may lie outside a small vocabulary; we never use them.
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        value = getattr(cfg, key, None)
-        if isinstance(value, int) and value >= vocab_size:
-            setattr(cfg, key, None)
     return cfg
 
 

@@ -115,7 +115,9 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
 
-    corpus = load_corpus(cfg.data)
+    corpus = load_corpus(cfg.data, tokenizer=cfg.tokenizer)
+    if rank == 0:
+        corpus.save_description(out)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, vocab_size=max(corpus.vocab_size, 1),
                         max_seq_len=max(cfg.seq_len, 1)).to(device)
