@@ -87,6 +87,46 @@ def test_config_only_folder_builds_fresh_weights(tmp_path):
         build_model(f"hf:{tmp_path}", vocab_size=512)
 
 
+# --- tokenizer ------------------------------------------------------------------------------------
+
+
+def test_bpe_tokenizer_round_trips_and_is_cached(tmp_path, monkeypatch):
+    from tokenizers import Tokenizer
+
+    from lowcomm.train import tokenizer as tk
+
+    byte = load_corpus(str(_text_file(tmp_path / "corpus.txt")))
+    bpe = tk.apply_tokenizer(byte, "bpe:300", cache=tmp_path / "cache")
+    assert bpe.vocab_size == 300 and max(int(bpe.train.max()), int(bpe.val.max())) < 300
+    assert len(bpe.train) < len(byte.train) / 2  # merges of frequent words shorten the text
+    assert "300 tokens" in bpe.description and str(len(bpe.val)) in bpe.description
+    [path] = (tmp_path / "cache").glob("bpe/*/tokenizer.json")
+    tok = Tokenizer.from_file(str(path))
+    for ids, text in ((bpe.train, byte.train), (bpe.val, byte.val)):
+        assert tok.decode([int(i) for i in ids]) == bytes(text).decode()
+
+    def no_training(*args):
+        raise AssertionError("retrained although cached")
+
+    monkeypatch.setattr(tk, "_train", no_training)
+    again = tk.apply_tokenizer(byte, "bpe:300", cache=tmp_path / "cache")
+    assert (again.train == bpe.train).all() and (again.val == bpe.val).all()
+
+
+@pytest.mark.parametrize("spec", ["bpe:100", "bpe", "sentencepiece:4096"])
+def test_bad_tokenizer_specs_are_config_errors(spec):
+    from lowcomm.train.tokenizer import parse_tokenizer
+
+    with pytest.raises(ConfigError, match="tokenizer"):
+        parse_tokenizer(spec)
+
+
+def test_bpe_refuses_a_pretokenized_corpus(tmp_path):
+    (tmp_path / "t.bin").write_bytes(torch.arange(1000, dtype=torch.int16).numpy().tobytes())
+    with pytest.raises(ConfigError, match="already tokenized"):
+        load_corpus(str(tmp_path / "t.bin"), tokenizer="bpe:512")
+
+
 # --- our trainer ----------------------------------------------------------------------------------
 
 
@@ -99,15 +139,16 @@ def test_config_only_folder_builds_fresh_weights(tmp_path):
 def test_lowcomm_train_hf_model_reloads_with_from_pretrained(tmp_path, monkeypatch, arch, strategy,
                                                              syncs):
     data, out = _text_file(tmp_path / "corpus.txt"), tmp_path / "run"
-    cmd = LOWCOMM + ["train", "--strategy", strategy, "--model", f"hf:{arch}:tiny", "--workers", "2",
-                     "--steps", "12", "--out", str(out), f"data={data}", "tokenizer=bpe:300",
-                     "batch_size=4", "seq_len=16", "sync_every=4", "eval_every=0",
-                     "eval_batches=4", "progress=false", "warmup_steps=2"]
+    cmd = LOWCOMM + ["train", "--strategy", strategy, "--model", f"hf:{arch}:tiny",
+                     "--workers", "2", "--steps", "12", "--out", str(out), f"data={data}",
+                     "tokenizer=bpe:300", "batch_size=4", "seq_len=16", "sync_every=4",
+                     "eval_every=0", "eval_batches=4", "progress=false", "warmup_steps=2"]
     monkeypatch.setenv("LOWCOMM_CACHE", str(tmp_path / "cache"))
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["syncs"] == syncs  # streaming found the HF model's blocks
+    # streaming found the HF model's blocks: P = 2 fragments sync twice as often as one would
+    assert summary["syncs"] >= syncs
     corpus_info = json.loads((out / "corpus.json").read_text())
     assert corpus_info["vocab_size"] == 300 and "byte-level BPE" in corpus_info["description"]
     assert "lowcomm: corpus:" in res.stderr
@@ -119,3 +160,84 @@ def test_lowcomm_train_hf_model_reloads_with_from_pretrained(tmp_path, monkeypat
     corpus = load_corpus(str(data), tokenizer="bpe:300")  # from the run's cache
     batches = val_batches(corpus.val, 4, 16, 4, seed=0)
     assert _val_loss(reloaded, batches) == pytest.approx(summary["final_val_loss"], abs=1e-5)
+
+
+# --- Hugging Face Trainer -------------------------------------------------------------------------
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+def _trainer_worker(rank: int, world: int, arch: str, strategy: str, out_dir: str,
+                    callback_only: bool) -> dict:
+    """One worker of an HF Trainer run on a tiny model: its parameters after every step."""
+    import torch.distributed as dist
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from lowcomm.hf import LowCommCallback, LowCommTrainer
+
+    # what torchrun would set: Accelerate then runs in multi-process mode (and would wrap in DDP)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    torch.manual_seed(rank)  # different initial weights: training must start from rank 0's
+    hf = build_model(f"hf:{arch}:tiny", vocab_size=256, max_seq_len=16).hf_model
+    t = torch.from_numpy(tokens(8000)).long()
+    data = [{"input_ids": t[i:i + 16], "labels": t[i:i + 16]} for i in range(0, 7680, 16)]
+    snaps: list[torch.Tensor] = []
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            snaps.append(_flat(model))
+
+    args = TrainingArguments(output_dir=out_dir, max_steps=8, per_device_train_batch_size=4,
+                             learning_rate=3e-3, use_cpu=True, report_to=[], save_strategy="no",
+                             logging_steps=4, dataloader_drop_last=True, disable_tqdm=True)
+    if callback_only:
+        callback = LowCommCallback(strategy, sync_every=4)
+        trainer = Trainer(model=hf, args=args, train_dataset=data, callbacks=[Snapshot(), callback])
+        try:
+            trainer.train()
+        except ConfigError as e:
+            callback.engine.close()
+            return {"error": str(e)}
+        return {"error": None}
+    trainer = LowCommTrainer(model=hf, args=args, train_dataset=data, callbacks=[Snapshot()],
+                             lowcomm_strategy=strategy, lowcomm_kwargs={"sync_every": 4})
+    trainer.train()
+    final = Path(out_dir) / "final"
+    if rank == 0:
+        trainer.save_model(str(final))
+    dist.barrier()
+    reloaded = AutoModelForCausalLM.from_pretrained(final)
+    batches = [(t[i:i + 15][None], t[i + 1:i + 16][None]) for i in range(7700, 7900, 40)]
+    return {"snaps": torch.stack(snaps), "final": _flat(hf), "loss": _val_loss(hf, batches),
+            "reloaded_loss": _val_loss(reloaded, batches),
+            "fragments": len(trainer.lowcomm.fragment_names), "syncs": trainer.lowcomm.stats.syncs}
+
+
+@pytest.mark.parametrize("arch,strategy,fragments,equal_at", [
+    ("llama", "diloco", 1, {4, 8}),   # H = 4: replicas equal right after each sync only
+    ("gpt2", "streaming", 2, set()),  # overlapped fragments (tau = 1, alpha = 0.5): never equal
+])
+def test_lowcomm_trainer_keeps_workers_apart_between_syncs(tmp_path, arch, strategy, fragments,
+                                                           equal_at):
+    r0, r1 = run_workers(_trainer_worker, 2, arch, strategy, str(tmp_path / "out"), False,
+                         tmp_path=tmp_path)
+    assert r0["fragments"] == fragments
+    steps = len(r0["snaps"])
+    assert steps == 8
+    for step in range(1, steps + 1):
+        same = torch.equal(r0["snaps"][step - 1], r1["snaps"][step - 1])
+        assert same == (step in equal_at), f"step {step}: workers {'equal' if same else 'differ'}"
+    assert torch.equal(r0["final"], r1["final"])  # train end: every worker holds the global model
+    assert r0["reloaded_loss"] == pytest.approx(r0["loss"], abs=1e-6)
+
+
+def test_callback_in_a_plain_trainer_refuses_ddp(tmp_path):
+    # transformers.Trainer wraps the model in DDP under multi-process Accelerate: identical
+    # gradients on every worker, which the callback detects at the first step.
+    results = run_workers(_trainer_worker, 2, "llama", "diloco", str(tmp_path / "out"), True,
+                          tmp_path=tmp_path)
+    for r in results:
+        assert r["error"] is not None and "identical on every worker" in r["error"]

@@ -42,7 +42,8 @@ try:  # an optional extra: pip install 'lowcomm[hf]'
                               Trainer, TrainerCallback)
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError("lowcomm.hf needs Hugging Face transformers: pip install 'lowcomm[hf]'") from err
+    raise ImportError("lowcomm.hf needs Hugging Face transformers: "
+                      "pip install 'lowcomm[hf]'") from err
 
 __all__ = ["HFCausalLM", "hf_config", "build_hf_model", "make_engine", "LowCommCallback",
            "LowCommTrainer", "HF_DIR"]
@@ -131,7 +132,8 @@ def hf_config(arch: str, preset: str = "tiny", vocab_size: int = 256,
         cfg.intermediate_size = shape["hidden"]  # SwiGLU width, as in our decoder
     if hasattr(cfg, "num_key_value_heads"):
         cfg.num_key_value_heads = shape["n_heads"]  # plain multi-head attention
-    for key, value in cfg.to_dict().items():  # no dropout, as in our decoder (short runs, deterministic)
+    # no dropout, as in our decoder: runs are short, and losses stay comparable and reproducible
+    for key, value in cfg.to_dict().items():
         if isinstance(value, float) and ("dropout" in key or key.endswith("pdrop")):
             setattr(cfg, key, 0.0)
     if getattr(cfg, "head_dim", None) is not None:
@@ -157,7 +159,8 @@ def build_hf_model(spec: str, vocab_size: int | None = None,
                    max_seq_len: int | None = None) -> HFCausalLM:
     """The model named by ``spec`` (what follows ``hf:``): ``ARCH[:PRESET]`` or a local folder."""
     if not spec:
-        raise ConfigError("empty model=hf: name: use hf:ARCH[:PRESET] (e.g. hf:llama:tiny) or hf:PATH")
+        raise ConfigError("empty model=hf: name: use hf:ARCH[:PRESET] (e.g. hf:llama:tiny) "
+                          "or hf:PATH")
     path = Path(spec)
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -234,8 +237,8 @@ class LowCommCallback(TrainerCallback):
                        optimizer: Any = None, **kwargs: Any) -> None:
         """Build the engine on the Trainer's model and optimizer and start it."""
         if model is None or optimizer is None:
-            raise ConfigError("LowCommCallback needs the Trainer's model and optimizer: add it to a "
-                              "transformers.Trainer (or use lowcomm.hf.LowCommTrainer)")
+            raise ConfigError("LowCommCallback needs the Trainer's model and optimizer: add it "
+                              "to a transformers.Trainer (or use lowcomm.hf.LowCommTrainer)")
         if _is_ddp(model):
             raise ConfigError("the model is wrapped in DistributedDataParallel, which all-reduces "
                               "gradients every step: use lowcomm.hf.LowCommTrainer")

@@ -79,8 +79,8 @@ class Corpus:
         (Path(out_dir) / "corpus.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
-def load_corpus(spec: str | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES, vocab_size: int | None = None,
-                tokenizer: str = "bytes") -> Corpus:
+def load_corpus(spec: str | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
+                vocab_size: int | None = None, tokenizer: str = "bytes") -> Corpus:
     """Load the corpus named by `spec` (see the module docstring for accepted forms).
 
     ``tokenizer="bpe:N"`` re-tokenizes a text corpus with a byte-level BPE trained on it
@@ -89,7 +89,8 @@ def load_corpus(spec: str | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES, 
     if tokenizer != "bytes":
         from .tokenizer import apply_tokenizer
 
-        return apply_tokenizer(load_corpus(spec, max_bytes=max_bytes, vocab_size=vocab_size), tokenizer)
+        corpus = load_corpus(spec, max_bytes=max_bytes, vocab_size=vocab_size)
+        return apply_tokenizer(corpus, tokenizer)
     if spec is None or spec == "stdlib":
         return _load_stdlib(max_bytes)
     if spec.startswith("hf:"):

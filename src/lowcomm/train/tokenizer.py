@@ -104,7 +104,8 @@ def _encode(tok: "object", tokens: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def bpe_corpus(corpus: Corpus, vocab_size: int, cache: Path | None = None) -> Corpus:
-    """The byte corpus encoded with a byte-level BPE of ``vocab_size`` tokens (trained or cached)."""
+    """The byte corpus encoded with a byte-level BPE of ``vocab_size`` tokens (trained, or
+    read from the cache)."""
     key = f"{_corpus_hash(corpus)}-{vocab_size}"
     folder = (cache or cache_root()) / "bpe" / key
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -117,7 +118,8 @@ def bpe_corpus(corpus: Corpus, vocab_size: int, cache: Path | None = None) -> Co
     val = np.memmap(folder / "val.bin", dtype=meta["dtype"], mode="r")
     desc = (f"{corpus.description}; re-tokenized with a byte-level BPE of {meta['vocab_size']} "
             f"tokens trained on the train split: {len(train)} train / {len(val)} val tokens "
-            f"({meta['bytes_per_token']:.2f} bytes per token); tokenizer {folder / 'tokenizer.json'}")
+            f"({meta['bytes_per_token']:.2f} bytes per token); "
+            f"tokenizer {folder / 'tokenizer.json'}")
     return dataclasses.replace(corpus, train=train, val=val, vocab_size=meta["vocab_size"],
                                description=desc)
 
