@@ -149,7 +149,9 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
 class TrainConfig:
     """The reference trainer's knobs (model, data, inner optimizer, logging, run control)."""
 
-    model: str = knob("small", "Model preset: tiny, small, base or 124m.")
+    model: str = knob("small", "Model preset: tiny, small, base or 124m; or a Hugging Face causal LM: "
+                               "hf:ARCH[:PRESET] (llama, gpt2, qwen2, ... at a preset's size) or "
+                               "hf:PATH (a local folder); needs lowcomm[hf].")
     data: str = knob("stdlib", "Corpus: stdlib (the Python standard library's source), a text file "
                                "or folder, a token .bin file, or hf:NAME[:CONFIG].")
     tokenizer: str = knob("bytes", "Tokens of a text corpus: bytes (one per byte, vocab 256) or bpe:N "

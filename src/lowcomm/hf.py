@@ -287,6 +287,9 @@ class LowCommTrainer(Trainer):
                  lowcomm_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         self.lowcomm_callback = LowCommCallback(lowcomm_strategy, **(lowcomm_kwargs or {}))
         super().__init__(*args, **kwargs)
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            raise ConfigError("LowCommTrainer trains a full model replica per worker: turn off "
+                              "FSDP / DeepSpeed (fsdp=, deepspeed= in TrainingArguments)")
         self.add_callback(self.lowcomm_callback)
         # Scaling each loss by the token count of all workers assumes DDP averages gradients.
         if getattr(self.args, "average_tokens_across_devices", False):
