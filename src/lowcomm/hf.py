@@ -18,8 +18,8 @@ multi-process mode stays on: each worker's data loader yields its own shard, met
 gathered, only the main process saves. The trainer wraps the optimizer it creates in the lowcomm
 engine (which hooks ``optimizer.step()``), starts the engine at train begin and finishes it at
 train end, so the model then holds the global parameters. :class:`LowCommCallback` does the
-engine part for a Trainer of your own that keeps data parallelism off; it refuses a model
-wrapped in DDP. See docs/hf.md.
+engine part for a Trainer of your own that keeps data parallelism off; at the first step it
+stops a run whose gradients are identical on every worker (all-reduced: DDP). See docs/hf.md.
 """
 
 from __future__ import annotations
@@ -46,10 +46,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
                       "pip install 'lowcomm[hf]'") from err
 
 __all__ = ["HFCausalLM", "hf_config", "build_hf_model", "make_engine", "LowCommCallback",
-           "LowCommTrainer", "HF_DIR"]
-
-HF_DIR = "hf"
-"""Sub-folder of a run where the trained model is saved with ``save_pretrained``."""
+           "LowCommTrainer"]
 
 
 class HFCausalLM(nn.Module):

@@ -200,7 +200,13 @@ def build_model(preset: str | ModelConfig, **overrides: object) -> nn.Module:
     overrides vocab_size and max_seq_len apply).
     """
     if isinstance(preset, str) and preset.startswith("hf:"):
-        from ..hf import build_hf_model  # optional extra: imported only when asked for
+        try:
+            from ..hf import build_hf_model  # optional extra: imported only when asked for
+        except ImportError:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"model={preset} needs Hugging Face transformers: "
+                              f"pip install 'lowcomm[hf]'") from None
 
         return build_hf_model(preset[3:], overrides.get("vocab_size"), overrides.get("max_seq_len"))
     if isinstance(preset, ModelConfig):
