@@ -184,6 +184,7 @@ def _trainer_worker(rank: int, world: int, arch: str, strategy: str, out_dir: st
     hf = build_model(f"hf:{arch}:tiny", vocab_size=256, max_seq_len=16).hf_model
     t = torch.from_numpy(tokens(8000)).long()
     data = [{"input_ids": t[i:i + 16], "labels": t[i:i + 16]} for i in range(0, 7680, 16)]
+    held_out = [{"input_ids": t[i:i + 16], "labels": t[i:i + 16]} for i in range(7700, 7828, 16)]
     snaps: list[torch.Tensor] = []
 
     class Snapshot(TrainerCallback):
@@ -192,7 +193,9 @@ def _trainer_worker(rank: int, world: int, arch: str, strategy: str, out_dir: st
 
     args = TrainingArguments(output_dir=out_dir, max_steps=8, per_device_train_batch_size=4,
                              learning_rate=3e-3, use_cpu=True, report_to=[], save_strategy="no",
-                             logging_steps=4, dataloader_drop_last=True, disable_tqdm=True)
+                             logging_steps=4, dataloader_drop_last=True, disable_tqdm=True,
+                             eval_strategy="no" if callback_only else "steps", eval_steps=2,
+                             per_device_eval_batch_size=2)
     if callback_only:
         callback = LowCommCallback(strategy, sync_every=4)
         trainer = Trainer(model=hf, args=args, train_dataset=data, callbacks=[Snapshot(), callback])
@@ -202,7 +205,8 @@ def _trainer_worker(rank: int, world: int, arch: str, strategy: str, out_dir: st
             callback.engine.close()
             return {"error": str(e)}
         return {"error": None}
-    trainer = LowCommTrainer(model=hf, args=args, train_dataset=data, callbacks=[Snapshot()],
+    trainer = LowCommTrainer(model=hf, args=args, train_dataset=data, eval_dataset=held_out,
+                             callbacks=[Snapshot()],
                              lowcomm_strategy=strategy, lowcomm_kwargs={"sync_every": 4})
     trainer.train()
     final = Path(out_dir) / "final"
@@ -211,7 +215,14 @@ def _trainer_worker(rank: int, world: int, arch: str, strategy: str, out_dir: st
     dist.barrier()
     reloaded = AutoModelForCausalLM.from_pretrained(final)
     batches = [(t[i:i + 15][None], t[i + 1:i + 16][None]) for i in range(7700, 7900, 40)]
-    return {"snaps": torch.stack(snaps), "final": _flat(hf), "loss": _val_loss(hf, batches),
+    torch.manual_seed(0)  # rank 0's initial weights: the global parameters until the first sync
+    start = build_model(f"hf:{arch}:tiny", vocab_size=256, max_seq_len=16).hf_model.eval()
+    with torch.no_grad():
+        start_loss = float(torch.stack([start(**{k: v[None] for k, v in row.items()}).loss
+                                        for row in held_out]).mean())
+    eval_at_2 = [h["eval_loss"] for h in trainer.state.log_history if h.get("step") == 2
+                 and "eval_loss" in h]
+    return {"start_loss": start_loss, "eval_at_2": eval_at_2,"snaps": torch.stack(snaps), "final": _flat(hf), "loss": _val_loss(hf, batches),
             "reloaded_loss": _val_loss(reloaded, batches),
             "fragments": len(trainer.lowcomm.fragment_names), "syncs": trainer.lowcomm.stats.syncs}
 
@@ -232,6 +243,8 @@ def test_lowcomm_trainer_keeps_workers_apart_between_syncs(tmp_path, arch, strat
         assert same == (step in equal_at), f"step {step}: workers {'equal' if same else 'differ'}"
     assert torch.equal(r0["final"], r1["final"])  # train end: every worker holds the global model
     assert r0["reloaded_loss"] == pytest.approx(r0["loss"], abs=1e-6)
+    if strategy == "diloco":  # evaluate() mid-round sees the global parameters, not the local ones
+        assert r0["eval_at_2"] == [pytest.approx(r0["start_loss"], abs=1e-5)]
 
 
 def test_callback_in_a_plain_trainer_refuses_ddp(tmp_path):
