@@ -15,7 +15,7 @@ import torch.nn.functional as F
 pytest.importorskip("transformers", reason="the Hugging Face extra is not installed: "
                                            "pip install 'lowcomm[hf]'")
 pytest.importorskip("tokenizers", reason="the Hugging Face extra is not installed")
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from conftest import run_workers  # noqa: E402
 from helpers import tokens  # noqa: E402
@@ -158,6 +158,11 @@ def test_lowcomm_train_hf_model_reloads_with_from_pretrained(tmp_path, monkeypat
     for name, value in reloaded.state_dict().items():
         assert torch.equal(value, saved[name]), name
     corpus = load_corpus(str(data), tokenizer="bpe:300")  # from the run's cache
+    tok = AutoTokenizer.from_pretrained(out / "hf")  # the run's tokenizer, saved with the model
+    text = data.read_text()[:500]
+    ids = tok(text)["input_ids"]
+    assert len(tok) == 300 and tok.decode(ids) == text
+    assert ids[:50] == [int(i) for i in corpus.train[:50]]  # the tokens the model trained on
     batches = val_batches(corpus.val, 4, 16, 4, seed=0)
     assert _val_loss(reloaded, batches) == pytest.approx(summary["final_val_loss"], abs=1e-5)
 

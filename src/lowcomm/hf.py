@@ -88,9 +88,14 @@ class HFCausalLM(nn.Module):
             return logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
 
-    def save_pretrained(self, path: str | Path) -> None:
-        """Write the HF model to ``path`` so ``AutoModelForCausalLM.from_pretrained`` reloads it."""
+    def save_pretrained(self, path: str | Path, tokenizer_file: str | None = None) -> None:
+        """Write the HF model to ``path`` so ``AutoModelForCausalLM.from_pretrained`` reloads it;
+        with the run's ``tokenizers`` file, ``AutoTokenizer.from_pretrained`` too."""
         self.hf_model.save_pretrained(str(path))
+        if tokenizer_file is not None:
+            from transformers import PreTrainedTokenizerFast
+
+            PreTrainedTokenizerFast(tokenizer_file=tokenizer_file).save_pretrained(str(path))
 
 
 def _preset_shape(preset: str) -> dict[str, int]:

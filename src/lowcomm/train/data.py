@@ -70,6 +70,8 @@ class Corpus:
     """Short name of the source, e.g. 'stdlib' or a file name."""
     description: str
     """One human-readable line: where the tokens came from and how they were split."""
+    tokenizer_file: str | None = None
+    """The `tokenizers` JSON file that produced the tokens (None for bytes and .bin arrays)."""
 
     def save_description(self, out_dir: str | Path) -> None:
         """Print the description and write it with token counts and vocab to OUT/corpus.json."""

@@ -329,7 +329,7 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
         # the trained model: the global parameters, identical on every worker
         torch.save({k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, out / "model.pt")
         if hasattr(model, "save_pretrained"):  # Hugging Face models: from_pretrained(DIR/hf)
-            model.save_pretrained(out / "hf")
+            model.save_pretrained(out / "hf", tokenizer_file=corpus.tokenizer_file)
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         metrics_f.close()
         with contextlib.suppress(FileNotFoundError):

@@ -121,7 +121,7 @@ def bpe_corpus(corpus: Corpus, vocab_size: int, cache: Path | None = None) -> Co
             f"({meta['bytes_per_token']:.2f} bytes per token); "
             f"tokenizer {folder / 'tokenizer.json'}")
     return dataclasses.replace(corpus, train=train, val=val, vocab_size=meta["vocab_size"],
-                               description=desc)
+                               description=desc, tokenizer_file=str(folder / "tokenizer.json"))
 
 
 def _build_cache(corpus: Corpus, vocab_size: int, folder: Path) -> None:
