@@ -91,7 +91,16 @@ class HFCausalLM(nn.Module):
     def save_pretrained(self, path: str | Path, tokenizer_file: str | None = None) -> None:
         """Write the HF model to ``path`` so ``AutoModelForCausalLM.from_pretrained`` reloads it;
         with the run's ``tokenizers`` file, ``AutoTokenizer.from_pretrained`` too."""
-        self.hf_model.save_pretrained(str(path))
+        from transformers.utils import logging as hf_logging
+
+        # no "Writing model shards" bar: it is noise in a run's log
+        shown = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            self.hf_model.save_pretrained(str(path))
+        finally:
+            if shown:
+                hf_logging.enable_progress_bar()
         if tokenizer_file is not None:
             from transformers import PreTrainedTokenizerFast
 
