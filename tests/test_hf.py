@@ -85,6 +85,8 @@ def test_config_only_folder_builds_fresh_weights(tmp_path):
     assert type(model.hf_model).__name__ == "Qwen2ForCausalLM"
     with pytest.raises(ConfigError, match="needs 512 token ids"):
         build_model(f"hf:{tmp_path}", vocab_size=512)
+    with pytest.raises(ConfigError, match="exceeds model"):
+        build_model(f"hf:{tmp_path}", vocab_size=256, max_seq_len=4096)
 
 
 # --- tokenizer ------------------------------------------------------------------------------------

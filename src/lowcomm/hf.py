@@ -152,7 +152,7 @@ def hf_config(arch: str, preset: str = "tiny", vocab_size: int = 256,
     return cfg
 
 
-def _from_folder(path: Path, vocab_size: int | None) -> PreTrainedModel:
+def _from_folder(path: Path, vocab_size: int | None, max_seq_len: int | None) -> PreTrainedModel:
     """A checkpoint folder's model, or fresh weights for a folder that holds only a config."""
     weights = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")]
     if weights:
@@ -163,6 +163,10 @@ def _from_folder(path: Path, vocab_size: int | None) -> PreTrainedModel:
     if vocab_size is not None and vocab_size > have:
         raise ConfigError(f"the corpus needs {vocab_size} token ids but model {path} has {have}: "
                           f"use a tokenizer with at most {have} tokens or a larger model")
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if max_seq_len is not None and positions is not None and max_seq_len > positions:
+        raise ConfigError(f"seq_len={max_seq_len} exceeds model {path}'s {positions} positions: "
+                          f"use seq_len={positions} or less")
     return model
 
 
@@ -177,7 +181,7 @@ def build_hf_model(spec: str, vocab_size: int | None = None,
         if not (path / "config.json").exists():
             raise ConfigError(f"model folder {path} has no config.json: give a folder written by "
                               f"save_pretrained, or hf:ARCH[:PRESET]")
-        return HFCausalLM(_from_folder(path, vocab_size))
+        return HFCausalLM(_from_folder(path, vocab_size, max_seq_len))
     if "/" in spec or spec.startswith("."):
         raise ConfigError(f"model folder {spec} does not exist: give an existing folder or "
                           f"hf:ARCH[:PRESET] (models are built from configs, never downloaded)")
