@@ -177,12 +177,14 @@ def build_hf_model(spec: str, vocab_size: int | None = None,
         raise ConfigError("empty model=hf: name: use hf:ARCH[:PRESET] (e.g. hf:llama:tiny) "
                           "or hf:PATH")
     path = Path(spec)
-    if path.is_dir():
+    looks_like_path = "/" in spec or spec.startswith(".")
+    # a bare name (hf:llama) is a model type unless it is a model folder here
+    if path.is_dir() and (looks_like_path or (path / "config.json").exists()):
         if not (path / "config.json").exists():
             raise ConfigError(f"model folder {path} has no config.json: give a folder written by "
                               f"save_pretrained, or hf:ARCH[:PRESET]")
         return HFCausalLM(_from_folder(path, vocab_size, max_seq_len))
-    if "/" in spec or spec.startswith("."):
+    if looks_like_path:
         raise ConfigError(f"model folder {spec} does not exist: give an existing folder or "
                           f"hf:ARCH[:PRESET] (models are built from configs, never downloaded)")
     arch, _, preset = spec.partition(":")
