@@ -307,6 +307,10 @@ class LowCommTrainer(Trainer):
         if self.is_fsdp_enabled or self.is_deepspeed_enabled:
             raise ConfigError("LowCommTrainer trains a full model replica per worker: turn off "
                               "FSDP / DeepSpeed (fsdp=, deepspeed= in TrainingArguments)")
+        if self.args.fp16:
+            # the engine counts optimizer steps; a step skipped on one worker shifts its syncs
+            raise ConfigError("fp16 loss scaling skips optimizer steps on overflow, worker by "
+                              "worker, which desynchronizes the syncs: use bf16=True instead")
         self.add_callback(self.lowcomm_callback)
         # Scaling each loss by the token count of all workers assumes DDP averages gradients.
         if getattr(self.args, "average_tokens_across_devices", False):
