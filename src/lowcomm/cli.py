@@ -51,7 +51,7 @@ def _check_data(spec: str) -> None:
 def _check_model(name: str) -> None:
     from .train.model import PRESETS
 
-    if name not in PRESETS:
+    if name not in PRESETS and not name.startswith("hf:"):  # hf: names are checked by lowcomm.hf
         raise ConfigError(f"unknown model preset '{name}': choose one of {', '.join(PRESETS)}")
 
 

@@ -223,9 +223,14 @@ def check_types(cfg: Any) -> None:
 class TrainConfig:
     """The reference trainer's knobs (model, data, inner optimizer, logging, run control)."""
 
-    model: str = knob("small", "Model preset: tiny, small, base or 124m.")
+    model: str = knob("small", "Model preset: tiny, small, base or 124m; or a Hugging Face causal LM: "
+                               "hf:ARCH[:PRESET] (llama, gpt2, qwen2, ... at a preset's size) or "
+                               "hf:PATH (a local folder); needs lowcomm[hf].")
     data: str = knob("stdlib", "Corpus: stdlib (the Python standard library's source), a text file "
                                "or folder, a token .bin file, or hf:NAME[:CONFIG].")
+    tokenizer: str = knob("bytes", "Tokens of a text corpus: bytes (one per byte, vocab 256) or bpe:N "
+                                   "(a byte-level BPE of N tokens trained on the corpus, cached; "
+                                   "needs lowcomm[hf]).")
     shard: str = knob("striped", "How the train tokens are split between workers: striped (disjoint "
                                  "64K-token blocks dealt round-robin: IID-like) or contiguous (one "
                                  "slice each: non-IID on a corpus sorted by path).")

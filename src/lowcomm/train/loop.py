@@ -115,7 +115,9 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
 
-    corpus = load_corpus(cfg.data)
+    corpus = load_corpus(cfg.data, tokenizer=cfg.tokenizer)
+    if rank == 0:
+        corpus.save_description(out)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, vocab_size=max(corpus.vocab_size, 1),
                         max_seq_len=max(cfg.seq_len, 1)).to(device)
@@ -326,6 +328,8 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
                     summary[f"outer_{key}"] = getattr(engine.outer, key)
         # the trained model: the global parameters, identical on every worker
         torch.save({k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, out / "model.pt")
+        if hasattr(model, "save_pretrained"):  # Hugging Face models: from_pretrained(DIR/hf)
+            model.save_pretrained(out / "hf", tokenizer_file=corpus.tokenizer_file)
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         metrics_f.close()
         with contextlib.suppress(FileNotFoundError):
