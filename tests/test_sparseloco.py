@@ -24,7 +24,7 @@ def reference_compress(e: torch.Tensor, density: float) -> tuple[torch.Tensor, t
     R, C = (e.shape[0], n // e.shape[0]) if e.dim() >= 2 else (1, n)
     tr, tc = _largest_divisor(R), _largest_divisor(C)
     L = tr * tc
-    k = min(L, max(1, math.floor(L * density + 0.5)))
+    k = min(L, max(1, round(L * density)))  # half to even, as the authors' code
     tiles = e.reshape(R // tr, tr, C // tc, tc).permute(0, 2, 1, 3).reshape(-1, L)
     idx = tiles.abs().topk(k, dim=1).indices.sort(dim=1).values  # tile order, increasing index
     vals = tiles.gather(1, idx).reshape(-1)
@@ -49,7 +49,9 @@ def reference_compress(e: torch.Tensor, density: float) -> tuple[torch.Tensor, t
     return untile(out_tiles), untile(mask_tiles)
 
 
-def reference_sparseloco(world: int, aggregation: str) -> list[torch.Tensor]:
+def reference_sparseloco(world: int, aggregation: str, extra: int = 0) -> list[torch.Tensor]:
+    """Plain-torch SparseLoCo; with ``extra`` steps after the last round, one more sync of them
+    (through the error buffers) as leaving the block does."""
     init = tiny_model(seed=0)
     models = [copy.deepcopy(init) for _ in range(world)]
     opts = [adamw(m) for m in models]
@@ -58,9 +60,9 @@ def reference_sparseloco(world: int, aggregation: str) -> list[torch.Tensor]:
     glob = {n: p.detach().clone() for n, p in init.named_parameters()}
     err = [{n: torch.zeros_like(p) for n, p in glob.items()} for _ in range(world)]
     out = []
-    for _ in range(ROUNDS):
+    for r in range(ROUNDS + (1 if extra else 0)):
         for model, o, d in zip(models, opts, data):
-            local_steps(model, o, d, H)
+            local_steps(model, o, d, H if r < ROUNDS else extra)
         for n in names:
             total = torch.zeros_like(glob[n])
             count = torch.zeros_like(glob[n])
@@ -81,7 +83,7 @@ def reference_sparseloco(world: int, aggregation: str) -> list[torch.Tensor]:
     return out
 
 
-def _sparseloco_worker(rank: int, world: int, aggregation: str) -> dict:
+def _sparseloco_worker(rank: int, world: int, aggregation: str, extra: int = 0) -> dict:
     model = tiny_model(seed=0)
     opt = adamw(model)
     data = batches(rank, world)
@@ -89,14 +91,14 @@ def _sparseloco_worker(rank: int, world: int, aggregation: str) -> dict:
                               aggregation=aggregation)
     out = []
     with sync:
-        for step in range(1, H * ROUNDS + 1):
+        for step in range(1, H * ROUNDS + extra + 1):
             x, y = data.next()
             model(x, y).backward()
             opt.step()
             opt.zero_grad()
             if step % H == 0:
                 out.append(sync.global_flat().clone())
-    return {"globals": out, "stats": sync.stats.as_dict(),
+    return {"globals": out, "final": sync.global_flat().clone(), "stats": sync.stats.as_dict(),
             "shapes": [p.shape for p in model.parameters()]}
 
 
@@ -119,6 +121,17 @@ def test_sparseloco_matches_plain_torch(workers, aggregation):
     assert st["bytes_sent"] == st["bytes_received"] == (2 - 1) * st["payload_bytes"]
 
 
+def test_sparseloco_partial_round_is_not_lost(workers):
+    """Leaving the block 2 steps into a round syncs those steps through the error buffers."""
+    res = workers(_sparseloco_worker, 2, "selected-mean", 2)
+    torch.set_num_threads(1)
+    expected = reference_sparseloco(2, "selected-mean", extra=2)
+    assert len(expected) == ROUNDS + 1
+    for r in res:
+        torch.testing.assert_close(r["final"], expected[-1], atol=1e-6, rtol=0)
+    assert res[0]["stats"]["final_syncs"] == 1
+
+
 def test_payload_bytes_match_the_format_formula():
     """small model: ceil(log2 chunk) index bits + 2 value bits per kept entry, plus headers."""
     from lowcomm.aggregate import make_aggregator
@@ -135,7 +148,7 @@ def test_payload_bytes_match_the_format_formula():
         n = math.prod(shape)
         R, C = (shape[0], n // shape[0]) if len(shape) >= 2 else (1, n)
         L = _largest_divisor(R) * _largest_divisor(C)
-        K = (n // L) * min(L, max(1, math.floor(L * cfg.density + 0.5)))
+        K = (n // L) * min(L, max(1, round(L * cfg.density)))
         index_bits = math.ceil(math.log2(L))
         # per tensor: 16-byte top-k header, 16-byte value header + fp32 shift + 4 fp32 LUT entries
         expected += 16 + 16 + 4 * 5 + math.ceil(2 * K / 8) + math.ceil(index_bits * K / 8)
