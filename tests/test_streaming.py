@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lowcomm
-from helpers import adamw, batches, flat_params, tiny_model
+from helpers import adamw, batches, flat_params, local_steps, tiny_model
 
 STEPS = 14
 
@@ -172,3 +172,64 @@ def test_streamed_topk_with_error_feedback_end_to_end(workers):
     with torch.no_grad():
         initial = model(x0, y0).item()
     assert res[0]["final"] < initial - 0.2  # it trains (sparse outer steps: slower than dense)
+
+
+def _continue_worker(rank: int, world: int, steps: int) -> dict:
+    model, sync = _train(rank, world, steps, lambda m, o: lowcomm.StreamingDiLoCo(
+        m, o, sync_every=6, fragments=1, blocks_per_fragment=0, overlap=2, merge="continue",
+        codec="fp32", outer_lr=0.7, outer_momentum=0.9))
+    return {"global": sync.global_flat().clone()}
+
+
+def reference_continue(world: int, steps: int, H: int = 6, tau: int = 2) -> torch.Tensor:
+    """Overlapped DiLoCo with the continue merge, written as the rule reads: when a result lands,
+    theta <- new global + (the steps taken since the send); at the end drain, then one more outer
+    step over the steps not yet sent."""
+    init = tiny_model(seed=0)
+    models = [copy.deepcopy(init) for _ in range(world)]
+    opts = [adamw(m) for m in models]
+    data = [batches(r, world) for r in range(world)]
+    glob = [p.detach().clone() for p in init.parameters()]
+    outer = torch.optim.SGD(glob, lr=0.7, momentum=0.9, nesterov=True)
+    pending = None  # (average, weights at the send, apply step)
+
+    def vec(m):
+        return torch.nn.utils.parameters_to_vector(m.parameters()).detach().clone()
+
+    def outer_step(avg):
+        for g, a in zip(glob, torch.split(avg, [g.numel() for g in glob])):
+            g.grad = a.view_as(g).clone()
+        outer.step()
+
+    def land():
+        avg, at_send, _ = pending
+        outer_step(avg)
+        new = torch.nn.utils.parameters_to_vector(glob).detach()
+        for m, sent in zip(models, at_send):
+            torch.nn.utils.vector_to_parameters(new + (vec(m) - sent), m.parameters())
+
+    last_send = 0
+    for t in range(1, steps + 1):
+        for m, o, d in zip(models, opts, data):
+            local_steps(m, o, d, 1)
+        g = torch.nn.utils.parameters_to_vector(glob).detach()
+        if pending is not None and pending[2] == t:
+            land()  # (never at a send step here: tau < H)
+            pending = None
+        if t % H == 0:
+            pending = (torch.stack([g - vec(m) for m in models]).mean(0), [vec(m) for m in models], t + tau)
+            last_send = t
+    if pending is not None:
+        land()
+    if last_send < steps:
+        g = torch.nn.utils.parameters_to_vector(glob).detach()
+        outer_step(torch.stack([g - vec(m) for m in models]).mean(0))
+    return torch.nn.utils.parameters_to_vector(glob).detach()
+
+
+def test_continue_merge_matches_plain_torch(workers):
+    res = workers(_continue_worker, 2, 13)
+    torch.set_num_threads(1)
+    expected = reference_continue(2, 13)
+    for r in res:
+        torch.testing.assert_close(r["global"], expected, atol=1e-6, rtol=0)

@@ -24,7 +24,7 @@ STRATEGY_CONFIGS: dict[str, dict[str, Any]] = {
                       outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9),
     # selected-mean: measured better than the 1/M mean (benchmarks/sparseloco.md: 1.4814 vs 1.6458)
     "sparseloco": dict(sync_every=15, codec="topk", density=1 / 64, value_bits=2, reduce="gather",
-                       compensation="ef", error_decay=0.95,
+                       compensation="ef", error_decay=0.95, merge="continue",
                        outer_optimizer="sgd", outer_lr=1.0),
     # continue merge, penalty off until measured under it, momentum by worker count (set at build)
     "co2": dict(sync_every=48, overlap=-1, outer_optimizer="co2", outer_lr=1.0, outer_momentum=0.0,
