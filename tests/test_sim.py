@@ -330,3 +330,20 @@ def test_simulator_does_not_need_torch():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["model"] == "1b"
+
+
+# ---------------------------------------------------------------------------- report
+
+def test_report_fills_every_placeholder_of_its_template():
+    """benchmarks/simulator.md's generator: the packaged template, all placeholders filled."""
+    import re
+
+    from lowcomm.sim import report
+
+    template = report._template()
+    names = set(re.findall(r"\{(\w+)\}", template))
+    assert {"planner_rows", "latency_table", "table4_1b", "offsets", "full_100b"} <= names
+    text = report.render()
+    assert not re.findall(r"\{\w+\}", text)
+    assert text.startswith("# Simulator: the bandwidth a run needs")
+    assert "| data-parallel | 86.8 / " in text and text.endswith("| *pending* | | | | | | | |\n")
