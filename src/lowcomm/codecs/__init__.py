@@ -11,6 +11,8 @@ fp16        dense float16 (round to nearest even)                  --
 int8/4/2    symmetric absmax per block, offset-binary codes        block_size=256, stochastic,
                                                                    generator
 loco        int4 (the codec LoCo's compensation wraps)             as int4
+int4-auth.  the LoCo authors' int4: absmax/8, codes -8..7 (top        block_size=256
+            clipped), round half to even
 fp4         FP4 E3M0, absmax per block                             block_size=256, stochastic,
                                                                    generator
 topk        chunked top-k (64x64 tiles), packed indices + values   density=1/64, value_bits=2,
@@ -27,11 +29,13 @@ from __future__ import annotations
 from .base import Codec, PayloadError
 from .dense import DenseCodec
 from .fp4 import FP4Codec
+from .int4_authors import AuthorsInt4Codec, authors_group_size
 from .lut import LutCodec
 from .topk import TopKCodec
 from .uniform import UniformCodec
 
-CODEC_NAMES: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8", "int4", "int2", "fp4", "topk", "loco")
+CODEC_NAMES: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8", "int4", "int2", "fp4", "topk", "loco",
+                                  "int4-authors")
 
 _OPTIONS = {
     "fp32": (), "bf16": (), "fp16": (),
@@ -40,6 +44,7 @@ _OPTIONS = {
     "int2": ("block_size", "stochastic", "generator"),
     "loco": ("block_size", "stochastic", "generator"),
     "fp4": ("block_size", "stochastic", "generator"),
+    "int4-authors": ("block_size",),
     "topk": ("density", "value_bits", "value_codec"),
 }
 
@@ -58,12 +63,14 @@ def make_codec(name: str, **opts) -> Codec:
     if name in ("int8", "int4", "int2", "loco"):
         bits = 4 if name == "loco" else int(name[3:])
         return UniformCodec(bits, **opts)
+    if name == "int4-authors":
+        return AuthorsInt4Codec(**opts)
     if name == "fp4":
         return FP4Codec(**opts)
     return TopKCodec(**opts)
 
 
 __all__ = [
-    "CODEC_NAMES", "Codec", "DenseCodec", "FP4Codec", "LutCodec", "PayloadError", "TopKCodec",
+    "AuthorsInt4Codec", "authors_group_size", "CODEC_NAMES", "Codec", "DenseCodec", "FP4Codec", "LutCodec", "PayloadError", "TopKCodec",
     "UniformCodec", "make_codec",
 ]
