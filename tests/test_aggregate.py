@@ -44,7 +44,7 @@ def test_two_phase_reduce(workers, world, codec):
     c = make_codec(codec, block_size=32)
     flat = [torch.cat([x.reshape(-1) for x in _inputs(r)]) for r in range(world)]
     n = flat[0].numel()
-    shard = -(-n // world)
+    shard = -(-(-(-n // world)) // 32) * 32  # whole blocks of 32 per owner
     padded = [torch.nn.functional.pad(f, (0, shard * world - n)) for f in flat]
     # phase 1: each owner decodes every worker's encoded shard and sums in FP32
     means = []
