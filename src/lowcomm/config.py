@@ -37,7 +37,8 @@ class SyncConfig:
                            "is CO2's whole-round overlap.")
     alpha: float = knob(0.0, "Merge weight after an overlapped sync: theta <- alpha*theta_local + "
                              "(1-alpha)*theta_global. 0 discards the tau local steps, 0.5 averages.")
-    codec: str = knob("fp32", "What goes on the wire: fp32|bf16|fp16|int8|int4|int2|fp4|topk|loco.")
+    codec: str = knob("fp32", "What goes on the wire: fp32|bf16|fp16|int8|int4|int2|fp4|topk|loco|"
+                                    "int4-authors.")
     codec_block: int = knob(128, "Elements per scale block for the int-k and fp4 codecs.")
     density: float = knob(1 / 64, "Top-k codec: fraction of entries kept per chunk (1/64 = 64 of 4096).")
     value_bits: int = knob(2, "Top-k codec: bits per kept value (2 = 4-entry lookup of bin means).")
@@ -60,7 +61,13 @@ class SyncConfig:
     momentum_clip: float = knob(0.0, "CO2: clip the outer momentum at phi (0 = off).")
     momentum_clip_mode: str = knob("element", "CO2: clip element-wise to +-phi (element) or the L2 norm to phi (norm).")
     loco_beta: float = knob(0.8, "LoCo: moving-average weight of the compensation buffer.")
-    loco_reset_every: int = knob(0, "LoCo: zero the compensation buffers every N optimizer steps (0 = never).")
+    loco_reset_every: int = knob(1024, "LoCo: zero the compensation buffers every N optimizer steps "
+                                       "(0 = never; 1024 is the LoCo authors' period).")
+    loco_quantizer: str = knob("ours", "LoCo per-step hooks: ours (absmax/7, codes -7..7, groups of "
+                                       "codec_block) or authors (absmax/8, codes -8..7, one group per "
+                                       "min(rows, cols)); ours had the lower error on large matrices.")
+    loco_compress_1d: bool = knob(False, "LoCo per-step hooks: quantise 1-D tensors (biases, norms) "
+                                         "too; by default they are sent as FP32, as the authors do.")
     nonfinite_patience: int = knob(3, "Stop the run after this many syncs in a row in which some worker's "
                                       "pseudo-gradient was non-finite and left out (1 = stop at the first).")
     replica_check_every: int = knob(10, "Every N syncs, compare a hash of the global parameters across "
@@ -75,6 +82,7 @@ class SyncConfig:
         _choice("reduce", self.reduce, ("auto", "allreduce", "gather", "two-phase"))
         _choice("aggregation", self.aggregation, ("mean", "selected-mean"))
         _choice("compensation", self.compensation, ("none", "ef", "loco"))
+        _choice("loco_quantizer", self.loco_quantizer, ("ours", "authors"))
         _choice("outer_optimizer", self.outer_optimizer, ("nesterov", "sgd", "co2"))
         _choice("momentum_clip_mode", self.momentum_clip_mode, ("element", "norm"))
         if self.sync_every < 1:
@@ -137,7 +145,7 @@ class SyncConfig:
 
 
 DENSE_CODECS = ("fp32", "bf16", "fp16")
-CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "int2", "fp4", "topk", "loco")
+CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "int2", "fp4", "topk", "loco", "int4-authors")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
