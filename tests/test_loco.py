@@ -287,3 +287,31 @@ def test_diloco_with_loco_compressed_pseudo_gradients(workers):
     diff = (dense["params"] - low["params"]).abs().max()
     assert 0 < diff < 0.05
     assert low["comp"]["kind"] == "loco" and len(low["comp"]["buffers"]) > 0
+
+
+def _patch_worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from lowcomm.hooks import patches
+    from lowcomm.hooks.ddp import TorchHookState
+    from lowcomm.transport import Transport
+
+    original = dist.all_reduce
+    states = [TorchHookState(Transport(dist.new_group(backend="gloo")), "bf16") for _ in range(2)]
+    patched = dist.all_reduce is not original and patches.all_reduce_is_patched()
+    t = torch.ones(1000)
+    dist.all_reduce(t, group=states[0].transport.group)  # counted: this hook's group
+    dist.all_reduce(t)  # not counted: the default group
+    counted = [s.transport.meter.sent_bytes for s in states]
+    states[0].close()
+    still = dist.all_reduce is not original  # the other hook still needs it
+    states[1].close()
+    return {"patched": patched, "counted": counted, "still": still,
+            "restored": dist.all_reduce is original and not patches.all_reduce_is_patched()}
+
+
+def test_the_metering_patch_is_undone_when_the_last_hook_closes(workers):
+    res = workers(_patch_worker, 2)
+    for r in res:
+        assert r["patched"] and r["still"] and r["restored"]
+        assert r["counted"][0] > 0 and r["counted"][1] == 0

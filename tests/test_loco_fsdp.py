@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowcomm import loco
+from lowcomm.hooks import loco_fsdp as loco
 
 pytestmark = pytest.mark.skipif(loco._FSDPModule is None, reason="torch without FSDP2 set_custom_reduce_scatter")
 
@@ -35,7 +35,10 @@ def _fsdp_worker(rank: int, world: int, beta: float) -> dict:
         grads.append({n: p.grad.full_tensor().clone() for n, p in m.named_parameters()})
         m.zero_grad()
     sent = sum(t.meter.sent_bytes for rs in installed.values() for t in rs._transports.values())
-    return {"grads": grads, "names": list(installed), "bytes": sent}
+    comps = [rs.compensation for rs in installed.values() if rs.compensation.keys()]  # (root: none)
+    devices = {b.device.type for c in comps for b in c._store.buffers.values()}
+    return {"grads": grads, "names": list(installed), "bytes": sent, "devices": devices,
+            "steps": {c.steps for c in comps}, "reset_every": {c.reset_every for c in comps}}
 
 
 def _true_mean(world: int) -> dict:
@@ -54,6 +57,10 @@ def test_fsdp_loco_reduce_scatter(workers):
     torch.set_num_threads(1)
     true = _true_mean(2)
     assert len(res[0]["names"]) == 3 and res[0]["bytes"] > 0  # our reduce-scatter really ran
+    # one reduce-scatter per module per step: steps counted, the authors' reset period, and
+    # the buffers where the gradients are
+    assert res[0]["steps"] == {REPEATS} and res[0]["reset_every"] == {1024}  # the 2 layers
+    assert res[0]["devices"] == {"cpu"}
     for n, t in true.items():
         first = res[0]["grads"][0][n]
         scale = t.abs().max()

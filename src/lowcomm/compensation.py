@@ -302,11 +302,6 @@ class MovingAverageCompensation(_Compensation):
         """Zero every buffer (e.g. after a loss-scale overflow)."""
         self._store.zero()
 
-    def drop(self, key: str) -> None:
-        """Forget one buffer (its tensors are no longer sent together under this key)."""
-        self._store.buffers.pop(key, None)
-        self._store.scales.pop(key, None)
-
     def state_dict(self) -> dict[str, Any]:
         return {"kind": "loco", "beta": self.beta, "reset_every": self.reset_every,
                 "steps": self.steps, **self._store.state()}
