@@ -31,7 +31,8 @@ def _agg_worker(rank: int, world: int, method: str, codec_name: str, aggregation
 def test_gather_equals_fp32_sum_of_decoded_payloads(workers, world, codec):
     res = workers(_agg_worker, world, "gather", codec, "mean")
     c = make_codec(codec, block_size=32, density=1 / 8)
-    expected = sum(torch.cat([c.roundtrip(x).reshape(-1) for x in _inputs(r)]) for r in range(world)) / world
+    decoded = [torch.cat([c.roundtrip(x).reshape(-1) for x in _inputs(r)]) for r in range(world)]
+    expected = sum(decoded) / world
     for r in res:
         assert r["valid"] == world
         torch.testing.assert_close(r["mean"], expected, atol=1e-6, rtol=1e-6)
@@ -98,7 +99,8 @@ def _compensated_worker(rank: int, world: int, key: str | None) -> list[torch.Te
 
 
 def test_two_phase_second_quantisation_is_compensated(workers):
-    """Each owner keeps e for its averaged shard: h = mean + e, send Q(h), e <- .8 e + .2 (h - Q(h))."""
+    """Each owner keeps e for its averaged shard: h = mean + e; send Q(h);
+    e <- 0.8 e + 0.2 (h - Q(h))."""
     res = workers(_compensated_worker, 3, "bucket 0")
     plain = workers(_compensated_worker, 3, None)  # no key: the second quantisation as before
     c = make_codec("int4-authors", block_size=32)

@@ -1,4 +1,8 @@
-"""LoCo's DDP hook on real workers vs an independent plain-torch computation (docs/algorithms.md §5)."""
+"""LoCo's DDP hook on real workers vs an independent plain-torch computation of the rule.
+
+The rule is the LoCo authors' (docs/algorithms.md, LoCo): both quantisations compensated, their
+quantiser or ours, resets counted in optimizer steps, 1-D tensors in FP32.
+"""
 
 from __future__ import annotations
 
@@ -168,7 +172,8 @@ def test_an_overflow_is_nan_everywhere_and_drops_the_buffers(workers):
     for _ in range(3):
         g = _worker_grads(models, data)[0]
     for n, buf in res[0]["buffers"].items():
-        assert torch.equal(buf, _moving_average(torch.zeros_like(g[n]), g[n], _quantize(g[n], "ours")))
+        fresh = _moving_average(torch.zeros_like(g[n]), g[n], _quantize(g[n], "ours"))
+        assert torch.equal(buf, fresh), n
 
 
 class _Scaler:
@@ -209,12 +214,15 @@ def test_quantizer_errors_side_by_side():
     normal = torch.randn(shape, generator=g)
     chi = torch.randn(3, *shape, generator=g).pow(2).mean(0)
     tailed = torch.randn(shape, generator=g) / chi.sqrt()
-    scaled = normal * torch.randn(768, 1, generator=g).exp() * torch.randn(1, 2048, generator=g).mul(0.5).exp()
-    ours, same_groups = make_codec("int4", block_size=128), make_codec("int4-authors", block_size=128)
+    rows = torch.randn(768, 1, generator=g).exp()
+    cols = torch.randn(1, 2048, generator=g).mul(0.5).exp()
+    scaled = normal * rows * cols
+    ours = make_codec("int4", block_size=128)
+    same_groups = make_codec("int4-authors", block_size=128)
     authors = make_codec("int4-authors", block_size=authors_group_size(shape, fallback=128))
     for x in (normal, tailed, scaled):
-        err = {name: float((c.roundtrip(x) - x).norm() / x.norm())
-               for name, c in (("ours", ours), ("absmax/8 on 128", same_groups), ("authors", authors))}
+        codecs = {"ours": ours, "absmax/8 on 128": same_groups, "authors": authors}
+        err = {name: float((c.roundtrip(x) - x).norm() / x.norm()) for name, c in codecs.items()}
         assert err["absmax/8 on 128"] < err["ours"] < err["authors"], err
     # (Gaussian: about 0.106 < 0.117 < 0.122; heavy tails: 0.20 < 0.22 < 0.33.) Per element
     # absmax/8 is the better rule; the authors' 768-element groups cost more than it saves,
@@ -245,8 +253,9 @@ def test_loco_strategy_trains(tmp_path):
     import sys
 
     out = tmp_path / "loco"
-    proc = subprocess.run([sys.executable, "-m", "lowcomm.cli", "train", "--strategy", "loco", "--workers", "2",
-                           "--model", "tiny", "--steps", "30", "--out", str(out), "batch_size=4", "seq_len=32",
+    proc = subprocess.run([sys.executable, "-m", "lowcomm.cli", "train", "--strategy", "loco",
+                           "--workers", "2", "--model", "tiny", "--steps", "30", "--out", str(out),
+                           "batch_size=4", "seq_len=32",
                            "eval_every=0", "eval_batches=2", "progress=false", "warmup_steps=5"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -264,7 +273,8 @@ def _diloco_loco_worker(rank: int, world: int) -> dict:
         model = tiny_model(seed=0)
         opt = adamw(model)
         data = batches(rank, world)
-        sync = lowcomm.DiLoCo(model, opt, sync_every=4, codec=codec, compensation=comp, codec_block=GROUP)
+        sync = lowcomm.DiLoCo(model, opt, sync_every=4, codec=codec, compensation=comp,
+                              codec_block=GROUP)
         with sync:
             for _ in range(12):
                 x, y = data.next()

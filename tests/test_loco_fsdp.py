@@ -7,7 +7,8 @@ import torch
 
 from lowcomm.hooks import loco_fsdp as loco
 
-pytestmark = pytest.mark.skipif(loco._FSDPModule is None, reason="torch without FSDP2 set_custom_reduce_scatter")
+pytestmark = pytest.mark.skipif(loco._FSDPModule is None,
+                                reason="torch without FSDP2 set_custom_reduce_scatter")
 
 REPEATS = 12
 

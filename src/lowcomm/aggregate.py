@@ -45,7 +45,7 @@ _DENSE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 class Encoded:
     """What one worker contributes to one exchange."""
 
-    payload: torch.Tensor           # the exact tensor handed to the first collective (flag included)
+    payload: torch.Tensor           # what the first collective gets (flag included)
     shapes: list[torch.Size]        # the shapes of the tensors it encodes, in order
     numel: int                      # total elements
     local: torch.Tensor | None      # flat FP32 of what peers will decode from us (for compensation)
@@ -122,7 +122,8 @@ class Aggregator:
         """Two-phase encode of ``shards`` (M x n, FP32), row j for worker j: FSDP's own layout."""
         assert self.codec is not None and self.method == "two-phase"
         if shards.shape[0] != self.world_size:
-            raise ValueError(f"need one shard per worker ({self.world_size}), got {shards.shape[0]}")
+            raise ValueError(f"need one shard per worker ({self.world_size}), "
+                             f"got {shards.shape[0]}")
         if not valid:
             shards = torch.zeros_like(shards)
         flag = torch.tensor([[int(valid)]], dtype=torch.uint8, device=shards.device)
@@ -131,7 +132,8 @@ class Aggregator:
         local = None
         if need_local:
             shape = shards[0].shape
-            local = torch.cat([self.codec.decode(p, shape, f"shard {j}") for j, p in enumerate(packed)])
+            local = torch.cat([self.codec.decode(p, shape, f"shard {j}")
+                               for j, p in enumerate(packed)])
         return Encoded(payload, [shards.shape], shards.numel(), local, key, shards.shape[1])
 
     # -- exchange (may run on the comm thread) ---------------------------------------------------
@@ -148,7 +150,10 @@ class Aggregator:
         return self._two_phase(enc, transport)
 
     def reduce_scatter(self, enc: Encoded, transport: Transport) -> Reduced:
-        """Two-phase, first half only: the FP32 average of this worker's shard (one quantisation)."""
+        """Two-phase, first half only: the FP32 average of this worker's shard (one quantisation).
+
+        The shard's length is ``enc.shard_numel``; FSDP's reduce-scatter is exactly this.
+        """
         assert self.codec is not None and self.method == "two-phase"
         received = transport.all_to_all(list(enc.payload.unbind(0)))
         shape = torch.Size([enc.shard_numel])
@@ -168,7 +173,8 @@ class Aggregator:
         if self.reduce_compensation is not None:
             self.reduce_compensation.step()
 
-    def _sum_gathered(self, gathered: list[torch.Tensor], shapes: list[torch.Size], numel: int) -> Reduced:
+    def _sum_gathered(self, gathered: list[torch.Tensor], shapes: list[torch.Size],
+                      numel: int) -> Reduced:
         assert self.codec is not None
         dev = gathered[0].device if gathered else None
         total = torch.zeros(numel, dtype=torch.float32, device=dev)
@@ -187,11 +193,13 @@ class Aggregator:
                 piece = payload[offset_b:offset_b + nb]
                 name = f"tensor {i} from worker {w}"
                 if self.aggregation == "selected-mean":
-                    idx, vals = self.codec.decode_sparse(piece, shape, name)  # type: ignore[attr-defined]
+                    sparse = self.codec.decode_sparse  # type: ignore[attr-defined]
+                    idx, vals = sparse(piece, shape, name)
                     total[offset_e:offset_e + n].index_add_(0, idx, vals)
                     counts[offset_e:offset_e + n].index_add_(0, idx, torch.ones_like(vals))
                 else:
-                    total[offset_e:offset_e + n] += self.codec.decode(piece, shape, name).reshape(-1)
+                    dec = self.codec.decode(piece, shape, name)
+                    total[offset_e:offset_e + n] += dec.reshape(-1)
                 offset_b += nb
                 offset_e += n
         if self.aggregation == "selected-mean":
@@ -210,7 +218,8 @@ class Aggregator:
             comp.after_send(key, h, self.codec.decode(payload, h.shape, "own averaged shard"))
         gathered = transport.all_gather(payload)
         shape = mine.shape
-        out = torch.cat([self.codec.decode(p, shape, f"averaged shard {w}") for w, p in enumerate(gathered)])
+        out = torch.cat([self.codec.decode(p, shape, f"averaged shard {w}")
+                         for w, p in enumerate(gathered)])
         return Reduced(out[:enc.numel], red.valid_workers)
 
     # -- helpers -------------------------------------------------------------------------------
@@ -227,13 +236,15 @@ class Aggregator:
         padded[:flat.numel()] = flat
         return padded.view(m, n)
 
-    def _decode_flat(self, payload: torch.Tensor, shapes: list[torch.Size], numel: int) -> torch.Tensor:
+    def _decode_flat(self, payload: torch.Tensor, shapes: list[torch.Size],
+                     numel: int) -> torch.Tensor:
         assert self.codec is not None
         out = torch.empty(numel, dtype=torch.float32, device=payload.device)
         ob = oe = 0
         for i, shape in enumerate(shapes):
             nb, n = self.codec.nbytes(shape), _numel(shape)
-            out[oe:oe + n] = self.codec.decode(payload[ob:ob + nb], shape, f"tensor {i}").reshape(-1)
+            dec = self.codec.decode(payload[ob:ob + nb], shape, f"tensor {i}")
+            out[oe:oe + n] = dec.reshape(-1)
             ob += nb
             oe += n
         return out
@@ -245,7 +256,7 @@ class Aggregator:
             raise PayloadError(f"payload from {who} has {payload.numel()} bytes, expected {want}")
 
     def payload_nbytes(self, shapes: list[torch.Size]) -> int:
-        """Bytes this worker hands to the first collective for tensors of ``shapes`` (flag included)."""
+        """Bytes this worker hands to the first collective for tensors of ``shapes`` (with flag)."""
         numel = sum(_numel(s) for s in shapes)
         if self.method == "allreduce":
             return (numel + 1) * torch.tensor([], dtype=self.dense_dtype).element_size()
@@ -296,7 +307,8 @@ def _reduce_compensation(cfg: SyncConfig) -> Compensation | None:
     if cfg.compensation == "ef":
         return ErrorFeedback(cfg.error_decay, device=None)
     if cfg.compensation == "loco":
-        return MovingAverageCompensation(cfg.loco_beta, device=None, reset_every=cfg.loco_reset_every)
+        return MovingAverageCompensation(cfg.loco_beta, device=None,
+                                         reset_every=cfg.loco_reset_every)
     return None
 
 

@@ -53,10 +53,12 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, str):
         key = {"fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype)
         if key not in _DTYPES:
-            raise ValueError(f"compensation storage dtype must be one of fp32, bf16, int8; got {dtype!r}")
+            raise ValueError(f"compensation storage dtype must be one of fp32, bf16, int8; "
+                             f"got {dtype!r}")
         return _DTYPES[key]
     if dtype not in _NAMES:
-        raise ValueError(f"compensation storage dtype must be float32, bfloat16 or int8; got {dtype}")
+        raise ValueError(f"compensation storage dtype must be float32, bfloat16 or int8; "
+                         f"got {dtype}")
     return dtype
 
 

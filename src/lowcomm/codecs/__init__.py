@@ -11,16 +11,18 @@ fp16        dense float16 (round to nearest even)                  --
 int8/4/2    symmetric absmax per block, offset-binary codes        block_size=256, stochastic,
                                                                    generator
 loco        int4 (the codec LoCo's compensation wraps)             as int4
-int4-auth.  the LoCo authors' int4: absmax/8, codes -8..7 (top        block_size=256
-            clipped), round half to even
 fp4         FP4 E3M0, absmax per block                             block_size=256, stochastic,
                                                                    generator
 topk        chunked top-k (64x64 tiles), packed indices + values   density=1/64, value_bits=2,
                                                                    value_codec=None (2-bit LUT)
 ==========  =====================================================  ============================
 
+``int4-authors`` is the LoCo authors' int4 (absmax/8, codes -8..7 with the top clipped, round
+half to even; option block_size=256); see ``int4_authors``.
+
 A config may pass every codec knob to every codec: options of *other* codecs and options given
-as None are ignored, while a name no codec knows (a typo) raises ValueError. Every payload starts with a 16-byte header
+as None are ignored, while a name no codec knows (a typo) raises ValueError. Every payload
+starts with a 16-byte header
 (see ``_format``); block scales are fp32 and counted in ``nbytes``.
 """
 
@@ -34,8 +36,8 @@ from .lut import LutCodec
 from .topk import TopKCodec
 from .uniform import UniformCodec
 
-CODEC_NAMES: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8", "int4", "int2", "fp4", "topk", "loco",
-                                  "int4-authors")
+CODEC_NAMES: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8", "int4", "int2", "fp4", "topk",
+                                 "loco", "int4-authors")
 
 _OPTIONS = {
     "fp32": (), "bf16": (), "fp16": (),
@@ -71,6 +73,6 @@ def make_codec(name: str, **opts) -> Codec:
 
 
 __all__ = [
-    "AuthorsInt4Codec", "authors_group_size", "CODEC_NAMES", "Codec", "DenseCodec", "FP4Codec", "LutCodec", "PayloadError", "TopKCodec",
-    "UniformCodec", "make_codec",
+    "AuthorsInt4Codec", "authors_group_size", "CODEC_NAMES", "Codec", "DenseCodec", "FP4Codec",
+    "LutCodec", "PayloadError", "TopKCodec", "UniformCodec", "make_codec",
 ]

@@ -36,7 +36,7 @@ def authors_group_size(shape: torch.Size | tuple[int, ...], fallback: int) -> in
 
 
 class AuthorsInt4Codec(BlockCodec):
-    """absmax/8 int4 with codes -8..7 (top clipped), round half to even, per ``block_size`` group."""
+    """absmax/8 int4, codes -8..7 (top clipped), round half to even, per ``block_size`` group."""
 
     bits = 4
     name = "int4-authors"

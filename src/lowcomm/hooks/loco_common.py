@@ -22,19 +22,22 @@ from typing import Any
 import torch
 
 from ..codecs import Codec, authors_group_size, make_codec
+from ..errors import ConfigError
 
 QUANTIZERS = ("ours", "authors")
 DEFAULT_QUANTIZER = "ours"
 
 
 def check_quantizer(quantizer: str, bits: int) -> None:
-    """Raise ValueError on an unknown quantiser or one that cannot do ``bits``."""
+    """Raise ConfigError on an unknown quantiser or one that cannot do ``bits``."""
     if quantizer not in QUANTIZERS:
-        raise ValueError(f"unknown LoCo quantizer {quantizer!r}: choose one of {', '.join(QUANTIZERS)}")
+        raise ConfigError(f"unknown LoCo quantizer {quantizer!r}: choose one of "
+                          f"{', '.join(QUANTIZERS)}")
     if quantizer == "authors" and bits != 4:
-        raise ValueError(f"the authors' quantizer is 4-bit only, got bits={bits}: use quantizer=ours")
+        raise ConfigError(f"the authors' quantizer is 4-bit only, got bits={bits}: "
+                          f"use bits=4 or quantizer=ours")
     if bits not in (2, 4, 8):
-        raise ValueError(f"LoCo bits must be 2, 4 or 8, got {bits}")
+        raise ConfigError(f"LoCo bits must be 2, 4 or 8, got {bits}")
 
 
 def loco_codec(quantizer: str, bits: int, group: int) -> Codec:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..aggregate import Aggregator, encode_compensated
 from ..compensation import DEFAULT_RESET_EVERY, MovingAverageCompensation
+from ..errors import ConfigError
 from ..transport import Transport
 from .ddp import GradReduceState
 from .loco_common import DEFAULT_QUANTIZER, LossScale, check_quantizer, group_for, loco_codec
@@ -60,7 +61,7 @@ class LoCoState(GradReduceState):
         super().__init__(transport if transport is not None else Transport())
         check_quantizer(quantizer, bits)
         if reduce not in ("auto", "gather", "two-phase"):
-            raise ValueError(f"LoCo reduce must be auto, gather or two-phase, got {reduce!r}")
+            raise ConfigError(f"LoCo reduce must be auto, gather or two-phase, got {reduce!r}")
         module = getattr(model, "module", model)  # accept the DDP wrapper or the bare model
         self.name_of = {id(p): n for n, p in module.named_parameters()}
         m = self.transport.world_size

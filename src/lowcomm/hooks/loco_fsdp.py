@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..aggregate import Aggregator
 from ..compensation import DEFAULT_RESET_EVERY, MovingAverageCompensation
+from ..errors import ConfigError
 from ..transport import Transport
 from .loco_common import DEFAULT_QUANTIZER, LossScale, check_quantizer, loco_codec
 
@@ -44,7 +45,8 @@ class LoCoReduceScatter(_ReduceScatterBase or object):  # type: ignore[misc]
 
     def __init__(self, key: str, bits: int = 4, beta: float = 0.8, group_size: int = 128,
                  storage_dtype: torch.dtype = torch.float32, compensate: bool = True,
-                 reset_every: int = DEFAULT_RESET_EVERY, quantizer: str = DEFAULT_QUANTIZER) -> None:
+                 reset_every: int = DEFAULT_RESET_EVERY,
+                 quantizer: str = DEFAULT_QUANTIZER) -> None:
         check_quantizer(quantizer, bits)
         self.key = key
         self.codec = loco_codec(quantizer, bits, group_size)
@@ -95,8 +97,9 @@ def enable_fsdp_loco(model: torch.nn.Module, **kw: Any) -> dict[str, LoCoReduceS
     ``kw`` are :class:`LoCoReduceScatter`'s settings.
     """
     if _FSDPModule is None:
-        raise RuntimeError(f"this torch ({torch.__version__}) has no FSDP2 set_custom_reduce_scatter "
-                           f"(needs torch >= 2.9): use LoCo through DDP (loco_hook) instead")
+        raise ConfigError(f"this torch ({torch.__version__}) has no FSDP2 "
+                          f"set_custom_reduce_scatter (needs torch >= 2.9): use LoCo through "
+                          f"DDP (loco_hook) instead")
     installed: dict[str, LoCoReduceScatter] = {}
     for name, module in model.named_modules():
         if isinstance(module, _FSDPModule):
@@ -104,5 +107,5 @@ def enable_fsdp_loco(model: torch.nn.Module, **kw: Any) -> dict[str, LoCoReduceS
             module.set_custom_reduce_scatter(rs)
             module.set_gradient_divide_factor(1.0)
     if not installed:
-        raise ValueError("no FSDP2 module found: call torch.distributed.fsdp.fully_shard first")
+        raise ConfigError("no FSDP2 module found: call torch.distributed.fsdp.fully_shard first")
     return installed
