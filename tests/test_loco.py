@@ -187,6 +187,45 @@ class _Scaler:
         return self.scale
 
 
+def _scaler_worker(rank: int, world: int, automatic: bool) -> dict:
+    model = tiny_model(seed=0)
+    ddp = DDP(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=1)
+    state = lowcomm.LoCoState(model, beta=BETA, group_size=GROUP,
+                              scaler=scaler if automatic else None)
+    ddp.register_comm_hook(state, lowcomm.loco_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    data = batches(rank, world)
+    if not automatic:
+        state.follow_scaler(scaler)
+    seen, grads = [], []
+    for _ in range(3):
+        x, y = data.next()
+        scaler.scale(ddp(x, y)).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        scaler.step(opt)
+        scaler.update()  # no overflow: the scale doubles every step here
+        before = {n: state.compensation.buffer(n) for n in state.compensation.keys()}
+        if not automatic:
+            state.follow_scaler(scaler)
+        after = {n: state.compensation.buffer(n) for n in state.compensation.keys()}
+        seen.append((before, after))
+        opt.zero_grad()
+    return {"seen": seen, "grads": grads}
+
+
+def test_the_buffers_follow_a_real_grad_scaler(workers):
+    manual = workers(_scaler_worker, 2, False)[0]
+    auto = workers(_scaler_worker, 2, True)[0]
+    for before, after in manual["seen"]:
+        assert after.keys() == before.keys() and len(after) > 0
+        for n in after:  # errors of gradients scaled by s now stand for gradients scaled by 2s
+            assert torch.equal(after[n], before[n] * 2)
+    for g_manual, g_auto in zip(manual["grads"], auto["grads"]):  # scaler=: the same, by itself
+        for n in g_manual:
+            assert torch.equal(g_manual[n], g_auto[n]), n
+
+
 def test_loss_scale_changes_rescale_or_drop_the_buffers():
     from lowcomm.hooks.loco_common import LossScale
 

@@ -57,8 +57,9 @@ def group_for(quantizer: str, shape: torch.Size, group_size: int) -> int:
 class LossScale:
     """Keeps compensation buffers in step with an fp16 loss scale (they hold scaled errors).
 
-    ``update(scale)`` after each optimizer step: a lower scale means the scaler backed off after
-    an overflow, so the buffers are dropped; a higher one rescales them by new / old.
+    ``update(scale)`` with the scale of the coming backward pass (the first call only records
+    it): a lower scale means the scaler backed off after an overflow, so the buffers are
+    dropped; a higher one rescales them by new / old.
     """
 
     def __init__(self, *compensations: Any) -> None:

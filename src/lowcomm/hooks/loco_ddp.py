@@ -15,7 +15,9 @@ reset each ``reset_every`` optimizer steps (default 1024, the authors' period).
 
 fp16: a bucket with a non-finite gradient on any worker comes back as NaN on every worker (so a
 ``GradScaler`` sees the overflow and skips the step) and the buffers are dropped before the next
-step; ``follow_scaler(scaler)`` after ``scaler.update()`` rescales them when the scale grows.
+step. The buffers hold errors of *scaled* gradients, so they follow the loss scale: pass the
+``GradScaler`` as ``scaler=`` (read at each step's first bucket), or call
+``follow_scaler(scaler)`` before training and after each ``scaler.update()``.
 """
 
 # no `from __future__ import annotations`: DDP checks the hook's annotations at runtime
@@ -47,7 +49,8 @@ class LoCoState(GradReduceState):
     """State of the LoCo hook: quantiser, compensation buffers (both quantisations), aggregators.
 
     Buffers are keyed by parameter *name* (DDP rebuilds its buckets after the first iteration,
-    so bucket indices are not stable), stored in ``storage_dtype`` on ``state_device``.
+    so bucket indices are not stable), stored in ``storage_dtype`` on ``state_device`` (None:
+    where the gradients are, sparing a copy each step; ``"cpu"`` saves accelerator memory).
     ``quantizer`` is ``ours`` or ``authors`` (see :mod:`lowcomm.hooks.loco_common`); ``reduce``
     forces ``gather`` or ``two-phase`` (``auto``: gather for M <= 2, where it costs the same
     wire bytes with one quantisation, else two-phase, whose bytes stay about 2 x payload).
@@ -56,8 +59,9 @@ class LoCoState(GradReduceState):
     def __init__(self, model: torch.nn.Module, transport: Transport | None = None, bits: int = 4,
                  beta: float = 0.8, group_size: int = 128, reset_every: int = DEFAULT_RESET_EVERY,
                  storage_dtype: torch.dtype = torch.float32, reduce: str = "auto",
-                 compensate: bool = True, state_device: str = "cpu",
-                 quantizer: str = DEFAULT_QUANTIZER, compress_1d: bool = False) -> None:
+                 compensate: bool = True, state_device: str | None = None,
+                 quantizer: str = DEFAULT_QUANTIZER, compress_1d: bool = False,
+                 scaler: Any = None) -> None:
         super().__init__(transport if transport is not None else Transport())
         check_quantizer(quantizer, bits)
         if reduce not in ("auto", "gather", "two-phase"):
@@ -77,7 +81,9 @@ class LoCoState(GradReduceState):
         self._dense = Aggregator("allreduce", None, m)
         self._by_group: dict[int, Aggregator] = {}
         self._plans: dict[tuple[str, ...], list[_Part]] = {}
-        self._overflow = False  # set from the comm thread, acted on by the next hook call
+        self.scaler = scaler
+        self._overflow = False  # set from the comm thread, acted on by the next step's first bucket
+        self._step_start = True
 
     @property
     def codec(self) -> Any:
@@ -149,9 +155,8 @@ def loco_hook(state: LoCoState, bucket: dist.GradBucket) -> torch.futures.Future
     the transport's comm thread while backward continues.
     """
     state.launched()
-    if state._overflow:  # some worker overflowed last step: drop the errors of scaled grads
-        state.loss_scale.reset()
-        state._overflow = False
+    if state._step_start:
+        _start_step(state)
     buf, grads = bucket.buffer(), bucket.gradients()
     names = [state.name_of[id(p)] for p in bucket.parameters()]
     parts = state.plan(names, [g.shape for g in grads])
@@ -167,7 +172,18 @@ def loco_hook(state: LoCoState, bucket: dist.GradBucket) -> torch.futures.Future
     fut = _exchange(state, buf, parts, encoded, offsets)
     if bucket.is_last():
         state.step()  # reset_every counts optimizer steps, not buckets (queued after the exchange)
+        state._step_start = True
     return fut
+
+
+def _start_step(state: LoCoState) -> None:
+    """Before a step's first bucket: act on last step's overflow and on a new loss scale."""
+    state._step_start = False
+    if state._overflow:  # some worker overflowed: drop the errors of its scaled gradients
+        state.loss_scale.reset()
+        state._overflow = False
+    if state.scaler is not None:
+        state.loss_scale.follow(state.scaler)
 
 
 def _exchange(state: LoCoState, buf: torch.Tensor, parts: list[_Part], encoded: list,

@@ -9,6 +9,9 @@ shards are decoded and summed in FP32 and divided by M (so the gradient divide f
 module, kept on the gradient's device and reset every ``reset_every`` calls, i.e. optimizer
 steps (one reduce-scatter per module per step). The flat input mixes a module's matrices and
 vectors, so everything in it is quantised, in flat groups of ``group_size`` (either quantiser).
+With fp16 and a ``GradScaler`` passed as ``scaler=``, the buffer follows the loss scale (dropped
+when it backs off after an overflow, rescaled when it grows); a non-finite input on any worker
+returns NaN everywhere, so the scaler skips that step.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ class LoCoReduceScatter(_ReduceScatterBase or object):  # type: ignore[misc]
     def __init__(self, key: str, bits: int = 4, beta: float = 0.8, group_size: int = 128,
                  storage_dtype: torch.dtype = torch.float32, compensate: bool = True,
                  reset_every: int = DEFAULT_RESET_EVERY,
-                 quantizer: str = DEFAULT_QUANTIZER) -> None:
+                 quantizer: str = DEFAULT_QUANTIZER, scaler: Any = None) -> None:
         check_quantizer(quantizer, bits)
         self.key = key
         self.codec = loco_codec(quantizer, bits, group_size)
@@ -55,6 +58,7 @@ class LoCoReduceScatter(_ReduceScatterBase or object):  # type: ignore[misc]
                                                        reset_every=reset_every)
                              if compensate else None)
         self.loss_scale = LossScale(self.compensation)
+        self.scaler = scaler
         self._transports: dict[int, Transport] = {}
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -73,6 +77,8 @@ class LoCoReduceScatter(_ReduceScatterBase or object):  # type: ignore[misc]
         transport = self.transport(group)
         m, comp = transport.world_size, self.compensation
         agg = Aggregator("two-phase", self.codec, m)
+        if self.scaler is not None:  # once per step: this module reduces once per backward
+            self.loss_scale.follow(self.scaler)
         with torch.no_grad():
             g = input_tensor.detach().float().reshape(-1)
             valid = bool(torch.isfinite(g).all())
