@@ -17,11 +17,12 @@ from helpers import batches, tiny_model
 STEPS, BETA, GROUP = 5, 0.8, 64
 
 
-def _loco_worker(rank: int, world: int, quantizer: str, reset_every: int, bucket_mb: float) -> dict:
+def _loco_worker(rank: int, world: int, quantizer: str, reset_every: int, bucket_mb: float,
+                 compress_1d: bool = False) -> dict:
     model = tiny_model(seed=0)
     ddp = DDP(model, bucket_cap_mb=bucket_mb)
     state = lowcomm.LoCoState(model, bits=4, beta=BETA, group_size=GROUP, quantizer=quantizer,
-                              reset_every=reset_every)
+                              reset_every=reset_every, compress_1d=compress_1d)
     ddp.register_comm_hook(state, lowcomm.loco_hook)
     data = batches(rank, world)
     reduced = []
@@ -44,7 +45,8 @@ def _quantize(h: torch.Tensor, quantizer: str) -> torch.Tensor:
     torch.round rounds half to even, as both specify.
     """
     flat = h.reshape(-1)
-    group = min(h.shape[0], flat.numel() // h.shape[0]) if quantizer == "authors" else GROUP
+    matrix = quantizer == "authors" and h.dim() >= 2
+    group = min(h.shape[0], flat.numel() // h.shape[0]) if matrix else GROUP
     out = torch.empty_like(flat)
     for start in range(0, flat.numel(), group):
         blk = flat[start:start + group]
@@ -73,11 +75,13 @@ def _worker_grads(models, data) -> list[dict[str, torch.Tensor]]:
     return grads
 
 
-def reference_loco(world: int, quantizer: str, reset_every: int, second: str | None) -> list[dict]:
+def reference_loco(world: int, quantizer: str, reset_every: int, second: str | None,
+                   compress_1d: bool = False) -> list[dict]:
     """The authors' rule per tensor: 1-D tensors as the FP32 mean; matrices compensated and
     quantised per worker, summed in FP32 and averaged; with a ``second`` quantisation the
     average is quantised again, ``compensated`` (one buffer per element, held by its owner) or
-    ``uncompensated``. Every buffer is zeroed after each ``reset_every``-th step."""
+    ``uncompensated``. Every buffer is zeroed after each ``reset_every``-th step.
+    ``compress_1d`` treats 1-D tensors like the others (in groups of GROUP)."""
     models = [tiny_model(seed=0) for _ in range(world)]
     data = [batches(r, world) for r in range(world)]
     err = [dict() for _ in range(world)]
@@ -87,7 +91,7 @@ def reference_loco(world: int, quantizer: str, reset_every: int, second: str | N
         grads = _worker_grads(models, data)
         step = {}
         for n, g0 in grads[0].items():
-            if g0.dim() <= 1:
+            if g0.dim() <= 1 and not compress_1d:
                 step[n] = sum(g[n] for g in grads) / world
                 continue
             total = torch.zeros_like(g0)
@@ -111,11 +115,11 @@ def reference_loco(world: int, quantizer: str, reset_every: int, second: str | N
     return out
 
 
-def _check_against_reference(res: list[dict], expected: list[dict]) -> None:
+def _check_against_reference(res: list[dict], expected: list[dict], fp32_1d: bool = True) -> None:
     for r in res:
         for k in range(STEPS):
             for n, v in expected[k].items():
-                if v.dim() <= 1:  # FP32 all-reduce: gloo's summation order is its own
+                if v.dim() <= 1 and fp32_1d:  # FP32 all-reduce: gloo's summation order is its own
                     torch.testing.assert_close(r["reduced"][k][n], v, rtol=1e-6, atol=1e-9)
                 else:
                     assert torch.equal(r["reduced"][k][n], v), (k, n)
@@ -134,11 +138,13 @@ def test_authors_rule_on_three_workers_both_quantisations_compensated(workers):
 
 
 def test_loco_hook_with_our_quantiser_equals_plain_torch(workers):
-    """M = 2: all-gather with one quantisation, many buckets that DDP rebuilds, reset every 3."""
-    res = workers(_loco_worker, 2, "ours", 3, 0.02)
+    """M = 2: all-gather with one quantisation, many buckets that DDP rebuilds, reset every 3,
+    1-D tensors quantised too (compress_1d)."""
+    res = workers(_loco_worker, 2, "ours", 3, 0.02, True)
     torch.set_num_threads(1)
     assert res[0]["method"] == "gather" and res[0]["buckets"] > STEPS  # several buckets a step
-    _check_against_reference(res, reference_loco(2, "ours", 3, second=None))
+    expected = reference_loco(2, "ours", 3, second=None, compress_1d=True)
+    _check_against_reference(res, expected, fp32_1d=False)
     assert res[0]["steps"] == (STEPS, None)
 
 
