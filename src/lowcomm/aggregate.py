@@ -210,8 +210,10 @@ class Aggregator:
         assert self.codec is not None
         red = self.reduce_scatter(enc, transport)
         mine, comp = red.mean, self.reduce_compensation
-        key = None if comp is None or enc.key is None else f"{enc.key}/reduced shard"
-        # a left-out worker changes nothing here: every owner averages the valid ones alike
+        # a left-out worker changes nothing here (every owner averages the valid ones alike);
+        # with no valid worker at all there is nothing to compensate
+        use = comp is not None and enc.key is not None and red.valid_workers > 0
+        key = f"{enc.key}/reduced shard" if use else None
         h = comp.before_send(key, mine) if key is not None else mine
         payload = self.codec.encode(h)
         if key is not None:
