@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..aggregate import Aggregator, encode_compensated
+from ..aggregate import Aggregator, Encoded, encode_compensated
 from ..compensation import DEFAULT_RESET_EVERY, MovingAverageCompensation
 from ..errors import ConfigError
 from ..transport import Transport
@@ -87,7 +87,8 @@ class LoCoState(GradReduceState):
 
     @property
     def codec(self) -> Any:
-        """The codec of ``group_size`` groups (all of ``ours``; the authors' for 1-D tensors)."""
+        """The codec for groups of ``group_size`` (every tensor with ``ours``; with the authors'
+        quantiser, the tensors that have no matrix shape)."""
         return self._aggregator(self.group_size).codec
 
     def _aggregator(self, group: int) -> Aggregator:
@@ -119,7 +120,7 @@ class LoCoState(GradReduceState):
         return parts
 
     def follow_scaler(self, scaler: Any) -> None:
-        """Call after ``scaler.update()``: rescales the buffers when the loss scale changes."""
+        """Call before training and after each ``scaler.update()``: the buffers follow the scale."""
         self.loss_scale.follow(scaler)
 
     def set_loss_scale(self, scale: float) -> None:
@@ -186,7 +187,7 @@ def _start_step(state: LoCoState) -> None:
         state.loss_scale.follow(state.scaler)
 
 
-def _exchange(state: LoCoState, buf: torch.Tensor, parts: list[_Part], encoded: list,
+def _exchange(state: LoCoState, buf: torch.Tensor, parts: list[_Part], encoded: list[Encoded],
               offsets: list[int]) -> torch.futures.Future[torch.Tensor]:
     """Run every part's exchange on the comm thread; write the means into ``buf``."""
     transport = state.transport
