@@ -6,6 +6,7 @@ quantiser or ours, resets counted in optimizer steps, 1-D tensors in FP32.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -132,6 +133,18 @@ def test_authors_rule_on_three_workers_both_quantisations_compensated(workers):
     assert res[0]["method"] == "two-phase"
     _check_against_reference(res, reference_loco(3, "authors", 2, second="compensated"))
     assert res[0]["steps"] == (STEPS, STEPS)  # optimizer steps, on both buffer sets
+    # wire bytes per step: the 1-D tensors as one FP32 ring all-reduce (with the validity flag),
+    # the matrices as 4-bit shards of whole 32-element groups: all-to-all, then all-gather
+    from lowcomm.transport import ring_all_reduce_bytes
+
+    model = tiny_model(seed=0)
+    vec = sum(p.numel() for p in model.parameters() if p.dim() == 1)
+    mat = sum(p.numel() for p in model.parameters() if p.dim() > 1)
+    shard = -(-(-(-mat // 3)) // 32) * 32
+    nb = make_codec("int4-authors", block_size=32).nbytes(torch.Size([shard]))
+    per_step = ring_all_reduce_bytes((vec + 1) * 4, 3) + 2 / 3 * 3 * (nb + 1) + 2 * nb
+    # (the meter keeps whole bytes per collective)
+    assert vec > 0 and res[0]["bytes"] == pytest.approx(STEPS * per_step, abs=3 * STEPS)
     # ... which is not the rule with the second quantisation left uncompensated
     plain = reference_loco(3, "authors", 2, second="uncompensated")
     assert not torch.equal(res[0]["reduced"][1]["head.weight"], plain[1]["head.weight"])
