@@ -53,12 +53,13 @@ def _true_mean(world: int) -> dict:
     return {n: sum(g[n] for g in grads) / world for n in grads[0]}
 
 
-@pytest.mark.parametrize("quantizer", ["ours", "authors"])
-def test_fsdp_loco_reduce_scatter(workers, quantizer):
-    # beta = 0: plain error feedback, whose error telescopes
-    res = workers(_fsdp_worker, 2, 0.0, quantizer)
+@pytest.mark.parametrize("world,quantizer", [(2, "ours"), (3, "authors")])
+def test_fsdp_loco_reduce_scatter(workers, world, quantizer):
+    # beta = 0: plain error feedback, whose error telescopes; at M = 3 FSDP pads the 32-row
+    # layer's shards, which the FP32 path of the biases must see through
+    res = workers(_fsdp_worker, world, 0.0, quantizer)
     torch.set_num_threads(1)
-    true = _true_mean(2)
+    true = _true_mean(world)
     assert len(res[0]["names"]) == 3 and res[0]["bytes"] > 0  # our reduce-scatter really ran
     # one reduce-scatter per module per step: steps counted, the authors' reset period, and
     # the buffers where the gradients are
@@ -69,6 +70,8 @@ def test_fsdp_loco_reduce_scatter(workers, quantizer):
         scale = t.abs().max()
         if n.endswith("weight"):
             assert (first - t).abs().max() > 0, n  # ... and really quantized
+        else:  # biases: 1-D, reduce-scattered in FP32
+            torch.testing.assert_close(first, t, rtol=1e-5, atol=1e-7)
         # one step: within the 4-bit bound of the true FP32 mean (absmax/7 per group, 2 workers;
         # absmax/8 with the top clipped is as tight)
         assert (first - t).abs().max() <= scale / 7 + 1e-6, n
