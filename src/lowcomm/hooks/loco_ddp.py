@@ -106,9 +106,10 @@ class LoCoState(GradReduceState):
         if cached is not None:
             return cached
         dense = [i for i, s in enumerate(shapes) if len(s) <= 1 and not self.compress_1d]
+        dense_set = set(dense)
         groups: dict[int, list[int]] = {}
         for i, s in enumerate(shapes):
-            if i not in dense:
+            if i not in dense_set:
                 groups.setdefault(group_for(self.quantizer, s, self.group_size), []).append(i)
         parts = [_Part(self._dense, dense, None, False)] if dense else []
         for g, idx in groups.items():
