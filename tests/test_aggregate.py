@@ -31,7 +31,8 @@ def _agg_worker(rank: int, world: int, method: str, codec_name: str, aggregation
 def test_gather_equals_fp32_sum_of_decoded_payloads(workers, world, codec):
     res = workers(_agg_worker, world, "gather", codec, "mean")
     c = make_codec(codec, block_size=32, density=1 / 8)
-    expected = sum(torch.cat([c.roundtrip(x).reshape(-1) for x in _inputs(r)]) for r in range(world)) / world
+    decoded = [torch.cat([c.roundtrip(x).reshape(-1) for x in _inputs(r)]) for r in range(world)]
+    expected = sum(decoded) / world
     for r in res:
         assert r["valid"] == world
         torch.testing.assert_close(r["mean"], expected, atol=1e-6, rtol=1e-6)
@@ -44,7 +45,7 @@ def test_two_phase_reduce(workers, world, codec):
     c = make_codec(codec, block_size=32)
     flat = [torch.cat([x.reshape(-1) for x in _inputs(r)]) for r in range(world)]
     n = flat[0].numel()
-    shard = -(-n // world)
+    shard = -(-(-(-n // world)) // 32) * 32  # whole blocks of 32 per owner
     padded = [torch.nn.functional.pad(f, (0, shard * world - n)) for f in flat]
     # phase 1: each owner decodes every worker's encoded shard and sums in FP32
     means = []
@@ -78,3 +79,62 @@ def test_selected_mean_averages_only_the_senders(workers):
         count.append(k)
     expected = torch.cat(total) / torch.cat(count).clamp(min=1)
     torch.testing.assert_close(res[0]["mean"], expected, atol=1e-6, rtol=1e-6)
+
+
+ROUNDS = 3
+
+
+def _compensated_worker(rank: int, world: int, key: str | None) -> list[torch.Tensor]:
+    from lowcomm.compensation import MovingAverageCompensation
+
+    comp = MovingAverageCompensation(0.8)
+    agg = Aggregator("two-phase", make_codec("int4-authors", block_size=32), world,
+                     reduce_compensation=comp)
+    t = Transport()
+    out = []
+    for _ in range(ROUNDS):  # the same inputs each round: only the second buffer changes
+        out.append(agg.exchange(agg.encode(_inputs(rank), key=key), t).mean)
+        agg.step()
+    return out
+
+
+def test_two_phase_second_quantisation_is_compensated(workers):
+    """Each owner keeps e for its averaged shard: h = mean + e; send Q(h);
+    e <- 0.8 e + 0.2 (h - Q(h))."""
+    res = workers(_compensated_worker, 3, "bucket 0")
+    plain = workers(_compensated_worker, 3, None)  # no key: the second quantisation as before
+    c = make_codec("int4-authors", block_size=32)
+    flat = [torch.cat([x.reshape(-1) for x in _inputs(r)]) for r in range(3)]
+    n = flat[0].numel()
+    shard = -(-(-(-n // 3)) // 32) * 32
+    padded = [torch.nn.functional.pad(f, (0, shard * 3 - n)) for f in flat]
+    means = [sum(c.roundtrip(p[j * shard:(j + 1) * shard]) for p in padded) / 3 for j in range(3)]
+    err = [torch.zeros(shard) for _ in range(3)]
+    for k in range(ROUNDS):
+        sent = []
+        for j in range(3):
+            h = means[j] + err[j]
+            q = c.roundtrip(h)
+            err[j] = (err[j] * 0.8).add(h - q, alpha=0.2)
+            sent.append(q)
+        for r in range(3):
+            assert torch.equal(res[r][k], torch.cat(sent)[:n]), (k, r)
+            assert torch.equal(plain[r][k], torch.cat([c.roundtrip(m) for m in means])[:n])
+    # compensated, the running average of what arrives approaches the FP32 mean of the shards
+    exact = torch.cat(means)[:n]
+    drift = (torch.stack(res[0]).mean(0) - exact).norm()
+    assert drift < (torch.stack(plain[0]).mean(0) - exact).norm()
+
+
+def test_make_aggregator_compensates_the_second_quantisation_like_the_first():
+    from lowcomm.aggregate import make_aggregator
+    from lowcomm.compensation import ErrorFeedback, MovingAverageCompensation
+    from lowcomm.config import SyncConfig
+
+    def built(**kw):
+        return make_aggregator(SyncConfig(codec="int4", **kw), 4).reduce_compensation
+
+    assert isinstance(built(reduce="two-phase", compensation="loco"), MovingAverageCompensation)
+    assert isinstance(built(reduce="two-phase", compensation="ef"), ErrorFeedback)
+    assert built(reduce="two-phase") is None and built(reduce="gather", compensation="loco") is None
+    assert built(reduce="two-phase", compensation="loco", loco_reset_every=7).reset_every == 7

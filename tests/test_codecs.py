@@ -201,6 +201,39 @@ def test_uniform_round_to_nearest_values():
     assert torch.equal(y, torch.tensor([7.0, 0.0, 7.0, -7.0, 0.0, 0.0]))
 
 
+# ---- the LoCo authors' int4 --------------------------------------------------------------------
+
+
+def test_authors_int4_values_half_to_even_and_top_clipped():
+    # absmax 8: scale 1; halves go to the even code; +8 is clipped to 7, -8 is a code
+    x = torch.tensor([0.5, 1.5, 2.5, -2.5, 3.49, -8.0, 8.0, 7.6])
+    y = make_codec("int4-authors", block_size=8).roundtrip(x)
+    assert torch.equal(y, torch.tensor([0.0, 2.0, 2.0, -2.0, 3.0, -8.0, 7.0, 7.0]))
+
+
+@PROP
+@given(x=tensors, block=st.sampled_from([1, 5, 32, 256]))
+def test_authors_int4_matches_its_formula(x, block):
+    """Per group: s = absmax / 8, q = clamp(round(x / s), -8, 7), x' = q s."""
+    flat = x.reshape(-1).float()
+    want = torch.empty_like(flat)
+    for i in range(0, flat.numel(), block):
+        g = flat[i:i + block]
+        s = g.abs().amax().clamp(min=2.0 ** -100) / 8
+        want[i:i + block] = torch.clamp(torch.round(g / s), -8, 7) * s
+    got = make_codec("int4-authors", block_size=block).roundtrip(x).reshape(-1)
+    assert torch.equal(got, want)
+
+
+def test_authors_group_size_is_min_rows_cols():
+    from lowcomm.codecs import authors_group_size
+
+    assert authors_group_size((768, 3072), 128) == 768
+    assert authors_group_size((3072, 768), 128) == 768
+    assert authors_group_size((64, 3, 3, 3), 128) == 27  # a conv kernel: rows x (in * kh * kw)
+    assert authors_group_size((100,), 128) == 128 and authors_group_size((), 16) == 16
+
+
 # ---- fp4 ---------------------------------------------------------------------------------------
 
 

@@ -206,3 +206,47 @@ def test_state_on_cpu_inputs_on_cuda():
     h = comp.compensate("w", x)
     comp.update("w", h, make_codec("int4").roundtrip(h))
     assert h.device.type == "cuda" and comp._store.buffers["w"].device.type == "cpu"
+
+
+# ---- the interface the engine, the aggregator and the hooks share ---------------------------
+
+
+def test_both_rules_follow_the_protocol_and_loco_resets_every_1024_steps_by_default():
+    from lowcomm.compensation import DEFAULT_RESET_EVERY, Compensation
+
+    for comp in (ErrorFeedback(0.9), MovingAverageCompensation(0.8)):
+        for name in Compensation.__dict__:
+            if not name.startswith("_"):
+                assert callable(getattr(comp, name)), (type(comp).__name__, name)
+    assert DEFAULT_RESET_EVERY == 1024 and MovingAverageCompensation(0.8).reset_every == 1024
+    loco = MovingAverageCompensation(0.5, reset_every=3)
+    g = torch.ones(4)
+    for k in range(1, 7):
+        h = loco.before_send("w", g)
+        loco.after_send("w", h, torch.zeros(4))
+        loco.step()
+        # e = 0.5 e + 0.5 h, h = 1 + e, from e = 0 after each reset: 0.5, 1.0, then zero
+        want = 0.0 if k % 3 == 0 else [0.5, 1.0][k % 3 - 1]
+        assert torch.equal(loco.buffer("w"), torch.full((4,), want)), k
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
+def test_rescale_multiplies_every_buffer(dtype):
+    for comp in (ErrorFeedback(1.0, dtype=dtype), MovingAverageCompensation(0.0, dtype=dtype)):
+        x = torch.tensor([1.0, -2.0, 0.5, 4.0])
+        h = comp.before_send("w", x)
+        comp.after_send("w", h, torch.zeros(4))
+        before = comp.buffer("w")
+        comp.rescale(0.25)
+        assert torch.equal(comp.buffer("w"), before * 0.25), type(comp).__name__
+
+
+def test_device_none_keeps_buffers_with_the_tensors():
+    comp = MovingAverageCompensation(0.8, device=None)
+    x = torch.randn(5, dtype=torch.float64)  # a CPU tensor: the buffer lands on the CPU too
+    h = comp.before_send("w", x)
+    comp.after_send("w", h, torch.zeros(5))
+    assert comp.device is None and comp._store.buffers["w"].device == x.device
+    again = MovingAverageCompensation(0.8, device=None)
+    again.load_state_dict(roundtrip_dict(comp.state_dict()))
+    assert torch.equal(again.buffer("w"), comp.buffer("w"))

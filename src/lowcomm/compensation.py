@@ -13,10 +13,17 @@ Two rules, each holding one buffer per parameter, keyed by the parameter's name:
       e <- beta * e + (1 - beta) * (h - D(C(h)))  update(key, h, decoded)
 
   ``beta = 0`` is plain error feedback on the last step only. ``step()`` counts optimizer
-  steps and zeroes every buffer each ``reset_every`` steps (0: never); ``reset()`` zeroes them
-  at once (LoCo drops its errors after a loss-scale overflow).
+  steps and zeroes every buffer each ``reset_every`` steps (default 1024, the LoCo authors'
+  period; 0: never); ``reset()`` zeroes them at once (LoCo drops its errors after an fp16
+  loss-scale overflow) and ``rescale(f)`` multiplies them by ``f`` (the loss scale changed, and
+  the buffers hold errors of scaled gradients).
 
-Storage. Buffers live on ``device`` (``"cpu"`` keeps them off the accelerator) in ``dtype``:
+Both follow the :class:`Compensation` protocol, the one surface the engine, the aggregator and
+the per-step hooks call: ``before_send`` -> encode -> ``after_send``, then ``step`` per
+optimizer step.
+
+Storage. Buffers live on ``device`` (``"cpu"`` keeps them off the accelerator; ``None`` keeps
+each one on the device of the tensors it compensates, e.g. FSDP's gradients) in ``dtype``:
 ``torch.float32``, ``torch.bfloat16``, or ``torch.int8`` (a per-tensor absmax scale,
 ``e ~ q * scale / 127`` with round-to-nearest; LoCo's memory-saving option). Arithmetic is
 always FP32 on the device of the incoming tensor; the buffer is rounded to the storage dtype
@@ -31,9 +38,12 @@ from exactly what was encoded rather than from its rounded copy.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+
+#: the LoCo authors' reset period, in optimizer steps
+DEFAULT_RESET_EVERY = 1024
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 _NAMES = {v: k for k, v in _DTYPES.items()}
@@ -43,19 +53,53 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, str):
         key = {"fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype)
         if key not in _DTYPES:
-            raise ValueError(f"compensation storage dtype must be one of fp32, bf16, int8; got {dtype!r}")
+            raise ValueError(f"compensation storage dtype must be one of fp32, bf16, int8; "
+                             f"got {dtype!r}")
         return _DTYPES[key]
     if dtype not in _NAMES:
-        raise ValueError(f"compensation storage dtype must be float32, bfloat16 or int8; got {dtype}")
+        raise ValueError(f"compensation storage dtype must be float32, bfloat16 or int8; "
+                         f"got {dtype}")
     return dtype
+
+
+class Compensation(Protocol):
+    """What the engine, the aggregator and the hooks call on an error compensation."""
+
+    def before_send(self, key: str, x: torch.Tensor) -> torch.Tensor:
+        """What to encode in place of ``x`` (FP32, on ``x``'s device)."""
+        ...
+
+    def after_send(self, key: str, sent: torch.Tensor, decoded: torch.Tensor) -> None:
+        """Record what was lost: ``sent`` was encoded and peers decode ``decoded``."""
+        ...
+
+    def step(self) -> None:
+        """Count one optimizer step (periodic resets)."""
+        ...
+
+    def reset(self) -> None:
+        """Zero every buffer."""
+        ...
+
+    def rescale(self, factor: float) -> None:
+        """Multiply every buffer by ``factor``."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors, strings and numbers only."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from ``state_dict()``."""
+        ...
 
 
 class _BufferStore:
     """Named buffers in a storage dtype (int8 with a per-tensor scale) on a chosen device."""
 
-    def __init__(self, dtype: torch.dtype | str, device: torch.device | str) -> None:
+    def __init__(self, dtype: torch.dtype | str, device: torch.device | str | None) -> None:
         self.dtype = _as_dtype(dtype)
-        self.device = torch.device(device)
+        self.device = torch.device(device) if device is not None else None
         self.buffers: dict[str, torch.Tensor] = {}
         self.scales: dict[str, torch.Tensor] = {}  # int8 only: fp32 0-d absmax / 127
 
@@ -82,15 +126,24 @@ class _BufferStore:
             absmax = value.abs().amax() if value.numel() else value.new_zeros(())
             scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
             q = torch.round(value / scale).clamp_(-127, 127).to(torch.int8)
-            self.buffers[key] = q.to(self.device)
-            self.scales[key] = scale.to(device=self.device, dtype=torch.float32)
+            device = self.device or value.device
+            self.buffers[key] = q.to(device)
+            self.scales[key] = scale.to(device=device, dtype=torch.float32)
         else:
             # callers hand over fresh tensors: keep them as they are when nothing changes
-            self.buffers[key] = value.to(device=self.device, dtype=self.dtype)
+            self.buffers[key] = value.to(device=self.device or value.device, dtype=self.dtype)
 
     def zero(self) -> None:
         for buf in self.buffers.values():
             buf.zero_()
+
+    def scale_by(self, factor: float) -> None:
+        if self.dtype == torch.int8:  # the codes stay, their scale moves
+            for s in self.scales.values():
+                s.mul_(factor)
+        else:
+            for buf in self.buffers.values():
+                buf.mul_(factor)
 
     def clear(self) -> None:
         self.buffers.clear()
@@ -108,8 +161,9 @@ class _BufferStore:
         if dtype != self.dtype:
             raise ValueError(f"state holds {state['dtype']} buffers, this compensation stores "
                              f"{_NAMES[self.dtype]}")
-        self.buffers = {str(k): v.to(self.device) for k, v in state["buffers"].items()}
-        self.scales = {str(k): v.to(self.device) for k, v in state.get("scales", {}).items()}
+        self.buffers = {str(k): v.to(self.device or v.device) for k, v in state["buffers"].items()}
+        self.scales = {str(k): v.to(self.device or v.device)
+                       for k, v in state.get("scales", {}).items()}
         if self.dtype == torch.int8 and set(self.scales) != set(self.buffers):
             raise ValueError("int8 compensation state lacks a scale for some buffers")
 
@@ -125,9 +179,13 @@ class _Compensation:
         return self._store.dtype
 
     @property
-    def device(self) -> torch.device:
-        """Where the buffers live."""
+    def device(self) -> torch.device | None:
+        """Where the buffers live (None: on the device of the tensors they compensate)."""
         return self._store.device
+
+    def rescale(self, factor: float) -> None:
+        """Multiply every buffer by ``factor`` (the loss scale changed by that factor)."""
+        self._store.scale_by(float(factor))
 
     def keys(self) -> list[str]:
         """Names of the buffers held."""
@@ -144,14 +202,15 @@ class ErrorFeedback(_Compensation):
     """SparseLoCo's error feedback: ``e <- beta e + x``; send ``C(e)``; ``e <- e - D(C(e))``."""
 
     def __init__(self, beta: float, dtype: torch.dtype | str = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str | None = "cpu") -> None:
         if not 0.0 <= beta <= 1.0:
             raise ValueError(f"error decay beta must be in [0, 1], got {beta}")
         self.beta = float(beta)
         self._store = _BufferStore(dtype, device)
         self._pending: dict[str, torch.Tensor] = {}
 
-
+    def step(self) -> None:
+        """Error feedback has no periodic reset: nothing to count."""
 
     def accumulate(self, key: str, x: torch.Tensor) -> torch.Tensor:
         """``e <- beta e + x``; returns ``e`` in FP32 on ``x``'s device (encode this)."""
@@ -201,7 +260,8 @@ class MovingAverageCompensation(_Compensation):
     """LoCo: ``h = g + e``; send ``C(h)``; ``e <- beta e + (1 - beta)(h - D(C(h)))``."""
 
     def __init__(self, beta: float, dtype: torch.dtype | str = torch.float32,
-                 device: torch.device | str = "cpu", reset_every: int = 0) -> None:
+                 device: torch.device | str | None = "cpu",
+                 reset_every: int = DEFAULT_RESET_EVERY) -> None:
         if not 0.0 <= beta <= 1.0:
             raise ValueError(f"LoCo beta must be in [0, 1], got {beta}")
         if reset_every < 0:
@@ -210,8 +270,6 @@ class MovingAverageCompensation(_Compensation):
         self.reset_every = int(reset_every)
         self.steps = 0
         self._store = _BufferStore(dtype, device)
-
-
 
     def compensate(self, key: str, g: torch.Tensor) -> torch.Tensor:
         """``h = g + e`` in FP32 on ``g``'s device (encode this)."""

@@ -18,7 +18,8 @@ from .errors import ConfigError  # noqa: F401  (re-exported: the historical impo
 
 # The closed choices of SyncConfig: one list each (the Literal is the list).
 FragmentPattern = Literal["strided", "sequential"]
-Codec = Literal["fp32", "bf16", "fp16", "int8", "int4", "int2", "fp4", "topk", "loco"]
+Codec = Literal["fp32", "bf16", "fp16", "int8", "int4", "int2", "fp4", "topk", "loco",
+                "int4-authors"]
 Reduce = Literal["auto", "allreduce", "gather", "two-phase"]
 Aggregation = Literal["auto", "mean", "selected-mean"]
 Compensation = Literal["none", "ef", "loco"]
@@ -28,6 +29,7 @@ Merge = Literal["alpha", "continue"]
 CO2Merge = Literal["continue", "reset"]
 Buffers = Literal["average", "broadcast", "local"]
 StateDevice = Literal["cpu", "model"]
+LocoQuantizer = Literal["ours", "authors"]
 
 CODECS: tuple[str, ...] = get_args(Codec)
 DENSE_CODECS = ("fp32", "bf16", "fp16")
@@ -57,7 +59,8 @@ class SyncConfig:
     merge: Merge = knob("alpha", "How an overlapped result (tau >= 1) enters the local weights: alpha "
                                  "(the alpha-mix above) or continue (the new global copy plus the "
                                  "steps taken since the send). CO2's whole-round overlap uses co2_merge.")
-    codec: Codec = knob("fp32", "What goes on the wire: fp32|bf16|fp16|int8|int4|int2|fp4|topk|loco.")
+    codec: Codec = knob("fp32", "What goes on the wire: fp32|bf16|fp16|int8|int4|int2|fp4|topk|loco|"
+                                   "int4-authors.")
     codec_block: int = knob(128, "Elements per scale block for the int-k and fp4 codecs.")
     density: float = knob(1 / 64, "Top-k codec: fraction of entries kept per chunk (1/64 = 64 of 4096).")
     value_bits: int = knob(2, "Top-k codec: bits per kept value (2 = 4-entry lookup of bin means).")
@@ -85,7 +88,13 @@ class SyncConfig:
     momentum_clip: float = knob(0.0, "CO2: clip the outer momentum at phi (0 = off).")
     momentum_clip_mode: ClipMode = knob("element", "CO2: clip element-wise to +-phi (element) or the L2 norm to phi (norm).")
     loco_beta: float = knob(0.8, "LoCo: moving-average weight of the compensation buffer.")
-    loco_reset_every: int = knob(0, "LoCo: zero the compensation buffers every N optimizer steps (0 = never).")
+    loco_reset_every: int = knob(1024, "LoCo: zero the compensation buffers every N optimizer steps "
+                                       "(0 = never; 1024 is the LoCo authors' period).")
+    loco_quantizer: LocoQuantizer = knob("ours", "LoCo per-step hooks: ours (absmax/7, codes -7..7, groups of "
+                                       "codec_block) or authors (absmax/8, codes -8..7, one group per "
+                                       "min(rows, cols)); ours had the lower error on large matrices.")
+    loco_compress_1d: bool = knob(False, "LoCo per-step hooks: quantise 1-D tensors (biases, norms) "
+                                         "too; by default they are sent as FP32, as the authors do.")
     nonfinite_patience: int = knob(3, "Stop the run after this many syncs in a row in which some worker's "
                                       "pseudo-gradient was non-finite and left out (1 = stop at the first).")
     replica_check_every: int = knob(10, "Every N syncs, compare a hash of the global parameters across "
@@ -185,7 +194,7 @@ class SyncConfig:
 _LITERALS = {"FragmentPattern": FragmentPattern, "Codec": Codec, "Reduce": Reduce,
              "Aggregation": Aggregation, "Compensation": Compensation, "OuterKind": OuterKind,
              "ClipMode": ClipMode, "Merge": Merge, "CO2Merge": CO2Merge, "Buffers": Buffers,
-             "StateDevice": StateDevice}
+             "StateDevice": StateDevice, "LocoQuantizer": LocoQuantizer}
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _buffers
-from .aggregate import Aggregator, Encoded, Reduced, make_aggregator
+from .aggregate import Aggregator, Encoded, Reduced, encode_compensated, make_aggregator
 from .config import ConfigError, SyncConfig
 from .errors import NonFiniteError, ReplicaMismatchError
 from .outer import OuterOptimizer, make_outer
@@ -308,7 +308,15 @@ class LowComm:
         self.stats.inner_steps = self.step
         for frag in self._frags:
             frag.unsent += 1
+        self._count_compensation_step()
         self.run_due(self.step)
+
+    def _count_compensation_step(self) -> None:
+        """Periodic resets of the error buffers are counted in inner optimizer steps."""
+        if self.compensation is not None:
+            self.compensation.step()
+        if self.aggregator is not None and self.aggregator.reduce_compensation is not None:
+            self.transport.submit(self.aggregator.step)  # after the exchanges queued before it
 
     def run_due(self, step: int, joining: bool = False) -> torch.Tensor | None:
         """Do whatever the schedule says is due after inner step ``step`` (see module doc).
@@ -425,20 +433,20 @@ class LowComm:
 
     def _encode_buckets(self, frag: _Fragment, pseudo_grad: torch.Tensor, valid: bool,
                         need_own: bool) -> list[Encoded]:
+        """Encode per bucket, through the error compensation when there is one (error feedback:
+        e <- beta e + delta, send e, e <- e - sent; LoCo: h = delta + e, e <- moving average of
+        h - sent). The key names each bucket's buffer for a compensated two-phase reduce."""
         views = _views(pseudo_grad, frag.params)
-        comp = self.compensation if valid else None
-        # error feedback: e <- beta e + delta, send e, e <- e - sent;
-        # LoCo: h = delta + e, send h, e <- beta e + (1 - beta)(h - sent)
-        to_send = [comp.before_send(n, v) for n, v in zip(frag.names, views)] if comp else views
         encoded = []
-        for bucket in frag.buckets:
-            enc = self.aggregator.encode([to_send[i] for i in bucket],
-                                         need_local=comp is not None or need_own, valid=valid)
-            if comp is not None:
-                assert enc.local is not None
-                for i, dec in zip(bucket, _views(enc.local, [frag.params[j] for j in bucket])):
-                    comp.after_send(frag.names[i], to_send[i], dec)
-            encoded.append(enc)
+        for b, bucket in enumerate(frag.buckets):
+            names, tensors = [frag.names[i] for i in bucket], [views[i] for i in bucket]
+            key = f"fragment {frag.index} bucket {b}"
+            if self.compensation is None:
+                encoded.append(self.aggregator.encode(tensors, need_local=need_own, valid=valid,
+                                                      key=key))
+            else:
+                encoded.append(encode_compensated(self.aggregator, self.compensation, names,
+                                                  tensors, valid, key=key))
         return encoded
 
     def _event_job(self, encoded: dict[int, list[Encoded]], mine: torch.Tensor | None,
@@ -616,9 +624,22 @@ class LowComm:
             "unsent": [f.unsent for f in self._frags],
             "outer": self.outer.state_dict(),
             "compensation": self.compensation.state_dict() if self.compensation is not None else None,
+            "reduce_compensation": self._reduce_compensation_state(),
             "pending": dict(self._pending),
         }
         return kept
+
+    def _reduce_compensation_state(self) -> dict[str, Any]:
+        comp = self.aggregator.reduce_compensation if self.aggregator is not None else None
+        if comp is None:
+            return {}
+        self.transport.wait(self.transport.submit(lambda: None))  # its updates run on the comm thread
+        return comp.state_dict()
+
+    def _load_reduce_compensation(self, state: dict[str, Any] | None) -> None:
+        comp = self.aggregator.reduce_compensation if self.aggregator is not None else None
+        if comp is not None and state:
+            comp.load_state_dict(state)
 
     def _restore_run_state(self, kept: dict[str, Any]) -> None:
         for f, g, s, n in zip(self._frags, kept["global"], kept["snapshot"], kept["unsent"]):
@@ -629,6 +650,7 @@ class LowComm:
         self.outer.load_state_dict(kept["outer"])
         if kept["compensation"] is not None:
             self.compensation.load_state_dict(kept["compensation"])
+        self._load_reduce_compensation(kept["reduce_compensation"])
         self._pending = kept["pending"]
         self._kept_local = kept["local"]
 
@@ -677,6 +699,7 @@ class LowComm:
             "local": {k: v.clone() for k, v in local.items()},
             "outer": self.outer.state_dict(),
             "compensation": self.compensation.state_dict() if self.compensation is not None else {},
+            "reduce_compensation": self._reduce_compensation_state(),
             "pending": self._pending_state(),
             "left_out": sorted(self._left_out),
             "nonfinite_streak": self._nonfinite_streak,
@@ -725,6 +748,7 @@ class LowComm:
         self.outer.load_state_dict(sd["outer"])
         if self.compensation is not None and sd["compensation"]:
             self.compensation.load_state_dict(sd["compensation"])
+        self._load_reduce_compensation(sd.get("reduce_compensation"))
         self.step = int(sd["step"])
         self._pending = {int(p): _pending_from(int(p), d) for p, d in sd["pending"].items()}
         self._left_out = set(sd["left_out"])

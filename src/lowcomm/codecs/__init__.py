@@ -17,8 +17,12 @@ topk        chunked top-k (64x64 tiles), packed indices + values   density=1/64,
                                                                    value_codec=None (2-bit LUT)
 ==========  =====================================================  ============================
 
+``int4-authors`` is the LoCo authors' int4 (absmax/8, codes -8..7 with the top clipped, round
+half to even; option block_size=256); see ``int4_authors``.
+
 A config may pass every codec knob to every codec: options of *other* codecs and options given
-as None are ignored, while a name no codec knows (a typo) raises ValueError. Every payload starts with a 16-byte header
+as None are ignored, while a name no codec knows (a typo) raises ValueError. Every payload
+starts with a 16-byte header
 (see ``_format``); block scales are fp32 and counted in ``nbytes``.
 """
 
@@ -27,11 +31,13 @@ from __future__ import annotations
 from .base import Codec, PayloadError
 from .dense import DenseCodec
 from .fp4 import FP4Codec
+from .int4_authors import AuthorsInt4Codec, authors_group_size
 from .lut import LutCodec
 from .topk import TopKCodec
 from .uniform import UniformCodec
 
-CODEC_NAMES: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8", "int4", "int2", "fp4", "topk", "loco")
+CODEC_NAMES: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8", "int4", "int2", "fp4", "topk",
+                                 "loco", "int4-authors")
 
 _OPTIONS = {
     "fp32": (), "bf16": (), "fp16": (),
@@ -40,6 +46,7 @@ _OPTIONS = {
     "int2": ("block_size", "stochastic", "generator"),
     "loco": ("block_size", "stochastic", "generator"),
     "fp4": ("block_size", "stochastic", "generator"),
+    "int4-authors": ("block_size",),
     "topk": ("density", "value_bits", "value_codec"),
 }
 
@@ -58,12 +65,14 @@ def make_codec(name: str, **opts) -> Codec:
     if name in ("int8", "int4", "int2", "loco"):
         bits = 4 if name == "loco" else int(name[3:])
         return UniformCodec(bits, **opts)
+    if name == "int4-authors":
+        return AuthorsInt4Codec(**opts)
     if name == "fp4":
         return FP4Codec(**opts)
     return TopKCodec(**opts)
 
 
 __all__ = [
-    "CODEC_NAMES", "Codec", "DenseCodec", "FP4Codec", "LutCodec", "PayloadError", "TopKCodec",
-    "UniformCodec", "make_codec",
+    "AuthorsInt4Codec", "authors_group_size", "CODEC_NAMES", "Codec", "DenseCodec", "FP4Codec",
+    "LutCodec", "PayloadError", "TopKCodec", "UniformCodec", "make_codec",
 ]

@@ -30,7 +30,7 @@ HEADER_BYTES = 16
 MAGIC = b"LC"
 VERSION = 1
 CODEC_IDS = {"fp32": 1, "bf16": 2, "fp16": 3, "int8": 4, "int4": 5, "int2": 6, "fp4": 7,
-             "topk": 8, "lut": 9}
+             "topk": 8, "lut": 9, "int4-authors": 10}
 _ID_NAMES = {v: k for k, v in CODEC_IDS.items()}
 _STRUCT = struct.Struct("<2sBBIQ")
 
