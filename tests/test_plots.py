@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from lowcomm.bench.compare import plot_results
+from lowcomm.train.summary import RunSummary
 
 
 def _fake(tmp_path, name, entry, bw, util):
@@ -13,7 +14,7 @@ def _fake(tmp_path, name, entry, bw, util):
     recs = [{"step": s, "tokens": s * 100, "bytes_sent": s * 10, "wall_s": s * 0.1, "val_loss": 5 - s / 100}
             for s in (10, 20, 30)]
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    return {"name": name, "entry": entry, "strategy": entry, "bandwidth": bw, "compute_utilization": util}
+    return RunSummary(name=name, entry=entry, strategy=entry, bandwidth=bw, compute_utilization=util)
 
 
 def test_sweep_draws_utilization_plot(tmp_path):
@@ -46,7 +47,7 @@ def test_report_merges_folders_and_averages_seeds(tmp_path):
         _finished(tmp_path / folder, "sparseloco-density=1_32", "sparseloco", sl)
     out = tmp_path / "report"
     results = write_report([tmp_path / "screen", tmp_path / "seed1"], out)
-    assert sorted(r["name"] for r in results) == ["screen/ddp", "screen/sparseloco-density=1_32",
+    assert sorted(r.name for r in results) == ["screen/ddp", "screen/sparseloco-density=1_32",
                                                   "seed1/ddp", "seed1/sparseloco-density=1_32"]
     table = (out / "results.md").read_text()
     # per-entry means over the two folders: DDP 1.1, SparseLoCo 1.6 (ratio 1.455), spread 0.2

@@ -88,8 +88,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     summary = launch(args.strategy, sync_cfg, train_cfg, out, args.workers, args.port)
     if summary is not None:
         from .bench.compare import results_table
+        from .train.summary import RunSummary
 
-        print(results_table([summary]))
+        print(results_table([RunSummary.from_dict(summary)]))
         print(f"summary: {out / 'summary.json'}")
     return 0
 
@@ -114,8 +115,9 @@ def _resume(args: argparse.Namespace) -> int:
                      name=run.get("name"), resume=str(last))
     if summary is not None:
         from .bench.compare import results_table
+        from .train.summary import RunSummary
 
-        print(results_table([summary]))
+        print(results_table([RunSummary.from_dict(summary)]))
     return 0
 
 

@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ..bench import torchft_peer
+from ..peers import torchft as torchft_peer
 from ..config import ConfigError, SyncConfig, TrainConfig
 
 
