@@ -161,7 +161,9 @@ def launch_shaped(net: Any, strategy: str, values: dict[str, Any], out_dir: Path
 
     One code path for both topologies: in ``shared`` every rank's namespace is the same one.
     """
-    argv = [sys.executable, "-m", "lowcomm.cli", "train", "--strategy", strategy, "--out", str(out_dir),
+    # --overwrite: a re-run of the sweep replaces its earlier run, as unshaped entries do
+    argv = [sys.executable, "-m", "lowcomm.cli", "train", "--strategy", strategy, "--overwrite",
+            "--out", str(out_dir),
             *[f"{k}={v}" for k, v in values.items()], "progress=false"]
     cores = os.cpu_count() or 1
     procs = []
@@ -282,7 +284,8 @@ def _loss_plot(plt: Any, results: list[RunSummary], out_dir: Path, spec: tuple,
     if logx:
         ax.set_xscale("symlog", linthresh=1e3)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[1]:  # runs without metrics draw no line
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_dir / fname, dpi=110)
     plt.close(fig)

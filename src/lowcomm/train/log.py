@@ -90,7 +90,12 @@ def _open_metrics(out: Path, start_step: int) -> IO[str]:
     """metrics.jsonl; on resume, records after the checkpoint are dropped, then appended to."""
     path = out / "metrics.jsonl"
     if start_step > 1 and path.exists():
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        records = []
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:  # a line cut short when the run was stopped: drop it
+                continue
         keep = [r for r in records if r.get("step", 0) < start_step and not r.get("final")]
         path.write_text("".join(json.dumps(r) + "\n" for r in keep))
         return open(path, "a")
