@@ -202,7 +202,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.bandwidth or args.bandwidths:
         from .bench.netshape import NetworkUnavailable, check_prerequisites, parse_rate
 
-        bandwidths = [b.strip() for b in (args.bandwidths or args.bandwidth).split(",") if b.strip()]
+        rates = (args.bandwidths or args.bandwidth).split(",")
+        bandwidths = [b.strip() for b in rates if b.strip()]
         for b in bandwidths:
             try:
                 parse_rate(b)
@@ -280,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="one table and plots over finished runs from several folders",
                        formatter_class=_Help)
     r.add_argument("dirs", nargs="+", help="run folders or `compare --out` folders")
-    r.add_argument("--out", default="runs/report", help="where results.md, results.json and plots go")
+    r.add_argument("--out", default="runs/report",
+                   help="where results.md, results.json and plots go")
     r.add_argument("--target-loss", type=float, default=None,
                    help="add a per-link table: utilization, tokens/s vs unshaped, time to this "
                         "validation loss (default: no such table)")
@@ -295,7 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_simulate)
     b = sub.add_parser("bench", help="microbenchmarks: codecs, overhead")
     b.add_argument("what", help="codecs or overhead")
-    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark (e.g. --json)")
+    b.add_argument("rest", nargs=argparse.REMAINDER,
+                   help="arguments of the benchmark (e.g. --json)")
     b.set_defaults(func=cmd_bench)
     return p
 

@@ -46,7 +46,8 @@ class RunScenario:
     bandwidth_gbps: float | None
     """The shaped link's bandwidth if the summary records one (None: unshaped or unknown)."""
     topology: str
-    """'shared' (all workers behind one shaped link, docs/benchmarking.md §2 "simple") or 'per-worker'."""
+    """'shared' (all workers behind one shaped link, docs/benchmarking.md §2 "simple") or
+    'per-worker'."""
     wire_bits_per_param: float
     """Bits each worker sent per parameter per sync, from the measured bytes."""
     syncs_per_param: float

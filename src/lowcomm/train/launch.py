@@ -30,7 +30,8 @@ class LaunchError(RuntimeError):
 
 def under_torchrun() -> bool:
     """True when this process is one worker of a world started by torchrun (or similar)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOWCOMM_LAUNCHED" not in os.environ
+    env = os.environ
+    return "RANK" in env and "WORLD_SIZE" in env and "LOWCOMM_LAUNCHED" not in env
 
 
 def free_port() -> int:
@@ -208,7 +209,8 @@ def interrupted_message(out_dir: str | Path) -> str:
     with contextlib.suppress(Exception):  # the message must never hide the interruption
         last = ckpt.latest_complete(out, checksums=False)
         if last is not None:
-            return (f"interrupted at step {step}; last checkpoint {last} (step {ckpt.step_of(last)}); "
+            return (f"interrupted at step {step}; last checkpoint {last} "
+                    f"(step {ckpt.step_of(last)}); "
                     f"resume with `lowcomm train --resume {out}`")
     return (f"interrupted at step {step}; no checkpoint was written, so the run cannot be "
             f"resumed (set checkpoint_every=N to make runs resumable)")

@@ -28,7 +28,7 @@ from ..peers import torchft
 from ..presets import PER_STEP_STRATEGIES
 from ..transport import Transport
 from .data import Batches, load_corpus, val_batches
-from .model import build_model, count_params
+from .model import build_model
 
 
 class Clock:
