@@ -50,6 +50,7 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
         run.start_step = int(saved["step"]) + 1
     log = RunLog(run.out, run.rank, start_step=run.start_step, total_steps=cfg.steps,
                  desc=name or strategy, progress=cfg.progress, backend=cfg.log)
+    log.note(f"data: {run.corpus}")
     try:
         with run.sync_context():
             if saved is not None:
