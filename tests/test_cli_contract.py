@@ -280,3 +280,16 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_user_error_in_every_worker_is_reported_once(tmp_path):
+    from types import SimpleNamespace
+
+    from lowcomm.train import launch
+
+    for rank in range(3):  # what _entry leaves behind when each worker stops on the same error
+        launch._error_file(tmp_path, rank).write_text("seq_len=9999 is longer than the corpus")
+    failure = SimpleNamespace(exitcode=2, message="", pid=1)
+    err = launch._worker_failure(SimpleNamespace(get_first_failure=lambda: (1, failure)), tmp_path)
+    assert err.exitcode == 2 and str(err) == "seq_len=9999 is longer than the corpus"
+    assert not list(tmp_path.glob(".error-rank*"))

@@ -137,3 +137,22 @@ def test_compare_goes_on_after_a_lost_run_and_fails_at_the_end(tmp_path, monkeyp
     with pytest.raises(LaunchError, match="user error"):
         compare.run_compare(entries, {"model": "tiny", "steps": 30}, 2, [0], tmp_path / "again")
     assert ran == ["ddp"]  # a user error would hit every run: stop at once
+
+
+def test_plot_titles_carry_the_provenance(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from lowcomm.bench.compare import provenance
+
+    titles = []
+    original = matplotlib.axes.Axes.set_title
+
+    def set_title(self, text, *args, **kwargs):
+        titles.append(text)
+        return original(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title", set_title)
+    line = provenance("lowcomm compare --steps 30")
+    plot_results([_fake(tmp_path, "ddp", "ddp", None, 0.5)], tmp_path, subtitle=line)
+    assert len(titles) == 3
+    assert all("lowcomm compare --steps 30" in t and "commit " in t for t in titles)

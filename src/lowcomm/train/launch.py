@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -72,9 +73,29 @@ def _entry(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str, 
     try:
         return run_worker(strategy, sync_cfg, cfg, out_dir, name, resume)
     except (LowCommError, FileNotFoundError) as e:
-        # a user error found inside a worker: one line, status 2, no traceback
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        # a user error found inside a worker: status 2, no traceback; every worker usually hits
+        # the same one, so the launcher prints each distinct message once (see _user_errors)
+        try:
+            _error_file(out_dir, os.environ.get("RANK", "0")).write_text(str(e))
+        except OSError:
+            print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+def _error_file(out_dir: str | Path, rank: str | int) -> Path:
+    return Path(out_dir) / f".error-rank{rank}"
+
+
+def _user_errors(out_dir: Path) -> str:
+    """The distinct messages the workers left in their error files (which are then removed)."""
+    messages: list[str] = []
+    for f in sorted(out_dir.glob(".error-rank*")):
+        with contextlib.suppress(OSError):
+            text = f.read_text().strip()
+            f.unlink()
+            if text and text not in messages:
+                messages.append(text)
+    return "; ".join(messages)
 
 
 def preflight(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, workers: int) -> list[str]:
@@ -94,6 +115,9 @@ def preflight(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, workers: in
     check_log_backend(cfg.log)
     warnings = []
     vocab = 256
+    if cfg.data.startswith("hf:") and importlib.util.find_spec("datasets") is None:
+        raise ConfigError(f"data={cfg.data} needs the Hugging Face datasets package: "
+                          f"pip install 'lowcomm[hf]'")
     if cfg.data not in ("stdlib", "") and not cfg.data.startswith("hf:"):
         corpus = _check_data(cfg, workers)
         vocab = corpus.vocab_size
@@ -171,6 +195,8 @@ def _run_local(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: P
     if not os.environ.get("LOWCOMM_DEBUG"):
         # we report a failed worker in one line ourselves; LOWCOMM_DEBUG=1 shows torch's logs
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    for stale in out_dir.glob(".error-rank*"):  # left by a launcher that was killed
+        stale.unlink(missing_ok=True)
     lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=workers,
                       run_id=uuid.uuid4().hex[:12], rdzv_backend="c10d",
                       rdzv_endpoint=f"127.0.0.1:{port or free_port()}", max_restarts=0,
@@ -191,7 +217,7 @@ def _worker_failure(e: Any, out_dir: Path) -> LaunchError:
     if isinstance(msg, dict):
         msg = msg.get("message", msg)
     if failure.exitcode == 2:
-        return LaunchError(f"worker {rank} stopped on a user error (above)", 2)
+        return LaunchError(_user_errors(out_dir) or f"worker {rank} stopped on a user error", 2)
     if failure.exitcode == 130:
         return Interrupted(interrupted_message(out_dir))
     what = (f"was lost (killed by signal {-failure.exitcode})" if failure.exitcode < 0
@@ -209,6 +235,7 @@ def interrupted_message(out_dir: str | Path) -> str:
     with contextlib.suppress(Exception):  # the message must never hide the interruption
         last = ckpt.latest_complete(out, checksums=False)
         if last is not None:
+            step = max(step, ckpt.step_of(last))
             return (f"interrupted at step {step}; last checkpoint {last} "
                     f"(step {ckpt.step_of(last)}); "
                     f"resume with `lowcomm train --resume {out}`")
