@@ -29,7 +29,10 @@ def launched(monkeypatch):
 
     calls = []
 
-    def fake(strategy, sync_cfg, train_cfg, out, workers, port=None, name=None, resume=None):
+    def fake(strategy, sync_cfg, train_cfg, out, workers, port=None, name=None, resume=None,
+             on_checked=None):
+        if on_checked is not None:
+            on_checked()
         calls.append({"strategy": strategy, "sync": sync_cfg, "train": train_cfg, "out": out,
                       "workers": workers, "resume": resume})
 
@@ -63,6 +66,15 @@ def test_existing_run_folder_refused_unless_overwrite(tmp_path, capsys, launched
     assert not (out / "checkpoints").exists() and not (out / "model.pt").exists()
     assert not (out / "summary.json").exists()
     assert (out / "notes.txt").read_text() == "mine"  # only what a run writes is removed
+
+
+def test_overwrite_keeps_the_old_run_when_the_new_one_is_refused(tmp_path, capsys, no_workers):
+    out = tmp_path / "run"
+    _old_run(out)
+    code = cli.main(["train", "--strategy", "streaming", "--out", str(out), "--overwrite", *TINY,
+                     "blocks_per_fragment=0", "fragments=9"])
+    _one_line_error(capsys, code, "fragments=9")
+    assert (out / "model.pt").read_bytes() == b"old" and (out / "checkpoints").is_dir()
 
 
 def _saved_run(out: Path, strategy: str, **values) -> None:

@@ -72,20 +72,24 @@ _RUN_FILES = ("summary.json", "metrics.jsonl", "model.pt", "workers.json", "work
 _RUN_DIRS = ("checkpoints", "tensorboard", "hf")
 
 
-def _prepare_new_run(path: str, overwrite: bool) -> Path:
-    """The --out folder of a new run: refused if it holds a run, unless --overwrite clears it."""
+def _existing_run(path: str, overwrite: bool) -> list[Path]:
+    """What a run already wrote in --out: refused unless --overwrite (then it is to be removed)."""
     out = Path(path)
-    held = [n for n in _RUN_FILES + _RUN_DIRS if (out / n).exists()]
+    held = [out / n for n in _RUN_FILES + _RUN_DIRS if (out / n).exists()]
     if held and not overwrite:
-        raise ConfigError(f"--out {out} holds a run already ({', '.join(held)}): use --resume "
-                          f"{out} to continue it or --overwrite to replace it")
-    for name in held:  # only what a run writes: other files in the folder stay
-        target = out / name
+        names = ", ".join(p.name for p in held)
+        raise ConfigError(f"--out {out} holds a run already ({names}): use --resume {out} to "
+                          f"continue it or --overwrite to replace it")
+    return held
+
+
+def _remove(paths: list[Path]) -> None:
+    """Remove the old run's files and folders (only what a run writes: other files stay)."""
+    for target in paths:
         if target.is_dir():
             shutil.rmtree(target, ignore_errors=True)
         else:
             target.unlink(missing_ok=True)
-    return _check_out_dir(out)
 
 
 def _check_model(name: str) -> None:
@@ -135,8 +139,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     sync_cfg, train_cfg = build_configs(_values(args), sync=preset_config(args.strategy))
     _check_model(train_cfg.model)
     _check_data(train_cfg.data)
-    out = _prepare_new_run(args.out, args.overwrite)
-    _print_summary(launch(args.strategy, sync_cfg, train_cfg, out, args.workers, args.port), out)
+    old = _existing_run(args.out, args.overwrite)
+    out = _check_out_dir(args.out)
+    # the old run goes only once the new one's settings, model and data have passed their checks
+    summary = launch(args.strategy, sync_cfg, train_cfg, out, args.workers, args.port,
+                     on_checked=lambda: _remove(old))
+    _print_summary(summary, out)
     return 0
 
 

@@ -14,7 +14,7 @@ import socket
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..peers import torchft as torchft_peer
 from ..config import ConfigError, SyncConfig, TrainConfig
@@ -162,11 +162,13 @@ def _check_schedule(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, vocab
 
 def launch(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str | Path,
            workers: int, port: int | None = None, name: str | None = None,
-           resume: str | None = None) -> dict[str, Any] | None:
+           resume: str | None = None,
+           on_checked: Callable[[], None] | None = None) -> dict[str, Any] | None:
     """Run a training job; returns rank 0's summary (None on other ranks under torchrun).
 
     ``resume`` is a checkpoint folder (from :func:`find_resume`) to continue from. Config,
-    device, model, schedule and data errors are raised here, before any worker starts.
+    device, model, schedule and data errors are raised here, before any worker starts;
+    ``on_checked`` runs once they have passed, just before the workers start.
     """
     if strategy == torchft_peer.STRATEGY:
         torchft_peer.check_config(sync_cfg, cfg.checkpoint_every, resume)
@@ -174,6 +176,8 @@ def launch(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str |
         from .loop import run_worker
 
         preflight(strategy, sync_cfg, cfg, int(os.environ["WORLD_SIZE"]))
+        if on_checked is not None:
+            on_checked()
         return run_worker(strategy, sync_cfg, cfg, out_dir, name, resume)
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {workers}")
@@ -181,6 +185,8 @@ def launch(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str |
         check_port(port)
     for warning in preflight(strategy, sync_cfg, cfg, workers):
         print(f"warning: {warning}", file=sys.stderr, flush=True)
+    if on_checked is not None:
+        on_checked()
     return _run_local(strategy, sync_cfg, cfg, Path(out_dir), workers, port, name, resume)
 
 
