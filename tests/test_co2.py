@@ -10,28 +10,29 @@ import torch
 
 import lowcomm
 from lowcomm.outer import OuterCO2, gap_aware_penalty
-from helpers import adamw, batches, local_steps, tiny_model
+from helpers import adamw, batches, flat_params, local_steps, tiny_model
 
 H, ROUNDS, LR, BETA, CLIP = 3, 4, 1.0, 0.5, 0.004
 
 
-def _co2_worker(rank: int, world: int, penalty: bool, clip: float) -> dict:
+def _co2_worker(rank: int, world: int, penalty: bool, clip: float, merge: str = "reset",
+               extra: int = 0) -> dict:
     model = tiny_model(seed=0)
     opt = adamw(model)
     data = batches(rank, world)
     sync = lowcomm.CO2(model, opt, sync_every=H, outer_lr=LR, outer_momentum=BETA,
-                       staleness_penalty=penalty, momentum_clip=clip)
+                       staleness_penalty=penalty, momentum_clip=clip, co2_merge=merge)
     with sync:
-        for _ in range(H * ROUNDS):
+        for _ in range(H * ROUNDS + extra):
             x, y = data.next()
             model(x, y).backward()
             opt.step()
             opt.zero_grad()
-    return {"global": sync.global_flat().clone()}
+    return {"global": sync.global_flat().clone(), "model": flat_params(model)}
 
 
 def reference_co2(world: int, penalty: bool, clip: float) -> torch.Tensor:
-    """docs/algorithms.md §4 in plain torch, with the Gap-Aware penalty written out again."""
+    """The earlier restart rule (co2_merge=reset) in plain torch, Gap-Aware penalty written out."""
     init = tiny_model(seed=0)
     models = [copy.deepcopy(init) for _ in range(world)]
     opts = [adamw(m) for m in models]
@@ -76,12 +77,75 @@ def reference_co2(world: int, penalty: bool, clip: float) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("penalty,clip", [(True, CLIP), (False, 0.0)])
-def test_co2_matches_plain_torch(workers, penalty, clip):
-    res = workers(_co2_worker, 2, penalty, clip)
+def test_co2_reset_ablation_matches_plain_torch(workers, penalty, clip):
+    res = workers(_co2_worker, 2, penalty, clip, "reset")
     torch.set_num_threads(1)
     expected = reference_co2(2, penalty, clip)
     for r in res:
         torch.testing.assert_close(r["global"], expected, atol=1e-6, rtol=0)
+
+
+def reference_co2_continue(world: int, penalty: bool, clip: float, extra: int) -> torch.Tensor:
+    """The continue rule written out in plain torch, step by step as the method describes it.
+
+    Each worker keeps s, its weights at the start of its round. After a round: delta = s - theta;
+    the outer step uses the one-round-stale average; then theta <- theta_global - delta and
+    s <- theta. At the end: drain the stale average, then average the partial round's progress
+    and take one more outer step (what leaving the block does).
+    """
+    init = tiny_model(seed=0)
+    models = [copy.deepcopy(init) for _ in range(world)]
+    opts = [adamw(m) for m in models]
+    data = [batches(r, world) for r in range(world)]
+    theta = torch.nn.utils.parameters_to_vector(init.parameters()).detach().clone()
+    state = {"m": torch.zeros_like(theta), "C": torch.zeros_like(theta), "last": torch.zeros_like(theta),
+             "n": 0}
+
+    def outer(avg: torch.Tensor) -> None:
+        lam = torch.ones_like(theta)
+        if penalty and state["n"] > 0:
+            lam = 1.0 / torch.maximum(state["last"].abs() / (state["C"] + 1e-12), torch.ones_like(theta))
+        state["m"] = BETA * state["m"] + lam * avg
+        if clip > 0:
+            state["m"] = state["m"].clamp(-clip, clip)
+        state["last"] = LR * state["m"]
+        theta.sub_(state["last"])
+        state["n"] += 1
+        n = state["n"]
+        state["C"] = state["C"] * (n - 1) / n + state["last"].abs() / n
+
+    def weights(model):
+        return torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+
+    starts = [theta.clone() for _ in range(world)]
+    stale = None
+    for _ in range(ROUNDS):
+        for model, o, d in zip(models, opts, data):
+            local_steps(model, o, d, H)
+        deltas = [s - weights(model) for s, model in zip(starts, models)]
+        if stale is not None:
+            outer(stale)
+        for i, (model, delta) in enumerate(zip(models, deltas)):
+            torch.nn.utils.vector_to_parameters(theta - delta, model.parameters())
+            starts[i] = theta - delta
+        stale = torch.stack(deltas).mean(0)
+    for model, o, d in zip(models, opts, data):
+        local_steps(model, o, d, extra)
+    outer(stale)
+    if extra:
+        outer(torch.stack([s - weights(model) for s, model in zip(starts, models)]).mean(0))
+    return theta
+
+
+@pytest.mark.parametrize("penalty,clip,extra", [(False, 0.0, 0), (True, CLIP, 2)])
+def test_co2_continue_matches_plain_torch(workers, penalty, clip, extra):
+    """The default rule, also when the run ends mid-round (the partial round is not lost)."""
+    res = workers(_co2_worker, 2, penalty, clip, "continue", extra)
+    torch.set_num_threads(1)
+    expected = reference_co2_continue(2, penalty, clip, extra)
+    for r in res:
+        torch.testing.assert_close(r["global"], expected, atol=1e-6, rtol=0)
+        assert torch.equal(r["model"], r["global"])  # leaving loads the consolidated model
 
 
 def test_clipping_changes_momentum_exactly_when_exceeded():

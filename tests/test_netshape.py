@@ -6,6 +6,7 @@ with ``pytest tests/test_netshape.py -m "network or not network"``.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -151,6 +152,28 @@ def test_names_commands_and_env() -> None:
 def test_measure_needs_an_active_network() -> None:
     with pytest.raises(RuntimeError, match="inside"):
         ShapedNetwork("50mbit", name_prefix=PREFIX).measure()
+
+
+def test_helper_programs_run_by_path_on_plain_loopback() -> None:
+    """The measuring programs are real files of the installed package, runnable by path with
+    the standard library alone; on an unshaped loopback every byte sent is received."""
+    from lowcomm.bench.netshape import measure
+
+    nbytes = 3 << 20
+    receiver = subprocess.Popen([sys.executable, str(measure.RECEIVER), "127.0.0.1", "0", "20"],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        port = receiver.stdout.readline().strip()
+        assert port.isdigit(), port
+        subprocess.run([sys.executable, str(measure.SENDER), "127.0.0.1", port, str(nbytes), "20"],
+                       check=True, timeout=30)
+        out, _ = receiver.communicate(timeout=30)
+    finally:
+        if receiver.poll() is None:
+            receiver.kill()
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["bytes"] == nbytes
+    assert result["rate_bps"] > 0
 
 
 # ---- real shaped networks --------------------------------------------------------------------

@@ -149,3 +149,12 @@ def test_payload_bytes_match_the_format_formula():
     # the real encoded size equals what the aggregator reports (bytes come from real tensors)
     enc = agg.encode([torch.randn(s) for s in shapes])
     assert enc.payload.numel() == payload
+
+
+def test_k_rounds_half_to_even_like_the_authors():
+    """k = round(L * density) with Python's round (half to even), as the authors' code does."""
+    from lowcomm.codecs.topk import _Geometry
+
+    assert _Geometry(torch.Size([10]), 0.25).k == 2   # 2.5 -> 2 (half up would keep 3)
+    assert _Geometry(torch.Size([10]), 0.35).k == 4   # 3.5 -> 4
+    assert _Geometry(torch.Size([64, 64]), 1 / 64).k == 64

@@ -226,4 +226,4 @@ def make_aggregator(cfg: SyncConfig, world_size: int) -> Aggregator:
 
     codec = make_codec(cfg.codec, block_size=cfg.codec_block, density=cfg.density,
                        value_bits=cfg.value_bits)
-    return Aggregator(method, codec, world_size, aggregation=cfg.aggregation)
+    return Aggregator(method, codec, world_size, aggregation=cfg.resolved_aggregation)

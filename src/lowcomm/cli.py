@@ -67,20 +67,21 @@ def _check_out_dir(path: str | Path) -> Path:
     return out
 
 
-# what a run writes in its folder (all of it goes with --overwrite)
-_RUN_FILES = ("summary.json", "metrics.jsonl", "model.pt", "workers.json", "workers.json.tmp")
-_RUN_DIRS = ("checkpoints", "tensorboard", "hf")
+# a folder holding any of these holds a run (a new run there needs --overwrite) ...
+_RUN_MARKS = ("summary.json", "metrics.jsonl", "model.pt", "checkpoints")
+# ... and --overwrite removes these too (what else a run writes in its folder)
+_RUN_OUTPUTS = _RUN_MARKS + ("corpus.json", "workers.json", "workers.json.tmp", "tensorboard",
+                             "hf")
 
 
 def _existing_run(path: str, overwrite: bool) -> list[Path]:
     """What a run already wrote in --out: refused unless --overwrite (then it is to be removed)."""
     out = Path(path)
-    held = [out / n for n in _RUN_FILES + _RUN_DIRS if (out / n).exists()]
-    if held and not overwrite:
-        names = ", ".join(p.name for p in held)
-        raise ConfigError(f"--out {out} holds a run already ({names}): use --resume {out} to "
-                          f"continue it or --overwrite to replace it")
-    return held
+    marks = [n for n in _RUN_MARKS if (out / n).exists()]
+    if marks and not overwrite:
+        raise ConfigError(f"--out {out} holds a run already ({', '.join(marks)}): use --resume "
+                          f"{out} to continue it or --overwrite to replace it")
+    return [out / n for n in _RUN_OUTPUTS if (out / n).exists()] if marks else []
 
 
 def _remove(paths: list[Path]) -> None:
@@ -95,7 +96,7 @@ def _remove(paths: list[Path]) -> None:
 def _check_model(name: str) -> None:
     from .train.model import PRESETS
 
-    if name not in PRESETS:
+    if name not in PRESETS and not name.startswith("hf:"):  # hf: names are checked by lowcomm.hf
         raise ConfigError(f"unknown model preset '{name}': choose one of {', '.join(PRESETS)}")
 
 

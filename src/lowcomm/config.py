@@ -10,10 +10,27 @@ import dataclasses
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 
 from .errors import ConfigError  # noqa: F401  (re-exported: the historical import path)
+
+
+# The closed choices of SyncConfig: one list each (the Literal is the list).
+FragmentPattern = Literal["strided", "sequential"]
+Codec = Literal["fp32", "bf16", "fp16", "int8", "int4", "int2", "fp4", "topk", "loco"]
+Reduce = Literal["auto", "allreduce", "gather", "two-phase"]
+Aggregation = Literal["auto", "mean", "selected-mean"]
+Compensation = Literal["none", "ef", "loco"]
+OuterKind = Literal["nesterov", "sgd", "co2"]
+ClipMode = Literal["element", "norm"]
+Merge = Literal["alpha", "continue"]
+CO2Merge = Literal["continue", "reset"]
+Buffers = Literal["average", "broadcast", "local"]
+StateDevice = Literal["cpu", "model"]
+
+CODECS: tuple[str, ...] = get_args(Codec)
+DENSE_CODECS = ("fp32", "bf16", "fp16")
 
 
 def knob(default: Any, help: str) -> Any:
@@ -30,59 +47,78 @@ class SyncConfig:
                              "when P >= 2. P = 1 syncs the whole model at once (plain DiLoCo).")
     blocks_per_fragment: int = knob(0, "Blocks per fragment; when > 0 it sets P instead of "
                                        "`fragments` (Streaming DiLoCo used 3).")
-    fragment_pattern: str = knob("strided", "How blocks map to fragments: strided (block b -> "
+    fragment_pattern: FragmentPattern = knob("strided", "How blocks map to fragments: strided (block b -> "
                                             "fragment b mod (P-1)) or sequential (consecutive runs).")
     overlap: int = knob(0, "tau: inner steps a fragment's collective stays in flight before its "
                            "result is applied. 0 = blocking; tau < H/P; -1 (or tau = H, with P = 1) "
                            "is CO2's whole-round overlap.")
     alpha: float = knob(0.0, "Merge weight after an overlapped sync: theta <- alpha*theta_local + "
                              "(1-alpha)*theta_global. 0 discards the tau local steps, 0.5 averages.")
-    codec: str = knob("fp32", "What goes on the wire: fp32|bf16|fp16|int8|int4|int2|fp4|topk|loco.")
+    merge: Merge = knob("alpha", "How an overlapped result (tau >= 1) enters the local weights: alpha "
+                                 "(the alpha-mix above) or continue (the new global copy plus the "
+                                 "steps taken since the send). CO2's whole-round overlap uses co2_merge.")
+    codec: Codec = knob("fp32", "What goes on the wire: fp32|bf16|fp16|int8|int4|int2|fp4|topk|loco.")
     codec_block: int = knob(128, "Elements per scale block for the int-k and fp4 codecs.")
     density: float = knob(1 / 64, "Top-k codec: fraction of entries kept per chunk (1/64 = 64 of 4096).")
     value_bits: int = knob(2, "Top-k codec: bits per kept value (2 = 4-entry lookup of bin means).")
-    reduce: str = knob("auto", "Collective for the outer gradient: allreduce (dense codecs), gather "
+    reduce: Reduce = knob("auto", "Collective for the outer gradient: allreduce (dense codecs), gather "
                                "(all-gather + FP32 sum), two-phase (all-to-all reduce-scatter + "
                                "all-gather), or auto (allreduce for fp32/bf16/fp16, gather otherwise).")
-    aggregation: str = knob("mean", "Top-k aggregation: mean (1/M sum of decoded payloads) or "
-                                    "selected-mean (each entry averaged over the workers that sent it; "
-                                    "the sparseloco preset's default, measured better).")
-    compensation: str = knob("none", "Error compensation of what is sent: none, ef (error feedback, "
+    aggregation: Aggregation = knob("auto", "Top-k aggregation: selected-mean (each entry averaged "
+                                    "over the workers that sent it, as the SparseLoCo authors' code "
+                                    "does; measured better), mean (1/M sum of decoded payloads), or "
+                                    "auto (selected-mean for codec=topk, mean otherwise).")
+    compensation: Compensation = knob("none", "Error compensation of what is sent: none, ef (error feedback, "
                                      "SparseLoCo) or loco (moving average, LoCo).")
     error_decay: float = knob(0.95, "beta of error feedback: e <- beta*e + delta.")
-    outer_optimizer: str = knob("nesterov", "Outer optimizer on the global copy: nesterov, sgd "
+    outer_optimizer: OuterKind = knob("nesterov", "Outer optimizer on the global copy: nesterov, sgd "
                                             "(plain, SparseLoCo) or co2 (momentum + penalty + clip).")
     outer_lr: float = knob(0.7, "Outer learning rate.")
     outer_momentum: float = knob(0.9, "Outer momentum.")
     nesterov: bool = knob(True, "Use Nesterov momentum in the outer optimizer.")
-    staleness_penalty: bool = knob(True, "CO2: damp the stale pseudo-gradient element-wise by how "
-                                         "far the global parameters moved (Gap-Aware form).")
+    staleness_penalty: bool = knob(False, "CO2: damp the stale pseudo-gradient element-wise by how "
+                                          "far the global parameters moved (Gap-Aware form).")
+    co2_merge: CO2Merge = knob("continue", "CO2: continue (each worker keeps its own progress of the "
+                                           "round in flight on top of the newest global model) or reset "
+                                           "(restart every round from the one-round-stale global model; "
+                                           "the earlier rule, kept as an ablation).")
     momentum_clip: float = knob(0.0, "CO2: clip the outer momentum at phi (0 = off).")
-    momentum_clip_mode: str = knob("element", "CO2: clip element-wise to +-phi (element) or the L2 norm to phi (norm).")
+    momentum_clip_mode: ClipMode = knob("element", "CO2: clip element-wise to +-phi (element) or the L2 norm to phi (norm).")
     loco_beta: float = knob(0.8, "LoCo: moving-average weight of the compensation buffer.")
     loco_reset_every: int = knob(0, "LoCo: zero the compensation buffers every N optimizer steps (0 = never).")
     nonfinite_patience: int = knob(3, "Stop the run after this many syncs in a row in which some worker's "
                                       "pseudo-gradient was non-finite and left out (1 = stop at the first).")
     replica_check_every: int = knob(10, "Every N syncs, compare a hash of the global parameters across "
                                         "workers; a mismatch stops the run (0 = never).")
-    state_device: str = knob("cpu", "Where the global copy and outer state live: cpu or the model's device (model).")
+    state_device: StateDevice = knob("cpu", "Where the global copy and outer state live: cpu or the model's device (model).")
     bucket_mb: float = knob(64.0, "Largest flat buffer handed to one collective, in MiB.")
+    buffers: Buffers = knob("average", "Module buffers (e.g. BatchNorm statistics): average (floating "
+                                       "buffers averaged in FP32 at every sync, integer ones broadcast "
+                                       "from rank 0), broadcast (all from rank 0 at every sync) or local "
+                                       "(never synced).")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def __getitem__(self, key: str) -> Any:
+        """Read a knob by name (``cfg["sync_every"]``), as scripts written against dicts do."""
+        if key not in {f.name for f in fields(self)}:
+            raise KeyError(key)
+        return getattr(self, key)
 
     def validate(self) -> "SyncConfig":
         """Raise ConfigError on any setting that cannot work; return self."""
-        _choice("fragment_pattern", self.fragment_pattern, ("strided", "sequential"))
-        _choice("codec", self.codec, CODECS)
-        _choice("reduce", self.reduce, ("auto", "allreduce", "gather", "two-phase"))
-        _choice("aggregation", self.aggregation, ("mean", "selected-mean"))
-        _choice("compensation", self.compensation, ("none", "ef", "loco"))
-        _choice("outer_optimizer", self.outer_optimizer, ("nesterov", "sgd", "co2"))
-        _choice("momentum_clip_mode", self.momentum_clip_mode, ("element", "norm"))
+        check_types(self)
         if self.sync_every < 1:
             raise ConfigError(f"sync_every (H) must be >= 1, got {self.sync_every}: set sync_every=1 or more")
         if self.fragments < 1:
             raise ConfigError(f"fragments (P) must be >= 1, got {self.fragments}")
         if self.blocks_per_fragment < 0:
             raise ConfigError(f"blocks_per_fragment must be >= 0, got {self.blocks_per_fragment}")
+        if self.blocks_per_fragment > 0 and self.fragments > 1:
+            raise ConfigError(f"fragments={self.fragments} and blocks_per_fragment="
+                              f"{self.blocks_per_fragment} both set P: give one (blocks_per_fragment=0 "
+                              f"to use the count)")
         if self.overlap < -1:
             raise ConfigError(f"overlap (tau) must be >= 0, or -1 for a whole round; got {self.overlap}")
         if not 0.0 <= self.alpha <= 1.0:
@@ -112,10 +148,20 @@ class SyncConfig:
         if self.reduce == "allreduce" and self.codec not in DENSE_CODECS:
             raise ConfigError(f"reduce=allreduce needs a dense codec ({', '.join(DENSE_CODECS)}), "
                               f"got codec={self.codec}: use reduce=gather or reduce=two-phase")
+        if self.aggregation == "selected-mean" and self.codec != "topk":
+            raise ConfigError(f"aggregation=selected-mean needs codec=topk (got codec={self.codec}): "
+                              f"use aggregation=mean or auto")
         if self.reduce == "two-phase" and self.codec == "topk":
             raise ConfigError("reduce=two-phase needs an element-wise codec; top-k tiles whole "
                               "tensors: use reduce=gather")
         return self
+
+    @property
+    def resolved_aggregation(self) -> str:
+        """``aggregation`` with auto resolved: selected-mean for top-k payloads, mean otherwise."""
+        if self.aggregation != "auto":
+            return self.aggregation
+        return "selected-mean" if self.codec == "topk" else "mean"
 
     @property
     def tau(self) -> int:
@@ -136,8 +182,10 @@ class SyncConfig:
                 f"fragments (or overlap=sync_every with fragments=1 for CO2's whole-round overlap)")
 
 
-DENSE_CODECS = ("fp32", "bf16", "fp16")
-CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "int2", "fp4", "topk", "loco")
+_LITERALS = {"FragmentPattern": FragmentPattern, "Codec": Codec, "Reduce": Reduce,
+             "Aggregation": Aggregation, "Compensation": Compensation, "OuterKind": OuterKind,
+             "ClipMode": ClipMode, "Merge": Merge, "CO2Merge": CO2Merge, "Buffers": Buffers,
+             "StateDevice": StateDevice}
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -145,13 +193,44 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"unknown {name} '{value}': choose one of {', '.join(allowed)}")
 
 
+def check_types(cfg: Any) -> None:
+    """ConfigError unless every field of the dataclass ``cfg`` holds a value of its declared kind.
+
+    ints must be ints (not bools, not 10.5), floats may be given as ints, bools must be bools,
+    and Literal fields one of their choices; the message names the field and what to pass.
+    """
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        if kind in _LITERALS:
+            allowed = get_args(_LITERALS[kind])
+            if not isinstance(value, str):
+                raise ConfigError(f"{f.name} must be one of {', '.join(allowed)}; got {value!r}")
+            _choice(f.name, value, allowed)
+        elif kind == "bool" and not isinstance(value, bool):
+            raise ConfigError(f"{f.name} must be True or False, got {value!r}")
+        elif kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"{f.name} must be a whole number, got {value!r}")
+        elif kind == "float":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{f.name} must be a number, got {value!r}")
+            object.__setattr__(cfg, f.name, float(value))
+        elif kind == "str" and not isinstance(value, str):
+            raise ConfigError(f"{f.name} must be a string, got {value!r}")
+
+
 @dataclass
 class TrainConfig:
     """The reference trainer's knobs (model, data, inner optimizer, logging, run control)."""
 
-    model: str = knob("small", "Model preset: tiny, small, base or 124m.")
+    model: str = knob("small", "Model preset: tiny, small, base or 124m; or a Hugging Face causal LM: "
+                               "hf:ARCH[:PRESET] (llama, gpt2, qwen2, ... at a preset's size) or "
+                               "hf:PATH (a local folder); needs lowcomm[hf].")
     data: str = knob("stdlib", "Corpus: stdlib (the Python standard library's source), a text file "
                                "or folder, a token .bin file, or hf:NAME[:CONFIG].")
+    tokenizer: str = knob("bytes", "Tokens of a text corpus: bytes (one per byte, vocab 256) or bpe:N "
+                                   "(a byte-level BPE of N tokens trained on the corpus, cached; "
+                                   "needs lowcomm[hf]).")
     shard: str = knob("striped", "How the train tokens are split between workers: striped (disjoint "
                                  "64K-token blocks dealt round-robin: IID-like) or contiguous (one "
                                  "slice each: non-IID on a corpus sorted by path).")

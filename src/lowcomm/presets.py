@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from .config import ConfigError, SyncConfig
@@ -23,10 +24,11 @@ STRATEGY_CONFIGS: dict[str, dict[str, Any]] = {
                       outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9),
     # selected-mean: measured better than the 1/M mean (benchmarks/sparseloco.md: 1.4814 vs 1.6458)
     "sparseloco": dict(sync_every=15, codec="topk", density=1 / 64, value_bits=2, reduce="gather",
-                       aggregation="selected-mean", compensation="ef", error_decay=0.95,
+                       compensation="ef", error_decay=0.95,
                        outer_optimizer="sgd", outer_lr=1.0),
-    "co2": dict(sync_every=48, overlap=-1, outer_optimizer="co2", outer_lr=1.0, outer_momentum=0.5,
-                staleness_penalty=True, momentum_clip=1.0),
+    # continue merge, penalty off until measured under it, momentum by worker count (set at build)
+    "co2": dict(sync_every=48, overlap=-1, outer_optimizer="co2", outer_lr=1.0, outer_momentum=0.0,
+                staleness_penalty=False, momentum_clip=0.0, co2_merge="continue"),
 }
 # Per-step strategies: no outer loop; only the gradient-compression knobs of SyncConfig apply.
 PER_STEP_CONFIGS: dict[str, dict[str, Any]] = {
@@ -40,15 +42,32 @@ PEER_CONFIGS: dict[str, dict[str, Any]] = {"torchft-diloco": dict(STRATEGY_CONFI
 STRATEGIES = PER_STEP_STRATEGIES + tuple(STRATEGY_CONFIGS) + tuple(PEER_CONFIGS)
 
 
-def preset_config(strategy: str, **overrides: Any) -> SyncConfig:
-    """The SyncConfig of a named strategy, with overrides applied and validated."""
+def preset_config(strategy: str, workers: int | None = None, **overrides: Any) -> SyncConfig:
+    """The SyncConfig of a named strategy, with overrides applied and validated.
+
+    ``workers`` (when known) sets what depends on the worker count: CO2's outer momentum.
+    """
     if strategy in PER_STEP_STRATEGIES:
-        return SyncConfig(**{**PER_STEP_CONFIGS[strategy], **overrides}).validate()
+        return SyncConfig(**{**PER_STEP_CONFIGS[strategy], **overrides})
     if strategy not in STRATEGY_CONFIGS and strategy not in PEER_CONFIGS:
         raise ConfigError(f"unknown strategy '{strategy}': choose one of {', '.join(STRATEGIES)}")
     base = dict(STRATEGY_CONFIGS.get(strategy) or PEER_CONFIGS[strategy])
+    if "fragments" in overrides and "blocks_per_fragment" not in overrides:
+        base["blocks_per_fragment"] = 0  # an explicit count replaces the preset's blocks per fragment
+    elif overrides.get("blocks_per_fragment", 0) > 0 and overrides.get("fragments", 1) > 1:
+        raise ConfigError("give fragments (a count) or blocks_per_fragment, not both")
+    if strategy == "co2" and workers is not None and "outer_momentum" not in overrides:
+        base["outer_momentum"] = co2_momentum(workers)
     base.update(overrides)
-    return SyncConfig(**base).validate()
+    return SyncConfig(**base)
+
+
+def co2_momentum(workers: int) -> float:
+    """Outer momentum by worker count, the CO2 authors' own rule: 0 up to 16, then 0.2/0.5/0.6."""
+    for limit, momentum in ((16, 0.0), (32, 0.2), (64, 0.5)):
+        if workers <= limit:
+            return momentum
+    return 0.6
 
 
 class _Preset(LowComm):
@@ -58,7 +77,12 @@ class _Preset(LowComm):
         known = {f.name for f in dataclasses.fields(SyncConfig)}
         sync_kw = {k: v for k, v in overrides.items() if k in known}
         other = {k: v for k, v in overrides.items() if k not in known}
-        super().__init__(model, inner_optimizer, preset_config(self.strategy, **sync_kw), **other)
+        if "fragments" in sync_kw and not isinstance(sync_kw["fragments"], int):
+            raise ConfigError("fragments is a count of fragments; give explicit lists of module "
+                              "names as fragment_modules=[[...], ...]")
+        workers = dist.get_world_size(other.get("process_group")) if dist.is_initialized() else None
+        config = preset_config(self.strategy, workers=workers, **sync_kw)
+        super().__init__(model, inner_optimizer, config, **other)
 
 
 class DiLoCo(_Preset):
@@ -80,6 +104,10 @@ class SparseLoCo(_Preset):
 
 
 class CO2(_Preset):
-    """CO2: the outer all-reduce hidden behind a whole round, staleness penalty and clipping."""
+    """CO2: the outer all-reduce hidden behind a whole round, staleness penalty and clipping.
+
+    Unless given, the outer momentum follows the authors' rule for the number of workers
+    (:func:`co2_momentum`), read from the process group when it exists at construction.
+    """
 
     strategy = "co2"

@@ -12,24 +12,57 @@ from typing import Any
 
 from .config import ConfigError
 
-# Attribute paths where common models keep their list of transformer blocks.
-_BLOCK_LISTS = ("blocks", "layers", "h", "transformer.h", "model.layers", "transformer.layers",
-                "gpt_neox.layers", "model.decoder.layers")
-
-
 def find_blocks(model: Any) -> list[str]:
-    """Module-name prefixes of the model's transformer blocks (an nn.Module's), in order; [] if none."""
+    """Module-name prefixes of the model's repeated blocks, in order; [] if it has none.
+
+    The blocks are the largest list of same-type modules anywhere in the model: an
+    ``nn.ModuleList`` or ``nn.Sequential`` of two or more children of one class, the one holding
+    the most parameters (ties: more children, then the first found). Names come from
+    ``named_modules``, so wrapper prefixes (``_orig_mod.`` of torch.compile, ``module.`` of DDP)
+    are part of them, exactly as in ``named_parameters``.
+    """
     import torch.nn as nn
 
-    for path in _BLOCK_LISTS:
-        obj: object = model
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-            if obj is None:
-                break
-        if isinstance(obj, nn.ModuleList) and len(obj) > 0:
-            return [f"{path}.{i}" for i in range(len(obj))]
-    return []
+    best: tuple[int, int] = (0, 0)
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(module.named_children())
+        if len(children) < 2 or len({type(c) for _, c in children}) != 1:
+            continue
+        size = (sum(p.numel() for p in module.parameters()), len(children))
+        if size[0] > 0 and size > best:
+            best = size
+            found = [f"{name}.{child}" if name else child for child, _ in children]
+    return found
+
+
+def expand_fragment_modules(groups: list[list[str]], param_names: list[str]) -> list[list[str]]:
+    """Parameter names per fragment from module or parameter name prefixes (``fragment_modules=``).
+
+    An entry matches a parameter equal to it or under it (``layers.0`` matches ``layers.0.w``);
+    wrapper prefixes (``_orig_mod.``, ``module.``) may be left out.
+    """
+    def bare(name: str) -> str:
+        for prefix in _WRAPPER_PREFIXES:
+            while name.startswith(prefix):
+                name = name[len(prefix):]
+        return name
+
+    out: list[list[str]] = []
+    for i, group in enumerate(groups):
+        if isinstance(group, str) or not all(isinstance(g, str) for g in group):
+            raise ConfigError(f"fragment_modules[{i}] must be a list of module or parameter names, "
+                              f"got {group!r}")
+        wanted = [bare(g) for g in group]
+        out.append([n for n in param_names
+                    if any(bare(n) == w or bare(n).startswith(w + ".") for w in wanted)])
+    return out
+
+
+# Prefixes that wrappers add to parameter names: torch.compile and DDP/FSDP1.
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_fsdp_wrapped_module.")
 
 
 def assign_blocks(n_blocks: int, n_groups: int, pattern: str) -> list[list[int]]:

@@ -189,7 +189,13 @@ class Transport:
             self.meter.add_blocked(time.perf_counter() - t0)
 
     def blocking(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` now on the caller's thread, counting its whole time as blocked."""
+        """Run ``fn`` now and wait for it, counting its whole time as blocked.
+
+        Once the comm thread exists the work goes through it, behind anything queued there, so
+        every worker still issues its collectives in one order.
+        """
+        if self._pool is not None:
+            return self.wait(self.submit(fn))
         t0 = time.perf_counter()
         try:
             return fn()

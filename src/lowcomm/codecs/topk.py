@@ -5,7 +5,7 @@ dims as ``shape[0] x prod(shape[1:])`` (the "first dim x rest" view of a weight)
 tensor as ``1 x numel``. The ``R x C`` matrix is cut into tiles ``tr x tc`` where each side is
 the largest divisor of that dimension <= 64 (so 1-D tensors are cut into pieces of the largest
 divisor of their length <= 64; a 4096 x 4096 weight into 4096 tiles of 64 x 64). Every tile
-keeps ``k = max(1, round(L * density))`` entries (``L = tr * tc``, round half up, at most
+keeps ``k = max(1, round(L * density))`` entries (``L = tr * tc``, rounded half to even, at most
 ``L``), the k largest in magnitude (ties broken by ``torch.topk``).
 
 Wire format::
@@ -64,7 +64,8 @@ class _Geometry:
         self.tr = largest_divisor(self.R)
         self.tc = largest_divisor(self.C)
         self.L = self.tr * self.tc
-        self.k = min(self.L, max(1, int(self.L * density + 0.5)))
+        # half to even, as the SparseLoCo authors' code (Python's round) does
+        self.k = min(self.L, max(1, round(self.L * density)))
         self.ntj = self.C // self.tc if n else 0
         self.ntiles = (self.R // self.tr) * self.ntj if n else 0
         self.K = self.ntiles * self.k

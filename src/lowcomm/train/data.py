@@ -16,9 +16,11 @@ Specs accepted by `load_corpus`:
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import re
+import sys
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,10 +74,29 @@ class Corpus:
     """Short name of the source, e.g. 'stdlib' or a file name."""
     description: str
     """One human-readable line: where the tokens came from and how they were split."""
+    tokenizer_file: str | None = None
+    """The `tokenizers` JSON file that produced the tokens (None for bytes and .bin arrays)."""
+
+    def save_description(self, out_dir: str | Path) -> None:
+        """Print the description and write it with token counts and vocab to OUT/corpus.json."""
+        print(f"lowcomm: corpus: {self.description}", file=sys.stderr, flush=True)
+        record = {"name": self.name, "train_tokens": len(self.train), "val_tokens": len(self.val),
+                  "vocab_size": self.vocab_size, "description": self.description}
+        (Path(out_dir) / "corpus.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
-def load_corpus(spec: str | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES, vocab_size: int | None = None) -> Corpus:
-    """Load the corpus named by `spec` (see the module docstring for accepted forms)."""
+def load_corpus(spec: str | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
+                vocab_size: int | None = None, tokenizer: str = "bytes") -> Corpus:
+    """Load the corpus named by `spec` (see the module docstring for accepted forms).
+
+    ``tokenizer="bpe:N"`` re-tokenizes a text corpus with a byte-level BPE trained on it
+    (lowcomm.train.tokenizer; cached).
+    """
+    if tokenizer != "bytes":
+        from .tokenizer import apply_tokenizer
+
+        corpus = load_corpus(spec, max_bytes=max_bytes, vocab_size=vocab_size)
+        return apply_tokenizer(corpus, tokenizer)
     if spec is None or spec == "stdlib":
         return _load_stdlib(max_bytes)
     if spec.startswith("hf:"):

@@ -154,8 +154,13 @@ def _check_schedule(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, vocab
 
     if strategy in PER_STEP_STRATEGIES or strategy == torchft_peer.STRATEGY:
         return
-    with torch.device("meta"):
-        model = build_model(cfg.model, vocab_size=vocab, max_seq_len=max(cfg.seq_len, 1))
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg.model, vocab_size=vocab, max_seq_len=max(cfg.seq_len, 1))
+    except LowCommError:
+        raise
+    except Exception:  # a model that cannot be built without memory: the workers check it
+        return
     # the constructor checks the config and the fragments; nothing is sent before start()
     LowComm(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_cfg)
 

@@ -68,13 +68,6 @@ class RunLog:
             print(f"[{self.desc}] step {rec['step']}: loss {loss:.4f}, {mb:.1f} MB sent, "
                   f"{tps:,.0f} tokens/s", file=self.stream, flush=True)
 
-    def note(self, text: str) -> None:
-        """One line for the person watching (e.g. what the corpus is), when progress is shown."""
-        if self.bar is not None:
-            self.bar.write(f"[{self.desc}] {text}", file=self.stream)
-        elif self.plain:
-            print(f"[{self.desc}] {text}", file=self.stream, flush=True)
-
     def step_done(self) -> None:
         """Advance the progress bar by one step."""
         if self.bar is not None:

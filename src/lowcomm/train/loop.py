@@ -50,7 +50,6 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
         run.start_step = int(saved["step"]) + 1
     log = RunLog(run.out, run.rank, start_step=run.start_step, total_steps=cfg.steps,
                  desc=name or strategy, progress=cfg.progress, backend=cfg.log)
-    log.note(f"data: {run.corpus}")
     try:
         with run.sync_context():
             if saved is not None:
@@ -188,10 +187,13 @@ def save_model(run: Run) -> None:
     """Write the trained model (the global parameters, identical on every worker) to DIR.
 
     The one place a run's model files are written: ``model.pt`` (a plain state dict, read back
-    by :func:`lowcomm.load_model`). Other formats (e.g. Hugging Face's ``DIR/hf/``) go here too.
+    by :func:`lowcomm.load_model`) and, for Hugging Face models, ``DIR/hf/`` (read back by
+    ``from_pretrained``, with the tokenizer when the run trained one).
     """
     state = {k: v.detach().cpu().clone() for k, v in run.model.state_dict().items()}
     torch.save(state, run.out / "model.pt")
+    if hasattr(run.model, "save_pretrained"):
+        run.model.save_pretrained(run.out / "hf", tokenizer_file=run.tokenizer_file)
 
 
 def _tear_down(run: Run) -> None:

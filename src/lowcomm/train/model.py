@@ -193,8 +193,22 @@ class Decoder(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
 
 
-def build_model(preset: str | ModelConfig, **overrides: object) -> Decoder:
-    """Build a Decoder from a preset name or config, with field overrides (e.g. vocab_size=50257)."""
+def build_model(preset: str | ModelConfig, **overrides: object) -> nn.Module:
+    """Build a Decoder from a preset name or config, with field overrides (e.g. vocab_size=50257).
+
+    ``hf:ARCH[:PRESET]`` or ``hf:PATH`` builds a Hugging Face model instead (lowcomm.hf; only the
+    overrides vocab_size and max_seq_len apply).
+    """
+    if isinstance(preset, str) and preset.startswith("hf:"):
+        try:
+            from ..hf import build_hf_model  # optional extra: imported only when asked for
+        except ImportError:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"model={preset} needs Hugging Face transformers: "
+                              f"pip install 'lowcomm[hf]'") from None
+
+        return build_hf_model(preset[3:], overrides.get("vocab_size"), overrides.get("max_seq_len"))
     if isinstance(preset, ModelConfig):
         cfg = preset
     elif preset in PRESETS:

@@ -90,6 +90,8 @@ class Run:
     vocab_size: int
     corpus: str
     """One line describing the corpus (source, token counts, split)."""
+    tokenizer_file: str | None
+    """The tokenizer that made the tokens (saved with Hugging Face models); None for bytes."""
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LambdaLR
     batches: Batches
@@ -170,7 +172,9 @@ def set_up(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str |
     out = Path(out_dir)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-    corpus = load_corpus(cfg.data)
+    corpus = load_corpus(cfg.data, tokenizer=cfg.tokenizer)
+    if rank == 0:
+        corpus.save_description(out)  # prints it once and writes DIR/corpus.json
     torch.manual_seed(cfg.seed)
     vocab = max(corpus.vocab_size, 1)
     model = build_model(cfg.model, vocab_size=vocab, max_seq_len=max(cfg.seq_len, 1)).to(device)
@@ -182,7 +186,7 @@ def set_up(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str |
     val = val_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches, seed=cfg.seed)
     return Run(strategy=strategy, sync_cfg=sync_cfg, cfg=cfg, out=out, name=name, device=device,
                rank=rank, world=world, owns_group=owns_group, model=model, vocab_size=vocab,
-               corpus=corpus.description, opt=opt, sched=sched, batches=batches, val=val,
+               corpus=corpus.description, tokenizer_file=corpus.tokenizer_file, opt=opt, sched=sched, batches=batches, val=val,
                control=Transport())
 
 
