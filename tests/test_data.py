@@ -203,3 +203,39 @@ def test_hf_without_datasets(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(ImportError, match=r"pip install 'lowcomm\[hf\]'"):
         load_corpus("hf:roneneldan/TinyStories")
+
+
+def test_binary_file_is_not_text(tmp_path: Path) -> None:
+    from lowcomm.errors import ConfigError
+
+    garbage = tmp_path / "corpus.txt"
+    garbage.write_bytes(np.random.default_rng(0).integers(0, 256, 20_000, dtype=np.uint8).tobytes())
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_corpus(str(garbage))
+    # token ids saved under another extension: the message says to give it a .bin name
+    tokens = tmp_path / "tokens.u16"
+    tokens.write_bytes((np.arange(20_000) % 50_000).astype(np.uint16).tobytes())
+    with pytest.raises(ConfigError, match=r"tokens\.bin"):
+        load_corpus(str(tokens))
+    # a few stray bytes in real text are tolerated
+    text = tmp_path / "mostly.txt"
+    text.write_bytes(b"plain text line\n" * 1000 + b"\xff\xfe")
+    assert len(load_corpus(str(text)).train) > 0
+
+
+def test_unknown_token_dtype(tmp_path: Path) -> None:
+    from lowcomm.errors import ConfigError
+
+    (tmp_path / "tokens.bin").write_bytes(np.arange(100, dtype=np.uint16).tobytes())
+    with pytest.raises(ConfigError, match="unknown token dtype 'int7'.*uint16"):
+        load_corpus(f"{tmp_path / 'tokens.bin'}:int7")
+
+
+def test_repeat_warning() -> None:
+    from lowcomm.train.data import repeat_warning
+
+    corpus = Corpus(train=np.zeros(1000, dtype=np.uint8), val=np.zeros(100, dtype=np.uint8),
+                    vocab_size=256, name="x", description="x")
+    assert repeat_warning(corpus, 10_000) is None           # 10 passes: the limit
+    warning = repeat_warning(corpus, 27_000)
+    assert warning is not None and "27 times" in warning and "1,000 train tokens" in warning

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from lowcomm.bench.compare import plot_results
+from lowcomm.train.summary import RunSummary
 
 
 def _fake(tmp_path, name, entry, bw, util):
@@ -13,7 +14,7 @@ def _fake(tmp_path, name, entry, bw, util):
     recs = [{"step": s, "tokens": s * 100, "bytes_sent": s * 10, "wall_s": s * 0.1, "val_loss": 5 - s / 100}
             for s in (10, 20, 30)]
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    return {"name": name, "entry": entry, "strategy": entry, "bandwidth": bw, "compute_utilization": util}
+    return RunSummary(name=name, entry=entry, strategy=entry, bandwidth=bw, compute_utilization=util)
 
 
 def test_sweep_draws_utilization_plot(tmp_path):
@@ -46,7 +47,7 @@ def test_report_merges_folders_and_averages_seeds(tmp_path):
         _finished(tmp_path / folder, "sparseloco-density=1_32", "sparseloco", sl)
     out = tmp_path / "report"
     results = write_report([tmp_path / "screen", tmp_path / "seed1"], out)
-    assert sorted(r["name"] for r in results) == ["screen/ddp", "screen/sparseloco-density=1_32",
+    assert sorted(r.name for r in results) == ["screen/ddp", "screen/sparseloco-density=1_32",
                                                   "seed1/ddp", "seed1/sparseloco-density=1_32"]
     table = (out / "results.md").read_text()
     # per-entry means over the two folders: DDP 1.1, SparseLoCo 1.6 (ratio 1.455), spread 0.2
@@ -136,3 +137,22 @@ def test_compare_goes_on_after_a_lost_run_and_fails_at_the_end(tmp_path, monkeyp
     with pytest.raises(LaunchError, match="user error"):
         compare.run_compare(entries, {"model": "tiny", "steps": 30}, 2, [0], tmp_path / "again")
     assert ran == ["ddp"]  # a user error would hit every run: stop at once
+
+
+def test_plot_titles_carry_the_provenance(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from lowcomm.bench.compare import provenance
+
+    titles = []
+    original = matplotlib.axes.Axes.set_title
+
+    def set_title(self, text, *args, **kwargs):
+        titles.append(text)
+        return original(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title", set_title)
+    line = provenance("lowcomm compare --steps 30")
+    plot_results([_fake(tmp_path, "ddp", "ddp", None, 0.5)], tmp_path, subtitle=line)
+    assert len(titles) == 3
+    assert all("lowcomm compare --steps 30" in t and "commit " in t for t in titles)

@@ -69,6 +69,8 @@ def test_kill_worker_then_resume_is_bit_identical(tmp_path, strategy, extra):
     for k in ma:
         assert torch.equal(ma[k], mb[k]), k
     assert a["bytes_sent_per_worker"] == b["bytes_sent_per_worker"]
+    # checkpoints and the restart are not training time: compute never exceeds wall
+    assert 0 < b["compute_utilization"] <= 1 and b["compute_s"] <= b["wall_s"]
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from lowcomm.bench import torchft_peer
+from lowcomm.peers import torchft as torchft_peer
 from lowcomm.config import ConfigError, build_configs
 from lowcomm.presets import preset_config
 from lowcomm.train.launch import launch

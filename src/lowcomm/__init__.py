@@ -27,6 +27,7 @@ _LAZY = {
     "preset_config": "presets",
     "GradReduceState": "loco", "allreduce_hook": "loco", "LoCoState": "loco", "loco_hook": "loco",
     "TorchHookState": "loco", "torch_hook": "loco",
+    "load_model": "train.export", "RunSummary": "train.summary",
 }
 
 __all__ = [

@@ -7,18 +7,22 @@ use) print one line naming the problem and the fix, and exit with status 2, neve
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, build_configs, help_text, load_toml, parse_overrides
+from .config import (ConfigError, TrainConfig, build_configs, help_text, load_toml,
+                     parse_overrides)
+from .errors import LowCommError
 
 
 _OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
 
-class UsageError(Exception):
+class UsageError(LowCommError):
     """Bad command-line input: printed as one line, exit status 2."""
 
 
@@ -27,7 +31,30 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message} (see --help)")
 
 
-def _check_out_dir(path: str) -> Path:
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Shows each flag's default unless its help already names it (or it has none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.default not in (None, False, argparse.SUPPRESS) and "default" not in text
+                and action.option_strings):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _port(text: str) -> int:
+    """argparse type of --port: a TCP port number."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (1-65535); omit --port to "
+                                         f"pick a free one")
+    return port
+
+
+def _check_out_dir(path: str | Path) -> Path:
     out = Path(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -35,17 +62,35 @@ def _check_out_dir(path: str) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"cannot write to output folder {out}: {e.strerror}; choose a writable --out") from None
+        raise ConfigError(f"cannot write to output folder {out}: {e.strerror}; choose a "
+                          f"writable --out") from None
     return out
 
 
-def _check_data(spec: str) -> None:
-    if spec in ("stdlib", "") or spec.startswith("hf:"):
-        return
-    path = spec.rsplit(":", 1)[0] if spec.rsplit(":", 1)[-1] in ("uint8", "uint16", "uint32") else spec
-    if not Path(path).exists():
-        raise ConfigError(f"data path {path} does not exist: give a text file, a folder, a .bin "
-                          f"token file, hf:NAME, or data=stdlib")
+# a folder holding any of these holds a run (a new run there needs --overwrite) ...
+_RUN_MARKS = ("summary.json", "metrics.jsonl", "model.pt", "checkpoints")
+# ... and --overwrite removes these too (what else a run writes in its folder)
+_RUN_OUTPUTS = _RUN_MARKS + ("corpus.json", "workers.json", "workers.json.tmp", "tensorboard",
+                             "hf")
+
+
+def _existing_run(path: str, overwrite: bool) -> list[Path]:
+    """What a run already wrote in --out: refused unless --overwrite (then it is to be removed)."""
+    out = Path(path)
+    marks = [n for n in _RUN_MARKS if (out / n).exists()]
+    if marks and not overwrite:
+        raise ConfigError(f"--out {out} holds a run already ({', '.join(marks)}): use --resume "
+                          f"{out} to continue it or --overwrite to replace it")
+    return [out / n for n in _RUN_OUTPUTS if (out / n).exists()] if marks else []
+
+
+def _remove(paths: list[Path]) -> None:
+    """Remove the old run's files and folders (only what a run writes: other files stay)."""
+    for target in paths:
+        if target.is_dir():
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            target.unlink(missing_ok=True)
 
 
 def _check_model(name: str) -> None:
@@ -67,7 +112,18 @@ def _values(args: argparse.Namespace) -> dict[str, Any]:
     return values
 
 
+def _print_summary(summary: dict[str, Any] | None, out: Path) -> None:
+    if summary is None:  # not rank 0 under torchrun
+        return
+    from .bench.compare import results_table
+    from .train.summary import RunSummary
+
+    print(results_table([RunSummary.from_dict(summary)]))
+    print(f"summary: {out / 'summary.json'}")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    """`lowcomm train`: one run of one strategy (or `--resume DIR` to continue one)."""
     from .presets import STRATEGIES, preset_config
     from .train.launch import launch
 
@@ -76,46 +132,73 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.strategy is None:
         raise UsageError("lowcomm train: --strategy is required (or --resume DIR)")
     if args.strategy not in STRATEGIES:
-        raise ConfigError(f"unknown strategy '{args.strategy}': choose one of {', '.join(STRATEGIES)}")
+        raise ConfigError(f"unknown strategy '{args.strategy}': choose one of "
+                          f"{', '.join(STRATEGIES)}")
     args.workers = 2 if args.workers_given is None else args.workers_given
     if args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
-    values = _values(args)
-    sync_cfg, train_cfg = build_configs(values, sync=preset_config(args.strategy))
+    sync_cfg, train_cfg = build_configs(_values(args), sync=preset_config(args.strategy))
     _check_model(train_cfg.model)
     _check_data(train_cfg.data)
+    old = _existing_run(args.out, args.overwrite)
     out = _check_out_dir(args.out)
-    summary = launch(args.strategy, sync_cfg, train_cfg, out, args.workers, args.port)
-    if summary is not None:
-        from .bench.compare import results_table
-
-        print(results_table([summary]))
-        print(f"summary: {out / 'summary.json'}")
+    # the old run goes only once the new one's settings, model and data have passed their checks
+    summary = launch(args.strategy, sync_cfg, train_cfg, out, args.workers, args.port,
+                     on_checked=lambda: _remove(old))
+    _print_summary(summary, out)
     return 0
+
+
+def _check_data(spec: str) -> None:
+    """A missing corpus path named now (the full data check runs in the launcher)."""
+    if spec in ("stdlib", "") or spec.startswith("hf:"):
+        return
+    from .train.data import _split_dtype
+
+    path, _ = _split_dtype(spec)
+    if not path.exists():
+        raise ConfigError(f"data path {path} does not exist: give a text file, a folder, a .bin "
+                          f"token file, hf:NAME, or data=stdlib")
+
+
+# settings a resumed run may change: how it is run and observed, and how long it goes on
+RESUME_MAY_CHANGE = frozenset({"steps", "checkpoint_every", "eval_every", "eval_batches",
+                               "log_every", "progress", "log", "timeout_s", "threads", "device",
+                               "comm_delay_s"})
 
 
 def _resume(args: argparse.Namespace) -> int:
     """`lowcomm train --resume DIR`: continue the newest complete checkpoint of DIR."""
-    from .config import SyncConfig, TrainConfig
+    from .config import SyncConfig, TrainConfig, config_fields
     from .train.launch import find_resume, launch
 
     last, meta = find_resume(args.resume)
     run = meta["run"]
-    saved = {**run["sync"], **run["train"]}
-    values = {**saved, **_values(args)}
-    changed = sorted(k for k in values if k in saved and values[k] != saved[k])
+    if args.strategy is not None and args.strategy != run["strategy"]:
+        raise ConfigError(f"--resume {args.resume}: the run was trained with --strategy "
+                          f"{run['strategy']}, not {args.strategy}; drop --strategy to continue "
+                          f"it, or start a new run with another --out")
+    known = config_fields()
+    saved = {k: v for k, v in {**run["sync"], **run["train"]}.items() if k in known}
+    given = _values(args)
+    sync_cfg, train_cfg = build_configs({**saved, **given}, sync=SyncConfig(), train=TrainConfig())
+    now = {**dataclasses.asdict(sync_cfg), **dataclasses.asdict(train_cfg)}
+    changed = sorted(k for k in given if k in saved and now[k] != saved[k])
+    conflicts = [k for k in changed if k not in RESUME_MAY_CHANGE]
+    if conflicts:
+        listed = ", ".join(f"{k} (saved {saved[k]!r}, given {now[k]!r})" for k in conflicts)
+        raise ConfigError(f"--resume {args.resume}: {listed} differ from the saved run; a resumed "
+                          f"run keeps its settings: start a new run with another --out to change "
+                          f"them")
     if changed:
         print(f"warning: resuming with changed settings {changed}: the run will not match an "
               f"uninterrupted one", file=sys.stderr)
-    sync_cfg, train_cfg = build_configs(values, sync=SyncConfig(), train=TrainConfig())
     workers = args.workers_given if args.workers_given is not None else meta["world_size"]
-    print(f"resuming {run['strategy']} from {last} (step {meta['step']}) on {workers} workers", flush=True)
-    summary = launch(run["strategy"], sync_cfg, train_cfg, Path(args.resume), workers, args.port,
-                     name=run.get("name"), resume=str(last))
-    if summary is not None:
-        from .bench.compare import results_table
-
-        print(results_table([summary]))
+    print(f"resuming {run['strategy']} from {last} (step {meta['step']}) on {workers} workers",
+          flush=True)
+    out = Path(args.resume)
+    _print_summary(launch(run["strategy"], sync_cfg, train_cfg, out, workers, args.port,
+                          name=run.get("name"), resume=str(last)), out)
     return 0
 
 
@@ -128,7 +211,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.bandwidth or args.bandwidths:
         from .bench.netshape import NetworkUnavailable, check_prerequisites, parse_rate
 
-        bandwidths = [b.strip() for b in (args.bandwidths or args.bandwidth).split(",") if b.strip()]
+        rates = (args.bandwidths or args.bandwidth).split(",")
+        bandwidths = [b.strip() for b in rates if b.strip()]
         for b in bandwidths:
             try:
                 parse_rate(b)
@@ -149,7 +233,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     _check_data(train_cfg.data)
     out = _check_out_dir(args.out)
     results = run_compare(entries, values, args.workers, seeds or [0], out, args.port,
-                          bandwidths=bandwidths, topology=args.topology)
+                          bandwidths=bandwidths, topology=args.topology, command=_command())
     print()
     print(results_table(results))
     print(f"\nresults: {out / 'results.md'}, {out / 'results.json'}; plots: {out}/loss_vs_*.png")
@@ -161,7 +245,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     from .bench.compare import network_table, results_table, write_report
 
     out = Path(args.out)
-    results = write_report([Path(p) for p in args.dirs], out, args.target_loss)
+    results = write_report([Path(p) for p in args.dirs], out, args.target_loss,
+                           command=_command())
     print(results_table(results))
     if args.target_loss is not None:
         print()
@@ -188,51 +273,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
     raise ConfigError(f"unknown benchmark '{args.what}': choose codecs or overhead")
 
 
+def _command() -> str:
+    """This process's command line, as a user would type it (for results.md and plots)."""
+    return " ".join(["lowcomm", *sys.argv[1:]])
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `lowcomm` argument parser (config keys are listed in `train --help`)."""
+    from . import __version__
+
     p = _Parser(prog="lowcomm", description="Low-communication distributed training.")
+    p.add_argument("--version", action="version", version=f"lowcomm {__version__}")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
-
-    t = sub.add_parser("train", help="train one strategy", formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog="config keys (key=value or in --config FILE.toml):\n" + help_text())
-    t.add_argument("--strategy", default=None, help="ddp, loco, diloco, streaming, sparseloco or co2")
-    t.add_argument("--workers", type=int, default=None, dest="workers_given",
-                   help="local worker processes (default 2; ignored under torchrun)")
-    t.add_argument("--resume", default=None, metavar="DIR",
-                   help="continue the run saved in DIR from its newest complete checkpoint")
-    t.add_argument("--model", default=None, help="model preset: tiny, small, base, 124m")
-    t.add_argument("--steps", type=int, default=None, help="inner steps per worker")
-    t.add_argument("--out", default="runs/train", help="output folder")
-    t.add_argument("--config", default=None, help="TOML file of config keys")
-    t.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
-    t.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    t.set_defaults(func=cmd_train)
-
-    c = sub.add_parser("compare", help="compare strategies on the same model, data and seed",
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog="config keys apply to every entry:\n" + help_text())
-    c.add_argument("--strategies", default="ddp,diloco",
-                   help="comma list; an entry may carry overrides: sparseloco:density=1/32:sync_every=50")
-    c.add_argument("--workers", type=int, default=4)
-    c.add_argument("--model", default=None)
-    c.add_argument("--steps", type=int, default=None)
-    c.add_argument("--seeds", default="0", help="comma list of seeds, e.g. 0,1")
-    c.add_argument("--bandwidth", default=None, help="shape the link to this rate (e.g. 50mbit)")
-    c.add_argument("--bandwidths", default=None, help="sweep these rates")
-    c.add_argument("--topology", default="shared", choices=["shared", "per-worker"])
-    c.add_argument("--out", default="runs/compare")
-    c.add_argument("--config", default=None)
-    c.add_argument("--port", type=int, default=None)
-    c.add_argument("overrides", nargs="*", metavar="key=value")
-    c.set_defaults(func=cmd_compare)
-
-    r = sub.add_parser("report", help="one table and plots over finished runs from several folders")
+    _add_train(sub)
+    _add_compare(sub)
+    r = sub.add_parser("report", help="one table and plots over finished runs from several folders",
+                       formatter_class=_Help)
     r.add_argument("dirs", nargs="+", help="run folders or `compare --out` folders")
-    r.add_argument("--out", default="runs/report", help="where results.md, results.json and plots go")
+    r.add_argument("--out", default="runs/report",
+                   help="where results.md, results.json and plots go")
     r.add_argument("--target-loss", type=float, default=None,
-                   help="add a per-link table: utilization, tokens/s vs unshaped, time to this validation loss")
+                   help="add a per-link table: utilization, tokens/s vs unshaped, time to this "
+                        "validation loss (default: no such table)")
     r.set_defaults(func=cmd_report)
-
     s = sub.add_parser("simulate", help="compute utilization vs bandwidth at scales we cannot run")
     try:
         from .sim.cli import add_arguments
@@ -241,12 +304,78 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:
         pass
     s.set_defaults(func=cmd_simulate)
-
     b = sub.add_parser("bench", help="microbenchmarks: codecs, overhead")
     b.add_argument("what", help="codecs or overhead")
-    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark (e.g. --json)")
+    b.add_argument("rest", nargs=argparse.REMAINDER,
+                   help="arguments of the benchmark (e.g. --json)")
     b.set_defaults(func=cmd_bench)
     return p
+
+
+_MODEL_HELP = f"model preset: tiny, small, base, 124m (default: {TrainConfig.model}, the model key)"
+_STEPS_HELP = f"inner steps per worker (default: {TrainConfig.steps}, the steps key)"
+
+
+def _add_train(sub: Any) -> None:
+    t = sub.add_parser(
+        "train", help="train one strategy", formatter_class=_Help,
+        usage="lowcomm train --strategy NAME [options] [key=value ...]\n"
+              "       lowcomm train --resume DIR [options] [key=value ...]",
+        epilog="config keys (key=value or in --config FILE.toml), with their defaults:\n"
+               + help_text())
+    need = t.add_argument_group("required (unless --resume DIR)")
+    need.add_argument("--strategy", default=None, metavar="NAME",
+                      help="ddp, loco, diloco, streaming, sparseloco or co2")
+    t.add_argument("--workers", type=int, default=None, dest="workers_given", metavar="M",
+                   help="local worker processes (default: 2, or the saved run's with --resume; "
+                        "ignored under torchrun)")
+    t.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue the run saved in DIR from its newest complete checkpoint "
+                        "(default: start a new run)")
+    t.add_argument("--model", default=None, metavar="PRESET",
+                   help=_MODEL_HELP)
+    t.add_argument("--steps", type=int, default=None, metavar="N",
+                   help=_STEPS_HELP)
+    t.add_argument("--out", default="runs/train", metavar="DIR",
+                   help="output folder; refused if it holds a run, unless --overwrite")
+    t.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in --out (its checkpoints and model included)")
+    t.add_argument("--config", default=None, metavar="FILE.toml",
+                   help="TOML file of config keys (default: none)")
+    t.add_argument("--port", type=_port, default=None,
+                   help="rendezvous port (default: a free one)")
+    t.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    t.set_defaults(func=cmd_train)
+
+
+def _add_compare(sub: Any) -> None:
+    c = sub.add_parser("compare", help="compare strategies on the same model, data and seed",
+                       formatter_class=_Help,
+                       epilog="config keys apply to every entry:\n" + help_text())
+    c.add_argument("--strategies", default="ddp,diloco", metavar="LIST",
+                   help="comma list; an entry may carry overrides: "
+                        "sparseloco:density=1/32:sync_every=50")
+    c.add_argument("--workers", type=int, default=2, metavar="M",
+                   help="local worker processes per run")
+    c.add_argument("--model", default=None, metavar="PRESET",
+                   help=_MODEL_HELP)
+    c.add_argument("--steps", type=int, default=None, metavar="N",
+                   help=_STEPS_HELP)
+    c.add_argument("--seeds", default="0", help="comma list of seeds, e.g. 0,1")
+    c.add_argument("--bandwidth", default=None, metavar="RATE",
+                   help="shape the link to this rate, e.g. 50mbit (default: unshaped)")
+    c.add_argument("--bandwidths", default=None, metavar="LIST",
+                   help="sweep these rates, e.g. 10mbit,100mbit,1gbit (default: no sweep)")
+    c.add_argument("--topology", default="shared", choices=["shared", "per-worker"],
+                   help="shaped links: one shared by all workers, or one per worker")
+    c.add_argument("--out", default="runs/compare", metavar="DIR",
+                   help="output folder: one subfolder per run, results.md/json and plots")
+    c.add_argument("--config", default=None, metavar="FILE.toml",
+                   help="TOML file of config keys (default: none)")
+    c.add_argument("--port", type=_port, default=None,
+                   help="rendezvous port (default: a free one)")
+    c.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    c.set_defaults(func=cmd_compare)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,15 +395,18 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 2
         return int(args.func(args) or 0)
-    except (UsageError, ConfigError, FileNotFoundError) as e:
+    except (LowCommError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before the workers started: nothing to resume
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # a worker died or the run failed: one line, non-zero status
-        from .train.launch import LaunchError
+        from .train.launch import Interrupted, LaunchError
 
+        if isinstance(e, Interrupted):
+            print(str(e), file=sys.stderr)
+            return e.exitcode
         if isinstance(e, LaunchError):
             print(f"error: {e}", file=sys.stderr)
             return e.exitcode

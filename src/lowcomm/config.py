@@ -266,7 +266,10 @@ class TrainConfig:
                          "(PyTorch's bf16_compress_hook) or powersgd (PyTorch's PowerSGD hook).")
     powersgd_rank: int = knob(1, "DDP with ddp_hook=powersgd: matrix approximation rank.")
     powersgd_start: int = knob(10, "DDP with ddp_hook=powersgd: plain all-reduce for this many steps first.")
-    progress: bool = knob(True, "Show a progress bar on rank 0 (only when stderr is a terminal).")
+    progress: bool = knob(True, "Show progress on rank 0: a bar when stderr is a terminal, else "
+                                "one plain line every log_every steps.")
+    log: str = knob("none", "Also log to: none or tensorboard (DIR/tensorboard/; needs "
+                            "pip install 'lowcomm[tensorboard]').")
     comm_delay_s: float = knob(0.0, "Test only: sleep before each engine collective (a slow network).")
 
 

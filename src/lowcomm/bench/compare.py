@@ -9,13 +9,15 @@ import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, build_configs
 from ..presets import STRATEGIES, preset_config
 from ..train.launch import LaunchError, launch
-from . import torchft_peer
+from ..train.summary import RunSummary
+from ..peers import torchft as torchft_peer
 
 
 @dataclass
@@ -58,15 +60,61 @@ def parse_entries(spec: str) -> list[Entry]:
 
 def run_compare(entries: list[Entry], common: dict[str, Any], workers: int, seeds: list[int],
                 out_dir: Path, port: int | None = None, bandwidths: list[str] | None = None,
-                topology: str = "shared") -> list[dict[str, Any]]:
+                topology: str = "shared", command: str | None = None) -> list[RunSummary]:
     """Run every entry for every seed (and bandwidth), one after another.
 
     Writes results.json, results.md and the plots. With ``bandwidths``, each run's workers sit
     behind a kernel-shaped link (see :mod:`lowcomm.bench.netshape`), set up and checked once per
-    bandwidth and torn down after it.
+    bandwidth and torn down after it. ``command`` (the command line) heads results.md.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    # validate every configuration before spending minutes on the first run
+    plans = _plan(entries, common, seeds)  # every configuration checked before the first run
+    results: list[RunSummary] = []
+    failed: list[str] = []
+    for bw in bandwidths or [None]:
+        net = _open_network(bw, topology, workers)
+        try:
+            for e, seed, values, sync_cfg, train_cfg in plans:
+                name = e.name + (f"-{bw}" if bw else "") + (f"-seed{seed}" if len(seeds) > 1 else "")
+                print(f"[compare] {name}: {e.strategy}, {workers} workers, {train_cfg.steps} steps",
+                      flush=True)
+                try:
+                    if net is None:
+                        raw = launch(e.strategy, sync_cfg, train_cfg, out_dir / name, workers, port,
+                                     name=name)
+                    else:
+                        raw = launch_shaped(net, e.strategy, values, out_dir / name, name)
+                        raw.update(bandwidth=bw, topology=topology,
+                                   measured_link_mbit=net.measured_mbit)
+                except LaunchError as err:
+                    if err.exitcode == 2:  # a user error: every later run would hit it too
+                        raise
+                    # one lost run must not cost the rest of a sweep: note it, go on, fail at the end
+                    print(f"error: {err}; going on with the other runs", file=sys.stderr, flush=True)
+                    failed.append(name)
+                    continue
+                if raw is None:
+                    continue
+                summary = RunSummary.from_dict(raw)
+                summary.entry = e.name  # what `report` groups seeds and links by
+                summary.write(out_dir / name / "summary.json")
+                results.append(summary)
+                _write_json(results, out_dir / "results.json")
+        finally:
+            if net is not None:
+                net.close()
+    _write_results_md(out_dir, results_table(results), command)
+    plot_results(results, out_dir, subtitle=provenance(command))
+    if failed:
+        raise LaunchError(f"{len(failed)} of {len(failed) + len(results)} runs failed "
+                          f"({', '.join(failed)}); the others are in {out_dir / 'results.md'}: re-run "
+                          f"the failed ones with `lowcomm compare --strategies ...` and merge them "
+                          f"with `lowcomm report`")
+    return results
+
+
+def _plan(entries: list[Entry], common: dict[str, Any], seeds: list[int]) -> list[tuple]:
+    """(entry, seed, values, sync config, train config) of every run, each config validated."""
     plans = []
     for seed in seeds:
         for e in entries:
@@ -75,50 +123,37 @@ def run_compare(entries: list[Entry], common: dict[str, Any], workers: int, seed
             if e.strategy == torchft_peer.STRATEGY:
                 torchft_peer.check_config(sync_cfg, train_cfg.checkpoint_every, None)
             plans.append((e, seed, values, sync_cfg, train_cfg))
-    results: list[dict[str, Any]] = []
-    failed: list[str] = []
-    for bw in bandwidths or [None]:
-        net = None
-        if bw is not None:
-            from .netshape import ShapedNetwork
+    return plans
 
-            net = ShapedNetwork(bw, topology=topology, workers=workers)
-            net.__enter__()
-            print(f"[compare] link {bw} ({topology}): measured {net.measured_mbit:.1f} Mbit/s", flush=True)
-        try:
-            for e, seed, values, sync_cfg, train_cfg in plans:
-                name = e.name + (f"-{bw}" if bw else "") + (f"-seed{seed}" if len(seeds) > 1 else "")
-                print(f"[compare] {name}: {e.strategy}, {workers} workers, {train_cfg.steps} steps", flush=True)
-                try:
-                    if net is None:
-                        summary = launch(e.strategy, sync_cfg, train_cfg, out_dir / name, workers, port, name=name)
-                    else:
-                        summary = launch_shaped(net, e.strategy, values, out_dir / name, name)
-                        summary.update(bandwidth=bw, topology=topology, measured_link_mbit=net.measured_mbit)
-                except LaunchError as err:
-                    if err.exitcode == 2:  # a user error: every later run would hit it too
-                        raise
-                    # one lost run must not cost the rest of a sweep: note it, go on, fail at the end
-                    print(f"error: {err}; going on with the other runs", file=sys.stderr, flush=True)
-                    failed.append(name)
-                    continue
-                if summary is None:
-                    continue
-                summary["entry"] = e.name  # what `report` groups seeds and links by
-                (out_dir / name / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-                results.append(summary)
-                (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-        finally:
-            if net is not None:
-                net.close()
-    table = results_table(results)
-    (out_dir / "results.md").write_text(table + "\n")
-    plot_results(results, out_dir)
-    if failed:
-        raise LaunchError(f"{len(failed)} of {len(failed) + len(results)} runs failed ({', '.join(failed)}); "
-                          f"the others are in {out_dir / 'results.md'}: re-run the failed ones with "
-                          f"`lowcomm compare --strategies ...` and merge them with `lowcomm report`")
-    return results
+
+def _open_network(bw: str | None, topology: str, workers: int) -> Any:
+    """A shaped link of rate ``bw`` (entered), or None for an unshaped run."""
+    if bw is None:
+        return None
+    from .netshape import ShapedNetwork
+
+    net = ShapedNetwork(bw, topology=topology, workers=workers)
+    net.__enter__()
+    print(f"[compare] link {bw} ({topology}): measured {net.measured_mbit:.1f} Mbit/s", flush=True)
+    return net
+
+
+def _write_json(results: list[RunSummary], path: Path) -> None:
+    path.write_text(json.dumps([r.to_dict() for r in results], indent=2) + "\n")
+
+
+def provenance(command: str | None = None) -> str:
+    """One line naming what produced a table or plot: the command, the commit and the date."""
+    from ..train.loop import git_rev
+
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    cmd = command if command is not None else "lowcomm " + " ".join(sys.argv[1:])
+    return f"`{cmd}` · commit {git_rev()} · {when}"
+
+
+def _write_results_md(out_dir: Path, body: str, command: str | None) -> None:
+    """results.md: a provenance line (command, commit, date), then the tables."""
+    (out_dir / "results.md").write_text(f"Produced by {provenance(command)}\n\n{body}\n")
 
 
 def launch_shaped(net: Any, strategy: str, values: dict[str, Any], out_dir: Path, name: str) -> dict[str, Any]:
@@ -126,7 +161,9 @@ def launch_shaped(net: Any, strategy: str, values: dict[str, Any], out_dir: Path
 
     One code path for both topologies: in ``shared`` every rank's namespace is the same one.
     """
-    argv = [sys.executable, "-m", "lowcomm.cli", "train", "--strategy", strategy, "--out", str(out_dir),
+    # --overwrite: a re-run of the sweep replaces its earlier run, as unshaped entries do
+    argv = [sys.executable, "-m", "lowcomm.cli", "train", "--strategy", strategy, "--overwrite",
+            "--out", str(out_dir),
             *[f"{k}={v}" for k, v in values.items()], "progress=false"]
     cores = os.cpu_count() or 1
     procs = []
@@ -164,20 +201,28 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
-def results_table(results: list[dict[str, Any]]) -> str:
-    """Markdown table: loss, ratio to DDP, wire bytes, reduction vs DDP FP32, utilization."""
-    ddp = [r["final_val_loss"] for r in results if r["strategy"] == "ddp"]
-    ddp_loss = sum(ddp) / len(ddp) if ddp else None
+def results_table(results: list[RunSummary]) -> str:
+    """Markdown table: loss, ratio to DDP on the same problem, wire bytes, reduction, utilization."""
     lines = ["| name | strategy | final val loss | vs DDP | wire bytes sent / worker | "
              "peak wire bytes / sync | fewer bytes than DDP FP32 | wall s | compute util. |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        ratio = f"{r['final_val_loss'] / ddp_loss:.3f}" if ddp_loss else "-"
-        red = r["ddp_fp32_bytes_per_worker"] / r["bytes_sent_per_worker"] if r["bytes_sent_per_worker"] else math.inf
-        lines.append(f"| {r['name']} | {r['strategy']} | {r['final_val_loss']:.4f} | {ratio} | "
-                     f"{_fmt_bytes(r['bytes_sent_per_worker'])} | {_fmt_bytes(r.get('peak_bytes_per_sync', 0))} | "
-                     f"{red:.1f}x | {r['wall_s']:.1f} | {r['compute_utilization']:.1%} |")
+        ddp = ddp_reference(results, r)
+        ratio = f"{r.final_val_loss / ddp:.3f}" if ddp else "-"
+        sent = r.bytes_sent_per_worker or 0
+        red = (r.ddp_fp32_bytes_per_worker or 0) / sent if sent else math.inf
+        lines.append(f"| {r.label} | {r.strategy} | {r.final_val_loss:.4f} | {ratio} | "
+                     f"{_fmt_bytes(sent)} | {_fmt_bytes(r.peak_bytes_per_sync or 0)} | "
+                     f"{red:.1f}x | {r.wall_s or 0:.1f} | {r.compute_utilization or 0:.1%} |")
     return "\n".join(lines)
+
+
+def ddp_reference(results: list[RunSummary], run: RunSummary) -> float | None:
+    """Mean final loss of the DDP runs trained on the same problem as ``run`` (None if none)."""
+    key = run.problem_key()
+    losses = [r.final_val_loss for r in results if r.strategy == "ddp"
+              and r.entry in (None, "ddp") and r.problem_key() == key]
+    return sum(losses) / len(losses) if losses else None
 
 
 def _read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -187,8 +232,11 @@ def _read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot_results(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """PNG plots of validation loss vs tokens, vs wire bytes sent, vs wall-clock."""
+def plot_results(results: list[RunSummary], out_dir: Path, subtitle: str = "") -> list[Path]:
+    """PNG plots of validation loss vs tokens, vs wire bytes sent, vs wall-clock.
+
+    ``subtitle`` (the command, commit and date) is printed under each plot's title.
+    """
     if not results:
         return []
     import matplotlib
@@ -199,56 +247,75 @@ def plot_results(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     axes_spec = [("tokens", "tokens trained", "loss_vs_tokens.png", False),
                  ("bytes_sent", "wire bytes sent per worker", "loss_vs_bytes.png", True),
                  ("wall_s", "wall-clock seconds (training loop)", "loss_vs_wallclock.png", False)]
-    written = []
-    # one colour per entry; its further seeds (or bandwidths) get their own line style
-    entries = list(dict.fromkeys(r.get("entry", r["name"]) for r in results))
-    colours = {e: f"C{i % 10}" for i, e in enumerate(entries)}
-    styles, seen = [], {}
-    for r in results:
-        e = r.get("entry", r["name"])
-        styles.append(("-", "--", ":", "-.")[seen.get(e, 0) % 4])
-        seen[e] = seen.get(e, 0) + 1
-    for key, label, fname, logx in axes_spec:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for r, style in zip(results, styles):
-            pts = _val_points(Path(r.get("run_dir") or out_dir / r["name"]), key)
-            if pts:
-                xs, ys = zip(*pts)
-                ax.plot(xs, ys, style, marker="o", markersize=3, label=r["name"],
-                        color=colours[r.get("entry", r["name"])])
-        ax.set_xlabel(label)
-        ax.set_ylabel("validation loss (global parameters)")
-        if logx:
-            ax.set_xscale("symlog", linthresh=1e3)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out_dir / fname, dpi=110)
-        plt.close(fig)
-        written.append(out_dir / fname)
-    swept = sorted({r["bandwidth"] for r in results if r.get("bandwidth")}, key=_rate)
+    written = [_loss_plot(plt, results, out_dir, spec, subtitle) for spec in axes_spec]
+    swept = sorted({r.bandwidth for r in results if r.bandwidth}, key=_rate)
     if len(swept) > 1:  # a --bandwidths sweep: compute utilization per entry vs link rate
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for entry in dict.fromkeys(r.get("entry", r["name"]) for r in results):
-            pts = sorted((_rate(r["bandwidth"]) / 1e6, r["compute_utilization"]) for r in results
-                         if r.get("entry", r["name"]) == entry and r.get("bandwidth"))
-            if pts:
-                xs, ys = zip(*pts)
-                ax.plot(xs, ys, marker="o", label=entry)
-        ax.set_xscale("log")
-        ax.set_xlabel("link rate per worker (Mbit/s)")
-        ax.set_ylabel("compute utilization (compute / wall)")
-        ax.set_ylim(0, 1.05)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out_dir / "utilization_vs_bandwidth.png", dpi=110)
-        plt.close(fig)
-        written.append(out_dir / "utilization_vs_bandwidth.png")
+        written.append(_utilization_plot(plt, results, out_dir, subtitle))
     return written
 
 
-def collect_runs(paths: list[Path]) -> list[dict[str, Any]]:
+def _entry(r: RunSummary) -> str:
+    return r.entry or r.label
+
+
+def _title(ax: Any, title: str, subtitle: str) -> None:
+    ax.set_title(title + (f"\n{subtitle.replace('`', '')}" if subtitle else ""), fontsize=8)
+
+
+def _loss_plot(plt: Any, results: list[RunSummary], out_dir: Path, spec: tuple,
+               subtitle: str) -> Path:
+    """One loss curve per run; one colour per entry, its seeds or links in other line styles."""
+    key, label, fname, logx = spec
+    entries = list(dict.fromkeys(_entry(r) for r in results))
+    colours = {e: f"C{i % 10}" for i, e in enumerate(entries)}
+    seen: dict[str, int] = {}
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    for r in results:
+        style = ("-", "--", ":", "-.")[seen.get(_entry(r), 0) % 4]
+        seen[_entry(r)] = seen.get(_entry(r), 0) + 1
+        pts = _val_points(Path(r.run_dir or out_dir / r.label), key)
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, style, marker="o", markersize=3, label=r.label,
+                    color=colours[_entry(r)])
+    ax.set_xlabel(label)
+    ax.set_ylabel("validation loss (global parameters)")
+    _title(ax, f"validation loss vs {label}", subtitle)
+    if logx:
+        ax.set_xscale("symlog", linthresh=1e3)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[1]:  # runs without metrics draw no line
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / fname, dpi=110)
+    plt.close(fig)
+    return out_dir / fname
+
+
+def _utilization_plot(plt: Any, results: list[RunSummary], out_dir: Path, subtitle: str) -> Path:
+    """Compute utilization of each entry against the link rate of a bandwidth sweep."""
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    for entry in dict.fromkeys(_entry(r) for r in results):
+        pts = sorted((_rate(r.bandwidth) / 1e6, r.compute_utilization) for r in results
+                     if _entry(r) == entry and r.bandwidth)
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="o", label=entry)
+    ax.set_xscale("log")
+    ax.set_xlabel("link rate per worker (Mbit/s)")
+    ax.set_ylabel("compute utilization (compute / wall)")
+    _title(ax, "compute utilization vs link rate", subtitle)
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / "utilization_vs_bandwidth.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def collect_runs(paths: list[Path]) -> list[RunSummary]:
     """The summaries of finished runs under ``paths`` (run folders or `compare` output folders).
 
     Each summary gains ``run_dir``; its ``name`` is prefixed with the compare folder's name
@@ -257,7 +324,8 @@ def collect_runs(paths: list[Path]) -> list[dict[str, Any]]:
     found: list[tuple[Path, Path]] = []
     for p in paths:
         if not p.exists():
-            raise FileNotFoundError(f"{p}: no such folder (give run folders or `lowcomm compare --out` folders)")
+            raise FileNotFoundError(f"{p}: no such folder (give run folders or `lowcomm compare "
+                                    f"--out` folders)")
         if (p / "summary.json").exists():
             found.append((p.parent, p))
         else:
@@ -268,50 +336,68 @@ def collect_runs(paths: list[Path]) -> list[dict[str, Any]]:
     results = []
     for parent, run in found:
         try:
-            summary = json.loads((run / "summary.json").read_text())
-        except json.JSONDecodeError as e:
-            raise FileNotFoundError(f"{run / 'summary.json'} is not valid JSON ({e}): re-run that entry") from None
-        summary["run_dir"] = str(run)
-        entry = re.sub(r"-seed\d+$", "", summary.get("name") or run.name)
-        if summary.get("bandwidth") and entry.endswith(f"-{summary['bandwidth']}"):
-            entry = entry[: -len(summary["bandwidth"]) - 1]
-        summary.setdefault("entry", entry)
+            summary = RunSummary.read(run)
+        except ValueError as e:  # JSONDecodeError included
+            raise FileNotFoundError(f"{run / 'summary.json'} is not a valid summary ({e}): "
+                                    f"re-run that entry") from None
+        summary.run_dir = str(run)
+        entry = re.sub(r"-seed\d+$", "", summary.name or run.name)
+        if summary.bandwidth and entry.endswith(f"-{summary.bandwidth}"):
+            entry = entry[: -len(summary.bandwidth) - 1]
+        summary.entry = summary.entry or entry
         if prefix:
-            summary["name"] = f"{parent.name}/{summary.get('name') or run.name}"
+            summary.name = f"{parent.name}/{summary.name or run.name}"
         results.append(summary)
     return results
 
 
-def write_report(paths: list[Path], out_dir: Path, target_loss: float | None = None) -> list[dict[str, Any]]:
+def write_report(paths: list[Path], out_dir: Path, target_loss: float | None = None,
+                 command: str | None = None) -> list[RunSummary]:
     """`lowcomm report`: one results table (results.md/json) and the plots for runs from many folders.
 
     With ``target_loss``, also the per-link table of :func:`network_table`.
     """
     results = collect_runs(paths)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    _write_json(results, out_dir / "results.json")
     extra = "\n\n" + network_table(results, target_loss) if target_loss is not None else ""
-    (out_dir / "results.md").write_text(results_table(results) + "\n\n" + seeds_table(results) + extra + "\n")
-    plot_results(results, out_dir)
+    _write_results_md(out_dir, results_table(results) + "\n\n" + seeds_table(results) + extra,
+                      command)
+    plot_results(results, out_dir, subtitle=provenance(command))
     return results
 
 
-def seeds_table(results: list[dict[str, Any]]) -> str:
-    """Markdown table per entry over its seeds: mean final loss, spread (max - min), ratio to DDP's mean."""
-    groups: dict[str, list[dict[str, Any]]] = {}
+def seed_groups(results: list[RunSummary]) -> dict[str, list[RunSummary]]:
+    """Runs grouped as repeats of one configuration: same entry, config (but the seed) and data.
+
+    Runs of one entry name that differ in anything else form separate groups, labelled
+    ``entry (2)``, ``entry (3)``... in the order they first appear.
+    """
+    by_key: dict[tuple[str, str], list[RunSummary]] = {}
     for r in results:
-        groups.setdefault(r.get("entry", r["name"]), []).append(r)
-    ddp = [r["final_val_loss"] for r in results if r["strategy"] == "ddp" and r.get("entry", "ddp") == "ddp"]
-    ddp_mean = sum(ddp) / len(ddp) if ddp else None
-    lines = ["| entry | runs | mean final val loss | spread (max - min) | mean vs DDP | wire bytes sent / worker |",
-             "|---|---|---|---|---|---|"]
-    for entry, rs in groups.items():
-        losses = [r["final_val_loss"] for r in rs]
+        by_key.setdefault((_entry(r), r.config_key()), []).append(r)
+    groups: dict[str, list[RunSummary]] = {}
+    for (entry, _), runs in by_key.items():
+        label, n = entry, 1
+        while label in groups:
+            n += 1
+            label = f"{entry} ({n})"
+        groups[label] = runs
+    return groups
+
+
+def seeds_table(results: list[RunSummary]) -> str:
+    """Markdown table per configuration over its seeds: mean final loss, spread, ratio to DDP."""
+    lines = ["| entry | runs | mean final val loss | spread (max - min) | mean vs DDP | "
+             "wire bytes sent / worker |", "|---|---|---|---|---|---|"]
+    for label, rs in seed_groups(results).items():
+        losses = [r.final_val_loss for r in rs]
         mean = sum(losses) / len(losses)
-        ratio = f"{mean / ddp_mean:.3f}" if ddp_mean else "-"
-        sent = sum(r["bytes_sent_per_worker"] for r in rs) / len(rs)
-        lines.append(f"| {entry} | {len(rs)} | {mean:.4f} | {max(losses) - min(losses):.4f} | {ratio} | "
-                     f"{_fmt_bytes(sent)} |")
+        ddp = ddp_reference(results, rs[0])
+        ratio = f"{mean / ddp:.3f}" if ddp else "-"
+        sent = sum(r.bytes_sent_per_worker or 0 for r in rs) / len(rs)
+        lines.append(f"| {label} | {len(rs)} | {mean:.4f} | {max(losses) - min(losses):.4f} | "
+                     f"{ratio} | {_fmt_bytes(sent)} |")
     return "\n".join(lines)
 
 
@@ -336,34 +422,42 @@ def time_to_loss(run_dir: Path, target: float) -> tuple[float, float] | None:
     return None
 
 
-def network_table(results: list[dict[str, Any]], target: float) -> str:
+def network_table(results: list[RunSummary], target: float) -> str:
     """Markdown table per entry and link: utilization, tokens/s vs the unshaped run, time to ``target`` loss.
 
     A run too short to reach the target (DDP on the slowest links, docs/benchmarking.md §2) gets an
     estimate: the steps its unshaped run needed times its own measured seconds per step.
     """
-    unshaped = {r.get("entry", r["name"]): r for r in results if not r.get("bandwidth")}
+    unshaped = {_entry(r): r for r in results if not r.bandwidth}
     lines = [f"| entry | link | compute util. | tokens/s | tokens/s vs unshaped | steps | "
              f"time to val loss {target} (s) | final val loss | wire bytes sent / worker |",
              "|---|---|---|---|---|---|---|---|---|"]
-    order = sorted(results, key=lambda r: (r.get("entry", r["name"]),
-                                           -_rate(r["bandwidth"]) if r.get("bandwidth") else -math.inf))
+    order = sorted(results, key=lambda r: (_entry(r), -_rate(r.bandwidth) if r.bandwidth
+                                           else -math.inf))
     for r in order:
-        entry = r.get("entry", r["name"])
-        tps = r["tokens"] / r["wall_s"] if r["wall_s"] > 0 else math.nan
-        base = unshaped.get(entry)
-        rel = f"{tps / (base['tokens'] / base['wall_s']):.3f}" if base and base["wall_s"] > 0 else "-"
-        hit = time_to_loss(Path(r["run_dir"]), target) if r.get("run_dir") else None
-        if hit is not None:
-            ttl = f"{hit[0]:.0f}"
-        else:
-            base_hit = time_to_loss(Path(base["run_dir"]), target) if base and base.get("run_dir") else None
-            ttl = (f"≈ {base_hit[1] * r['wall_s'] / r['inner_steps']:.0f} (est.)" if base_hit
-                   else "not reached")
-        lines.append(f"| {entry} | {r.get('bandwidth') or 'unshaped'} | {r['compute_utilization']:.1%} | "
-                     f"{tps:,.0f} | {rel} | {r['inner_steps']} | {ttl} | {r['final_val_loss']:.4f} | "
-                     f"{_fmt_bytes(r['bytes_sent_per_worker'])} |")
+        base = unshaped.get(_entry(r))
+        tps = _tokens_per_s(r)
+        rel = f"{tps / _tokens_per_s(base):.3f}" if base and (base.wall_s or 0) > 0 else "-"
+        lines.append(f"| {_entry(r)} | {r.bandwidth or 'unshaped'} | "
+                     f"{r.compute_utilization or 0:.1%} | {tps:,.0f} | {rel} | {r.inner_steps} | "
+                     f"{_time_to_target(r, base, target)} | {r.final_val_loss:.4f} | "
+                     f"{_fmt_bytes(r.bytes_sent_per_worker or 0)} |")
     return "\n".join(lines)
+
+
+def _tokens_per_s(r: RunSummary) -> float:
+    return (r.tokens or 0) / r.wall_s if (r.wall_s or 0) > 0 else math.nan
+
+
+def _time_to_target(r: RunSummary, base: RunSummary | None, target: float) -> str:
+    """Seconds to ``target``; else estimated from the unshaped run's steps; else 'not reached'."""
+    hit = time_to_loss(Path(r.run_dir), target) if r.run_dir else None
+    if hit is not None:
+        return f"{hit[0]:.0f}"
+    base_hit = time_to_loss(Path(base.run_dir), target) if base and base.run_dir else None
+    if base_hit and r.inner_steps:
+        return f"≈ {base_hit[1] * (r.wall_s or 0) / r.inner_steps:.0f} (est.)"
+    return "not reached"
 
 
 def _rate(bandwidth: str) -> float:

@@ -10,13 +10,13 @@ compute_s, compute_utilization.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..train.summary import RunSummary
 from .model import Link, Strategy, Workload
 
 PER_STEP = ("ddp", "loco")
@@ -46,7 +46,8 @@ class RunScenario:
     bandwidth_gbps: float | None
     """The shaped link's bandwidth if the summary records one (None: unshaped or unknown)."""
     topology: str
-    """'shared' (all workers behind one shaped link, docs/benchmarking.md §2 "simple") or 'per-worker'."""
+    """'shared' (all workers behind one shaped link, docs/benchmarking.md §2 "simple") or
+    'per-worker'."""
     wire_bits_per_param: float
     """Bits each worker sent per parameter per sync, from the measured bytes."""
     syncs_per_param: float
@@ -75,21 +76,22 @@ def parse_rate(value: Any) -> float | None:
     return rate if rate > 0 else None
 
 
-def _find_bandwidth(summary: dict[str, Any]) -> float | None:
-    for scope in (summary, summary.get("config") or {}):
+def _find_bandwidth(summary: RunSummary) -> float | None:
+    top = {**summary.extra, "bandwidth": summary.bandwidth}
+    for scope in (top, summary.config):
         for key, unit in _BANDWIDTH_KEYS.items():
             val = scope.get(key)
             if isinstance(val, (int, float)) and not isinstance(val, bool) and val > 0:
                 return float(val) * unit
-        if "bandwidth" in scope:
+        if scope.get("bandwidth") is not None:
             rate = parse_rate(scope["bandwidth"])
             if rate is not None:
                 return rate
     return None
 
 
-def _number(summary: dict[str, Any], key: str) -> float | None:
-    val = summary.get(key)
+def _number(val: Any) -> float | None:
+    """``val`` as a float when it is a finite number, else None."""
     if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val):
         return None
     return float(val)
@@ -109,51 +111,70 @@ def load_run(run_dir: str | Path, *, layers: int | None = None, step_time_s: flo
              params: float | None = None, latency_s: float = 0.0) -> RunScenario:
     """Read DIR/summary.json; explicit ``layers``/``step_time_s``/``params`` fill or override it."""
     path = Path(run_dir)
+    file, summary = _read_summary(path)
+    _check_fields(file, summary, layers, step_time_s, params)
+    name = str(summary.strategy)
+    if name not in PER_STEP + OUTER:
+        raise RunError(f"{file}: unknown strategy '{name}' (expected one of "
+                       f"{', '.join(PER_STEP + OUTER)})")
+    inner_steps, workers = int(summary.inner_steps), int(summary.workers)
+    n_layers = int(layers if layers is not None else summary.n_layers)
+    n_params = float(params if params is not None else summary.params)
+    if step_time_s is None:
+        step_time_s = _number(summary.step_compute_s)
+        if step_time_s is None:
+            step_time_s = float(summary.compute_s) / max(inner_steps, 1)
+    if inner_steps < 1 or workers < 2 or n_layers < 1 or n_params <= 0 or step_time_s <= 0:
+        raise RunError(f"{file}: need inner_steps >= 1, workers >= 2, n_layers >= 1, params > 0 "
+                       f"and a positive step time (got {inner_steps}, {workers}, {n_layers}, "
+                       f"{n_params:g}, {step_time_s:g})")
+    strategy, wire_bits, sends = _strategy(file, summary, name, n_layers, n_params, workers)
+    measured = _number(summary.compute_utilization)
+    wall, compute = _number(summary.wall_s), _number(summary.compute_s)
+    if measured is None and wall and compute is not None:
+        measured = compute / wall
+    workload = Workload(params=n_params, layers=n_layers, step_time_s=step_time_s,
+                        name=f"run:{path}")
+    topology = str(summary.topology or summary.config.get("topology") or "per-worker")
+    if topology not in ("shared", "per-worker"):
+        raise RunError(f"{file}: unknown topology '{topology}' (expected shared or per-worker)")
+    return RunScenario(path, name, workload, strategy, Link(workers, latency_s), measured,
+                       _find_bandwidth(summary), topology, wire_bits, sends)
+
+
+def _read_summary(path: Path) -> tuple[Path, RunSummary]:
+    """The summary file of a run folder (or the file itself) and its parsed contents."""
     if not path.exists():
         raise RunError(f"run directory {path} does not exist")
     file = path / "summary.json" if path.is_dir() else path
     if not file.is_file():
         raise RunError(f"{path} has no summary.json (is it a `lowcomm train --out` directory?)")
     try:
-        summary = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        return file, RunSummary.read(file)
+    except (OSError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise RunError(f"cannot read {file}: {exc}") from None
-    if not isinstance(summary, dict):
-        raise RunError(f"{file} is not a JSON object")
-    config = summary.get("config") or {}
-    if not isinstance(config, dict):
-        raise RunError(f"{file}: 'config' is not an object")
 
-    missing = [k for k in ("strategy", "inner_steps", "workers") if summary.get(k) is None]
-    if params is None and _number(summary, "params") is None:
+
+def _check_fields(file: Path, s: RunSummary, layers: int | None, step_time_s: float | None,
+                  params: float | None) -> None:
+    """RunError naming every field the scenario needs and neither the file nor a flag gives."""
+    missing = [k for k in ("strategy", "inner_steps", "workers") if getattr(s, k) is None]
+    if params is None and _number(s.params) is None:
         missing.append("params")
-    if layers is None and summary.get("n_layers") is None:
+    if layers is None and s.n_layers is None:
         missing.append("n_layers (or pass --layers)")
-    if step_time_s is None and _number(summary, "step_compute_s") is None \
-            and _number(summary, "compute_s") is None:
+    if step_time_s is None and _number(s.step_compute_s) is None and _number(s.compute_s) is None:
         missing.append("step_compute_s or compute_s (or pass --step-time)")
-    if _number(summary, "bytes_sent_per_worker") is None \
-            and _number(summary, "payload_bytes_per_worker") is None:
+    if _number(s.bytes_sent_per_worker) is None and _number(s.payload_bytes_per_worker) is None:
         missing.append("bytes_sent_per_worker or payload_bytes_per_worker")
     if missing:
         raise RunError(f"{file} lacks {', '.join(missing)}")
 
-    name = str(summary["strategy"])
-    if name not in PER_STEP + OUTER:
-        raise RunError(f"{file}: unknown strategy '{name}' (expected one of {', '.join(PER_STEP + OUTER)})")
-    inner_steps = int(summary["inner_steps"])
-    workers = int(summary["workers"])
-    n_layers = int(layers if layers is not None else summary["n_layers"])
-    n_params = float(params if params is not None else summary["params"])
-    if step_time_s is None:
-        step_time_s = _number(summary, "step_compute_s")
-        if step_time_s is None:
-            step_time_s = float(summary["compute_s"]) / max(inner_steps, 1)
-    if inner_steps < 1 or workers < 2 or n_layers < 1 or n_params <= 0 or step_time_s <= 0:
-        raise RunError(f"{file}: need inner_steps >= 1, workers >= 2, n_layers >= 1, params > 0 "
-                       f"and a positive step time (got {inner_steps}, {workers}, {n_layers}, "
-                       f"{n_params:g}, {step_time_s:g})")
 
+def _strategy(file: Path, summary: RunSummary, name: str, n_layers: int, n_params: float,
+              workers: int) -> tuple[Strategy, float, float]:
+    """The simulator's strategy for the run, its wire bits per parameter per send, and sends."""
+    config = summary.config
     if name in PER_STEP:
         sync_every, overlap, groups, pattern = 1, 0, 1, "strided"
     else:
@@ -167,28 +188,16 @@ def load_run(run_dir: str | Path, *, layers: int | None = None, step_time_s: flo
         # lowcomm counts the embeddings fragment in P; the simulator groups layers only.
         groups = -(-n_layers // bpf) if bpf > 0 else (frags - 1 if frags >= 2 else 1)
         groups = max(1, min(groups, n_layers))
-
-    sends = _sends(inner_steps, sync_every, groups)
+    sends = _sends(int(summary.inner_steps), sync_every, groups)
     if sends <= 0:
-        raise RunError(f"{file}: the run made no sync in {inner_steps} steps with H = {sync_every}")
-    sent = _number(summary, "bytes_sent_per_worker")
+        raise RunError(f"{file}: the run made no sync in {summary.inner_steps} steps with "
+                       f"H = {sync_every}")
+    sent = _number(summary.bytes_sent_per_worker)
     if sent is not None:
         wire_bits = 8.0 * sent / (n_params * sends)
         strategy = Strategy(name, sync_every, groups, pattern, overlap, wire_bits, "wire")
-    else:
-        payload_bits = 8.0 * float(summary["payload_bytes_per_worker"]) / (n_params * sends)
-        collective = "allgather" if name == "sparseloco" else "allreduce"
-        strategy = Strategy(name, sync_every, groups, pattern, overlap, payload_bits, collective)
-        wire_bits = strategy.wire_bits_per_param(workers)
-
-    measured = _number(summary, "compute_utilization")
-    wall, compute = _number(summary, "wall_s"), _number(summary, "compute_s")
-    if measured is None and wall and compute is not None:
-        measured = compute / wall
-    workload = Workload(params=n_params, layers=n_layers, step_time_s=step_time_s,
-                        name=f"run:{path}")
-    topology = str(summary.get("topology") or config.get("topology") or "per-worker")
-    if topology not in ("shared", "per-worker"):
-        raise RunError(f"{file}: unknown topology '{topology}' (expected shared or per-worker)")
-    return RunScenario(path, name, workload, strategy, Link(workers, latency_s), measured,
-                       _find_bandwidth(summary), topology, wire_bits, sends)
+        return strategy, wire_bits, sends
+    payload_bits = 8.0 * float(summary.payload_bytes_per_worker) / (n_params * sends)
+    collective = "allgather" if name == "sparseloco" else "allreduce"
+    strategy = Strategy(name, sync_every, groups, pattern, overlap, payload_bits, collective)
+    return strategy, strategy.wire_bits_per_param(workers), sends

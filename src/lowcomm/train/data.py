@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import sys
 import sysconfig
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from ..errors import ConfigError
 
 __all__ = [
     "Corpus",
@@ -36,6 +39,7 @@ __all__ = [
     "split_files",
     "DEFAULT_MAX_BYTES",
     "VAL_EVERY",
+    "repeat_warning",
 ]
 
 DEFAULT_MAX_BYTES = 32 * 2**20
@@ -98,21 +102,41 @@ def load_corpus(spec: str | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
     if spec.startswith("hf:"):
         name, _, config = spec[3:].partition(":")
         if not name:
-            raise ValueError(f"empty dataset name in {spec!r}; expected 'hf:NAME[:CONFIG]'")
+            raise ConfigError(f"empty dataset name in {spec!r}; expected 'hf:NAME[:CONFIG]'")
         return _load_hf(name, config or None, max_bytes)
-    path, dtype = Path(spec), None
-    head, sep, tail = spec.rpartition(":")
-    if sep and tail in BIN_DTYPES:
-        path, dtype = Path(head), tail
+    path, dtype = _split_dtype(spec)
     if not path.exists():
         raise FileNotFoundError(f"corpus path {str(path)!r} does not exist; {_ACCEPTED}")
     if path.suffix == ".bin":
         return _load_bin(path, dtype or "uint16", vocab_size)
     if dtype is not None:
-        raise ValueError(f"a dtype suffix is only meaningful for .bin token arrays, not {str(path)!r}")
+        raise ConfigError(f"a dtype suffix is only meaningful for .bin token arrays, not {str(path)!r}")
     if path.is_dir():
         return _load_folder(path, max_bytes)
     return _load_text_file(path)
+
+
+def _split_dtype(spec: str) -> tuple[Path, str | None]:
+    """'X.bin:uint16' -> (X.bin, 'uint16'); a dtype-like suffix we do not read is a ConfigError."""
+    head, sep, tail = spec.rpartition(":")
+    if not sep or not head:
+        return Path(spec), None
+    if tail in BIN_DTYPES:
+        return Path(head), tail
+    if re.fullmatch(r"(u?int|float|bfloat|i|u|f)\d*", tail) and not Path(spec).exists():
+        raise ConfigError(f"unknown token dtype '{tail}' in '{spec}': token arrays are "
+                          f"{', '.join(BIN_DTYPES)} (e.g. data={head}:uint16)")
+    return Path(spec), None
+
+
+def repeat_warning(corpus: Corpus, tokens_needed: int, limit: float = 10.0) -> str | None:
+    """A warning when training reads each train token more than ``limit`` times, else None."""
+    passes = tokens_needed / max(len(corpus.train), 1)
+    if passes <= limit:
+        return None
+    return (f"the corpus has {len(corpus.train):,} train tokens and the run reads "
+            f"{tokens_needed:,}: every token about {passes:.0f} times, so the model will mostly "
+            f"memorize it; give a bigger corpus or fewer steps")
 
 
 def stdlib_files(max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[Path, list[Path]]:
@@ -177,7 +201,7 @@ class Batches:
             raise ValueError(f"shard must be striped or contiguous, got {shard!r}")
         shard_len = len(tokens) // world_size
         if shard_len < seq_len + 1:
-            raise ValueError(
+            raise ConfigError(
                 f"each of {world_size} shards has {shard_len} tokens ({len(tokens)} in all), fewer than "
                 f"seq_len + 1 = {seq_len + 1}; use a bigger corpus, fewer workers or a shorter seq_len"
             )
@@ -247,7 +271,7 @@ def val_batches(
     """A fixed list of n_batches (x, y) validation batches, identical on every worker."""
     n_starts = len(tokens) - seq_len  # windows are seq_len + 1 tokens long
     if n_starts < 1:
-        raise ValueError(f"validation set has {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+        raise ConfigError(f"validation set has {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}")
     n = batch_size * n_batches
     # Stratified: one random window per equal slice of the val set, so even a few batches cover
     # all of it and the estimate has less variance than independent draws.
@@ -302,10 +326,27 @@ def _load_text_file(path: Path) -> Corpus:
     """One text file as bytes; its last 5% is validation."""
     tokens = np.fromfile(path, dtype=np.uint8)
     if len(tokens) == 0:
-        raise ValueError(f"corpus file {str(path)!r} is empty")
+        raise ConfigError(f"corpus file {str(path)!r} is empty")
+    _check_text(path, tokens)
     train, val = _split_tail(tokens)
     desc = f"text file {path}: {len(train)} train / {len(val)} val byte tokens; val = last 1/{VAL_EVERY}"
     return Corpus(train=train, val=val, vocab_size=256, name=path.name, description=desc)
+
+
+_MAX_NOT_TEXT = 0.01
+"""Largest fraction of undecodable or NUL bytes a text corpus may have."""
+
+
+def _check_text(path: Path, data: np.ndarray) -> None:
+    """ConfigError unless ``data`` reads as UTF-8 text (a few stray bytes are tolerated)."""
+    head = data[: 1 << 22].tobytes()  # the first 4 MB tell text from binary
+    text = head.decode("utf-8", errors="replace")
+    bad = (text.count("\ufffd") + head.count(0)) / max(len(head), 1)
+    if bad > _MAX_NOT_TEXT:
+        raise ConfigError(
+            f"corpus file {str(path)!r} is not UTF-8 text ({bad:.0%} of its bytes are not): "
+            f"if it holds token ids, give it a .bin name ({path.with_suffix('.bin').name}, read "
+            f"as uint16; add :uint8 or :uint32 for others); else give UTF-8 text or data=stdlib")
 
 
 def _load_folder(root: Path, max_bytes: int) -> Corpus:
@@ -326,7 +367,7 @@ def _load_folder(root: Path, max_bytes: int) -> Corpus:
             continue
         texts[path] = data
     if not texts:
-        raise ValueError(f"corpus folder {str(root)!r} holds no readable UTF-8 text files")
+        raise ConfigError(f"corpus folder {str(root)!r} holds no readable UTF-8 text files")
     train_files, val_files = split_files(root, list(texts))
     if train_files and val_files:
         train = _bytes_to_tokens([texts[p] for p in train_files])
@@ -348,7 +389,7 @@ def _memmap(path: Path, dtype: str) -> np.ndarray:
     itemsize = np.dtype(dtype).itemsize
     size = path.stat().st_size
     if size == 0 or size % itemsize:
-        raise ValueError(f"token file {str(path)!r} has {size} bytes, not a positive multiple of {dtype}'s {itemsize}")
+        raise ConfigError(f"token file {str(path)!r} has {size} bytes, not a positive multiple of {dtype}'s {itemsize}")
     return np.memmap(path, dtype=dtype, mode="r")
 
 
@@ -383,7 +424,7 @@ def _load_hf(name: str, config: str | None, max_bytes: int) -> Corpus:
         chunks, total = [], 0
         for row in datasets.load_dataset(name, config, split=split, streaming=True):
             if "text" not in row:
-                raise ValueError(f"dataset {name!r} has no 'text' field; its fields are {sorted(row)}")
+                raise ConfigError(f"dataset {name!r} has no 'text' field; its fields are {sorted(row)}")
             data = row["text"].encode("utf-8")
             chunks.append(data)
             total += len(data) + 1

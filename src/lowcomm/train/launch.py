@@ -3,16 +3,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import json
 import logging
 import os
+import re
+import signal
 import socket
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from ..bench import torchft_peer
+from ..peers import torchft as torchft_peer
 from ..config import ConfigError, SyncConfig, TrainConfig
+from ..errors import LowCommError
 
 
 class LaunchError(RuntimeError):
@@ -25,7 +31,8 @@ class LaunchError(RuntimeError):
 
 def under_torchrun() -> bool:
     """True when this process is one worker of a world started by torchrun (or similar)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOWCOMM_LAUNCHED" not in os.environ
+    env = os.environ
+    return "RANK" in env and "WORLD_SIZE" in env and "LOWCOMM_LAUNCHED" not in env
 
 
 def free_port() -> int:
@@ -36,67 +43,225 @@ def free_port() -> int:
 
 
 def check_port(port: int) -> None:
-    """ConfigError when ``port`` cannot be bound on this machine."""
+    """ConfigError when ``port`` is out of range or cannot be bound on this machine."""
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"--port {port} is not a TCP port: give 1-65535, or omit it to pick a "
+                          f"free one")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
-            raise ConfigError(f"port {port} is in use: pass another --port or omit it to pick a free one") from None
+            raise ConfigError(f"port {port} is in use: pass another --port or omit it to pick a "
+                              f"free one") from None
+
+
+class Interrupted(LaunchError):
+    """The run was stopped by a signal (Ctrl-C); the message says where to resume from."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 130)
 
 
 def _entry(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str, name: str | None,
            resume: str | None) -> Any:
     os.environ["LOWCOMM_LAUNCHED"] = "1"
+    # Ctrl-C reaches every worker (the terminal signals the whole group) and the launcher passes
+    # it on: leave at once and quietly; the launcher reports where the run stopped.
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
     from .loop import run_worker
 
     try:
         return run_worker(strategy, sync_cfg, cfg, out_dir, name, resume)
-    except (ConfigError, FileNotFoundError) as e:
-        # a user error found inside a worker: one line, status 2, no traceback
-        print(f"error: {e}", file=sys.stderr, flush=True)
+    except (LowCommError, FileNotFoundError) as e:
+        # a user error found inside a worker: status 2, no traceback; every worker usually hits
+        # the same one, so the launcher prints each distinct message once (see _user_errors)
+        try:
+            _error_file(out_dir, os.environ.get("RANK", "0")).write_text(str(e))
+        except OSError:
+            print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+def _error_file(out_dir: str | Path, rank: str | int) -> Path:
+    return Path(out_dir) / f".error-rank{rank}"
+
+
+def _user_errors(out_dir: Path) -> str:
+    """The distinct messages the workers left in their error files (which are then removed)."""
+    messages: list[str] = []
+    for f in sorted(out_dir.glob(".error-rank*")):
+        with contextlib.suppress(OSError):
+            text = f.read_text().strip()
+            f.unlink()
+            if text and text not in messages:
+                messages.append(text)
+    return "; ".join(messages)
+
+
+def preflight(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, workers: int) -> list[str]:
+    """Check device, model, fragment schedule and data before any worker starts.
+
+    Raises ConfigError for what cannot work; returns warnings (e.g. a corpus read many times
+    over) for the caller to print once.
+    """
+    import torch
+
+    from .log import check_log_backend
+
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but no CUDA device is available: use device=cpu")
+    if cfg.device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", cfg.device):
+        raise ConfigError(f"device={cfg.device!r}: choose auto, cpu, cuda or cuda:N")
+    check_log_backend(cfg.log)
+    warnings = []
+    vocab = 256
+    if cfg.data.startswith("hf:") and importlib.util.find_spec("datasets") is None:
+        raise ConfigError(f"data={cfg.data} needs the Hugging Face datasets package: "
+                          f"pip install 'lowcomm[hf]'")
+    if cfg.data not in ("stdlib", "") and not cfg.data.startswith("hf:"):
+        corpus = _check_data(cfg, workers)
+        vocab = corpus.vocab_size
+        warn = _repeat_warning(corpus, cfg, workers)
+        if warn:
+            warnings.append(warn)
+    _check_schedule(strategy, sync_cfg, cfg, vocab)
+    return warnings
+
+
+def _check_data(cfg: TrainConfig, workers: int) -> Any:
+    """Load the corpus once here, and cut it as the workers will, so its errors come first."""
+    from .data import Batches, load_corpus, val_batches
+
+    corpus = load_corpus(cfg.data)
+    Batches(corpus.train, cfg.batch_size, cfg.seq_len, 0, workers, cfg.seed, shard=cfg.shard)
+    val_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches, seed=cfg.seed)
+    return corpus
+
+
+def _repeat_warning(corpus: Any, cfg: TrainConfig, workers: int) -> str | None:
+    from .data import repeat_warning
+
+    return repeat_warning(corpus, cfg.steps * cfg.batch_size * cfg.seq_len * workers)
+
+
+def _check_schedule(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, vocab: int) -> None:
+    """Build the model without memory (meta device) and the engine's fragment schedule on it."""
+    import torch
+
+    from ..engine import LowComm
+    from ..presets import PER_STEP_STRATEGIES
+    from .model import build_model
+
+    if strategy in PER_STEP_STRATEGIES or strategy == torchft_peer.STRATEGY:
+        return
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg.model, vocab_size=vocab, max_seq_len=max(cfg.seq_len, 1))
+    except LowCommError:
+        raise
+    except Exception:  # a model that cannot be built without memory: the workers check it
+        return
+    # the constructor checks the config and the fragments; nothing is sent before start()
+    LowComm(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_cfg)
 
 
 def launch(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str | Path,
            workers: int, port: int | None = None, name: str | None = None,
-           resume: str | None = None) -> dict[str, Any] | None:
+           resume: str | None = None,
+           on_checked: Callable[[], None] | None = None) -> dict[str, Any] | None:
     """Run a training job; returns rank 0's summary (None on other ranks under torchrun).
 
-    ``resume`` is a checkpoint folder (from :func:`find_resume`) to continue from.
+    ``resume`` is a checkpoint folder (from :func:`find_resume`) to continue from. Config,
+    device, model, schedule and data errors are raised here, before any worker starts;
+    ``on_checked`` runs once they have passed, just before the workers start.
     """
     if strategy == torchft_peer.STRATEGY:
         torchft_peer.check_config(sync_cfg, cfg.checkpoint_every, resume)
     if under_torchrun():
         from .loop import run_worker
 
+        preflight(strategy, sync_cfg, cfg, int(os.environ["WORLD_SIZE"]))
+        if on_checked is not None:
+            on_checked()
         return run_worker(strategy, sync_cfg, cfg, out_dir, name, resume)
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {workers}")
     if port is not None:
         check_port(port)
+    for warning in preflight(strategy, sync_cfg, cfg, workers):
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    if on_checked is not None:
+        on_checked()
+    return _run_local(strategy, sync_cfg, cfg, Path(out_dir), workers, port, name, resume)
+
+
+def _run_local(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: Path,
+               workers: int, port: int | None, name: str | None,
+               resume: str | None) -> dict[str, Any] | None:
+    """Start ``workers`` local processes with torch's elastic launcher; rank 0's summary."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if not os.environ.get("LOWCOMM_DEBUG"):
         # we report a failed worker in one line ourselves; LOWCOMM_DEBUG=1 shows torch's logs
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=workers, run_id=uuid.uuid4().hex[:12],
-                      rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port or free_port()}",
-                      max_restarts=0, monitor_interval=0.2, start_method="spawn")
+    for stale in out_dir.glob(".error-rank*"):  # left by a launcher that was killed
+        stale.unlink(missing_ok=True)
+    lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=workers,
+                      run_id=uuid.uuid4().hex[:12], rdzv_backend="c10d",
+                      rdzv_endpoint=f"127.0.0.1:{port or free_port()}", max_restarts=0,
+                      monitor_interval=0.2, start_method="spawn")
     try:
         results = elastic_launch(lc, _entry)(strategy, sync_cfg, cfg, str(out_dir), name, resume)
+    except (KeyboardInterrupt, SignalException):
+        raise Interrupted(interrupted_message(out_dir)) from None
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        msg = failure.message
-        if isinstance(msg, dict):
-            msg = msg.get("message", msg)
-        if failure.exitcode == 2:
-            raise LaunchError(f"worker {rank} stopped on a user error (above)", 2) from None
-        what = (f"was lost (killed by signal {-failure.exitcode})" if failure.exitcode < 0
-                else f"failed (exit code {failure.exitcode})")
-        raise LaunchError(f"worker {rank} (pid {failure.pid}) {what}: {msg}; the other workers were "
-                          f"stopped. {_last_checkpoint_hint(out_dir)}") from None
+        raise _worker_failure(e, out_dir) from None
     return results.get(0)
+
+
+def _worker_failure(e: Any, out_dir: Path) -> LaunchError:
+    """One line naming the first failed worker and why, with the resume hint."""
+    rank, failure = e.get_first_failure()
+    msg = failure.message
+    if isinstance(msg, dict):
+        msg = msg.get("message", msg)
+    if failure.exitcode == 2:
+        return LaunchError(_user_errors(out_dir) or f"worker {rank} stopped on a user error", 2)
+    if failure.exitcode == 130:
+        return Interrupted(interrupted_message(out_dir))
+    what = (f"was lost (killed by signal {-failure.exitcode})" if failure.exitcode < 0
+            else f"failed (exit code {failure.exitcode})")
+    return LaunchError(f"worker {rank} (pid {failure.pid}) {what}: {msg}; the other workers were "
+                       f"stopped. {_last_checkpoint_hint(out_dir)}")
+
+
+def interrupted_message(out_dir: str | Path) -> str:
+    """'interrupted at step N; last checkpoint ...; resume with ...' for a stopped run."""
+    from .. import checkpoint as ckpt
+
+    out = Path(out_dir)
+    step = _last_logged_step(out)
+    with contextlib.suppress(Exception):  # the message must never hide the interruption
+        last = ckpt.latest_complete(out, checksums=False)
+        if last is not None:
+            step = max(step, ckpt.step_of(last))
+            return (f"interrupted at step {step}; last checkpoint {last} "
+                    f"(step {ckpt.step_of(last)}); "
+                    f"resume with `lowcomm train --resume {out}`")
+    return (f"interrupted at step {step}; no checkpoint was written, so the run cannot be "
+            f"resumed (set checkpoint_every=N to make runs resumable)")
+
+
+def _last_logged_step(out: Path) -> int:
+    """The last step rank 0 logged in metrics.jsonl (0 if none)."""
+    step = 0
+    with contextlib.suppress(OSError):
+        for line in (out / "metrics.jsonl").read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                step = max(step, int(json.loads(line).get("step", 0)))
+    return step
 
 
 def _last_checkpoint_hint(out_dir: str | Path) -> str:

@@ -1,0 +1,270 @@
+"""The run object: everything one worker's training run holds, built in two steps.
+
+:func:`set_up` makes the model, optimizer, schedule, data and control transport;
+:func:`wrap_for_strategy` adds what the strategy needs: DistributedDataParallel with a metered
+comm hook for per-step strategies, the engine (or a peer implementation) for the others.
+The training loop itself is in :mod:`lowcomm.train.loop`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..config import ConfigError, SyncConfig, TrainConfig
+from ..engine import LowComm
+from ..loco import GradReduceState, LoCoState, TorchHookState, allreduce_hook, loco_hook, torch_hook
+from ..peers import torchft
+from ..presets import PER_STEP_STRATEGIES
+from ..transport import Transport
+from .data import Batches, load_corpus, val_batches
+from .model import build_model
+
+
+class Clock:
+    """Training time as a sum of timed segments (the inner steps and the final drain).
+
+    Logging, evaluation and checkpoints fall between segments, so they are never counted.
+    Each segment splits into compute and waiting, with the waiting clamped to the segment:
+    ``compute_s <= wall_s`` holds by construction, whatever the meters report.
+    """
+
+    def __init__(self) -> None:
+        self.wall_s = 0.0
+        self.compute_s = 0.0
+        self.blocked_extra = 0.0
+        """Waiting not seen by the engine's meter (the DDP hooks' wait at the end of backward)."""
+
+    @contextlib.contextmanager
+    def segment(self, blocked_s: Callable[[], float]) -> Iterator[list[float]]:
+        """Time the block; ``blocked_s()`` is the meter's total wait, read before and after.
+
+        The block may append extra waiting the meter does not see to the yielded list.
+        """
+        extra: list[float] = []
+        t0, b0 = time.perf_counter(), blocked_s()
+        yield extra
+        dt = time.perf_counter() - t0
+        waited = min(dt, max(0.0, blocked_s() - b0 + sum(extra)))
+        self.wall_s += dt
+        self.compute_s += dt - waited
+        self.blocked_extra += sum(extra)
+
+    def state_dict(self) -> dict[str, float]:
+        """The totals so far (stored in checkpoints)."""
+        return {"wall": self.wall_s, "compute": self.compute_s, "blocked_extra": self.blocked_extra}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Continue from saved totals."""
+        self.wall_s = float(state["wall"])
+        self.compute_s = min(float(state["compute"]), self.wall_s)  # older files: clamp too
+        self.blocked_extra = float(state["blocked_extra"])
+
+
+@dataclass
+class Run:
+    """One worker's run: settings, model and optimizer state, data, strategy and clocks."""
+
+    strategy: str
+    sync_cfg: SyncConfig
+    cfg: TrainConfig
+    out: Path
+    name: str | None
+    device: torch.device
+    rank: int
+    world: int
+    owns_group: bool
+    """True when this run created the process group (and so destroys it at the end)."""
+    model: nn.Module
+    """The bare model: its parameters are the ones the engine syncs and model.pt stores."""
+    vocab_size: int
+    corpus: str
+    """One line describing the corpus (source, token counts, split)."""
+    tokenizer_file: str | None
+    """The tokenizer that made the tokens (saved with Hugging Face models); None for bytes."""
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    batches: Batches
+    val: list[tuple[torch.Tensor, torch.Tensor]]
+    control: Transport
+    """Loss logging and summaries: counted as control traffic."""
+    train_model: nn.Module | None = None
+    """What the forward pass runs on: a DDP wrapper for per-step strategies, else ``model``."""
+    engine: Any = None
+    """LowComm (or a peer with the same surface) for outer-step strategies; None for per-step."""
+    hook_state: GradReduceState | None = None
+    """The DDP comm hook's state for per-step strategies; None otherwise."""
+    clock: Clock = field(default_factory=Clock)
+    start_step: int = 1
+    loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
+    pending_checkpoint: bool = False
+    """A checkpoint is due: taken at the next sync boundary."""
+
+    @property
+    def per_step(self) -> bool:
+        """True for strategies that communicate every step (DDP and its hooks)."""
+        return self.strategy in PER_STEP_STRATEGIES
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens trained per inner step over all workers."""
+        return self.cfg.batch_size * self.cfg.seq_len * self.world
+
+    def blocked_s(self) -> float:
+        """The engine meter's total waiting time (0 without an engine)."""
+        return self.engine.transport.meter.blocked_s if self.engine is not None else 0.0
+
+    def sync_context(self) -> contextlib.AbstractContextManager[Any]:
+        """The engine's ``with`` block (start-up broadcast, then hooks), or nothing."""
+        return self.engine if self.engine is not None else contextlib.nullcontext()
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """bf16 autocast on CUDA; nothing on CPU."""
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def meter_totals(self) -> dict[str, float]:
+        """The strategy's meter (engine or hook) plus the control traffic, as one dict."""
+        meter = (self.engine.transport.meter
+                 if self.engine is not None and self.engine.transport is not None
+                 else self.hook_state.transport.meter if self.hook_state is not None else None)
+        totals = meter.as_dict() if meter is not None else {}
+        for k in ("control_payload_bytes", "control_sent_bytes", "control_received_bytes"):
+            totals[k] = totals.get(k, 0) + getattr(self.control.meter, k)
+        totals["blocked_s"] = totals.get("blocked_s", 0.0) + self.clock.blocked_extra
+        return totals
+
+    def evaluate(self) -> float:
+        """Mean validation loss on the global parameters; batches split across workers."""
+        engine = self.engine
+        ctx = engine.global_parameters() if engine is not None else contextlib.nullcontext()
+        self.model.eval()
+        total = torch.zeros(2, dtype=torch.float64)
+        with ctx, torch.no_grad(), self.autocast():
+            for i in range(self.rank, len(self.val), self.world):
+                x, y = self.val[i]
+                total[0] += self.model(x.to(self.device), y.to(self.device)).item()
+                total[1] += 1
+        self.model.train()
+        self.control.all_reduce(total, control=True)
+        return float(total[0] / max(total[1], 1))
+
+
+def set_up(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str | Path,
+           name: str | None = None) -> Run:
+    """Join the process group and build the model, optimizer, schedule and data of this rank."""
+    device = resolve_device(cfg.device)
+    if device.type == "cpu":
+        torch.set_num_threads(cfg.threads)
+    owns_group = init_distributed(cfg.timeout_s, device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = Path(out_dir)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    corpus = load_corpus(cfg.data, tokenizer=cfg.tokenizer)
+    if rank == 0:
+        corpus.save_description(out)  # prints it once and writes DIR/corpus.json
+    torch.manual_seed(cfg.seed)
+    vocab = max(corpus.vocab_size, 1)
+    model = build_model(cfg.model, vocab_size=vocab, max_seq_len=max(cfg.seq_len, 1)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr, betas=(cfg.beta1, cfg.beta2),
+                            weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    batches = Batches(corpus.train, cfg.batch_size, cfg.seq_len, rank, world, cfg.seed,
+                      shard=cfg.shard)
+    val = val_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches, seed=cfg.seed)
+    return Run(strategy=strategy, sync_cfg=sync_cfg, cfg=cfg, out=out, name=name, device=device,
+               rank=rank, world=world, owns_group=owns_group, model=model, vocab_size=vocab,
+               corpus=corpus.description, tokenizer_file=corpus.tokenizer_file, opt=opt, sched=sched, batches=batches, val=val,
+               control=Transport())
+
+
+def wrap_for_strategy(run: Run) -> None:
+    """Give the run its communication: DDP and a metered hook, or the engine (or a peer)."""
+    cfg, sync_cfg = run.cfg, run.sync_cfg
+    if not run.per_step:
+        run.train_model = run.model
+        if run.strategy == torchft.STRATEGY:  # its settings were checked by launch()
+            run.engine = torchft.TorchftDiLoCo(run.model, run.opt, sync_cfg,
+                                               timeout_s=cfg.timeout_s)
+        else:
+            run.engine = LowComm(run.model, run.opt, sync_cfg, timeout_s=cfg.timeout_s,
+                                 comm_delay_s=cfg.comm_delay_s)
+        return
+    grad_transport = Transport(dist.new_group(backend=dist.get_backend()), delay_s=cfg.comm_delay_s)
+    # our own metered broadcast of the initial weights (DDP's would go uncounted)
+    with torch.no_grad():
+        for p in run.model.parameters():
+            grad_transport.broadcast(p.data, src=0, control=True)
+    ddp_kw: dict[str, Any] = {}
+    if "init_sync" in nn.parallel.DistributedDataParallel.__init__.__code__.co_varnames:
+        ddp_kw["init_sync"] = False
+    run.train_model = nn.parallel.DistributedDataParallel(
+        run.model, device_ids=[run.device.index] if run.device.type == "cuda" else None,
+        process_group=grad_transport.group, **ddp_kw)
+    run.hook_state, hook = _ddp_hook(run, grad_transport)
+    run.train_model.register_comm_hook(run.hook_state, hook)
+
+
+def _ddp_hook(run: Run, transport: Transport) -> tuple[GradReduceState, Callable[..., Any]]:
+    """The comm hook of a per-step strategy and its state: LoCo, one of PyTorch's, or FP32."""
+    cfg, s = run.cfg, run.sync_cfg
+    if run.strategy == "loco":
+        reduce = s.reduce if s.reduce in ("gather", "two-phase") else "auto"
+        state = LoCoState(run.model, transport, bits=cfg.loco_bits, beta=s.loco_beta,
+                          group_size=s.codec_block, reset_every=s.loco_reset_every,
+                          reduce=reduce, compensate=s.compensation == "loco")
+        return state, loco_hook
+    if cfg.ddp_hook != "allreduce":
+        state = TorchHookState(transport, cfg.ddp_hook, rank=cfg.powersgd_rank,
+                               start_iter=cfg.powersgd_start)
+        return state, torch_hook
+    return GradReduceState(transport), allreduce_hook
+
+
+def init_distributed(timeout_s: float, device: torch.device) -> bool:
+    """Join the process group described by the environment (torchrun / our launcher).
+
+    Returns True when this call created the group (the caller then destroys it when done).
+    """
+    if dist.is_initialized():
+        return False
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return True
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto -> cuda (this worker's local GPU) when available, else cpu."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError("device=cuda but no CUDA device is available: use device=cpu")
+        if name == "cuda":
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            name = f"cuda:{local % torch.cuda.device_count()}"
+        torch.cuda.set_device(torch.device(name))
+    return torch.device(name)
+
+
+def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
+    """Linear warm-up to 1, then cosine decay to min_lr_ratio at the last step."""
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        span = max(1, cfg.steps - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f

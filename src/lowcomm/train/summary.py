@@ -1,0 +1,115 @@
+"""`RunSummary`: the record every run writes as ``DIR/summary.json`` (fields in docs/design.md).
+
+One typed record instead of string-keyed reads: the trainer builds it, ``compare``, ``report``
+and the simulator's ``--from-run`` read it. Torch-free, so the simulator can import it.
+Fields a summary may lack (written by an older version, or by hand) read as ``None``; keys this
+class does not know are kept in ``extra`` and written back unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Settings that change how a run is observed or stored, not what it computes: runs differing
+# only in these (or in the seed) are repeats of one configuration.
+_BOOKKEEPING = frozenset({"seed", "progress", "log", "log_every", "eval_every", "checkpoint_every",
+                          "timeout_s", "threads", "device", "comm_delay_s"})
+# Settings that define the problem every strategy is compared on (model, data and budget).
+_PROBLEM = ("model", "data", "shard", "steps", "batch_size", "seq_len")
+
+
+@dataclass
+class RunSummary:
+    """One finished run: what was trained, what it cost on the wire, and how the time split."""
+
+    strategy: str | None = None
+    name: str | None = None
+    workers: int | None = None
+    params: int | None = None
+    n_layers: int | None = None
+    vocab_size: int | None = None
+    tokens: int | None = None
+    inner_steps: int | None = None
+    final_val_loss: float | None = None
+    bytes_sent_per_worker: int | None = None
+    bytes_received_per_worker: int | None = None
+    payload_bytes_per_worker: int | None = None
+    ddp_fp32_bytes_per_worker: int | None = None
+    control_bytes_per_worker: int | None = None
+    syncs: int | None = None
+    peak_bytes_per_sync: int | None = None
+    wall_s: float | None = None
+    compute_s: float | None = None
+    blocked_s: float | None = None
+    compute_utilization: float | None = None
+    step_compute_s: float | None = None
+    peak_rss_bytes: int | None = None
+    seed: int | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    data: str | None = None
+    """One line describing the corpus the run trained on (source, token counts, split)."""
+    torch_version: str | None = None
+    git_rev: str | None = None
+    device: str | None = None
+    outer_clipped_elements: int | None = None
+    outer_penalized_elements: int | None = None
+    # set by `compare` / `report`
+    entry: str | None = None
+    """The `compare --strategies` item this run belongs to (its seeds and links share it)."""
+    bandwidth: str | None = None
+    topology: str | None = None
+    measured_link_mbit: float | None = None
+    run_dir: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Keys of the file this class does not name, kept so that a rewrite loses nothing."""
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunSummary:
+        """Build from a parsed summary.json; unknown keys go to ``extra``."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {k: v for k, v in d.items() if k in names}
+        if not isinstance(known.get("config", {}), dict):
+            raise ValueError("summary 'config' is not an object")
+        known["config"] = dict(known.get("config") or {})
+        return cls(**known, extra={k: v for k, v in d.items() if k not in names})
+
+    @classmethod
+    def read(cls, path: str | Path) -> RunSummary:
+        """Read ``path`` (a run folder or its summary.json); ValueError if it is not one."""
+        p = Path(path)
+        file = p / "summary.json" if p.is_dir() else p
+        d = json.loads(file.read_text())
+        if not isinstance(d, dict):
+            raise ValueError(f"{file} is not a JSON object")
+        return cls.from_dict(d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The summary.json object: every field that is set, then the kept unknown keys."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        out = {k: v for k, v in out.items() if v is not None}
+        return {**out, **self.extra}
+
+    def write(self, path: str | Path) -> None:
+        """Write as indented JSON to ``path`` (a file)."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @property
+    def label(self) -> str:
+        """The run's display name (its strategy when unnamed)."""
+        return self.name or self.strategy or "?"
+
+    def problem_key(self) -> str:
+        """What the run was trained on: model, data, budget and world; equal keys are comparable."""
+        cfg = self.config
+        parts = {k: cfg.get(k) for k in _PROBLEM}
+        return json.dumps({**parts, "corpus": self.data, "workers": self.workers}, sort_keys=True)
+
+    def config_key(self) -> str:
+        """Problem plus every setting that changes the result but the seed: equal keys are seeds."""
+        cfg = {k: v for k, v in self.config.items() if k not in _BOOKKEEPING}
+        return json.dumps({"problem": self.problem_key(), "strategy": self.strategy, "config": cfg},
+                          sort_keys=True, default=str)
