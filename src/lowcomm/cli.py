@@ -137,7 +137,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     args.workers = 2 if args.workers_given is None else args.workers_given
     if args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
-    sync_cfg, train_cfg = build_configs(_values(args), sync=preset_config(args.strategy))
+    sync_cfg, train_cfg = build_configs(_values(args),
+                                       sync=preset_config(args.strategy, workers=args.workers))
     _check_model(train_cfg.model)
     _check_data(train_cfg.data)
     old = _existing_run(args.out, args.overwrite)

@@ -351,6 +351,8 @@ def build_configs(values: dict[str, Any], sync: SyncConfig | None = None,
             raise ConfigError(f"unknown config key '{key}'{hint}: see `lowcomm train --help` for the keys")
         cls, f = known[key]
         (sync_kw if cls is SyncConfig else train_kw)[key] = _coerce(key, f, raw)
+    if "fragments" in sync_kw and "blocks_per_fragment" not in sync_kw:
+        sync_kw["blocks_per_fragment"] = 0  # an explicit count replaces a preset's blocks per fragment
     s = dataclasses.replace(sync or SyncConfig(), **sync_kw)
     t = dataclasses.replace(train or TrainConfig(), **train_kw)
     s.validate()

@@ -37,7 +37,7 @@ PER_STEP_CONFIGS: dict[str, dict[str, Any]] = {
 }
 PER_STEP_STRATEGIES = tuple(PER_STEP_CONFIGS)
 # Peers: other libraries' implementations run by our trainer on the same model, data and link
-# (optional extras; see lowcomm.bench.torchft_peer). Same knobs as our DiLoCo.
+# (optional extras; see lowcomm.peers.torchft). Same knobs as our DiLoCo.
 PEER_CONFIGS: dict[str, dict[str, Any]] = {"torchft-diloco": dict(STRATEGY_CONFIGS["diloco"])}
 STRATEGIES = PER_STEP_STRATEGIES + tuple(STRATEGY_CONFIGS) + tuple(PEER_CONFIGS)
 

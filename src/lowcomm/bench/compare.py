@@ -68,7 +68,7 @@ def run_compare(entries: list[Entry], common: dict[str, Any], workers: int, seed
     bandwidth and torn down after it. ``command`` (the command line) heads results.md.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    plans = _plan(entries, common, seeds)  # every configuration checked before the first run
+    plans = _plan(entries, common, seeds, workers)  # every configuration checked before the first run
     results: list[RunSummary] = []
     failed: list[str] = []
     for bw in bandwidths or [None]:
@@ -113,13 +113,14 @@ def run_compare(entries: list[Entry], common: dict[str, Any], workers: int, seed
     return results
 
 
-def _plan(entries: list[Entry], common: dict[str, Any], seeds: list[int]) -> list[tuple]:
+def _plan(entries: list[Entry], common: dict[str, Any], seeds: list[int],
+          workers: int) -> list[tuple]:
     """(entry, seed, values, sync config, train config) of every run, each config validated."""
     plans = []
     for seed in seeds:
         for e in entries:
             values = {**common, **e.overrides, "seed": seed}
-            sync_cfg, train_cfg = build_configs(values, sync=preset_config(e.strategy))
+            sync_cfg, train_cfg = build_configs(values, sync=preset_config(e.strategy, workers=workers))
             if e.strategy == torchft_peer.STRATEGY:
                 torchft_peer.check_config(sync_cfg, train_cfg.checkpoint_every, None)
             plans.append((e, seed, values, sync_cfg, train_cfg))

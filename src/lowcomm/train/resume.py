@@ -91,7 +91,8 @@ def restore(run: Run, state: dict[str, Any]) -> None:
         _restore_everything(run, state)
         return
     if run.engine is not None:
-        run.engine.load_state_dict(dict(state["engine"], pending={}, compensation={}, left_out=[]))
+        run.engine.load_state_dict(dict(state["engine"], pending={}, compensation={}, left_out=[],
+                                        local=None, snapshot={}, reduce_compensation={}))
         params = dict(run.model.named_parameters())
         with torch.no_grad():
             for name, value in run.engine.global_state().items():

@@ -224,7 +224,8 @@ def _ddp_hook(run: Run, transport: Transport) -> tuple[GradReduceState, Callable
         reduce = s.reduce if s.reduce in ("gather", "two-phase") else "auto"
         state = LoCoState(run.model, transport, bits=cfg.loco_bits, beta=s.loco_beta,
                           group_size=s.codec_block, reset_every=s.loco_reset_every,
-                          reduce=reduce, compensate=s.compensation == "loco")
+                          reduce=reduce, compensate=s.compensation == "loco",
+                          quantizer=s.loco_quantizer, compress_1d=s.loco_compress_1d)
         return state, loco_hook
     if cfg.ddp_hook != "allreduce":
         state = TorchHookState(transport, cfg.ddp_hook, rank=cfg.powersgd_rank,
