@@ -71,3 +71,17 @@ def test_train_does_not_import_bench():
     bad = [str(p.relative_to(SRC)) for p in sorted((SRC / "train").rglob("*.py"))
            if any(".bench" in n or n.startswith("lowcomm.bench") for n in _imports(p))]
     assert not bad, f"train/ imports bench/ (an upward arrow): {bad}"
+
+
+def test_engines_meet_the_protocols():
+    from helpers import adamw, tiny_model
+
+    from lowcomm.engine import LowComm
+    from lowcomm.peers.torchft import TorchftDiLoCo
+    from lowcomm.protocols import CheckpointableEngine, SyncEngine
+
+    model = tiny_model()
+    engine = LowComm(model, adamw(model))
+    assert isinstance(engine, SyncEngine) and isinstance(engine, CheckpointableEngine)
+    for name in ("__enter__", "__exit__", "finish", "global_parameters"):
+        assert callable(getattr(TorchftDiLoCo, name))

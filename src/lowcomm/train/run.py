@@ -26,6 +26,7 @@ from ..engine import LowComm
 from ..loco import GradReduceState, LoCoState, TorchHookState, allreduce_hook, loco_hook, torch_hook
 from ..peers import torchft
 from ..presets import PER_STEP_STRATEGIES
+from ..protocols import SyncEngine
 from ..transport import Transport
 from .data import Batches, load_corpus, val_batches
 from .model import build_model
@@ -100,7 +101,7 @@ class Run:
     """Loss logging and summaries: counted as control traffic."""
     train_model: nn.Module | None = None
     """What the forward pass runs on: a DDP wrapper for per-step strategies, else ``model``."""
-    engine: Any = None
+    engine: SyncEngine | None = None  # LowComm, or a peer library's outer loop
     """LowComm (or a peer with the same surface) for outer-step strategies; None for per-step."""
     hook_state: GradReduceState | None = None
     """The DDP comm hook's state for per-step strategies; None otherwise."""
