@@ -312,11 +312,11 @@ def test_topk_keeps_exactly_the_k_largest_per_chunk(x, density):
     idx, vals = c.decode_sparse(p, x.shape, "w")
     flat = x.reshape(-1)
     tiles = tiles_of(x)
-    assert idx.numel() == sum(max(1, min(t.numel(), int(t.numel() * density + 0.5))) for t in tiles)
+    assert idx.numel() == sum(max(1, min(t.numel(), round(t.numel() * density))) for t in tiles)
     assert torch.equal(vals, flat[idx])  # fp32 values: exact
     pos = 0
     for t in tiles:
-        k = min(t.numel(), max(1, int(t.numel() * density + 0.5)))
+        k = min(t.numel(), max(1, round(t.numel() * density)))
         got = idx[pos:pos + k]
         pos += k
         assert set(got.tolist()) <= set(t.tolist()) and len(set(got.tolist())) == k

@@ -313,7 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_MODEL_HELP = f"model preset: tiny, small, base, 124m (default: {TrainConfig.model}, the model key)"
+_MODEL_HELP = (f"model preset: tiny, small, base, 124m, or a Hugging Face causal LM: hf:ARCH[:PRESET] "
+               f"(llama, gpt2, qwen2, ...) or hf:PATH (default: {TrainConfig.model}, the model key)")
 _STEPS_HELP = f"inner steps per worker (default: {TrainConfig.steps}, the steps key)"
 
 
@@ -333,20 +334,28 @@ def _add_train(sub: Any) -> None:
     t.add_argument("--resume", default=None, metavar="DIR",
                    help="continue the run saved in DIR from its newest complete checkpoint "
                         "(default: start a new run)")
-    t.add_argument("--model", default=None, metavar="PRESET",
-                   help=_MODEL_HELP)
-    t.add_argument("--steps", type=int, default=None, metavar="N",
-                   help=_STEPS_HELP)
+    _add_model_and_steps(t)
     t.add_argument("--out", default="runs/train", metavar="DIR",
                    help="output folder; refused if it holds a run, unless --overwrite")
     t.add_argument("--overwrite", action="store_true",
                    help="replace the run already in --out (its checkpoints and model included)")
-    t.add_argument("--config", default=None, metavar="FILE.toml",
-                   help="TOML file of config keys (default: none)")
-    t.add_argument("--port", type=_port, default=None,
-                   help="rendezvous port (default: a free one)")
-    t.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    _add_config_port_overrides(t)
     t.set_defaults(func=cmd_train)
+
+
+def _add_model_and_steps(p: argparse.ArgumentParser) -> None:
+    """--model and --steps, shared by train and compare."""
+    p.add_argument("--model", default=None, metavar="PRESET", help=_MODEL_HELP)
+    p.add_argument("--steps", type=int, default=None, metavar="N", help=_STEPS_HELP)
+
+
+def _add_config_port_overrides(p: argparse.ArgumentParser) -> None:
+    """--config, --port and the key=value overrides, shared by train and compare."""
+    p.add_argument("--config", default=None, metavar="FILE.toml",
+                   help="TOML file of config keys (default: none)")
+    p.add_argument("--port", type=_port, default=None,
+                   help="rendezvous port (default: a free one)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
 
 def _add_compare(sub: Any) -> None:
@@ -358,10 +367,7 @@ def _add_compare(sub: Any) -> None:
                         "sparseloco:density=1/32:sync_every=50")
     c.add_argument("--workers", type=int, default=2, metavar="M",
                    help="local worker processes per run")
-    c.add_argument("--model", default=None, metavar="PRESET",
-                   help=_MODEL_HELP)
-    c.add_argument("--steps", type=int, default=None, metavar="N",
-                   help=_STEPS_HELP)
+    _add_model_and_steps(c)
     c.add_argument("--seeds", default="0", help="comma list of seeds, e.g. 0,1")
     c.add_argument("--bandwidth", default=None, metavar="RATE",
                    help="shape the link to this rate, e.g. 50mbit (default: unshaped)")
@@ -371,11 +377,7 @@ def _add_compare(sub: Any) -> None:
                    help="shaped links: one shared by all workers, or one per worker")
     c.add_argument("--out", default="runs/compare", metavar="DIR",
                    help="output folder: one subfolder per run, results.md/json and plots")
-    c.add_argument("--config", default=None, metavar="FILE.toml",
-                   help="TOML file of config keys (default: none)")
-    c.add_argument("--port", type=_port, default=None,
-                   help="rendezvous port (default: a free one)")
-    c.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    _add_config_port_overrides(c)
     c.set_defaults(func=cmd_compare)
 
 
