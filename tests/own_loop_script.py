@@ -63,23 +63,28 @@ def build(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
 
 
-def step(model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator) -> None:
+def step(model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator,
+         skip: bool = False) -> None:
     x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
     F.cross_entropy(model(x).reshape(-1, VOCAB), ((x * 5 + 3) % VOCAB).reshape(-1)).backward()
-    opt.step()
+    if not skip:  # as a GradScaler does after an overflow on this worker only
+        opt.step()
     opt.zero_grad()
 
 
-def train(strategy: str, blocks: list[int]) -> dict[str, torch.Tensor]:
-    """Train in ``blocks`` (steps per ``with`` block on this rank); the state every rank holds."""
+def train(strategy: str, blocks: list[int], skipped: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+    """Train in ``blocks`` (loop iterations per ``with`` block on this rank, optimizer steps
+    skipped at the ``skipped`` iterations); the state every rank holds at the end."""
     rank = dist.get_rank()
     model, opt = build(rank)
     gen = torch.Generator().manual_seed(rank)
     sync = PRESETS[strategy](model, opt, timeout_s=30, **SETTINGS[strategy])
+    i = 0
     for n in blocks:
         with sync:
             for _ in range(n):
-                step(model, opt, gen)
+                i += 1
+                step(model, opt, gen, skip=i in skipped)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -140,9 +145,10 @@ def main() -> None:
     two = train(strategy, [20, 20])
     uneven = train(strategy, [44 if rank == 0 else 41])
     whole_rounds = train(strategy, [36])
+    drift = train(strategy, [40], skipped=(9, 10) if rank == 1 else ())  # rank 1 two steps behind
     result = {
         "two_blocks_equal_one": all(torch.equal(one[k], two[k]) for k in one),
-        "same_on_every_rank": [same_everywhere(s) for s in (one, two, uneven, whole_rounds)],
+        "same_on_every_rank": [same_everywhere(s) for s in (one, two, uneven, whole_rounds, drift)],
         "partial_round_counts": any(not torch.equal(one[k], whole_rounds[k]) for k in one),
         "one": one,
     }
