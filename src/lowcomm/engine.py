@@ -255,8 +255,13 @@ class LowComm:
         return dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=self._timeout_s))
 
     def _reenter(self) -> None:
-        """Second and later blocks: the model must still hold what leaving published."""
-        assert self._kept_local is not None
+        """Second and later blocks: the model must still hold what leaving published.
+
+        After a block left by an exception nothing was published or kept: training goes on
+        from the weights as they are.
+        """
+        if self._kept_local is None:
+            return
         if self._published is not None:
             current = dict(self.model.named_parameters())
             changed = [n for n, v in self._published.items()
