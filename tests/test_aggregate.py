@@ -23,8 +23,12 @@ def _agg_worker(rank: int, world: int, method: str, codec_name: str, aggregation
     t = Transport()
     enc = agg.encode(_inputs(rank), need_local=True)
     red = agg.exchange(enc, t)
-    return {"mean": red.mean, "valid": red.valid_workers, "meter": t.meter.as_dict(),
-            "payload": enc.payload.numel()}
+    return {
+        "mean": red.mean,
+        "valid": red.valid_workers,
+        "meter": t.meter.as_dict(),
+        "payload": enc.payload.numel(),
+    }
 
 
 @pytest.mark.parametrize("world,codec", [(2, "topk"), (4, "fp4")])
@@ -50,7 +54,7 @@ def test_two_phase_reduce(workers, world, codec):
     # phase 1: each owner decodes every worker's encoded shard and sums in FP32
     means = []
     for j in range(world):
-        s = sum(c.roundtrip(p[j * shard:(j + 1) * shard]) for p in padded) / world
+        s = sum(c.roundtrip(p[j * shard : (j + 1) * shard]) for p in padded) / world
         means.append(c.roundtrip(s))  # phase 2: re-encoded average, all-gathered
     expected = torch.cat(means)[:n]
     for r in res:
@@ -88,8 +92,9 @@ def _compensated_worker(rank: int, world: int, key: str | None) -> list[torch.Te
     from lowcomm.compensation import MovingAverageCompensation
 
     comp = MovingAverageCompensation(0.8)
-    agg = Aggregator("two-phase", make_codec("int4-authors", block_size=32), world,
-                     reduce_compensation=comp)
+    agg = Aggregator(
+        "two-phase", make_codec("int4-authors", block_size=32), world, reduce_compensation=comp
+    )
     t = Transport()
     out = []
     for _ in range(ROUNDS):  # the same inputs each round: only the second buffer changes
@@ -108,7 +113,7 @@ def test_two_phase_second_quantisation_is_compensated(workers):
     n = flat[0].numel()
     shard = -(-(-(-n // 3)) // 32) * 32
     padded = [torch.nn.functional.pad(f, (0, shard * 3 - n)) for f in flat]
-    means = [sum(c.roundtrip(p[j * shard:(j + 1) * shard]) for p in padded) / 3 for j in range(3)]
+    means = [sum(c.roundtrip(p[j * shard : (j + 1) * shard]) for p in padded) / 3 for j in range(3)]
     err = [torch.zeros(shard) for _ in range(3)]
     for k in range(ROUNDS):
         sent = []

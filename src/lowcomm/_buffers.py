@@ -38,5 +38,5 @@ def load_float_flat(model: nn.Module, flat: torch.Tensor) -> None:
     with torch.no_grad():
         for b in persistent(model, floating=True):
             n = b.numel()
-            b.copy_(flat[offset:offset + n].view(b.shape))
+            b.copy_(flat[offset : offset + n].view(b.shape))
             offset += n

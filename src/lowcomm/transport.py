@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -90,13 +91,18 @@ def _nbytes(t: torch.Tensor) -> int:
 class Transport:
     """Collectives over one process group, metered; async work on a single ordered comm thread."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, meter: ByteMeter | None = None,
-                 delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        meter: ByteMeter | None = None,
+        delay_s: float = 0.0,
+    ) -> None:
         """``delay_s`` adds a sleep before each collective: a test-only slow network, never a default."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "lowcomm needs torch.distributed initialised: launch with `torchrun` or "
-                "`lowcomm train --workers M`, or call torch.distributed.init_process_group first")
+                "`lowcomm train --workers M`, or call torch.distributed.init_process_group first"
+            )
         self.group = group
         self.meter = meter if meter is not None else ByteMeter()
         self.rank = dist.get_rank(group)
@@ -106,8 +112,11 @@ class Transport:
         # NCCL moves only CUDA tensors: payloads built on the CPU (the global copy may live
         # there) are staged through this device and handed back where they came from.
         backend = dist.get_backend(group)
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
-                       else torch.device("cpu"))
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
 
     # -- collectives (blocking; call from the comm thread for overlap) ------------------------
     def all_reduce(self, t: torch.Tensor, control: bool = False) -> torch.Tensor:

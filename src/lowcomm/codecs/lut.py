@@ -94,12 +94,20 @@ class LutCodec(Codec):
         payload[self._codes_at() :] = pack_bits(codes, self.bits)
         return payload
 
-    def decode(self, payload: torch.Tensor, shape: torch.Size, name: str = "tensor") -> torch.Tensor:
+    def decode(
+        self, payload: torch.Tensor, shape: torch.Size, name: str = "tensor"
+    ) -> torch.Tensor:
         shape = torch.Size(shape)
         n = numel_of(shape)
         payload = check_payload(
-            payload, name=name, codec=self.name, describe=self.describe(),
-            expected_nbytes=self.nbytes(shape), param=self.bits, numel=n, shape=shape,
+            payload,
+            name=name,
+            codec=self.name,
+            describe=self.describe(),
+            expected_nbytes=self.nbytes(shape),
+            param=self.bits,
+            numel=n,
+            shape=shape,
         )
         stats = payload[HEADER_BYTES : self._codes_at()].view(torch.float32)
         check_finite(stats, name, "shift or lookup table")
