@@ -34,7 +34,8 @@ def _target(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> 
 
 
 def run_workers(fn, world: int, *args, tmp_path: Path) -> list:
-    """Run ``fn(rank, world, *args)`` on ``world`` real processes joined by gloo; results by rank."""
+    """Run ``fn(rank, world, *args)`` on ``world`` real processes joined by gloo;
+    results by rank."""
     import torch.multiprocessing as mp
 
     out = tmp_path / f"workers-{fn.__name__}"

@@ -49,7 +49,8 @@ def test_two_phase_reduce(workers, world, codec):
     c = make_codec(codec, block_size=32)
     flat = [torch.cat([x.reshape(-1) for x in _inputs(r)]) for r in range(world)]
     n = flat[0].numel()
-    shard = -(-(-(-n // world)) // 32) * 32  # whole blocks of 32 per owner
+    per_owner = -(-n // world)  # ceil(n / world)
+    shard = -(-per_owner // 32) * 32  # whole blocks of 32 per owner
     padded = [torch.nn.functional.pad(f, (0, shard * world - n)) for f in flat]
     # phase 1: each owner decodes every worker's encoded shard and sums in FP32
     means = []
@@ -111,7 +112,8 @@ def test_two_phase_second_quantisation_is_compensated(workers):
     c = make_codec("int4-authors", block_size=32)
     flat = [torch.cat([x.reshape(-1) for x in _inputs(r)]) for r in range(3)]
     n = flat[0].numel()
-    shard = -(-(-(-n // 3)) // 32) * 32
+    per_owner = -(-n // 3)  # ceil(n / 3)
+    shard = -(-per_owner // 32) * 32  # whole blocks of 32 per owner
     padded = [torch.nn.functional.pad(f, (0, shard * 3 - n)) for f in flat]
     means = [sum(c.roundtrip(p[j * shard : (j + 1) * shard]) for p in padded) / 3 for j in range(3)]
     err = [torch.zeros(shard) for _ in range(3)]

@@ -1,4 +1,5 @@
-"""Checkpoint file layer: atomic per-rank files, meta.json completeness, corruption fallback, prune, RNG."""
+"""Checkpoint file layer: atomic per-rank files, meta.json completeness, corruption fallback,
+prune, RNG."""
 
 from __future__ import annotations
 
@@ -224,7 +225,8 @@ def test_prune(tmp_path: Path) -> None:
     in_progress = _save(tmp_path, 50, finalize_it=False)  # being written right now
     deleted = prune(tmp_path, keep=2)
     left = [p.name for p in list_checkpoints(tmp_path)]
-    # Kept: 20, 30 (newest two that verify) and everything newer than 30 (40 corrupt, 50 in progress).
+    # Kept: 20, 30 (newest two that verify) and everything newer than 30
+    # (40 corrupt, 50 in progress).
     assert left == ["step-000000020", "step-000000030", "step-000000040", "step-000000050"]
     assert sorted(p.name for p in deleted) == ["step-000000010", "step-000000025"]
     assert not old_partial.exists() and in_progress.exists()

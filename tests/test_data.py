@@ -203,7 +203,8 @@ def test_missing_path(tmp_path: Path) -> None:
 
 
 def test_hf_without_datasets(monkeypatch: pytest.MonkeyPatch) -> None:
-    # None in sys.modules makes `import datasets` fail even where it is installed: nothing downloads.
+    # None in sys.modules makes `import datasets` fail even where it is installed:
+    # nothing downloads.
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(ImportError, match=r"pip install 'lowcomm\[hf\]'"):
         load_corpus("hf:roneneldan/TinyStories")

@@ -98,7 +98,8 @@ def test_powersgd_hook_compresses_after_its_start_steps(workers):
 
 
 def test_powersgd_hook_keeps_collective_order_across_many_buckets(workers):
-    """PowerSGD's callback all-reduces of several buckets in flight must not interleave (gloo aborts)."""
+    """PowerSGD's callback all-reduces of several buckets in flight must not interleave
+    (gloo aborts)."""
     res = workers(_torch_hook_worker, 2, "powersgd", 0.002)
     assert res[0]["buckets"] >= 3 * STEPS  # really several buckets per step
     assert torch.equal(res[0]["params"], res[1]["params"])

@@ -34,7 +34,8 @@ def _diloco_worker(rank: int, world: int, H: int, rounds: int, lr: float, mom: f
 
 
 def reference_diloco(world: int, H: int, rounds: int, lr: float, mom: float) -> list[torch.Tensor]:
-    """docs/algorithms.md §1 in plain torch: M model copies trained in turn, torch.optim.SGD outside."""
+    """docs/algorithms.md §1 in plain torch: M model copies trained in turn,
+    torch.optim.SGD outside."""
     init = tiny_model(seed=100)
     models = [copy.deepcopy(init) for _ in range(world)]
     opts = [adamw(m) for m in models]

@@ -158,7 +158,8 @@ def test_authors_rule_on_three_workers_both_quantisations_compensated(workers):
     model = tiny_model(seed=0)
     vec = sum(p.numel() for p in model.parameters() if p.dim() == 1)
     mat = sum(p.numel() for p in model.parameters() if p.dim() > 1)
-    shard = -(-(-(-mat // 3)) // 32) * 32
+    per_owner = -(-mat // 3)  # ceil(mat / 3)
+    shard = -(-per_owner // 32) * 32  # whole blocks of 32 per owner
     nb = make_codec("int4-authors", block_size=32).nbytes(torch.Size([shard]))
     per_step = ring_all_reduce_bytes((vec + 1) * 4, 3) + 2 / 3 * 3 * (nb + 1) + 2 * nb
     # (the meter keeps whole bytes per collective)

@@ -260,7 +260,7 @@ def test_teardown_when_body_raises_and_leftover_workers_are_stopped(net_env: Non
             sleeper = subprocess.Popen(net.command(1, ["sleep", "60"]))
             assert len(_ours()) == 3
             assert signal.getsignal(signal.SIGINT) != handler  # ours while the network is up
-            1 / 0
+            _ = 1 / 0  # the body raises ZeroDivisionError inside the network
     assert _ours() == []
     assert signal.getsignal(signal.SIGINT) == handler  # restored
     assert sleeper.wait(timeout=5) != 0  # stopped, so its namespace could really go
@@ -282,7 +282,9 @@ _SIGNAL_SCRIPT = textwrap.dedent(
     import signal, sys, time
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started ignoring it
     from lowcomm.bench.netshape import ShapedNetwork
-    with ShapedNetwork("20mbit", sys.argv[1], workers=2, name_prefix=sys.argv[2], check=False) as net:
+    with ShapedNetwork(
+        "20mbit", sys.argv[1], workers=2, name_prefix=sys.argv[2], check=False
+    ) as net:
         print(" ".join(net.namespaces), flush=True)
         time.sleep(60)
     """

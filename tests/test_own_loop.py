@@ -52,7 +52,8 @@ def test_own_loop_contract(tmp_path, strategy):
     proc = torchrun(HERE / "own_loop_script.py", strategy, str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = torch.load(out, weights_only=False)
-    # two `with` blocks of 20 steps train bit for bit like one block of 40 (H = 6: both end mid-round)
+    # two `with` blocks of 20 steps train bit for bit like one block of 40
+    # (H = 6: both end mid-round)
     assert res["two_blocks_equal_one"]
     # parameters, BatchNorm statistics and the frozen parameter are the same on every rank after
     # one block, two blocks, uneven step counts (44 vs 41: no hang), whole rounds only, and a

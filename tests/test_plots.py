@@ -149,7 +149,8 @@ def test_network_table_relates_each_link_to_the_unshaped_run(tmp_path):
         tuple(c.strip() for c in line.strip("|").split("|")[:2]): line
         for line in table.splitlines()[2:]
     }
-    # unshaped DDP: 20,000 tokens in 2 s; on 10mbit 10,000 tokens in 40 s -> 0.025 of the unshaped rate
+    # unshaped DDP: 20,000 tokens in 2 s; on 10mbit 10,000 tokens in 40 s
+    # -> 0.025 of the unshaped rate
     assert "| 10,000 | 1.000 | 20 | 2 |" in rows[("ddp", "unshaped")]
     assert "| 250 | 0.025 | 10 | ≈ 80 (est.) |" in rows[("ddp", "10mbit")]  # 20 steps x 4 s
     # DiLoCo crosses 2.0 between 1.5 s (2.8) and 3.0 s (1.9): 1.5 + 0.8/0.9 x 1.5
@@ -158,7 +159,8 @@ def test_network_table_relates_each_link_to_the_unshaped_run(tmp_path):
 
 
 def test_compare_goes_on_after_a_lost_run_and_fails_at_the_end(tmp_path, monkeypatch):
-    """A worker crash in one entry of a sweep keeps the other entries' results, then exits non-zero."""
+    """A worker crash in one entry of a sweep keeps the other entries' results, then exits
+    non-zero."""
     import pytest
 
     from lowcomm.bench import compare

@@ -89,7 +89,8 @@ def test_grid_is_the_papers():
 
 
 def test_1b_table_within_one_grid_step():
-    """docs/benchmarking.md §4: every 1B cell within one step of the 50-point grid (physical model)."""
+    """docs/benchmarking.md §4: every 1B cell within one step of the 50-point grid
+    (physical model)."""
     offsets = step_offsets("1b")
     bad = {k: v for k, v in offsets.items() if max(abs(x) for x in v) > 1}
     assert not bad, f"cells more than one grid step away: {bad}"

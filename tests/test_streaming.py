@@ -81,7 +81,8 @@ def _streaming_worker(rank: int, world: int, H: int, P: int, tau: int, alpha: fl
 
 
 def reference_streaming(world, H, P, tau, alpha):
-    """docs/algorithms.md §2 in plain torch: M model copies stepped in lockstep, one SGD per fragment."""
+    """docs/algorithms.md §2 in plain torch: M model copies stepped in lockstep,
+    one SGD per fragment."""
     init = tiny_model(seed=0)
     names = [n for n, _ in init.named_parameters()]
     blocks = len(init.blocks)
@@ -215,7 +216,7 @@ def _streamed_topk_worker(rank: int, world: int) -> dict:
     )
     x0, y0 = batches(0, 1).batch(10_000)
     with sync:
-        for step in range(36):
+        for _ in range(36):
             x, y = data.next()
             loss = model(x, y)
             loss.backward()

@@ -25,7 +25,8 @@ def persistent(model: nn.Module, floating: bool | None = None) -> list[torch.Ten
 
 
 def float_flat(model: nn.Module) -> torch.Tensor | None:
-    """The floating persistent buffers as one flat FP32 tensor on the CPU (None if there are none)."""
+    """The floating persistent buffers as one flat FP32 tensor on the CPU
+    (None if there are none)."""
     bufs = persistent(model, floating=True)
     if not bufs:
         return None

@@ -122,7 +122,8 @@ def _ensure_dir(path: Path) -> None:
 
 
 def _atomic_write(path: Path, write_fn) -> str:
-    """Write via ``write_fn(fileobj)`` to a temp file, fsync, hash, rename over ``path``; return sha256."""
+    """Write via ``write_fn(fileobj)`` to a temp file, fsync, hash, rename over ``path``;
+    return sha256."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -175,8 +176,9 @@ def check_weights_only_safe(state: Any) -> None:
                 for k, v in obj.items():
                     if type(k) not in _SCALARS:
                         raise TypeError(
-                            f"{_path_str(path)} has a key of type {t.__module__}.{type(k).__qualname__} "
-                            f"({k!r}); only str/int/float/bool/None keys load with weights_only=True"
+                            f"{_path_str(path)} has a key of type "
+                            f"{t.__module__}.{type(k).__qualname__} ({k!r}); "
+                            "only str/int/float/bool/None keys load with weights_only=True"
                         )
                     walk(v, path + [k])
             else:
@@ -185,8 +187,9 @@ def check_weights_only_safe(state: Any) -> None:
             active.discard(id(obj))
             return
         raise TypeError(
-            f"{_path_str(path)} is a {t.__module__}.{t.__qualname__}, which torch.load(weights_only=True) "
-            "cannot load; store tensors, str/int/float/bool/None and lists/tuples/dicts of those "
+            f"{_path_str(path)} is a {t.__module__}.{t.__qualname__}, which "
+            "torch.load(weights_only=True) cannot load; "
+            "store tensors, str/int/float/bool/None and lists/tuples/dicts of those "
             "(e.g. obj.state_dict() instead of obj, .item() or torch.tensor(...) for numpy values)"
         )
 
@@ -223,7 +226,8 @@ def _lowcomm_version() -> str:
 
 
 def write_meta(ckpt_dir: Path, meta: dict, checksums: dict[int, str]) -> None:
-    """Atomically write meta.json (marking the checkpoint complete); call after every rank file is written."""
+    """Atomically write meta.json (marking the checkpoint complete); call after every rank
+    file is written."""
     ckpt_dir = Path(ckpt_dir)
     if "step" not in meta:
         raise ValueError("meta must contain 'step'")
@@ -320,7 +324,8 @@ def _check_file(path: Path, expected_sha256: str | None) -> str | None:
     actual = sha256_file(path)
     if actual != expected_sha256:
         return (
-            f"fails its checksum ({size} bytes, sha256 {actual[:12]}..., expected {expected_sha256[:12]}...): "
+            f"fails its checksum ({size} bytes, sha256 {actual[:12]}..., "
+            f"expected {expected_sha256[:12]}...): "
             "the file is truncated or corrupted"
         )
     return None
@@ -338,7 +343,8 @@ def verify_checkpoint(
     expected = {f"rank{r}.pt" for r in range(ws)} if isinstance(ws, int) else None
     if expected is None or set(meta["files"]) != expected:
         raise CheckpointError(
-            f"{ckpt_dir / META_NAME} lists files {sorted(meta['files'])}, expected one per rank of {ws}"
+            f"{ckpt_dir / META_NAME} lists files {sorted(meta['files'])}, "
+            f"expected one per rank of {ws}"
         )
     for name, sha in sorted(meta["files"].items()):
         problem = _check_file(ckpt_dir / name, sha if checksums else None)
@@ -354,7 +360,8 @@ def latest_complete(
     before_step: int | None = None,
     checksums: bool = True,
 ) -> Path | None:
-    """Newest checkpoint that verifies (optionally older than ``before_step``); warns about each one skipped."""
+    """Newest checkpoint that verifies (optionally older than ``before_step``); warns about
+    each one skipped."""
     for d in reversed(list_checkpoints(run_dir)):
         if before_step is not None and step_of(d) >= before_step:
             continue
@@ -382,7 +389,8 @@ def _earlier_hint(ckpt_dir: Path) -> str:
 
 
 def load_rank_state(ckpt_dir: Path, rank: int, expected_sha256: str | None = None) -> dict:
-    """Verify ``rank{rank}.pt`` against its checksum (from meta.json unless given) and load it on CPU."""
+    """Verify ``rank{rank}.pt`` against its checksum (from meta.json unless given) and load
+    it on CPU."""
     ckpt_dir = Path(ckpt_dir)
     path = rank_file(ckpt_dir, rank)
     try:
@@ -391,7 +399,8 @@ def load_rank_state(ckpt_dir: Path, rank: int, expected_sha256: str | None = Non
             expected_sha256 = meta["files"].get(path.name)
             if expected_sha256 is None:
                 raise CheckpointError(
-                    f"{ckpt_dir / META_NAME} lists no {path.name} (world size {meta.get('world_size')})"
+                    f"{ckpt_dir / META_NAME} lists no {path.name} "
+                    f"(world size {meta.get('world_size')})"
                 )
         problem = _check_file(path, expected_sha256)
         if problem:
@@ -451,7 +460,8 @@ def prune(run_dir: Path, keep: int, *, checksums: bool = True) -> list[Path]:
 
 
 def rng_state() -> dict:
-    """Capture torch CPU, current CUDA device, numpy global and Python ``random`` RNG states (weights_only-safe)."""
+    """Capture torch CPU, current CUDA device, numpy global and Python ``random`` RNG states
+    (weights_only-safe)."""
     version, mt, gauss_next = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     state: dict[str, Any] = {

@@ -41,7 +41,8 @@ def knob(default: Any, help: str) -> Any:
 
 @dataclass
 class SyncConfig:
-    """How workers synchronise: the one engine's knobs (docs/algorithms.md, 'One engine, not five')."""
+    """How workers synchronise: the one engine's knobs (docs/algorithms.md,
+    'One engine, not five')."""
 
     sync_every: int = knob(100, "H: inner steps between two syncs of the same parameters (>= 1).")
     fragments: int = knob(
@@ -257,8 +258,9 @@ class SyncConfig:
             return  # CO2: the whole round overlaps the next one
         if tau * n_fragments >= H:
             raise ConfigError(
-                f"overlap (tau={tau}) must be < H/P = {H}/{n_fragments}: a fragment's result must land "
-                f"before the next fragment is sent; lower overlap, raise sync_every or use fewer "
+                f"overlap (tau={tau}) must be < H/P = {H}/{n_fragments}: "
+                f"a fragment's result must land before the next fragment is sent; "
+                f"lower overlap, raise sync_every or use fewer "
                 f"fragments (or overlap=sync_every with fragments=1 for CO2's whole-round overlap)"
             )
 
@@ -432,7 +434,8 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
-    """Read a TOML config file; flat keys, or tables whose keys are merged (e.g. [sync], [train])."""
+    """Read a TOML config file; flat keys, or tables whose keys are merged
+    (e.g. [sync], [train])."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {p} not found: give an existing .toml file")

@@ -311,7 +311,8 @@ class LowComm:
         self._kept_local = None
 
     def finish(self) -> None:
-        """Leave the block: wait for every worker, then load the consolidated model (see module doc)."""
+        """Leave the block: wait for every worker, then load the consolidated model
+        (see module doc)."""
         if not self._started:
             return
         self._remove_hook()
@@ -683,7 +684,8 @@ class LowComm:
                 self.events.append(("applied", p, time.perf_counter()))
 
     def _sync_buffers(self) -> None:
-        """Leaving: floating buffers averaged (or rank 0's), integer ones and frozen weights rank 0's."""
+        """Leaving: floating buffers averaged (or rank 0's), integer ones and frozen weights
+        rank 0's."""
         self._broadcast_constants(floating=self.config.buffers == "broadcast")
         if self.config.buffers == "average":
             flat = self._exchange_buffers(_buffers.float_flat(self.model))
@@ -752,7 +754,8 @@ class LowComm:
 
     # -- replica check ---------------------------------------------------------------------------
     def _start_replica_check(self) -> None:
-        """Hash the global copy now; gather every worker's hash on the comm thread (checked later)."""
+        """Hash the global copy now; gather every worker's hash on the comm thread
+        (checked later)."""
         digest = hashlib.sha256()
         for f in self._frags:
             digest.update(f.global_flat.detach().cpu().contiguous().numpy().tobytes())
@@ -915,7 +918,8 @@ class LowComm:
         return {n: v for f in self._frags for n, v in zip(f.names, f.global_views)}
 
     def global_flat(self) -> torch.Tensor:
-        """All global parameters (as :meth:`global_state`) as one flat FP32 tensor, fragment order."""
+        """All global parameters (as :meth:`global_state`) as one flat FP32 tensor,
+        fragment order."""
         state = self.global_state()
         return torch.cat([state[n].reshape(-1).float() for f in self._frags for n in f.names])
 

@@ -33,7 +33,8 @@ T = TypeVar("T")
 
 
 def ring_all_reduce_bytes(nbytes: float, workers: int) -> float:
-    """Bytes each worker sends (and receives) in a ring all-reduce of ``nbytes``: 2(M-1)/M of them."""
+    """Bytes each worker sends (and receives) in a ring all-reduce of ``nbytes``:
+    2(M-1)/M of them."""
     return 2 * (workers - 1) / workers * nbytes
 
 
@@ -54,7 +55,8 @@ class ByteMeter:
         self._lock = threading.Lock()
 
     def record(self, payload: int, sent: float, received: float, control: bool) -> None:
-        """Add one collective's bytes: ``payload`` this worker's input, ``sent``/``received`` wire bytes."""
+        """Add one collective's bytes: ``payload`` this worker's input, ``sent``/``received``
+        wire bytes."""
         with self._lock:
             if control:
                 self.control_payload_bytes += int(payload)
@@ -97,7 +99,8 @@ class Transport:
         meter: ByteMeter | None = None,
         delay_s: float = 0.0,
     ) -> None:
-        """``delay_s`` adds a sleep before each collective: a test-only slow network, never a default."""
+        """``delay_s`` adds a sleep before each collective: a test-only slow network, never a
+        default."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "lowcomm needs torch.distributed initialised: launch with `torchrun` or "
@@ -161,7 +164,8 @@ class Transport:
         return list(flat_out.to(chunks[0].device).unbind(0))
 
     def all_reduce_async(self, t: torch.Tensor, control: bool = False) -> torch.futures.Future:
-        """Start a sum all-reduce of ``t`` in place; returns a Future of ``t`` (for DDP comm hooks)."""
+        """Start a sum all-reduce of ``t`` in place; returns a Future of ``t``
+        (for DDP comm hooks)."""
         self._maybe_delay()
         m = self.world_size
         n = _nbytes(t)
@@ -171,7 +175,8 @@ class Transport:
         return work.get_future().then(lambda fut: fut.value()[0])
 
     def broadcast(self, t: torch.Tensor, src: int = 0, control: bool = True) -> torch.Tensor:
-        """Copy rank ``src``'s ``t`` into every worker's ``t`` in place (control traffic by default)."""
+        """Copy rank ``src``'s ``t`` into every worker's ``t`` in place
+        (control traffic by default)."""
         m = self.world_size
         n = _nbytes(t)
         buf = t.to(self.device)

@@ -117,7 +117,8 @@ def run_compare(
                 except LaunchError as err:
                     if err.exitcode == 2:  # a user error: every later run would hit it too
                         raise
-                    # one lost run must not cost the rest of a sweep: note it, go on, fail at the end
+                    # one lost run must not cost the rest of a sweep: note it, go on,
+                    # fail at the end
                     print(
                         f"error: {err}; going on with the other runs", file=sys.stderr, flush=True
                     )
@@ -257,7 +258,8 @@ def _fmt_bytes(n: float) -> str:
 
 
 def results_table(results: list[RunSummary]) -> str:
-    """Markdown table: loss, ratio to DDP on the same problem, wire bytes, reduction, utilization."""
+    """Markdown table: loss, ratio to DDP on the same problem, wire bytes, reduction,
+    utilization."""
     lines = [
         "| name | strategy | final val loss | vs DDP | wire bytes sent / worker | "
         "peak wire bytes / sync | fewer bytes than DDP FP32 | wall s | compute util. |",
@@ -427,7 +429,8 @@ def collect_runs(paths: list[Path]) -> list[RunSummary]:
 def write_report(
     paths: list[Path], out_dir: Path, target_loss: float | None = None, command: str | None = None
 ) -> list[RunSummary]:
-    """`lowcomm report`: one results table (results.md/json) and the plots for runs from many folders.
+    """`lowcomm report`: one results table (results.md/json) and the plots for runs from
+    many folders.
 
     With ``target_loss``, also the per-link table of :func:`network_table`.
     """
@@ -503,7 +506,8 @@ def time_to_loss(run_dir: Path, target: float) -> tuple[float, float] | None:
 
 
 def network_table(results: list[RunSummary], target: float) -> str:
-    """Markdown table per entry and link: utilization, tokens/s vs the unshaped run, time to ``target`` loss.
+    """Markdown table per entry and link: utilization, tokens/s vs the unshaped run, time to
+    ``target`` loss.
 
     A run too short to reach the target (DDP on the slowest links, docs/benchmarking.md §2) gets an
     estimate: the steps its unshaped run needed times its own measured seconds per step.

@@ -115,11 +115,13 @@ def main(argv: list[str] | None = None) -> int:
         print("| measure | plain loop | with engine | ratio |\n|---|---|---|---|")
         print(f"| median step s (outside syncs) | {plain:.5f} | {eng:.5f} | {eng / plain:.4f} |")
         print(
-            f"| mean step s (outside syncs) | {res['plain_mean_s']:.5f} | {res['engine_mean_s']:.5f} | "
+            f"| mean step s (outside syncs) | {res['plain_mean_s']:.5f} | "
+            f"{res['engine_mean_s']:.5f} | "
             f"{res['engine_mean_s'] / res['plain_mean_s']:.4f} |"
         )
         print(
-            f"| sync step s (median of {res['sync_steps']}) | {plain:.5f} | {sync:.5f} | {sync / plain:.3f} |"
+            f"| sync step s (median of {res['sync_steps']}) | {plain:.5f} | {sync:.5f} | "
+            f"{sync / plain:.3f} |"
         )
     return 0
 

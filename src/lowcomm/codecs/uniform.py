@@ -6,11 +6,13 @@ the integer ``q = round(x * qmax / s)`` in ``[-qmax, qmax]`` with ``qmax = 2**(b
 the most negative code (``-2**(bits-1)``) is never produced, so int2 is ternary {-s, 0, +s}.
 On the wire a code is stored offset-binary, ``q + 2**(bits-1)``, so the unused code is 0 and a
 decoder rejects any 0 code (the unused fields of the last byte are padding: the encoder writes
-the zero code ``2**(bits-1)`` there and a decoder ignores them). Two int4 / four int2 codes per byte, planar (see bitpack).
+the zero code ``2**(bits-1)`` there and a decoder ignores them). Two int4 / four int2 codes
+per byte, planar (see bitpack).
 Wire format: see ``_block``. Bits per element: ``bits + 32 / block_size``.
 
 Rounding: to nearest (ties to even), or stochastic with ``stochastic=True``
-(``floor(y + u)`` with a 16-bit uniform dither u, unbiased). Error per element: ``|x - x'| <= s / (2 qmax)``
+(``floor(y + u)`` with a 16-bit uniform dither u, unbiased). Error per element:
+``|x - x'| <= s / (2 qmax)``
 (RTN) or ``< s / qmax`` (stochastic), up to fp32 rounding.
 
 Speed trick: adding ``2**23 + offset`` to ``x * qmax / s`` leaves ``round(.) + offset`` in the

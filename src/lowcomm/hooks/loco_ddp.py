@@ -82,9 +82,12 @@ class LoCoState(GradReduceState):
         self.method = reduce if reduce != "auto" else ("gather" if m <= 2 else "two-phase")
         self.bits, self.group_size, self.quantizer = bits, group_size, quantizer
         self.compress_1d = compress_1d
-        make = lambda: MovingAverageCompensation(
-            beta, dtype=storage_dtype, device=state_device, reset_every=reset_every
-        )
+
+        def make() -> MovingAverageCompensation:
+            return MovingAverageCompensation(
+                beta, dtype=storage_dtype, device=state_device, reset_every=reset_every
+            )
+
         self.compensation = make() if compensate else None
         # the second quantisation's buffers: only this worker's averaged shards
         self.reduce_compensation = make() if compensate and self.method == "two-phase" else None

@@ -42,7 +42,8 @@ STRATEGY = "torchft-diloco"
 
 def _import_torchft() -> Any:
     if not os.environ.get("LOWCOMM_DEBUG"):
-        # torchft's Rust side logs every quorum at INFO; keep run logs readable (LOWCOMM_DEBUG=1 shows them)
+        # torchft's Rust side logs every quorum at INFO; keep run logs readable
+        # (LOWCOMM_DEBUG=1 shows them)
         os.environ.setdefault("RUST_LOG", "warn")
         logging.getLogger("torchft").setLevel(logging.WARNING)
     try:
@@ -109,7 +110,8 @@ class TorchftDiLoCo:
         self._step = 0
         timeout = timedelta(seconds=timeout_s)
 
-        # the lighthouse runs in rank 0's process; everyone learns its address over the control group
+        # the lighthouse runs in rank 0's process; everyone learns its address over the
+        # control group
         self._lighthouse = None
         addr = [None]
         if self.rank == 0:
@@ -132,8 +134,9 @@ class TorchftDiLoCo:
             min_replica_size=self.world,
             load_state_dict=self._load_state,
             state_dict=self._state,
-            # every rank builds the same seeded model, so no step-0 healing (with init_sync, torchft's
-            # first quorum, after H local steps, would overwrite replica 1's first round with replica 0's)
+            # every rank builds the same seeded model, so no step-0 healing (with init_sync,
+            # torchft's first quorum, after H local steps, would overwrite replica 1's first
+            # round with replica 0's)
             init_sync=False,
             use_async_quorum=False,
             replica_id=f"lowcomm_{self.rank}",
@@ -189,7 +192,8 @@ class TorchftDiLoCo:
         self.manager.allreduce = allreduce
 
     def _time_hook(self) -> None:
-        """Time DiLoCo's optimizer post-hook: on a sync step it is quorum + all-reduce + outer step."""
+        """Time DiLoCo's optimizer post-hook: on a sync step it is quorum + all-reduce +
+        outer step."""
         orig = self.diloco._step_post_hook
         meter = self.transport.meter
 
@@ -222,7 +226,8 @@ class TorchftDiLoCo:
 
     @contextlib.contextmanager
     def global_parameters(self) -> Iterator[None]:
-        """Swap in torchft's global copy (its backup of the last synced parameters) for evaluation."""
+        """Swap in torchft's global copy (its backup of the last synced parameters) for
+        evaluation."""
         frag = self.diloco._fragments[0]
         params = dict(self.model.named_parameters())
         local = {n: p.detach().clone() for n, p in params.items()}
@@ -237,6 +242,7 @@ class TorchftDiLoCo:
                     p.copy_(local[n])
 
     def finish(self) -> None:
-        """Nothing in flight: torchft's DiLoCo (fragment_sync_delay 0) waits within the sync step."""
+        """Nothing in flight: torchft's DiLoCo (fragment_sync_delay 0) waits within the sync
+        step."""
         self.stats.inner_steps = self._step
         self.stats.blocked_s = self.transport.meter.blocked_s

@@ -116,6 +116,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="1",
         help="multiply every transfer's bits; 1 = physical; 0.84 reproduces the paper's table",
     )
+    _add_output_arguments(parser)
+
+
+def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """The "output" group of :func:`add_arguments`."""
     g = parser.add_argument_group("output")
     g.add_argument(
         "--strategies",
@@ -219,36 +224,7 @@ def _workload(args: argparse.Namespace) -> tuple[Workload, dict[str, int]]:
         if args.layers is not None
         else (base.layers if base else None)
     )
-    step = None
-    if args.step_time is not None:
-        step = _count(args.step_time, "--step-time")
-    elif args.flops_per_step is not None or args.tokens_per_step is not None:
-        if params is None:
-            raise UsageError("--tokens-per-step needs --params (FLOPs = 6 x params x tokens)")
-        flops = (
-            _count(args.flops_per_step, "--flops-per-step")
-            if args.flops_per_step is not None
-            else 6.0 * params * _count(args.tokens_per_step, "--tokens-per-step")
-        )
-        need = [
-            f
-            for f, v in (
-                ("--chips", args.chips),
-                ("--peak-flops", args.peak_flops),
-                ("--mfu", args.mfu),
-            )
-            if v is None
-        ]
-        if need:
-            raise UsageError(f"a step time from FLOPs also needs {', '.join(need)}")
-        mfu = _count(args.mfu, "--mfu")
-        if mfu > 1:
-            raise UsageError(f"--mfu is a fraction in (0, 1], got '{args.mfu}'")
-        step = flops / (
-            _count(args.chips, "--chips") * _count(args.peak_flops, "--peak-flops") * mfu
-        )
-    elif base is not None:
-        step = base.step_time_s
+    step = _step_time(args, params, base)
     missing = [
         f
         for f, v in (
@@ -274,6 +250,42 @@ def _workload(args: argparse.Namespace) -> tuple[Workload, dict[str, int]]:
     return Workload(
         params=float(params), layers=int(layers), step_time_s=float(step), name=name
     ), defaults
+
+
+def _step_time(
+    args: argparse.Namespace, params: float | None, base: Workload | None
+) -> float | None:
+    """Seconds of compute per inner step: --step-time, else from FLOPs, else the preset's."""
+    if args.step_time is not None:
+        return _count(args.step_time, "--step-time")
+    if args.flops_per_step is not None or args.tokens_per_step is not None:
+        if params is None:
+            raise UsageError("--tokens-per-step needs --params (FLOPs = 6 x params x tokens)")
+        flops = (
+            _count(args.flops_per_step, "--flops-per-step")
+            if args.flops_per_step is not None
+            else 6.0 * params * _count(args.tokens_per_step, "--tokens-per-step")
+        )
+        need = [
+            f
+            for f, v in (
+                ("--chips", args.chips),
+                ("--peak-flops", args.peak_flops),
+                ("--mfu", args.mfu),
+            )
+            if v is None
+        ]
+        if need:
+            raise UsageError(f"a step time from FLOPs also needs {', '.join(need)}")
+        mfu = _count(args.mfu, "--mfu")
+        if mfu > 1:
+            raise UsageError(f"--mfu is a fraction in (0, 1], got '{args.mfu}'")
+        return flops / (
+            _count(args.chips, "--chips") * _count(args.peak_flops, "--peak-flops") * mfu
+        )
+    if base is not None:
+        return base.step_time_s
+    return None
 
 
 def _rows(args: argparse.Namespace, strategies: dict[str, Strategy]) -> dict[str, Strategy]:
@@ -467,8 +479,16 @@ def _simulate_run(args: argparse.Namespace) -> int:
             )
         )
         return 0
+    _print_run(sc, res, targets, grid, points, at)
+    return 0
+
+
+def _print_run(sc, res, targets: list[float], grid, points: list[float], at: list[float]) -> None:
+    """The text report of :func:`_simulate_run`."""
+    s = sc.strategy
     print(
-        f"run {sc.path}: {sc.strategy_name}, M = {sc.link.workers}, {sc.workload.params:.4g} parameters, "
+        f"run {sc.path}: {sc.strategy_name}, M = {sc.link.workers}, "
+        f"{sc.workload.params:.4g} parameters, "
         f"{sc.workload.layers} layers, {sc.workload.step_time_s:.4g} s compute per step, "
         f"H = {s.sync_every}, {s.fragments} layer group(s), tau = {s.overlap}, "
         f"{sc.wire_bits_per_param:.3g} wire bits per parameter per sync"
@@ -496,7 +516,6 @@ def _simulate_run(args: argparse.Namespace) -> int:
         f"{grid[0]:.4g}..{grid[-1]:.4g}, '-' = none)"
     )
     print(_table({sc.strategy_name: res.min_bandwidth(targets)}, targets, {}, floor=float(grid[0])))
-    return 0
 
 
 def run(args: argparse.Namespace) -> int:

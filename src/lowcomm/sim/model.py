@@ -130,8 +130,9 @@ class Link:
     latency_s: float = 0.0
     """One-way latency per hop of a collective, seconds (the paper's table uses 0)."""
     wire_scale: float = 1.0
-    """Multiplies the wire bits of every reduction. 1 is the ring accounting of this module (what
-    really crosses the link); PAPER_WIRE_SCALE reproduces the paper's simulated table (see there)."""
+    """Multiplies the wire bits of every reduction. 1 is the ring accounting of this module
+    (what really crosses the link); PAPER_WIRE_SCALE reproduces the paper's simulated table
+    (see there)."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.workers, int) and self.workers >= 2):

@@ -184,7 +184,8 @@ def split_files(root: Path, files: list[Path]) -> tuple[list[Path], list[Path]]:
 
 
 class Batches:
-    """Random training windows from this worker's disjoint shard; batch s depends on (seed, rank, s) only.
+    """Random training windows from this worker's disjoint shard; batch s depends on
+    (seed, rank, s) only.
 
     Shards (``shard``):
       - ``striped`` (default): the tokens are cut into blocks of ``block_tokens`` dealt round-robin
@@ -220,8 +221,9 @@ class Batches:
         shard_len = len(tokens) // world_size
         if shard_len < seq_len + 1:
             raise ConfigError(
-                f"each of {world_size} shards has {shard_len} tokens ({len(tokens)} in all), fewer than "
-                f"seq_len + 1 = {seq_len + 1}; use a bigger corpus, fewer workers or a shorter seq_len"
+                f"each of {world_size} shards has {shard_len} tokens ({len(tokens)} in all), "
+                f"fewer than seq_len + 1 = {seq_len + 1}; "
+                "use a bigger corpus, fewer workers or a shorter seq_len"
             )
         self.tokens = tokens
         self.batch_size = batch_size
@@ -249,7 +251,8 @@ class Batches:
         return [(int(b), int(b) + self.block_len) for b in self.blocks]
 
     def window_starts(self, step: int) -> np.ndarray:
-        """Offsets in `tokens` of the batch_size windows (seq_len + 1 tokens each) of batch `step`."""
+        """Offsets in `tokens` of the batch_size windows (seq_len + 1 tokens each) of batch
+        `step`."""
         # A fresh generator per step, seeded by (seed, rank, step): any batch can be recomputed
         # from its step alone, so resuming needs no sampler state but the counter.
         rng = np.random.default_rng((self.seed, self.rank, step))
@@ -339,7 +342,8 @@ def _load_stdlib(max_bytes: int) -> Corpus:
     val = _bytes_to_tokens([p.read_bytes() for p in val_files])
     desc = (
         f"Python {platform.python_version()} standard library at {root}: {len(files)} *.py files, "
-        f"{len(train)} train / {len(val)} val byte tokens; val = {len(val_files)} files picked by path hash"
+        f"{len(train)} train / {len(val)} val byte tokens; "
+        f"val = {len(val_files)} files picked by path hash"
     )
     return Corpus(train=train, val=val, vocab_size=256, name="stdlib", description=desc)
 
@@ -351,7 +355,10 @@ def _load_text_file(path: Path) -> Corpus:
         raise ConfigError(f"corpus file {str(path)!r} is empty")
     _check_text(path, tokens)
     train, val = _split_tail(tokens)
-    desc = f"text file {path}: {len(train)} train / {len(val)} val byte tokens; val = last 1/{VAL_EVERY}"
+    desc = (
+        f"text file {path}: {len(train)} train / {len(val)} val byte tokens; "
+        f"val = last 1/{VAL_EVERY}"
+    )
     return Corpus(train=train, val=val, vocab_size=256, name=path.name, description=desc)
 
 
@@ -373,7 +380,8 @@ def _check_text(path: Path, data: np.ndarray) -> None:
 
 
 def _load_folder(root: Path, max_bytes: int) -> Corpus:
-    """Every non-hidden UTF-8 file under root, split by file (by tail if the hash split is one-sided)."""
+    """Every non-hidden UTF-8 file under root, split by file (by tail if the hash split is
+    one-sided)."""
     candidates = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]  # .git and friends
@@ -413,7 +421,8 @@ def _memmap(path: Path, dtype: str) -> np.ndarray:
     size = path.stat().st_size
     if size == 0 or size % itemsize:
         raise ConfigError(
-            f"token file {str(path)!r} has {size} bytes, not a positive multiple of {dtype}'s {itemsize}"
+            f"token file {str(path)!r} has {size} bytes, "
+            f"not a positive multiple of {dtype}'s {itemsize}"
         )
     return np.memmap(path, dtype=dtype, mode="r")
 
@@ -431,7 +440,10 @@ def _load_bin(path: Path, dtype: str, vocab_size: int | None) -> Corpus:
     if vocab_size is None:
         # One pass over the file; pass vocab_size to skip it on huge arrays.
         vocab_size = int(max(train.max(), val.max() if len(val) else 0)) + 1
-    desc = f"token array {path} ({dtype}): {len(train)} train / {len(val)} val tokens, vocab {vocab_size}; val = {how}"
+    desc = (
+        f"token array {path} ({dtype}): {len(train)} train / {len(val)} val tokens, "
+        f"vocab {vocab_size}; val = {how}"
+    )
     return Corpus(train=train, val=val, vocab_size=vocab_size, name=path.stem, description=desc)
 
 
@@ -441,7 +453,8 @@ def _load_hf(name: str, config: str | None, max_bytes: int) -> Corpus:
         import datasets  # optional extra: imported here so the core package never needs it
     except ImportError as err:
         raise ImportError(
-            f"corpus 'hf:{name}' needs the optional Hugging Face `datasets` package: pip install 'lowcomm[hf]'"
+            f"corpus 'hf:{name}' needs the optional Hugging Face `datasets` package: "
+            "pip install 'lowcomm[hf]'"
         ) from err
 
     def read(split: str) -> np.ndarray:
@@ -467,5 +480,8 @@ def _load_hf(name: str, config: str | None, max_bytes: int) -> Corpus:
     else:
         train, val = _split_tail(read("train"))
         how = f"last 1/{VAL_EVERY} of 'train'"
-    desc = f"Hugging Face dataset {name}{':' + config if config else ''}: {len(train)} train / {len(val)} val byte tokens; val = {how}"
+    desc = (
+        f"Hugging Face dataset {name}{':' + config if config else ''}: "
+        f"{len(train)} train / {len(val)} val byte tokens; val = {how}"
+    )
     return Corpus(train=train, val=val, vocab_size=256, name=name, description=desc)

@@ -31,9 +31,11 @@ class ModelConfig:
     n_heads: int = 4
     """Attention heads per block; `dim` must be divisible by it."""
     ffn_hidden: int | None = None
-    """Hidden width of the SwiGLU MLP; None uses Llama's rule, 8/3*dim rounded up to a multiple of 32."""
+    """Hidden width of the SwiGLU MLP; None uses Llama's rule, 8/3*dim rounded up to a
+    multiple of 32."""
     max_seq_len: int = 256
-    """Longest sequence the model accepts (rotary angles are computed on the fly, so this is a check)."""
+    """Longest sequence the model accepts (rotary angles are computed on the fly, so this is
+    a check)."""
     norm_eps: float = 1e-5
     """Epsilon inside RMSNorm's square root."""
     rope_theta: float = 10000.0
@@ -184,7 +186,8 @@ class Decoder(nn.Module):
                 nn.init.ones_(module.weight)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab] if targets is None, else the mean cross-entropy (targets of -1 ignored)."""
+        """Logits [B, T, vocab] if targets is None, else the mean cross-entropy
+        (targets of -1 ignored)."""
         T = tokens.shape[1]
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.cfg.max_seq_len}")
@@ -227,7 +230,8 @@ def build_model(preset: str | ModelConfig, **overrides: object) -> nn.Module:
     unknown = set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)}
     if unknown:
         raise ValueError(
-            f"unknown ModelConfig fields {sorted(unknown)}; valid: {[f.name for f in dataclasses.fields(ModelConfig)]}"
+            f"unknown ModelConfig fields {sorted(unknown)}; "
+            f"valid: {[f.name for f in dataclasses.fields(ModelConfig)]}"
         )
     # replace() re-runs __post_init__, so bad overrides fail here, and presets are never mutated.
     return Decoder(dataclasses.replace(cfg, **overrides))
