@@ -24,6 +24,8 @@ demo: install
 		--out runs/demo batch_size=8 eval_every=50 eval_batches=8 warmup_steps=20
 
 test: install
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
 	$(BIN)/python -m pytest
 
 test-slow: install

@@ -34,19 +34,27 @@ def _target(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> 
 
 
 def run_workers(fn, world: int, *args, tmp_path: Path) -> list:
-    """Run ``fn(rank, world, *args)`` on ``world`` real processes joined by gloo; results by rank."""
+    """Run ``fn(rank, world, *args)`` on ``world`` real processes joined by gloo;
+    results by rank."""
     import torch.multiprocessing as mp
 
     out = tmp_path / f"workers-{fn.__name__}"
     out.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_target, args=(world, _free_port(), fn, args, str(out)), nprocs=world,
-                       join=True, start_method="spawn")
+    mp.start_processes(
+        _target,
+        args=(world, _free_port(), fn, args, str(out)),
+        nprocs=world,
+        join=True,
+        start_method="spawn",
+    )
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 @pytest.fixture
 def workers(tmp_path):
     """``workers(fn, M, *args)`` -> per-rank results of fn run on M gloo processes."""
+
     def run(fn, world, *args):
         return run_workers(fn, world, *args, tmp_path=tmp_path)
+
     return run

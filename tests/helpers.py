@@ -35,7 +35,9 @@ def flat_params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
 
 
-def local_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, data: Batches, steps: int) -> None:
+def local_steps(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, data: Batches, steps: int
+) -> None:
     """``steps`` plain inner steps of one worker (what the references replay per worker)."""
     for _ in range(steps):
         x, y = data.next()

@@ -24,8 +24,12 @@ SETTINGS = {
     "sparseloco": dict(sync_every=H, density=1 / 8),
     "co2": dict(sync_every=H),
 }
-PRESETS = {"diloco": lowcomm.DiLoCo, "streaming": lowcomm.StreamingDiLoCo,
-           "sparseloco": lowcomm.SparseLoCo, "co2": lowcomm.CO2}
+PRESETS = {
+    "diloco": lowcomm.DiLoCo,
+    "streaming": lowcomm.StreamingDiLoCo,
+    "sparseloco": lowcomm.SparseLoCo,
+    "co2": lowcomm.CO2,
+}
 
 
 class Block(nn.Module):
@@ -63,8 +67,9 @@ def build(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
 
 
-def step(model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator,
-         skip: bool = False) -> None:
+def step(
+    model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator, skip: bool = False
+) -> None:
     x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
     F.cross_entropy(model(x).reshape(-1, VOCAB), ((x * 5 + 3) % VOCAB).reshape(-1)).backward()
     if not skip:  # as a GradScaler does after an overflow on this worker only
@@ -72,7 +77,9 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator,
     opt.zero_grad()
 
 
-def train(strategy: str, blocks: list[int], skipped: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+def train(
+    strategy: str, blocks: list[int], skipped: tuple[int, ...] = ()
+) -> dict[str, torch.Tensor]:
     """Train in ``blocks`` (loop iterations per ``with`` block on this rank, optimizer steps
     skipped at the ``skipped`` iterations); the state every rank holds at the end."""
     rank = dist.get_rank()

@@ -23,8 +23,12 @@ def _agg_worker(rank: int, world: int, method: str, codec_name: str, aggregation
     t = Transport()
     enc = agg.encode(_inputs(rank), need_local=True)
     red = agg.exchange(enc, t)
-    return {"mean": red.mean, "valid": red.valid_workers, "meter": t.meter.as_dict(),
-            "payload": enc.payload.numel()}
+    return {
+        "mean": red.mean,
+        "valid": red.valid_workers,
+        "meter": t.meter.as_dict(),
+        "payload": enc.payload.numel(),
+    }
 
 
 @pytest.mark.parametrize("world,codec", [(2, "topk"), (4, "fp4")])
@@ -45,12 +49,13 @@ def test_two_phase_reduce(workers, world, codec):
     c = make_codec(codec, block_size=32)
     flat = [torch.cat([x.reshape(-1) for x in _inputs(r)]) for r in range(world)]
     n = flat[0].numel()
-    shard = -(-(-(-n // world)) // 32) * 32  # whole blocks of 32 per owner
+    per_owner = -(-n // world)  # ceil(n / world)
+    shard = -(-per_owner // 32) * 32  # whole blocks of 32 per owner
     padded = [torch.nn.functional.pad(f, (0, shard * world - n)) for f in flat]
     # phase 1: each owner decodes every worker's encoded shard and sums in FP32
     means = []
     for j in range(world):
-        s = sum(c.roundtrip(p[j * shard:(j + 1) * shard]) for p in padded) / world
+        s = sum(c.roundtrip(p[j * shard : (j + 1) * shard]) for p in padded) / world
         means.append(c.roundtrip(s))  # phase 2: re-encoded average, all-gathered
     expected = torch.cat(means)[:n]
     for r in res:
@@ -88,8 +93,9 @@ def _compensated_worker(rank: int, world: int, key: str | None) -> list[torch.Te
     from lowcomm.compensation import MovingAverageCompensation
 
     comp = MovingAverageCompensation(0.8)
-    agg = Aggregator("two-phase", make_codec("int4-authors", block_size=32), world,
-                     reduce_compensation=comp)
+    agg = Aggregator(
+        "two-phase", make_codec("int4-authors", block_size=32), world, reduce_compensation=comp
+    )
     t = Transport()
     out = []
     for _ in range(ROUNDS):  # the same inputs each round: only the second buffer changes
@@ -106,9 +112,10 @@ def test_two_phase_second_quantisation_is_compensated(workers):
     c = make_codec("int4-authors", block_size=32)
     flat = [torch.cat([x.reshape(-1) for x in _inputs(r)]) for r in range(3)]
     n = flat[0].numel()
-    shard = -(-(-(-n // 3)) // 32) * 32
+    per_owner = -(-n // 3)  # ceil(n / 3)
+    shard = -(-per_owner // 32) * 32  # whole blocks of 32 per owner
     padded = [torch.nn.functional.pad(f, (0, shard * 3 - n)) for f in flat]
-    means = [sum(c.roundtrip(p[j * shard:(j + 1) * shard]) for p in padded) / 3 for j in range(3)]
+    means = [sum(c.roundtrip(p[j * shard : (j + 1) * shard]) for p in padded) / 3 for j in range(3)]
     err = [torch.zeros(shard) for _ in range(3)]
     for k in range(ROUNDS):
         sent = []

@@ -1,4 +1,5 @@
-"""Checkpoint file layer: atomic per-rank files, meta.json completeness, corruption fallback, prune, RNG."""
+"""Checkpoint file layer: atomic per-rank files, meta.json completeness, corruption fallback,
+prune, RNG."""
 
 from __future__ import annotations
 
@@ -40,10 +41,15 @@ def _state(rank: int, step: int) -> dict:
     return {
         "step": step,
         "rank": rank,
-        "model": OrderedDict(w=torch.randn(8, 4, generator=g), b=torch.zeros(4, dtype=torch.bfloat16)),
+        "model": OrderedDict(
+            w=torch.randn(8, 4, generator=g), b=torch.zeros(4, dtype=torch.bfloat16)
+        ),
         "engine": {
             "outer": {"frag0": {"momentum": torch.randn(32, generator=g, dtype=torch.float64)}},
-            "ef": [torch.randint(-5, 5, (6,), generator=g, dtype=torch.int8), torch.ones(3, dtype=torch.bool)],
+            "ef": [
+                torch.randint(-5, 5, (6,), generator=g, dtype=torch.int8),
+                torch.ones(3, dtype=torch.bool),
+            ],
             "counts": torch.arange(5, dtype=torch.int64),
             "half": torch.randn(4, generator=g).half(),
             "lr": 0.7,
@@ -99,7 +105,11 @@ def test_layout_and_roundtrip(tmp_path: Path) -> None:
     meta = json.loads((d / "meta.json").read_text())
     assert meta["step"] == 100 and meta["world_size"] == WORLD
     assert meta["config_hash"] == config_hash({"lr": 0.7})
-    assert set(meta["files"]) == {"rank0.pt", "rank1.pt"} and "lowcomm_version" in meta and "created" in meta
+    assert (
+        set(meta["files"]) == {"rank0.pt", "rank1.pt"}
+        and "lowcomm_version" in meta
+        and "created" in meta
+    )
     for r in range(WORLD):
         _assert_equal(load_rank_state(d, r), _state(r, 100))
         # The file really is weights_only-loadable on its own.
@@ -115,7 +125,10 @@ def test_config_hash_stable() -> None:
 @pytest.mark.parametrize(
     "bad, where",
     [
-        (torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1), "state['engine']['outer']['x']"),
+        (
+            torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1),
+            "state['engine']['outer']['x']",
+        ),
         (lambda x: x, "state['engine']['outer']['x']"),
         (np.float64(1.0), "state['engine']['outer']['x']"),
     ],
@@ -159,7 +172,9 @@ def test_corrupt_file_falls_back(tmp_path: Path, damage) -> None:
 def test_missing_file_and_no_earlier(tmp_path: Path) -> None:
     d = _save(tmp_path, 5)
     (d / "rank0.pt").unlink()
-    with pytest.raises(CheckpointError, match="rank0.pt is missing.*No earlier complete checkpoint"):
+    with pytest.raises(
+        CheckpointError, match="rank0.pt is missing.*No earlier complete checkpoint"
+    ):
         load_rank_state(d, 0)
     with pytest.warns(CheckpointWarning, match="missing"):
         assert latest_complete(tmp_path) is None
@@ -210,13 +225,18 @@ def test_prune(tmp_path: Path) -> None:
     in_progress = _save(tmp_path, 50, finalize_it=False)  # being written right now
     deleted = prune(tmp_path, keep=2)
     left = [p.name for p in list_checkpoints(tmp_path)]
-    # Kept: 20, 30 (newest two that verify) and everything newer than 30 (40 corrupt, 50 in progress).
+    # Kept: 20, 30 (newest two that verify) and everything newer than 30
+    # (40 corrupt, 50 in progress).
     assert left == ["step-000000020", "step-000000030", "step-000000040", "step-000000050"]
     assert sorted(p.name for p in deleted) == ["step-000000010", "step-000000025"]
     assert not old_partial.exists() and in_progress.exists()
     assert not any(p.name.startswith(".deleting") for p in (tmp_path / "checkpoints").iterdir())
     prune(tmp_path, keep=1)
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000000030", "step-000000040", "step-000000050"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == [
+        "step-000000030",
+        "step-000000040",
+        "step-000000050",
+    ]
     with pytest.raises(ValueError):
         prune(tmp_path, keep=0)
 
@@ -269,8 +289,13 @@ def test_rng_roundtrip(tmp_path: Path) -> None:
     random.gauss(0, 1)  # and in Python's
 
     def draw():
-        return (torch.rand(5).tolist(), np.random.rand(5).tolist(), np.random.randn(3).tolist(),
-                [random.random() for _ in range(5)], random.gauss(0, 1))
+        return (
+            torch.rand(5).tolist(),
+            np.random.rand(5).tolist(),
+            np.random.randn(3).tolist(),
+            [random.random() for _ in range(5)],
+            random.gauss(0, 1),
+        )
 
     snap = rng_state()
     check_weights_only_safe(snap)

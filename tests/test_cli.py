@@ -10,11 +10,28 @@ import sys
 import pytest
 
 LOWCOMM = [sys.executable, "-m", "lowcomm.cli"]
-SUMMARY_FIELDS = ["strategy", "workers", "params", "tokens", "inner_steps", "final_val_loss",
-                  "bytes_sent_per_worker", "bytes_received_per_worker", "payload_bytes_per_worker",
-                  "ddp_fp32_bytes_per_worker", "control_bytes_per_worker", "wall_s", "compute_s",
-                  "blocked_s", "compute_utilization", "peak_rss_bytes", "seed", "config",
-                  "torch_version", "git_rev"]
+SUMMARY_FIELDS = [
+    "strategy",
+    "workers",
+    "params",
+    "tokens",
+    "inner_steps",
+    "final_val_loss",
+    "bytes_sent_per_worker",
+    "bytes_received_per_worker",
+    "payload_bytes_per_worker",
+    "ddp_fp32_bytes_per_worker",
+    "control_bytes_per_worker",
+    "wall_s",
+    "compute_s",
+    "blocked_s",
+    "compute_utilization",
+    "peak_rss_bytes",
+    "seed",
+    "config",
+    "torch_version",
+    "git_rev",
+]
 TINY = ["--model", "tiny", "batch_size=4", "seq_len=32", "eval_batches=2", "progress=false"]
 
 
@@ -33,8 +50,22 @@ def _assert_user_error(proc, *words):
 
 def test_train_writes_summary_with_every_field(tmp_path):
     out = tmp_path / "run"
-    proc = _run(["train", "--strategy", "diloco", "--workers", "2", "--steps", "12", "--out", str(out),
-                 "sync_every=4", "eval_every=6", *TINY])
+    proc = _run(
+        [
+            "train",
+            "--strategy",
+            "diloco",
+            "--workers",
+            "2",
+            "--steps",
+            "12",
+            "--out",
+            str(out),
+            "sync_every=4",
+            "eval_every=6",
+            *TINY,
+        ]
+    )
     assert proc.returncode == 0, proc.stderr
     s = json.loads((out / "summary.json").read_text())
     for f in SUMMARY_FIELDS:
@@ -52,27 +83,42 @@ def test_train_writes_summary_with_every_field(tmp_path):
     assert not (out / "workers.json").exists()  # only while the run is alive
 
 
-@pytest.mark.parametrize("args,words", [
-    (["train", "--strategy", "dilloco"], ["unknown strategy", "diloco"]),
-    (["train", "--strategy", "diloco", "sync_evry=3"], ["unknown config key", "sync_every"]),
-    (["train", "--strategy", "diloco", "sync_every=0"], ["sync_every", ">= 1"]),
-    (["train", "--strategy", "diloco", "--workers", "0"], ["--workers", ">= 1"]),
-    (["train", "--strategy", "diloco", "data=/nonexistent/corpus.txt"], ["/nonexistent/corpus.txt", "does not exist"]),
-    (["train", "--strategy", "diloco", "sync_every=abc"], ["sync_every", "not a valid int"]),
-    (["train", "--strategy", "diloco", "--model", "huge"], ["unknown model preset", "small"]),
-    (["compare", "--strategies", "ddp,nope"], ["unknown strategy"]),
-    (["compare", "--strategies", "sparseloco:density"], ["not key=value"]),
-    (["train"], ["--strategy"]),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["train", "--strategy", "dilloco"], ["unknown strategy", "diloco"]),
+        (["train", "--strategy", "diloco", "sync_evry=3"], ["unknown config key", "sync_every"]),
+        (["train", "--strategy", "diloco", "sync_every=0"], ["sync_every", ">= 1"]),
+        (["train", "--strategy", "diloco", "--workers", "0"], ["--workers", ">= 1"]),
+        (
+            ["train", "--strategy", "diloco", "data=/nonexistent/corpus.txt"],
+            ["/nonexistent/corpus.txt", "does not exist"],
+        ),
+        (["train", "--strategy", "diloco", "sync_every=abc"], ["sync_every", "not a valid int"]),
+        (["train", "--strategy", "diloco", "--model", "huge"], ["unknown model preset", "small"]),
+        (["compare", "--strategies", "ddp,nope"], ["unknown strategy"]),
+        (["compare", "--strategies", "sparseloco:density"], ["not key=value"]),
+        (["train"], ["--strategy"]),
+    ],
+)
 def test_bad_input_one_line_exit_2(tmp_path, args, words):
-    _assert_user_error(_run(args + ["--out", str(tmp_path / "o")] if args[0] in ("train", "compare") and len(args) > 1 else args), *words)
+    _assert_user_error(
+        _run(
+            args + ["--out", str(tmp_path / "o")]
+            if args[0] in ("train", "compare") and len(args) > 1
+            else args
+        ),
+        *words,
+    )
 
 
 def test_unwritable_output_folder(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")  # a file where a folder should be: unwritable even for root
-    _assert_user_error(_run(["train", "--strategy", "diloco", "--out", str(blocker / "run")]),
-                       "cannot write to output folder")
+    _assert_user_error(
+        _run(["train", "--strategy", "diloco", "--out", str(blocker / "run")]),
+        "cannot write to output folder",
+    )
 
 
 def test_port_in_use(tmp_path):
@@ -80,17 +126,45 @@ def test_port_in_use(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        _assert_user_error(_run(["train", "--strategy", "diloco", "--port", str(port),
-                                 "--out", str(tmp_path / "o"), *TINY]), f"port {port} is in use")
+        _assert_user_error(
+            _run(
+                [
+                    "train",
+                    "--strategy",
+                    "diloco",
+                    "--port",
+                    str(port),
+                    "--out",
+                    str(tmp_path / "o"),
+                    *TINY,
+                ]
+            ),
+            f"port {port} is in use",
+        )
 
 
 def test_missing_config_file(tmp_path):
-    _assert_user_error(_run(["train", "--strategy", "diloco", "--config", str(tmp_path / "no.toml"),
-                             "--out", str(tmp_path / "o")]), "no.toml", "not found")
+    _assert_user_error(
+        _run(
+            [
+                "train",
+                "--strategy",
+                "diloco",
+                "--config",
+                str(tmp_path / "no.toml"),
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        ),
+        "no.toml",
+        "not found",
+    )
 
 
 def test_toml_config(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text("[sync]\nsync_every = 0\n")
-    _assert_user_error(_run(["train", "--strategy", "diloco", "--config", str(cfg),
-                             "--out", str(tmp_path / "o")]), "sync_every")
+    _assert_user_error(
+        _run(["train", "--strategy", "diloco", "--config", str(cfg), "--out", str(tmp_path / "o")]),
+        "sync_every",
+    )

@@ -29,12 +29,29 @@ def launched(monkeypatch):
 
     calls = []
 
-    def fake(strategy, sync_cfg, train_cfg, out, workers, port=None, name=None, resume=None,
-             on_checked=None):
+    def fake(
+        strategy,
+        sync_cfg,
+        train_cfg,
+        out,
+        workers,
+        port=None,
+        name=None,
+        resume=None,
+        on_checked=None,
+    ):
         if on_checked is not None:
             on_checked()
-        calls.append({"strategy": strategy, "sync": sync_cfg, "train": train_cfg, "out": out,
-                      "workers": workers, "resume": resume})
+        calls.append(
+            {
+                "strategy": strategy,
+                "sync": sync_cfg,
+                "train": train_cfg,
+                "out": out,
+                "workers": workers,
+                "resume": resume,
+            }
+        )
 
     monkeypatch.setattr(launch, "launch", fake)
     return calls
@@ -71,8 +88,19 @@ def test_existing_run_folder_refused_unless_overwrite(tmp_path, capsys, launched
 def test_overwrite_keeps_the_old_run_when_the_new_one_is_refused(tmp_path, capsys, no_workers):
     out = tmp_path / "run"
     _old_run(out)
-    code = cli.main(["train", "--strategy", "streaming", "--out", str(out), "--overwrite", *TINY,
-                     "blocks_per_fragment=0", "fragments=9"])
+    code = cli.main(
+        [
+            "train",
+            "--strategy",
+            "streaming",
+            "--out",
+            str(out),
+            "--overwrite",
+            *TINY,
+            "blocks_per_fragment=0",
+            "fragments=9",
+        ]
+    )
     _one_line_error(capsys, code, "fragments=9")
     assert (out / "model.pt").read_bytes() == b"old" and (out / "checkpoints").is_dir()
 
@@ -82,8 +110,12 @@ def _saved_run(out: Path, strategy: str, **values) -> None:
     import dataclasses
 
     sync_cfg, train_cfg = build_configs({"model": "tiny", **values}, sync=preset_config(strategy))
-    run = {"strategy": strategy, "name": None, "sync": dataclasses.asdict(sync_cfg),
-           "train": dataclasses.asdict(train_cfg)}
+    run = {
+        "strategy": strategy,
+        "name": None,
+        "sync": dataclasses.asdict(sync_cfg),
+        "train": dataclasses.asdict(train_cfg),
+    }
     d = ckpt.checkpoint_dir(out, 8)
     shas = [ckpt.save_rank_state(d, r, {"step": 8}) for r in range(2)]
     ckpt.finalize(d, step=8, world_size=2, checksums=shas, config=run, extra={"run": run})
@@ -106,12 +138,15 @@ def test_resume_refuses_another_strategy_or_changed_settings(tmp_path, capsys, l
     assert call["sync"].sync_every == 4 and call["resume"].endswith("step-000000008")
 
 
-@pytest.mark.parametrize("args,words", [
-    (["--port", "99999"], ["--port", "99999", "1-65535"]),
-    (["--port", "http"], ["--port", "not a port number"]),
-    (["--workers", "x"], ["--workers", "invalid int"]),
-    (["--steps", "1.5"], ["--steps"]),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--port", "99999"], ["--port", "99999", "1-65535"]),
+        (["--port", "http"], ["--port", "not a port number"]),
+        (["--workers", "x"], ["--workers", "invalid int"]),
+        (["--steps", "1.5"], ["--steps"]),
+    ],
+)
 def test_bad_flags_one_line(tmp_path, capsys, launched, args, words):
     code = cli.main(["train", "--strategy", "diloco", "--out", str(tmp_path / "o"), *args])
     _one_line_error(capsys, code, *words)
@@ -128,8 +163,18 @@ def no_workers(monkeypatch):
 
 
 def test_schedule_error_found_before_workers(tmp_path, capsys, no_workers):
-    code = cli.main(["train", "--strategy", "streaming", "--out", str(tmp_path / "o"), *TINY,
-                     "blocks_per_fragment=0", "fragments=9"])
+    code = cli.main(
+        [
+            "train",
+            "--strategy",
+            "streaming",
+            "--out",
+            str(tmp_path / "o"),
+            *TINY,
+            "blocks_per_fragment=0",
+            "fragments=9",
+        ]
+    )
     _one_line_error(capsys, code, "fragments=9", "blocks")
     assert not no_workers
 
@@ -139,8 +184,9 @@ def test_device_error_found_before_workers(tmp_path, capsys, no_workers):
 
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA")
-    code = cli.main(["train", "--strategy", "diloco", "--out", str(tmp_path / "o"), *TINY,
-                     "device=cuda"])
+    code = cli.main(
+        ["train", "--strategy", "diloco", "--out", str(tmp_path / "o"), *TINY, "device=cuda"]
+    )
     _one_line_error(capsys, code, "device=cuda", "device=cpu")
     assert not no_workers
 
@@ -148,13 +194,23 @@ def test_device_error_found_before_workers(tmp_path, capsys, no_workers):
 def test_data_errors_found_before_workers(tmp_path, capsys, no_workers):
     garbage = tmp_path / "corpus.txt"
     garbage.write_bytes(np.random.default_rng(0).integers(0, 256, 50_000, dtype=np.uint8).tobytes())
-    code = cli.main(["train", "--strategy", "diloco", "--out", str(tmp_path / "o"), *TINY,
-                     f"data={garbage}"])
+    code = cli.main(
+        ["train", "--strategy", "diloco", "--out", str(tmp_path / "o"), *TINY, f"data={garbage}"]
+    )
     _one_line_error(capsys, code, "not UTF-8 text", ".bin")
     tokens = tmp_path / "tokens.bin"
     tokens.write_bytes(np.arange(4000, dtype=np.uint16).tobytes())
-    code = cli.main(["train", "--strategy", "diloco", "--out", str(tmp_path / "o"), *TINY,
-                     f"data={tokens}:int7"])
+    code = cli.main(
+        [
+            "train",
+            "--strategy",
+            "diloco",
+            "--out",
+            str(tmp_path / "o"),
+            *TINY,
+            f"data={tokens}:int7",
+        ]
+    )
     _one_line_error(capsys, code, "unknown token dtype 'int7'", "uint16")
     assert not no_workers
 
@@ -162,8 +218,19 @@ def test_data_errors_found_before_workers(tmp_path, capsys, no_workers):
 def test_tiny_corpus_read_many_times_warns(tmp_path, capsys, no_workers):
     text = tmp_path / "small.txt"
     text.write_text("a short corpus line\n" * 150)  # 3 KB
-    code = cli.main(["train", "--strategy", "diloco", "--out", str(tmp_path / "o"), *TINY,
-                     f"data={text}", "--steps", "1000"])  # ~22 passes
+    code = cli.main(
+        [
+            "train",
+            "--strategy",
+            "diloco",
+            "--out",
+            str(tmp_path / "o"),
+            *TINY,
+            f"data={text}",
+            "--steps",
+            "1000",
+        ]
+    )  # ~22 passes
     assert code == 0 and len(no_workers) == 1
     err = capsys.readouterr().err
     assert "warning:" in err and "times" in err and "bigger corpus" in err
@@ -180,7 +247,7 @@ def test_help_shows_defaults_and_version(capsys):
         cli.main(["compare", "--help"])
     text = " ".join(capsys.readouterr().out.split("options:")[1].split())
     for flag in ("--strategies", "--seeds", "--bandwidth", "--bandwidths", "--topology"):
-        entry = text[text.index(flag + " "):].split(" --")[0]
+        entry = text[text.index(flag + " ") :].split(" --")[0]
         assert "default" in entry.split("config keys")[0], flag
     assert "local worker processes per run (default: 2)" in text
     assert cli.build_parser().parse_args(["compare"]).workers == 2
@@ -189,14 +256,25 @@ def test_help_shows_defaults_and_version(capsys):
     assert e.value.code == 0 and capsys.readouterr().out.startswith("lowcomm 0.")
 
 
-def _summary(folder: Path, name: str, strategy: str, loss: float, seed: int, data: str,
-             **config) -> None:
+def _summary(
+    folder: Path, name: str, strategy: str, loss: float, seed: int, data: str, **config
+) -> None:
     d = folder / name
     d.mkdir(parents=True)
     cfg = {"model": "tiny", "data": data, "steps": 30, "seed": seed, "sync_every": 10, **config}
-    s = {"name": name, "strategy": strategy, "final_val_loss": loss, "bytes_sent_per_worker": 100,
-         "ddp_fp32_bytes_per_worker": 1000, "wall_s": 3.0, "compute_utilization": 0.9,
-         "workers": 2, "seed": seed, "config": cfg, "data": f"text file {data}"}
+    s = {
+        "name": name,
+        "strategy": strategy,
+        "final_val_loss": loss,
+        "bytes_sent_per_worker": 100,
+        "ddp_fp32_bytes_per_worker": 1000,
+        "wall_s": 3.0,
+        "compute_utilization": 0.9,
+        "workers": 2,
+        "seed": seed,
+        "config": cfg,
+        "data": f"text file {data}",
+    }
     (d / "summary.json").write_text(json.dumps(s))
 
 
@@ -204,16 +282,19 @@ def test_report_groups_only_runs_of_one_config_and_data(tmp_path):
     from lowcomm.bench.compare import write_report
 
     _summary(tmp_path / "a", "diloco", "diloco", 2.0, 0, "x.txt")
-    _summary(tmp_path / "b", "diloco", "diloco", 2.2, 1, "x.txt")        # a second seed
-    _summary(tmp_path / "c", "diloco", "diloco", 5.0, 0, "other.txt")    # other data
+    _summary(tmp_path / "b", "diloco", "diloco", 2.2, 1, "x.txt")  # a second seed
+    _summary(tmp_path / "c", "diloco", "diloco", 5.0, 0, "other.txt")  # other data
     _summary(tmp_path / "d", "diloco", "diloco", 3.0, 0, "x.txt", sync_every=50)  # other H
     _summary(tmp_path / "a", "ddp", "ddp", 1.0, 0, "x.txt")
     _summary(tmp_path / "c", "ddp", "ddp", 4.0, 0, "other.txt")
     out = tmp_path / "r"
     write_report([tmp_path / k for k in "abcd"], out, command="lowcomm report a b c d")
     md = (out / "results.md").read_text()
-    rows = {line.split("|")[1].strip(): line for line in md.splitlines()
-            if line.startswith("| diloco") and line.count("|") == 7}
+    rows = {
+        line.split("|")[1].strip(): line
+        for line in md.splitlines()
+        if line.startswith("| diloco") and line.count("|") == 7
+    }
     # seeds 0 and 1 on x.txt: mean 2.1, against DDP on x.txt (1.0)
     assert "| 2 | 2.1000 | 0.2000 | 2.100 |" in rows["diloco"]
     # the other data and the other H are their own groups; other data meets its own DDP (4.0)
@@ -236,10 +317,28 @@ def test_plain_progress_lines_and_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    proc = subprocess.run(LOWCOMM + ["train", "--strategy", "diloco", "--workers", "2",
-                                     "--steps", "4", "--out", str(out), *TINY, "progress=true",
-                                     "log_every=2", "sync_every=2", "log=tensorboard"],
-                          capture_output=True, text=True, timeout=180)  # stderr is a pipe
+    proc = subprocess.run(
+        LOWCOMM
+        + [
+            "train",
+            "--strategy",
+            "diloco",
+            "--workers",
+            "2",
+            "--steps",
+            "4",
+            "--out",
+            str(out),
+            *TINY,
+            "progress=true",
+            "log_every=2",
+            "sync_every=2",
+            "log=tensorboard",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )  # stderr is a pipe
     assert proc.returncode == 0, proc.stderr
     lines = [x for x in proc.stderr.splitlines() if "step " in x and "tokens/s" in x]
     assert [x.split("step ")[1].split(":")[0] for x in lines] == ["2", "4"], proc.stderr
@@ -263,11 +362,28 @@ def test_plain_progress_lines_and_tensorboard(tmp_path):
 
 def test_ctrl_c_stops_cleanly_with_a_resume_hint(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen(LOWCOMM + ["train", "--strategy", "diloco", "--workers", "2",
-                                       "--steps", "5000", "--out", str(out), *TINY,
-                                       "sync_every=4", "checkpoint_every=4", "eval_every=0",
-                                       "comm_delay_s=0.02"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        LOWCOMM
+        + [
+            "train",
+            "--strategy",
+            "diloco",
+            "--workers",
+            "2",
+            "--steps",
+            "5000",
+            "--out",
+            str(out),
+            *TINY,
+            "sync_every=4",
+            "checkpoint_every=4",
+            "eval_every=0",
+            "comm_delay_s=0.02",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     meta = out / "checkpoints" / "step-000000004" / "meta.json"
     deadline = time.time() + 120
     while not (meta.exists() and (out / "workers.json").exists()):

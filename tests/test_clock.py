@@ -20,12 +20,12 @@ def test_segments_split_wall_into_compute_and_waiting(monkeypatch):
     monkeypatch.setattr(run_mod.time, "perf_counter", fake.perf_counter)
     blocked = [0.0]
     clock = run_mod.Clock()
-    with clock.segment(lambda: blocked[0]):      # 2 s, of which the meter saw 0.5 s waiting
+    with clock.segment(lambda: blocked[0]):  # 2 s, of which the meter saw 0.5 s waiting
         fake.now += 2.0
         blocked[0] += 0.5
-    fake.now += 7.0                              # logging / evaluation / checkpoint: not counted
+    fake.now += 7.0  # logging / evaluation / checkpoint: not counted
     with clock.segment(lambda: blocked[0]) as extra:
-        fake.now += 1.0                          # 1 s, 0.25 s waiting seen only by the caller
+        fake.now += 1.0  # 1 s, 0.25 s waiting seen only by the caller
         extra.append(0.25)
     assert clock.wall_s == pytest.approx(3.0)
     assert clock.compute_s == pytest.approx(3.0 - 0.5 - 0.25)

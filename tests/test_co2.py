@@ -7,21 +7,30 @@ import time
 
 import pytest
 import torch
+from helpers import adamw, batches, flat_params, local_steps, tiny_model
 
 import lowcomm
 from lowcomm.outer import OuterCO2, gap_aware_penalty
-from helpers import adamw, batches, flat_params, local_steps, tiny_model
 
 H, ROUNDS, LR, BETA, CLIP = 3, 4, 1.0, 0.5, 0.004
 
 
-def _co2_worker(rank: int, world: int, penalty: bool, clip: float, merge: str = "reset",
-               extra: int = 0) -> dict:
+def _co2_worker(
+    rank: int, world: int, penalty: bool, clip: float, merge: str = "reset", extra: int = 0
+) -> dict:
     model = tiny_model(seed=0)
     opt = adamw(model)
     data = batches(rank, world)
-    sync = lowcomm.CO2(model, opt, sync_every=H, outer_lr=LR, outer_momentum=BETA,
-                       staleness_penalty=penalty, momentum_clip=clip, co2_merge=merge)
+    sync = lowcomm.CO2(
+        model,
+        opt,
+        sync_every=H,
+        outer_lr=LR,
+        outer_momentum=BETA,
+        staleness_penalty=penalty,
+        momentum_clip=clip,
+        co2_merge=merge,
+    )
     with sync:
         for _ in range(H * ROUNDS + extra):
             x, y = data.next()
@@ -98,13 +107,19 @@ def reference_co2_continue(world: int, penalty: bool, clip: float, extra: int) -
     opts = [adamw(m) for m in models]
     data = [batches(r, world) for r in range(world)]
     theta = torch.nn.utils.parameters_to_vector(init.parameters()).detach().clone()
-    state = {"m": torch.zeros_like(theta), "C": torch.zeros_like(theta), "last": torch.zeros_like(theta),
-             "n": 0}
+    state = {
+        "m": torch.zeros_like(theta),
+        "C": torch.zeros_like(theta),
+        "last": torch.zeros_like(theta),
+        "n": 0,
+    }
 
     def outer(avg: torch.Tensor) -> None:
         lam = torch.ones_like(theta)
         if penalty and state["n"] > 0:
-            lam = 1.0 / torch.maximum(state["last"].abs() / (state["C"] + 1e-12), torch.ones_like(theta))
+            lam = 1.0 / torch.maximum(
+                state["last"].abs() / (state["C"] + 1e-12), torch.ones_like(theta)
+            )
         state["m"] = BETA * state["m"] + lam * avg
         if clip > 0:
             state["m"] = state["m"].clamp(-clip, clip)
@@ -178,7 +193,9 @@ def test_penalty_scales_by_documented_factor():
     opt.step("f", theta, torch.tensor([1.0, 1.0, 1.0]))
     assert torch.allclose(opt.last_penalty, torch.tensor([0.25, 1.0, 1.0]))
     assert torch.allclose(before - theta, torch.tensor([0.25, 1.0, 1.0]))
-    assert torch.allclose(gap_aware_penalty(torch.tensor([3.0]), torch.tensor([1.5])), torch.tensor([0.5]))
+    assert torch.allclose(
+        gap_aware_penalty(torch.tensor([3.0]), torch.tensor([1.5])), torch.tensor([0.5])
+    )
 
 
 def _in_flight_worker(rank: int, world: int) -> dict:

@@ -170,8 +170,12 @@ def test_fp32_keeps_nan_and_inf():
 
 
 @PROP
-@given(x=tensors, bits=st.sampled_from([8, 4, 2]), block=st.sampled_from([1, 7, 64, 256, 1000]),
-       stochastic=st.booleans())
+@given(
+    x=tensors,
+    bits=st.sampled_from([8, 4, 2]),
+    block=st.sampled_from([1, 7, 64, 256, 1000]),
+    stochastic=st.booleans(),
+)
 def test_uniform_error_bound(x, bits, block, stochastic):
     c = make_codec(f"int{bits}", block_size=block, stochastic=stochastic)
     y = c.roundtrip(x)
@@ -187,7 +191,9 @@ def test_uniform_error_bound(x, bits, block, stochastic):
 
 def test_uniform_stochastic_is_unbiased():
     x = torch.linspace(-1, 1, 512)
-    c = make_codec("int4", block_size=512, stochastic=True, generator=torch.Generator().manual_seed(0))
+    c = make_codec(
+        "int4", block_size=512, stochastic=True, generator=torch.Generator().manual_seed(0)
+    )
     mean = torch.stack([c.roundtrip(x) for _ in range(400)]).mean(0)
     assert (mean - x).abs().max() < 0.03  # step 1/7, std of mean < 0.036/2
     assert (mean - x).abs().mean() < 0.008
@@ -218,9 +224,9 @@ def test_authors_int4_matches_its_formula(x, block):
     flat = x.reshape(-1).float()
     want = torch.empty_like(flat)
     for i in range(0, flat.numel(), block):
-        g = flat[i:i + block]
-        s = g.abs().amax().clamp(min=2.0 ** -100) / 8
-        want[i:i + block] = torch.clamp(torch.round(g / s), -8, 7) * s
+        g = flat[i : i + block]
+        s = g.abs().amax().clamp(min=2.0**-100) / 8
+        want[i : i + block] = torch.clamp(torch.round(g / s), -8, 7) * s
     got = make_codec("int4-authors", block_size=block).roundtrip(x).reshape(-1)
     assert torch.equal(got, want)
 
@@ -246,8 +252,8 @@ def test_fp4_nearest_code_and_bound(x, block):
     assert ((y - x).abs() <= torch.maximum(x.abs() / 3, s / 128) * (1 + 1e-5) + 1e-37).all()
     # y is the nearest point of the codebook {0, +-s 2^-j, j = 0..6}
     mags = torch.cat([torch.zeros(1), 2.0 ** -torch.arange(7.0)])
-    book = torch.cat([mags, -mags[1:]])                      # (15,)
-    cand = s.reshape(-1, 1) * book                           # (n, 15)
+    book = torch.cat([mags, -mags[1:]])  # (15,)
+    cand = s.reshape(-1, 1) * book  # (n, 15)
     best = (cand - x.reshape(-1, 1)).abs().amin(1)
     assert ((y - x).abs().reshape(-1) <= best * (1 + 1e-5) + 1e-37).all()
     r = (y.reshape(-1) / s.reshape(-1)).abs()
@@ -266,13 +272,17 @@ def test_fp4_stochastic_bound(x):
 
 def test_fp4_stochastic_is_unbiased():
     x = torch.cat([torch.tensor([1.0]), torch.linspace(-0.9, 0.9, 255)])
-    c = make_codec("fp4", block_size=256, stochastic=True, generator=torch.Generator().manual_seed(1))
+    c = make_codec(
+        "fp4", block_size=256, stochastic=True, generator=torch.Generator().manual_seed(1)
+    )
     mean = torch.stack([c.roundtrip(x) for _ in range(400)]).mean(0)
     assert (mean - x).abs().mean() < 0.01
 
 
 def test_fp4_codebook_exact():
-    x = torch.tensor([1.0, 0.5, -0.25, 2.0**-6, -(2.0**-6), 0.0, 0.74, 0.76, 2.0**-7 * 0.99, 2.0**-7])
+    x = torch.tensor(
+        [1.0, 0.5, -0.25, 2.0**-6, -(2.0**-6), 0.0, 0.74, 0.76, 2.0**-7 * 0.99, 2.0**-7]
+    )
     y = make_codec("fp4", block_size=16).roundtrip(x)
     want = torch.tensor([1.0, 0.5, -0.25, 2.0**-6, -(2.0**-6), 0.0, 0.5, 1.0, 0.0, 2.0**-6])
     assert torch.equal(y, want)
@@ -295,7 +305,7 @@ def tiles_of(x: torch.Tensor):
     out = []
     for i in range(R // tr):
         for j in range(C // tc):
-            out.append(grid[i * tr:(i + 1) * tr, j * tc:(j + 1) * tc].reshape(-1))
+            out.append(grid[i * tr : (i + 1) * tr, j * tc : (j + 1) * tc].reshape(-1))
     return out
 
 
@@ -317,7 +327,7 @@ def test_topk_keeps_exactly_the_k_largest_per_chunk(x, density):
     pos = 0
     for t in tiles:
         k = min(t.numel(), max(1, round(t.numel() * density)))
-        got = idx[pos:pos + k]
+        got = idx[pos : pos + k]
         pos += k
         assert set(got.tolist()) <= set(t.tolist()) and len(set(got.tolist())) == k
         want = flat[t].abs().sort(descending=True).values[:k]
@@ -354,7 +364,9 @@ def test_topk_default_values_are_2bit_lut(x):
     p = c.encode(x)
     idx, vals = c.decode_sparse(p, x.shape)
     want = lut_reference(x.reshape(-1)[idx])
-    assert torch.allclose(vals, want, rtol=1e-4, atol=1e-6 * (float(want.abs().max()) if want.numel() else 0))
+    assert torch.allclose(
+        vals, want, rtol=1e-4, atol=1e-6 * (float(want.abs().max()) if want.numel() else 0)
+    )
 
 
 @PROP
@@ -459,8 +471,9 @@ def test_truncated_and_extended_payloads_raise(name):
 
 
 @pytest.mark.parametrize("name", ALL)
-@pytest.mark.parametrize("byte,what", [(0, "magic"), (2, "version"), (3, "codec"),
-                                       (4, "parameter"), (8, "elements")])
+@pytest.mark.parametrize(
+    "byte,what", [(0, "magic"), (2, "version"), (3, "codec"), (4, "parameter"), (8, "elements")]
+)
 def test_corrupted_header_raises(name, byte, what):
     c, p = encoded(name)
     p[byte] ^= 0x01
@@ -489,8 +502,10 @@ def test_bad_scales_raise(name, bad):
         c.decode(p, TAMPER_SHAPE, "w1")
 
 
-@pytest.mark.parametrize("name,byte_value", [("int8", 0), ("int4", 0x80), ("int4", 0x08),
-                                             ("int2", 0xE4 & 0xFC), ("fp4", 0x18)])
+@pytest.mark.parametrize(
+    "name,byte_value",
+    [("int8", 0), ("int4", 0x80), ("int4", 0x08), ("int2", 0xE4 & 0xFC), ("fp4", 0x18)],
+)
 def test_out_of_range_codes_raise(name, byte_value):
     c, p = encoded(name)
     p[-5] = byte_value
@@ -518,7 +533,7 @@ def test_topk_bad_indices_raise():
 
 def test_topk_nan_value_table_raises():
     c, p = encoded("topk")
-    p[16 + 16:16 + 20].view(torch.float32)[0] = float("nan")  # the value codec's shift
+    p[16 + 16 : 16 + 20].view(torch.float32)[0] = float("nan")  # the value codec's shift
     with pytest.raises(PayloadError, match="bias.*top-k values.*non-finite"):
         c.decode(p, TAMPER_SHAPE, "bias")
 

@@ -12,18 +12,45 @@ import pytest
 
 pytestmark = pytest.mark.network
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
-                                reason="shaped links need root and iproute2 (ip, tc)")
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+    reason="shaped links need root and iproute2 (ip, tc)",
+)
 
 
 @needs_root
 def test_compare_behind_a_shaped_per_worker_link(tmp_path):
     out = tmp_path / "cmp"
-    proc = subprocess.Popen([sys.executable, "-m", "lowcomm.cli", "compare", "--strategies", "diloco",
-                             "--model", "tiny", "--workers", "2", "--steps", "12", "--bandwidth", "20mbit",
-                             "--topology", "per-worker", "--out", str(out), "batch_size=4", "seq_len=32",
-                             "sync_every=4", "eval_every=0", "eval_batches=2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lowcomm.cli",
+            "compare",
+            "--strategies",
+            "diloco",
+            "--model",
+            "tiny",
+            "--workers",
+            "2",
+            "--steps",
+            "12",
+            "--bandwidth",
+            "20mbit",
+            "--topology",
+            "per-worker",
+            "--out",
+            str(out),
+            "batch_size=4",
+            "seq_len=32",
+            "sync_every=4",
+            "eval_every=0",
+            "eval_batches=2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr
     res = json.loads((out / "results.json").read_text())
@@ -36,6 +63,23 @@ def test_compare_behind_a_shaped_per_worker_link(tmp_path):
 
 
 def test_bad_bandwidth_is_a_user_error(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "lowcomm.cli", "compare", "--bandwidth", "fast",
-                           "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--bandwidth fast" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lowcomm.cli",
+            "compare",
+            "--bandwidth",
+            "fast",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        proc.returncode == 2
+        and "--bandwidth fast" in proc.stderr
+        and "Traceback" not in proc.stderr
+    )

@@ -32,8 +32,12 @@ def roundtrip_dict(state: dict) -> dict:
 
 
 @PROP
-@given(beta=st.sampled_from([0.0, 0.5, 0.95, 1.0]), codec=st.sampled_from(["topk", "int4", "fp4"]),
-       seed=st.integers(0, 10_000), steps=st.integers(1, 5))
+@given(
+    beta=st.sampled_from([0.0, 0.5, 0.95, 1.0]),
+    codec=st.sampled_from(["topk", "int4", "fp4"]),
+    seed=st.integers(0, 10_000),
+    steps=st.integers(1, 5),
+)
 def test_error_feedback_matches_reference(beta, codec, seed, steps):
     c = make_codec(codec, density=0.1)
     ef = ErrorFeedback(beta)
@@ -130,8 +134,13 @@ def test_error_feedback_errors_and_reset():
 
 
 @PROP
-@given(beta=st.sampled_from([0.0, 0.8, 0.99]), codec=st.sampled_from(["int4", "int2", "fp4"]),
-       seed=st.integers(0, 10_000), steps=st.integers(1, 6), reset_every=st.sampled_from([0, 1, 3]))
+@given(
+    beta=st.sampled_from([0.0, 0.8, 0.99]),
+    codec=st.sampled_from(["int4", "int2", "fp4"]),
+    seed=st.integers(0, 10_000),
+    steps=st.integers(1, 6),
+    reset_every=st.sampled_from([0, 1, 3]),
+)
 def test_loco_matches_reference(beta, codec, seed, steps, reset_every):
     c = make_codec(codec)
     comp = MovingAverageCompensation(beta, reset_every=reset_every)

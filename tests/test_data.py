@@ -37,7 +37,9 @@ def test_stdlib_deterministic(stdlib: Corpus) -> None:
 
 def test_stdlib_split_by_file(stdlib: Corpus) -> None:
     root, files = stdlib_files()
-    in_tests = [bool({"test", "tests", "idle_test"} & set(p.relative_to(root).parts[:-1])) for p in files]
+    in_tests = [
+        bool({"test", "tests", "idle_test"} & set(p.relative_to(root).parts[:-1])) for p in files
+    ]
     assert in_tests == sorted(in_tests)  # tests come last, so a size cap trims them first
     assert all("site-packages" not in p.parts for p in files)
     train, val = split_files(root, files)
@@ -61,8 +63,10 @@ def _starts_in_shard(b: Batches, step: int) -> None:
 def test_shards_disjoint(shard, block) -> None:
     tokens = np.arange(10_000, dtype=np.int64) % 256
     world = 4
-    samplers = [Batches(tokens, 8, 16, rank=r, world_size=world, seed=3, shard=shard, block_tokens=block)
-                for r in range(world)]
+    samplers = [
+        Batches(tokens, 8, 16, rank=r, world_size=world, seed=3, shard=shard, block_tokens=block)
+        for r in range(world)
+    ]
     ranges = sorted(r for b in samplers for r in b.owned_ranges())
     for (_, end), (start, _) in zip(ranges, ranges[1:]):
         assert end <= start  # no token belongs to two workers
@@ -199,7 +203,8 @@ def test_missing_path(tmp_path: Path) -> None:
 
 
 def test_hf_without_datasets(monkeypatch: pytest.MonkeyPatch) -> None:
-    # None in sys.modules makes `import datasets` fail even where it is installed: nothing downloads.
+    # None in sys.modules makes `import datasets` fail even where it is installed:
+    # nothing downloads.
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(ImportError, match=r"pip install 'lowcomm\[hf\]'"):
         load_corpus("hf:roneneldan/TinyStories")
@@ -234,8 +239,13 @@ def test_unknown_token_dtype(tmp_path: Path) -> None:
 def test_repeat_warning() -> None:
     from lowcomm.train.data import repeat_warning
 
-    corpus = Corpus(train=np.zeros(1000, dtype=np.uint8), val=np.zeros(100, dtype=np.uint8),
-                    vocab_size=256, name="x", description="x")
-    assert repeat_warning(corpus, 10_000) is None           # 10 passes: the limit
+    corpus = Corpus(
+        train=np.zeros(1000, dtype=np.uint8),
+        val=np.zeros(100, dtype=np.uint8),
+        vocab_size=256,
+        name="x",
+        description="x",
+    )
+    assert repeat_warning(corpus, 10_000) is None  # 10 passes: the limit
     warning = repeat_warning(corpus, 27_000)
     assert warning is not None and "27 times" in warning and "1,000 train tokens" in warning

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
+from helpers import adamw, batches, flat_params, tiny_model
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lowcomm
 from lowcomm.transport import Transport
-from helpers import adamw, batches, flat_params, tiny_model
 
 STEPS = 6
 
@@ -24,8 +24,11 @@ def _ddp_worker(rank: int, world: int) -> dict:
         ddp(x, y).backward()
         opt.step()
         opt.zero_grad()
-    return {"params": flat_params(model), "meter": transport.meter.as_dict(),
-            "numel": flat_params(model).numel()}
+    return {
+        "params": flat_params(model),
+        "meter": transport.meter.as_dict(),
+        "numel": flat_params(model).numel(),
+    }
 
 
 def test_ddp_equals_single_process_on_the_big_batch(workers):
@@ -67,8 +70,12 @@ def _torch_hook_worker(rank: int, world: int, kind: str, bucket_cap_mb: float = 
         opt.step()
         opt.zero_grad()
         per_step.append(transport.meter.payload_bytes - before)
-    return {"params": flat_params(model), "per_step": per_step, "numel": flat_params(model).numel(),
-            "buckets": state.buckets}
+    return {
+        "params": flat_params(model),
+        "per_step": per_step,
+        "numel": flat_params(model).numel(),
+        "buckets": state.buckets,
+    }
 
 
 def test_bf16_hook_is_metered_at_half_the_bytes_and_tracks_fp32(workers):
@@ -91,7 +98,8 @@ def test_powersgd_hook_compresses_after_its_start_steps(workers):
 
 
 def test_powersgd_hook_keeps_collective_order_across_many_buckets(workers):
-    """PowerSGD's callback all-reduces of several buckets in flight must not interleave (gloo aborts)."""
+    """PowerSGD's callback all-reduces of several buckets in flight must not interleave
+    (gloo aborts)."""
     res = workers(_torch_hook_worker, 2, "powersgd", 0.002)
     assert res[0]["buckets"] >= 3 * STEPS  # really several buckets per step
     assert torch.equal(res[0]["params"], res[1]["params"])

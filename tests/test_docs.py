@@ -32,8 +32,11 @@ METHOD_SECTIONS = {
 def _project_files() -> list[Path]:
     files = [ROOT / "README.md", ROOT / "Makefile", ROOT / "pyproject.toml"]
     for folder in ("docs", "src", "tests", "benchmarks"):
-        files += [p for p in (ROOT / folder).rglob("*")
-                  if p.is_file() and p.suffix in (".md", ".py", ".toml", ".txt", ".cfg", ".json")]
+        files += [
+            p
+            for p in (ROOT / folder).rglob("*")
+            if p.is_file() and p.suffix in (".md", ".py", ".toml", ".txt", ".cfg", ".json")
+        ]
     return [p for p in files if p.exists()]
 
 
@@ -78,7 +81,9 @@ def settings_table() -> str:
 
     rows = ["| key | default | meaning |", "|---|---|---|"]
     for f in dataclasses.fields(SyncConfig):
-        rows.append(f"| `{f.name}` | `{format_default(f.default)}` | {f.metadata.get('help', '')} |")
+        rows.append(
+            f"| `{f.name}` | `{format_default(f.default)}` | {f.metadata.get('help', '')} |"
+        )
     return "\n".join(rows)
 
 
@@ -92,10 +97,14 @@ def test_every_setting_is_documented_with_its_default() -> None:
         if f.name not in documented:
             problems.append(f"{f.name}: missing")
         elif documented[f.name] != format_default(f.default):
-            problems.append(f"{f.name}: docs say {documented[f.name]}, "
-                            f"the code's default is {format_default(f.default)}")
-    assert not problems, ("docs/api.md 'Every setting' is out of date (python tests/test_docs.py "
-                          "prints the table):\n" + "\n".join(problems))
+            problems.append(
+                f"{f.name}: docs say {documented[f.name]}, "
+                f"the code's default is {format_default(f.default)}"
+            )
+    assert not problems, (
+        "docs/api.md 'Every setting' is out of date (python tests/test_docs.py "
+        "prints the table):\n" + "\n".join(problems)
+    )
 
 
 @pytest.mark.parametrize("page", sorted(p.name for p in DOCS.glob("*.md")))

@@ -6,9 +6,9 @@ import copy
 
 import pytest
 import torch
+from helpers import adamw, batches, flat_params, local_steps, tiny_model
 
 import lowcomm
-from helpers import adamw, batches, flat_params, local_steps, tiny_model
 
 
 def _diloco_worker(rank: int, world: int, H: int, rounds: int, lr: float, mom: float) -> dict:
@@ -25,12 +25,17 @@ def _diloco_worker(rank: int, world: int, H: int, rounds: int, lr: float, mom: f
             opt.zero_grad()
             if step % H == 0:
                 globals_after.append(sync.global_flat().clone())
-    return {"globals": globals_after, "final": flat_params(model), "stats": sync.stats.as_dict(),
-            "numel": flat_params(model).numel()}
+    return {
+        "globals": globals_after,
+        "final": flat_params(model),
+        "stats": sync.stats.as_dict(),
+        "numel": flat_params(model).numel(),
+    }
 
 
 def reference_diloco(world: int, H: int, rounds: int, lr: float, mom: float) -> list[torch.Tensor]:
-    """docs/algorithms.md §1 in plain torch: M model copies trained in turn, torch.optim.SGD outside."""
+    """docs/algorithms.md §1 in plain torch: M model copies trained in turn,
+    torch.optim.SGD outside."""
     init = tiny_model(seed=100)
     models = [copy.deepcopy(init) for _ in range(world)]
     opts = [adamw(m) for m in models]
@@ -66,8 +71,13 @@ def test_diloco_matches_plain_torch(workers, world):
     for r, res in enumerate(results):
         assert len(res["globals"]) == rounds
         for k in range(rounds):
-            torch.testing.assert_close(res["globals"][k], expected[k], atol=1e-6, rtol=0,
-                                       msg=f"rank {r}, outer step {k + 1}")
+            torch.testing.assert_close(
+                res["globals"][k],
+                expected[k],
+                atol=1e-6,
+                rtol=0,
+                msg=f"rank {r}, outer step {k + 1}",
+            )
         # after the last sync every worker holds the global parameters
         torch.testing.assert_close(res["final"], expected[-1], atol=1e-6, rtol=0)
     # the global copy is bit-identical on every worker after every sync

@@ -10,9 +10,31 @@ from lowcomm import cli
 from lowcomm.config import ConfigError, build_configs, config_fields
 
 KEYS = sorted(config_fields()) + ["sync_evry", "H", "", "density "]
-VALUES = st.one_of(st.sampled_from(["0", "-1", "1", "1/64", "1/0", "abc", "true", "nan", "inf", "1e309",
-                                    "strided", "topk", "fp4", "gather", "co2", "", "3.5", "99999999"]),
-                   st.text(max_size=8))
+VALUES = st.one_of(
+    st.sampled_from(
+        [
+            "0",
+            "-1",
+            "1",
+            "1/64",
+            "1/0",
+            "abc",
+            "true",
+            "nan",
+            "inf",
+            "1e309",
+            "strided",
+            "topk",
+            "fp4",
+            "gather",
+            "co2",
+            "",
+            "3.5",
+            "99999999",
+        ]
+    ),
+    st.text(max_size=8),
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -33,16 +55,51 @@ def no_launch(monkeypatch):
     monkeypatch.setattr(compare, "launch", lambda *a, **k: None)
 
 
-ARGS = st.lists(st.one_of(
-    st.sampled_from(["train", "compare", "simulate", "bench", "--strategy", "diloco", "ddp", "nope",
-                     "--workers", "0", "2", "-3", "--steps", "x", "--model", "tiny", "huge",
-                     "--strategies", "ddp,diloco:sync_every=5", "sparseloco:density", "--seeds", "0,a",
-                     "--port", "99999", "--resume", "/nonexistent", "--config", "/nonexistent.toml",
-                     "--json", "--help-not"]),
-    st.builds(lambda k, v: f"{k}={v}", st.sampled_from(KEYS[:12] + ["bogus"]), VALUES)), max_size=8)
+ARGS = st.lists(
+    st.one_of(
+        st.sampled_from(
+            [
+                "train",
+                "compare",
+                "simulate",
+                "bench",
+                "--strategy",
+                "diloco",
+                "ddp",
+                "nope",
+                "--workers",
+                "0",
+                "2",
+                "-3",
+                "--steps",
+                "x",
+                "--model",
+                "tiny",
+                "huge",
+                "--strategies",
+                "ddp,diloco:sync_every=5",
+                "sparseloco:density",
+                "--seeds",
+                "0,a",
+                "--port",
+                "99999",
+                "--resume",
+                "/nonexistent",
+                "--config",
+                "/nonexistent.toml",
+                "--json",
+                "--help-not",
+            ]
+        ),
+        st.builds(lambda k, v: f"{k}={v}", st.sampled_from(KEYS[:12] + ["bogus"]), VALUES),
+    ),
+    max_size=8,
+)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(ARGS)
 def test_cli_never_tracebacks_on_user_error(no_launch, tmp_path, argv):
     if argv[:1] in (["train"], ["compare"]):

@@ -12,20 +12,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("transformers", reason="the Hugging Face extra is not installed: "
-                                           "pip install 'lowcomm[hf]'")
+pytest.importorskip(
+    "transformers", reason="the Hugging Face extra is not installed: pip install 'lowcomm[hf]'"
+)
 pytest.importorskip("tokenizers", reason="the Hugging Face extra is not installed")
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-
 from conftest import run_workers  # noqa: E402
 from helpers import tokens  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
 from lowcomm.errors import ConfigError  # noqa: E402
 from lowcomm.train.data import load_corpus, val_batches  # noqa: E402
 from lowcomm.train.model import PRESETS, build_model, count_params  # noqa: E402
 
 LOWCOMM = [sys.executable, "-m", "lowcomm.cli"]
-WORDS = ("alpha beta gamma delta sync worker outer inner model train step token shard "
-         "fragment average momentum").split()
+WORDS = (
+    "alpha beta gamma delta sync worker outer inner model train step token shard "
+    "fragment average momentum"
+).split()
 
 
 def _text_file(path: Path, lines: int = 2500) -> Path:
@@ -41,8 +44,10 @@ def _val_loss(model: torch.nn.Module, batches) -> float:
     """Mean cross-entropy of an HF causal LM over (x, y) batches, y already shifted."""
     model.eval()
     with torch.no_grad():
-        losses = [F.cross_entropy(model(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
-                  for x, y in batches]
+        losses = [
+            F.cross_entropy(model(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
+            for x, y in batches
+        ]
     return float(torch.stack(losses).mean())
 
 
@@ -56,7 +61,10 @@ def test_hf_llama_matches_builtin_preset_size(preset):
     assert count_params(hf) == count_params(build_model(preset))
     cfg = hf.hf_model.config
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (
-        PRESETS[preset].dim, PRESETS[preset].n_layers, PRESETS[preset].n_heads)
+        PRESETS[preset].dim,
+        PRESETS[preset].n_layers,
+        PRESETS[preset].n_heads,
+    )
 
 
 def test_adapter_loss_is_hf_loss_on_shifted_targets():
@@ -71,9 +79,14 @@ def test_adapter_loss_is_hf_loss_on_shifted_targets():
     assert torch.allclose(model(x, y), hf(input_ids=windows, labels=windows).loss, atol=1e-5)
 
 
-@pytest.mark.parametrize("spec,match", [("hf:nosucharch", "unknown Hugging Face model type"),
-                                        ("hf:llama:huge", "unknown size preset"),
-                                        ("hf:./no/such/folder", "does not exist")])
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ("hf:nosucharch", "unknown Hugging Face model type"),
+        ("hf:llama:huge", "unknown size preset"),
+        ("hf:./no/such/folder", "does not exist"),
+    ],
+)
 def test_bad_hf_names_are_config_errors(spec, match):
     with pytest.raises(ConfigError, match=match):
         build_model(spec, vocab_size=256)
@@ -132,19 +145,41 @@ def test_bpe_refuses_a_pretokenized_corpus(tmp_path):
 # --- our trainer ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch,strategy,syncs", [
-    ("llama", "diloco", 3),       # 12 steps, H = 4: one fragment synced 3 times
-    ("gpt2", "streaming", 6),     # two fragments (embeddings+head, the blocks), 3 syncs each
-    pytest.param("llama", "streaming", 6, marks=pytest.mark.slow),
-    pytest.param("gpt2", "diloco", 3, marks=pytest.mark.slow),
-])
-def test_lowcomm_train_hf_model_reloads_with_from_pretrained(tmp_path, monkeypatch, arch, strategy,
-                                                             syncs):
+@pytest.mark.parametrize(
+    "arch,strategy,syncs",
+    [
+        ("llama", "diloco", 3),  # 12 steps, H = 4: one fragment synced 3 times
+        ("gpt2", "streaming", 6),  # two fragments (embeddings+head, the blocks), 3 syncs each
+        pytest.param("llama", "streaming", 6, marks=pytest.mark.slow),
+        pytest.param("gpt2", "diloco", 3, marks=pytest.mark.slow),
+    ],
+)
+def test_lowcomm_train_hf_model_reloads_with_from_pretrained(
+    tmp_path, monkeypatch, arch, strategy, syncs
+):
     data, out = _text_file(tmp_path / "corpus.txt"), tmp_path / "run"
-    cmd = LOWCOMM + ["train", "--strategy", strategy, "--model", f"hf:{arch}:tiny",
-                     "--workers", "2", "--steps", "12", "--out", str(out), f"data={data}",
-                     "tokenizer=bpe:300", "batch_size=4", "seq_len=16", "sync_every=4",
-                     "eval_every=0", "eval_batches=4", "progress=false", "warmup_steps=2"]
+    cmd = LOWCOMM + [
+        "train",
+        "--strategy",
+        strategy,
+        "--model",
+        f"hf:{arch}:tiny",
+        "--workers",
+        "2",
+        "--steps",
+        "12",
+        "--out",
+        str(out),
+        f"data={data}",
+        "tokenizer=bpe:300",
+        "batch_size=4",
+        "seq_len=16",
+        "sync_every=4",
+        "eval_every=0",
+        "eval_batches=4",
+        "progress=false",
+        "warmup_steps=2",
+    ]
     monkeypatch.setenv("LOWCOMM_CACHE", str(tmp_path / "cache"))
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
@@ -176,8 +211,9 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
 
 
-def _trainer_worker(rank: int, world: int, arch: str, strategy: str, out_dir: str,
-                    callback_only: bool) -> dict:
+def _trainer_worker(
+    rank: int, world: int, arch: str, strategy: str, out_dir: str, callback_only: bool
+) -> dict:
     """One worker of an HF Trainer run on a tiny model: its parameters after every step."""
     import torch.distributed as dist
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -185,24 +221,41 @@ def _trainer_worker(rank: int, world: int, arch: str, strategy: str, out_dir: st
     from lowcomm.hf import LowCommCallback, LowCommTrainer
 
     # what torchrun would set: Accelerate then runs in multi-process mode (and would wrap in DDP)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+    )
     torch.manual_seed(rank)  # different initial weights: training must start from rank 0's
     hf = build_model(f"hf:{arch}:tiny", vocab_size=256, max_seq_len=16).hf_model
     t = torch.from_numpy(tokens(8000)).long()
-    data = [{"input_ids": t[i:i + 16], "labels": t[i:i + 16]} for i in range(0, 7680, 16)]
-    held_out = [{"input_ids": t[i:i + 16], "labels": t[i:i + 16]} for i in range(7700, 7828, 16)]
+    data = [{"input_ids": t[i : i + 16], "labels": t[i : i + 16]} for i in range(0, 7680, 16)]
+    held_out = [
+        {"input_ids": t[i : i + 16], "labels": t[i : i + 16]} for i in range(7700, 7828, 16)
+    ]
     snaps: list[torch.Tensor] = []
 
     class Snapshot(TrainerCallback):
         def on_step_end(self, args, state, control, model=None, **kwargs):
             snaps.append(_flat(model))
 
-    args = TrainingArguments(output_dir=out_dir, max_steps=8, per_device_train_batch_size=4,
-                             learning_rate=3e-3, use_cpu=True, report_to=[], save_strategy="no",
-                             logging_steps=4, dataloader_drop_last=True, disable_tqdm=True,
-                             eval_strategy="no" if callback_only else "steps", eval_steps=2,
-                             per_device_eval_batch_size=2)
+    args = TrainingArguments(
+        output_dir=out_dir,
+        max_steps=8,
+        per_device_train_batch_size=4,
+        learning_rate=3e-3,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=4,
+        dataloader_drop_last=True,
+        disable_tqdm=True,
+        eval_strategy="no" if callback_only else "steps",
+        eval_steps=2,
+        per_device_eval_batch_size=2,
+    )
     if callback_only:
         callback = LowCommCallback(strategy, sync_every=4)
         trainer = Trainer(model=hf, args=args, train_dataset=data, callbacks=[Snapshot(), callback])
@@ -212,36 +265,58 @@ def _trainer_worker(rank: int, world: int, arch: str, strategy: str, out_dir: st
             callback.engine.close()
             return {"error": str(e)}
         return {"error": None}
-    trainer = LowCommTrainer(model=hf, args=args, train_dataset=data, eval_dataset=held_out,
-                             callbacks=[Snapshot()],
-                             lowcomm_strategy=strategy, lowcomm_kwargs={"sync_every": 4})
+    trainer = LowCommTrainer(
+        model=hf,
+        args=args,
+        train_dataset=data,
+        eval_dataset=held_out,
+        callbacks=[Snapshot()],
+        lowcomm_strategy=strategy,
+        lowcomm_kwargs={"sync_every": 4},
+    )
     trainer.train()
     final = Path(out_dir) / "final"
     if rank == 0:
         trainer.save_model(str(final))
     dist.barrier()
     reloaded = AutoModelForCausalLM.from_pretrained(final)
-    batches = [(t[i:i + 15][None], t[i + 1:i + 16][None]) for i in range(7700, 7900, 40)]
+    batches = [(t[i : i + 15][None], t[i + 1 : i + 16][None]) for i in range(7700, 7900, 40)]
     torch.manual_seed(0)  # rank 0's initial weights: the global parameters until the first sync
     start = build_model(f"hf:{arch}:tiny", vocab_size=256, max_seq_len=16).hf_model.eval()
     with torch.no_grad():
-        start_loss = float(torch.stack([start(**{k: v[None] for k, v in row.items()}).loss
-                                        for row in held_out]).mean())
-    eval_at_2 = [h["eval_loss"] for h in trainer.state.log_history if h.get("step") == 2
-                 and "eval_loss" in h]
-    return {"start_loss": start_loss, "eval_at_2": eval_at_2,"snaps": torch.stack(snaps), "final": _flat(hf), "loss": _val_loss(hf, batches),
-            "reloaded_loss": _val_loss(reloaded, batches),
-            "fragments": len(trainer.lowcomm.fragment_names), "syncs": trainer.lowcomm.stats.syncs}
+        start_loss = float(
+            torch.stack(
+                [start(**{k: v[None] for k, v in row.items()}).loss for row in held_out]
+            ).mean()
+        )
+    eval_at_2 = [
+        h["eval_loss"] for h in trainer.state.log_history if h.get("step") == 2 and "eval_loss" in h
+    ]
+    return {
+        "start_loss": start_loss,
+        "eval_at_2": eval_at_2,
+        "snaps": torch.stack(snaps),
+        "final": _flat(hf),
+        "loss": _val_loss(hf, batches),
+        "reloaded_loss": _val_loss(reloaded, batches),
+        "fragments": len(trainer.lowcomm.fragment_names),
+        "syncs": trainer.lowcomm.stats.syncs,
+    }
 
 
-@pytest.mark.parametrize("arch,strategy,fragments,equal_at", [
-    ("llama", "diloco", 1, {4, 8}),   # H = 4: replicas equal right after each sync only
-    ("gpt2", "streaming", 2, set()),  # overlapped fragments (tau = 1, alpha = 0.5): never equal
-])
-def test_lowcomm_trainer_keeps_workers_apart_between_syncs(tmp_path, arch, strategy, fragments,
-                                                           equal_at):
-    r0, r1 = run_workers(_trainer_worker, 2, arch, strategy, str(tmp_path / "out"), False,
-                         tmp_path=tmp_path)
+@pytest.mark.parametrize(
+    "arch,strategy,fragments,equal_at",
+    [
+        ("llama", "diloco", 1, {4, 8}),  # H = 4: replicas equal right after each sync only
+        ("gpt2", "streaming", 2, set()),  # overlapped fragments (tau = 1, alpha = 0.5): never equal
+    ],
+)
+def test_lowcomm_trainer_keeps_workers_apart_between_syncs(
+    tmp_path, arch, strategy, fragments, equal_at
+):
+    r0, r1 = run_workers(
+        _trainer_worker, 2, arch, strategy, str(tmp_path / "out"), False, tmp_path=tmp_path
+    )
     assert r0["fragments"] == fragments
     steps = len(r0["snaps"])
     assert steps == 8
@@ -257,7 +332,8 @@ def test_lowcomm_trainer_keeps_workers_apart_between_syncs(tmp_path, arch, strat
 def test_callback_in_a_plain_trainer_refuses_ddp(tmp_path):
     # transformers.Trainer wraps the model in DDP under multi-process Accelerate: identical
     # gradients on every worker, which the callback detects at the first step.
-    results = run_workers(_trainer_worker, 2, "llama", "diloco", str(tmp_path / "out"), True,
-                          tmp_path=tmp_path)
+    results = run_workers(
+        _trainer_worker, 2, "llama", "diloco", str(tmp_path / "out"), True, tmp_path=tmp_path
+    )
     for r in results:
         assert r["error"] is not None and "identical on every worker" in r["error"]

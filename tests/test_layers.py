@@ -21,14 +21,18 @@ def _functions(path: Path):
 
 
 def test_no_function_over_80_lines():
-    long = [f"{p.relative_to(SRC)}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)"
-            for p in sorted(SRC.rglob("*.py")) for n in _functions(p)
-            if n.end_lineno - n.lineno + 1 > 80]
+    long = [
+        f"{p.relative_to(SRC)}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)"
+        for p in sorted(SRC.rglob("*.py"))
+        for n in _functions(p)
+        if n.end_lineno - n.lineno + 1 > 80
+    ]
     assert not long, "functions over 80 lines: " + "; ".join(long)
 
 
-@pytest.mark.parametrize("module", ["lowcomm.sim", "lowcomm.schedule", "lowcomm.config",
-                                    "lowcomm.errors"])
+@pytest.mark.parametrize(
+    "module", ["lowcomm.sim", "lowcomm.schedule", "lowcomm.config", "lowcomm.errors"]
+)
 def test_light_modules_import_without_torch(module):
     code = f"import {module}, sys; assert 'torch' not in sys.modules, sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -59,17 +63,31 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_math_modules_never_touch_torch_distributed():
-    files = [p for m in MATH_MODULES for p in ([SRC / m] if m.endswith(".py")
-                                               else sorted((SRC / m).rglob("*.py")))]
-    bad = [str(p.relative_to(SRC)) for p in files
-           if any(n == "torch.distributed" or n.startswith("torch.distributed.")
-                  or n.endswith("transport") or ".transport." in n for n in _imports(p))]
+    files = [
+        p
+        for m in MATH_MODULES
+        for p in ([SRC / m] if m.endswith(".py") else sorted((SRC / m).rglob("*.py")))
+    ]
+    bad = [
+        str(p.relative_to(SRC))
+        for p in files
+        if any(
+            n == "torch.distributed"
+            or n.startswith("torch.distributed.")
+            or n.endswith("transport")
+            or ".transport." in n
+            for n in _imports(p)
+        )
+    ]
     assert not bad, f"math modules importing torch.distributed: {bad}"
 
 
 def test_train_does_not_import_bench():
-    bad = [str(p.relative_to(SRC)) for p in sorted((SRC / "train").rglob("*.py"))
-           if any(".bench" in n or n.startswith("lowcomm.bench") for n in _imports(p))]
+    bad = [
+        str(p.relative_to(SRC))
+        for p in sorted((SRC / "train").rglob("*.py"))
+        if any(".bench" in n or n.startswith("lowcomm.bench") for n in _imports(p))
+    ]
     assert not bad, f"train/ imports bench/ (an upward arrow): {bad}"
 
 

@@ -15,14 +15,37 @@ from lowcomm.train.data import load_corpus, val_batches
 
 def test_load_model_reproduces_the_final_validation_loss(tmp_path):
     text = tmp_path / "corpus.txt"
-    text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n"
-                            for i in range(400)))
+    text.write_text(
+        "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(400))
+    )
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "lowcomm.cli", "train", "--strategy", "diloco",
-                           "--workers", "2", "--steps", "6", "--model", "tiny", "--out", str(out),
-                           f"data={text}", "sync_every=3", "batch_size=2", "seq_len=16",
-                           "eval_batches=2", "progress=false"],
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lowcomm.cli",
+            "train",
+            "--strategy",
+            "diloco",
+            "--workers",
+            "2",
+            "--steps",
+            "6",
+            "--model",
+            "tiny",
+            "--out",
+            str(out),
+            f"data={text}",
+            "sync_every=3",
+            "batch_size=2",
+            "seq_len=16",
+            "eval_batches=2",
+            "progress=false",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((out / "summary.json").read_text())
 

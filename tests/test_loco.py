@@ -8,22 +8,35 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import batches, tiny_model
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lowcomm
 from lowcomm.codecs import make_codec
 from lowcomm.compensation import ErrorFeedback, MovingAverageCompensation
-from helpers import batches, tiny_model
 
 STEPS, BETA, GROUP = 5, 0.8, 64
 
 
-def _loco_worker(rank: int, world: int, quantizer: str, reset_every: int, bucket_mb: float,
-                 compress_1d: bool = False) -> dict:
+def _loco_worker(
+    rank: int,
+    world: int,
+    quantizer: str,
+    reset_every: int,
+    bucket_mb: float,
+    compress_1d: bool = False,
+) -> dict:
     model = tiny_model(seed=0)
     ddp = DDP(model, bucket_cap_mb=bucket_mb)
-    state = lowcomm.LoCoState(model, bits=4, beta=BETA, group_size=GROUP, quantizer=quantizer,
-                              reset_every=reset_every, compress_1d=compress_1d)
+    state = lowcomm.LoCoState(
+        model,
+        bits=4,
+        beta=BETA,
+        group_size=GROUP,
+        quantizer=quantizer,
+        reset_every=reset_every,
+        compress_1d=compress_1d,
+    )
     ddp.register_comm_hook(state, lowcomm.loco_hook)
     data = batches(rank, world)
     reduced = []
@@ -33,9 +46,13 @@ def _loco_worker(rank: int, world: int, quantizer: str, reset_every: int, bucket
         reduced.append({n: p.grad.clone() for n, p in model.named_parameters()})
         model.zero_grad()
     red = state.reduce_compensation
-    return {"reduced": reduced, "buckets": state.buckets, "method": state.method,
-            "steps": (state.compensation.steps, red.steps if red else None),
-            "bytes": state.transport.meter.sent_bytes}
+    return {
+        "reduced": reduced,
+        "buckets": state.buckets,
+        "method": state.method,
+        "steps": (state.compensation.steps, red.steps if red else None),
+        "bytes": state.transport.meter.sent_bytes,
+    }
 
 
 def _quantize(h: torch.Tensor, quantizer: str) -> torch.Tensor:
@@ -50,13 +67,13 @@ def _quantize(h: torch.Tensor, quantizer: str) -> torch.Tensor:
     group = min(h.shape[0], flat.numel() // h.shape[0]) if matrix else GROUP
     out = torch.empty_like(flat)
     for start in range(0, flat.numel(), group):
-        blk = flat[start:start + group]
-        a = blk.abs().amax().clamp(min=2.0 ** -100)
+        blk = flat[start : start + group]
+        a = blk.abs().amax().clamp(min=2.0**-100)
         if quantizer == "authors":
             s = a / 8
-            out[start:start + group] = torch.clamp(torch.round(blk / s), -8, 7) * s
+            out[start : start + group] = torch.clamp(torch.round(blk / s), -8, 7) * s
         else:
-            out[start:start + group] = torch.round(blk * (7 / a)) * (a / 7)
+            out[start : start + group] = torch.round(blk * (7 / a)) * (a / 7)
     return out.view_as(h)
 
 
@@ -76,8 +93,9 @@ def _worker_grads(models, data) -> list[dict[str, torch.Tensor]]:
     return grads
 
 
-def reference_loco(world: int, quantizer: str, reset_every: int, second: str | None,
-                   compress_1d: bool = False) -> list[dict]:
+def reference_loco(
+    world: int, quantizer: str, reset_every: int, second: str | None, compress_1d: bool = False
+) -> list[dict]:
     """The authors' rule per tensor: 1-D tensors as the FP32 mean; matrices compensated and
     quantised per worker, summed in FP32 and averaged; with a ``second`` quantisation the
     average is quantised again, ``compensated`` (one buffer per element, held by its owner) or
@@ -140,7 +158,8 @@ def test_authors_rule_on_three_workers_both_quantisations_compensated(workers):
     model = tiny_model(seed=0)
     vec = sum(p.numel() for p in model.parameters() if p.dim() == 1)
     mat = sum(p.numel() for p in model.parameters() if p.dim() > 1)
-    shard = -(-(-(-mat // 3)) // 32) * 32
+    per_owner = -(-mat // 3)  # ceil(mat / 3)
+    shard = -(-per_owner // 32) * 32  # whole blocks of 32 per owner
     nb = make_codec("int4-authors", block_size=32).nbytes(torch.Size([shard]))
     per_step = ring_all_reduce_bytes((vec + 1) * 4, 3) + 2 / 3 * 3 * (nb + 1) + 2 * nb
     # (the meter keeps whole bytes per collective)
@@ -210,8 +229,9 @@ def _scaler_worker(rank: int, world: int, automatic: bool) -> dict:
     model = tiny_model(seed=0)
     ddp = DDP(model)
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=1)
-    state = lowcomm.LoCoState(model, beta=BETA, group_size=GROUP,
-                              scaler=scaler if automatic else None)
+    state = lowcomm.LoCoState(
+        model, beta=BETA, group_size=GROUP, scaler=scaler if automatic else None
+    )
     ddp.register_comm_hook(state, lowcomm.loco_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     data = batches(rank, world)
@@ -311,11 +331,33 @@ def test_loco_strategy_trains(tmp_path):
     import sys
 
     out = tmp_path / "loco"
-    proc = subprocess.run([sys.executable, "-m", "lowcomm.cli", "train", "--strategy", "loco",
-                           "--workers", "2", "--model", "tiny", "--steps", "30", "--out", str(out),
-                           "batch_size=4", "seq_len=32",
-                           "eval_every=0", "eval_batches=2", "progress=false", "warmup_steps=5"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lowcomm.cli",
+            "train",
+            "--strategy",
+            "loco",
+            "--workers",
+            "2",
+            "--model",
+            "tiny",
+            "--steps",
+            "30",
+            "--out",
+            str(out),
+            "batch_size=4",
+            "seq_len=32",
+            "eval_every=0",
+            "eval_batches=2",
+            "progress=false",
+            "warmup_steps=5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     s = json.loads((out / "summary.json").read_text())
     assert s["final_val_loss"] < 5.0  # ln(256) = 5.55 at init
@@ -331,16 +373,20 @@ def _diloco_loco_worker(rank: int, world: int) -> dict:
         model = tiny_model(seed=0)
         opt = adamw(model)
         data = batches(rank, world)
-        sync = lowcomm.DiLoCo(model, opt, sync_every=4, codec=codec, compensation=comp,
-                              codec_block=GROUP)
+        sync = lowcomm.DiLoCo(
+            model, opt, sync_every=4, codec=codec, compensation=comp, codec_block=GROUP
+        )
         with sync:
             for _ in range(12):
                 x, y = data.next()
                 model(x, y).backward()
                 opt.step()
                 opt.zero_grad()
-        out[codec] = {"params": flat_params(model), "stats": sync.stats.as_dict(),
-                      "comp": sync.compensation.state_dict() if sync.compensation else None}
+        out[codec] = {
+            "params": flat_params(model),
+            "stats": sync.stats.as_dict(),
+            "comp": sync.compensation.state_dict() if sync.compensation else None,
+        }
     return out
 
 
@@ -374,8 +420,12 @@ def _patch_worker(rank: int, world: int) -> dict:
     states[0].close()
     still = dist.all_reduce is not original  # the other hook still needs it
     states[1].close()
-    return {"patched": patched, "counted": counted, "still": still,
-            "restored": dist.all_reduce is original and not patches.all_reduce_is_patched()}
+    return {
+        "patched": patched,
+        "counted": counted,
+        "still": still,
+        "restored": dist.all_reduce is original and not patches.all_reduce_is_patched(),
+    }
 
 
 def test_the_metering_patch_is_undone_when_the_last_hook_closes(workers):

@@ -7,8 +7,9 @@ import torch
 
 from lowcomm.hooks import loco_fsdp as loco
 
-pytestmark = pytest.mark.skipif(loco._FSDPModule is None,
-                                reason="torch without FSDP2 set_custom_reduce_scatter")
+pytestmark = pytest.mark.skipif(
+    loco._FSDPModule is None, reason="torch without FSDP2 set_custom_reduce_scatter"
+)
 
 REPEATS = 12
 
@@ -38,8 +39,14 @@ def _fsdp_worker(rank: int, world: int, beta: float, quantizer: str) -> dict:
     sent = sum(t.meter.sent_bytes for rs in installed.values() for t in rs._transports.values())
     comps = [rs.compensation for rs in installed.values() if rs.compensation.keys()]  # (root: none)
     devices = {b.device.type for c in comps for b in c._store.buffers.values()}
-    return {"grads": grads, "names": list(installed), "bytes": sent, "devices": devices,
-            "steps": {c.steps for c in comps}, "reset_every": {c.reset_every for c in comps}}
+    return {
+        "grads": grads,
+        "names": list(installed),
+        "bytes": sent,
+        "devices": devices,
+        "steps": {c.steps for c in comps},
+        "reset_every": {c.reset_every for c in comps},
+    }
 
 
 def _true_mean(world: int) -> dict:

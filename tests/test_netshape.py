@@ -33,8 +33,11 @@ PREFIX = "lctest"
 
 def _ours() -> list[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in out.splitlines()
-            if line.strip() and line.startswith(f"{PREFIX}-")]
+    return [
+        line.split()[0]
+        for line in out.splitlines()
+        if line.strip() and line.startswith(f"{PREFIX}-")
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +81,21 @@ def test_parse_rate(text: str, bits: int) -> None:
     assert parse_rate(text) == bits
 
 
-@pytest.mark.parametrize("text", ["", "mbit", "10 megabits", "-5mbit", "0mbit", "10mbps",
-                                  "1e999mbit", "10 mbit/s", "fast", "nan"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "mbit",
+        "10 megabits",
+        "-5mbit",
+        "0mbit",
+        "10mbps",
+        "1e999mbit",
+        "10 mbit/s",
+        "fast",
+        "nan",
+    ],
+)
 def test_parse_rate_rejects(text: str) -> None:
     with pytest.raises(ValueError, match="rate"):
         parse_rate(text)
@@ -132,8 +148,15 @@ def test_names_commands_and_env() -> None:
     names = [net.namespace(r) for r in range(3)]
     assert len(set(names)) == 3
     assert all(n.startswith(f"{PREFIX}-{os.getpid()}-") for n in names)
-    assert net.command(2, ["python", "-c", "pass"]) == ["ip", "netns", "exec", names[2],
-                                                         "python", "-c", "pass"]
+    assert net.command(2, ["python", "-c", "pass"]) == [
+        "ip",
+        "netns",
+        "exec",
+        names[2],
+        "python",
+        "-c",
+        "pass",
+    ]
     assert net.master_addr == net.address(0) == "10.213.0.1"
     env = net.env(1)
     assert env["MASTER_ADDR"] == "10.213.0.1" and env["RANK"] == "1"
@@ -160,13 +183,19 @@ def test_helper_programs_run_by_path_on_plain_loopback() -> None:
     from lowcomm.bench.netshape import measure
 
     nbytes = 3 << 20
-    receiver = subprocess.Popen([sys.executable, str(measure.RECEIVER), "127.0.0.1", "0", "20"],
-                                stdout=subprocess.PIPE, text=True)
+    receiver = subprocess.Popen(
+        [sys.executable, str(measure.RECEIVER), "127.0.0.1", "0", "20"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         port = receiver.stdout.readline().strip()
         assert port.isdigit(), port
-        subprocess.run([sys.executable, str(measure.SENDER), "127.0.0.1", port, str(nbytes), "20"],
-                       check=True, timeout=30)
+        subprocess.run(
+            [sys.executable, str(measure.SENDER), "127.0.0.1", port, str(nbytes), "20"],
+            check=True,
+            timeout=30,
+        )
         out, _ = receiver.communicate(timeout=30)
     finally:
         if receiver.poll() is None:
@@ -180,8 +209,12 @@ def test_helper_programs_run_by_path_on_plain_loopback() -> None:
 
 
 def _qdisc_sent_bytes(ns: str, dev: str) -> int:
-    out = subprocess.run(["tc", "-n", ns, "-s", "qdisc", "show", "dev", dev],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["tc", "-n", ns, "-s", "qdisc", "show", "dev", dev],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "tbf" in out, out
     return int(re.search(r"Sent (\d+) bytes", out).group(1))
 
@@ -221,12 +254,13 @@ def test_per_worker_2_workers_50mbit(net_env: None) -> None:
 def test_teardown_when_body_raises_and_leftover_workers_are_stopped(net_env: None) -> None:
     handler = signal.getsignal(signal.SIGINT)
     with pytest.raises(ZeroDivisionError):
-        with ShapedNetwork("20mbit", "per-worker", workers=2, name_prefix=PREFIX,
-                           check=False) as net:
+        with ShapedNetwork(
+            "20mbit", "per-worker", workers=2, name_prefix=PREFIX, check=False
+        ) as net:
             sleeper = subprocess.Popen(net.command(1, ["sleep", "60"]))
             assert len(_ours()) == 3
             assert signal.getsignal(signal.SIGINT) != handler  # ours while the network is up
-            1 / 0
+            _ = 1 / 0  # the body raises ZeroDivisionError inside the network
     assert _ours() == []
     assert signal.getsignal(signal.SIGINT) == handler  # restored
     assert sleeper.wait(timeout=5) != 0  # stopped, so its namespace could really go
@@ -248,7 +282,9 @@ _SIGNAL_SCRIPT = textwrap.dedent(
     import signal, sys, time
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started ignoring it
     from lowcomm.bench.netshape import ShapedNetwork
-    with ShapedNetwork("20mbit", sys.argv[1], workers=2, name_prefix=sys.argv[2], check=False) as net:
+    with ShapedNetwork(
+        "20mbit", sys.argv[1], workers=2, name_prefix=sys.argv[2], check=False
+    ) as net:
         print(" ".join(net.namespaces), flush=True)
         time.sleep(60)
     """
@@ -256,11 +292,16 @@ _SIGNAL_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.network
-@pytest.mark.parametrize("sig, topology", [(signal.SIGINT, "per-worker"),
-                                          (signal.SIGTERM, "shared")])
+@pytest.mark.parametrize(
+    "sig, topology", [(signal.SIGINT, "per-worker"), (signal.SIGTERM, "shared")]
+)
 def test_signal_in_body_tears_down(net_env: None, sig: int, topology: str) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", _SIGNAL_SCRIPT, topology, PREFIX],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SIGNAL_SCRIPT, topology, PREFIX],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         names = proc.stdout.readline().split()
         assert names, proc.stderr.read()
@@ -310,9 +351,15 @@ def _all_reduce_through(net: ShapedNetwork) -> None:
     procs = []
     for rank in range(2):
         env = {**os.environ, **net.env(rank), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen(net.command(rank, [sys.executable, "-c", _ALL_REDUCE]),
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+        procs.append(
+            subprocess.Popen(
+                net.command(rank, [sys.executable, "-c", _ALL_REDUCE]),
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     try:
         for rank, proc in enumerate(procs):
             out, err = proc.communicate(timeout=120)
@@ -335,8 +382,7 @@ def test_gloo_all_reduce_shared(net_env: None) -> None:
 
 @pytest.mark.network
 def test_gloo_all_reduce_per_worker(net_env: None) -> None:
-    with ShapedNetwork("100mbit", "per-worker", workers=2, name_prefix=PREFIX,
-                       check=False) as net:
+    with ShapedNetwork("100mbit", "per-worker", workers=2, name_prefix=PREFIX, check=False) as net:
         assert net.env(1)["MASTER_ADDR"] == net.address(0)
         _all_reduce_through(net)
         for rank in range(2):  # each worker's uplink carried its half of the exchange
@@ -347,9 +393,24 @@ def test_gloo_all_reduce_per_worker(net_env: None) -> None:
 @pytest.mark.network
 def test_cli(network_ok: None) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "lowcomm.bench.netshape", "--rate", "30mbit", "--topology",
-         "per-worker", "--workers", "2", "--no-check", "--seconds", "0.5", "--json"],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "lowcomm.bench.netshape",
+            "--rate",
+            "30mbit",
+            "--topology",
+            "per-worker",
+            "--workers",
+            "2",
+            "--no-check",
+            "--seconds",
+            "0.5",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 0, done.stderr
     import json
@@ -357,7 +418,12 @@ def test_cli(network_ok: None) -> None:
     report = json.loads(done.stdout)
     assert abs(report["measured_mbit"][0] - 30) <= 3
     assert not set(report["namespaces"]) & set(
-        subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
-    bad = subprocess.run([sys.executable, "-m", "lowcomm.bench.netshape", "--rate", "10mbps"],
-                         capture_output=True, text=True, timeout=60)
+        subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    )
+    bad = subprocess.run(
+        [sys.executable, "-m", "lowcomm.bench.netshape", "--rate", "10mbps"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "bytes per second" in bad.stderr

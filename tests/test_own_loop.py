@@ -27,10 +27,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(script: Path, *args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+def torchrun(
+    script: Path, *args: str, cwd: Path, timeout: float = 240
+) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node 2 script args`` as a user would type it; output captured."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(_free_port()), str(script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(_free_port()),
+        str(script),
+        *args,
+    ]
     env = dict(os.environ, PYTHONPATH=str(HERE))
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -41,7 +52,8 @@ def test_own_loop_contract(tmp_path, strategy):
     proc = torchrun(HERE / "own_loop_script.py", strategy, str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = torch.load(out, weights_only=False)
-    # two `with` blocks of 20 steps train bit for bit like one block of 40 (H = 6: both end mid-round)
+    # two `with` blocks of 20 steps train bit for bit like one block of 40
+    # (H = 6: both end mid-round)
     assert res["two_blocks_equal_one"]
     # parameters, BatchNorm statistics and the frozen parameter are the same on every rank after
     # one block, two blocks, uneven step counts (44 vs 41: no hang), whole rounds only, and a
@@ -49,11 +61,14 @@ def test_own_loop_contract(tmp_path, strategy):
     assert res["same_on_every_rank"] == [True, True, True, True, True]
     # the 4 steps after the last sync (40 = 6 x 6 + 4) are not thrown away
     assert res["partial_round_counts"]
-    assert torch.equal(res["one"]["scale"], torch.ones_like(res["one"]["scale"]))  # rank 0's frozen value
+    assert torch.equal(
+        res["one"]["scale"], torch.ones_like(res["one"]["scale"])
+    )  # rank 0's frozen value
     if strategy == "diloco":
         for name, expected in res["reference"].items():
-            torch.testing.assert_close(res["one"][name].float(), expected.float(), atol=1e-6, rtol=0,
-                                       msg=name)
+            torch.testing.assert_close(
+                res["one"][name].float(), expected.float(), atol=1e-6, rtol=0, msg=name
+            )
 
 
 def _readme_snippet() -> str:
@@ -72,9 +87,12 @@ def test_readme_snippet_runs_as_written(tmp_path):
 
 
 def test_streaming_finds_blocks_in_any_model():
-    enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 4)
-    model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(10, 16), "body": enc,
-                                 "head": torch.nn.Linear(16, 10)})
+    enc = torch.nn.TransformerEncoder(
+        torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 4
+    )
+    model = torch.nn.ModuleDict(
+        {"embed": torch.nn.Embedding(10, 16), "body": enc, "head": torch.nn.Linear(16, 10)}
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sync = lowcomm.StreamingDiLoCo(model, opt, sync_every=30, fragments=3)
     assert sync.fragment_names[0] == ["embed.weight", "head.weight", "head.bias"]
@@ -86,13 +104,18 @@ def test_streaming_sees_through_torch_compile():
     from helpers import tiny_model
 
     model = torch.compile(tiny_model())
-    sync = lowcomm.StreamingDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                   sync_every=30, fragments=3)
+    sync = lowcomm.StreamingDiLoCo(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=30, fragments=3
+    )
     assert len(sync.fragment_names) == 3
     assert all(n.startswith("_orig_mod.blocks.0.") for n in sync.fragment_names[1])
-    explicit = lowcomm.StreamingDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                       sync_every=30, overlap=1,
-                                       fragment_modules=[["embed", "norm", "head"], ["blocks"]])
+    explicit = lowcomm.StreamingDiLoCo(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        sync_every=30,
+        overlap=1,
+        fragment_modules=[["embed", "norm", "head"], ["blocks"]],
+    )
     assert explicit.fragment_names[1][0].startswith("_orig_mod.blocks.")
 
 
@@ -140,8 +163,10 @@ def _checkpoint_worker(rank: int, world: int, strategy: str, path: str) -> dict:
     sync = preset[strategy](model, opt, **kw)
     with sync:
         local_steps(model, opt, data, 20)
-    torch.save({"sync": sync.state_dict(), "optimizer": opt.state_dict(), "data": data.state_dict()},
-               f"{path}.rank{rank}")
+    torch.save(
+        {"sync": sync.state_dict(), "optimizer": opt.state_dict(), "data": data.state_dict()},
+        f"{path}.rank{rank}",
+    )
     with sync:  # the uninterrupted run
         local_steps(model, opt, data, 20)
     saved = torch.load(f"{path}.rank{rank}", weights_only=True)  # tensors and plain types only
@@ -153,8 +178,11 @@ def _checkpoint_worker(rank: int, world: int, strategy: str, path: str) -> dict:
     data2.load_state_dict(saved["data"])
     with sync2:
         local_steps(model2, opt2, data2, 20)
-    return {"uninterrupted": flat_params(model), "resumed": flat_params(model2),
-            "bytes": (sync.stats.bytes_sent, sync2.stats.bytes_sent)}
+    return {
+        "uninterrupted": flat_params(model),
+        "resumed": flat_params(model2),
+        "bytes": (sync.stats.bytes_sent, sync2.stats.bytes_sent),
+    }
 
 
 @pytest.mark.parametrize("strategy", ["diloco", "streaming", "co2"])

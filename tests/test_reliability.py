@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import torch
+from helpers import adamw, batches, flat_params, local_steps, tiny_model
 
 import lowcomm
 from lowcomm.engine import NonFiniteError, ReplicaMismatchError
-from helpers import adamw, batches, flat_params, local_steps, tiny_model
 
 
 def _nan_worker(rank: int, world: int, inject_rounds: tuple, patience: int, steps: int) -> dict:
     model = tiny_model(seed=0)
     opt = adamw(model)
     data = batches(rank, world)
-    sync = lowcomm.DiLoCo(model, opt, sync_every=2, outer_lr=1.0, outer_momentum=0.0, nesterov=False,
-                          nonfinite_patience=patience)
+    sync = lowcomm.DiLoCo(
+        model,
+        opt,
+        sync_every=2,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        nesterov=False,
+        nonfinite_patience=patience,
+    )
     globals_after, locals_after, error = [], [], None
     try:
         with sync:
@@ -22,7 +29,9 @@ def _nan_worker(rank: int, world: int, inject_rounds: tuple, patience: int, step
                 x, y = data.next()
                 model(x, y).backward()
                 if rank == 1 and step % 2 == 0 and step // 2 in inject_rounds:
-                    next(model.parameters()).grad[0, 0] = float("nan")  # poisons this worker's delta
+                    next(model.parameters()).grad[0, 0] = float(
+                        "nan"
+                    )  # poisons this worker's delta
                 opt.step()
                 opt.zero_grad()
                 if step % 2 == 0:
@@ -30,8 +39,12 @@ def _nan_worker(rank: int, world: int, inject_rounds: tuple, patience: int, step
                     locals_after.append(flat_params(model))
     except NonFiniteError as e:
         error = str(e)
-    return {"globals": globals_after, "locals": locals_after, "error": error,
-            "stats": sync.stats.as_dict()}
+    return {
+        "globals": globals_after,
+        "locals": locals_after,
+        "error": error,
+        "stats": sync.stats.as_dict(),
+    }
 
 
 def test_nonfinite_worker_is_left_out_and_restarts(workers):

@@ -14,16 +14,32 @@ import pytest
 import torch
 
 LOWCOMM = [sys.executable, "-m", "lowcomm.cli"]
-COMMON = ["--model", "tiny", "--steps", "40", "batch_size=4", "seq_len=32", "eval_batches=2",
-          "eval_every=0", "progress=false", "checkpoint_every=8", "comm_delay_s=0.15", "timeout_s=30"]
+COMMON = [
+    "--model",
+    "tiny",
+    "--steps",
+    "40",
+    "batch_size=4",
+    "seq_len=32",
+    "eval_batches=2",
+    "eval_every=0",
+    "progress=false",
+    "checkpoint_every=8",
+    "comm_delay_s=0.15",
+    "timeout_s=30",
+]
 
 
 def _train(args, **kw):
-    return subprocess.run(LOWCOMM + ["train", *args], capture_output=True, text=True, timeout=300, **kw)
+    return subprocess.run(
+        LOWCOMM + ["train", *args], capture_output=True, text=True, timeout=300, **kw
+    )
 
 
 def _kill_after_checkpoint(out: Path, args: list[str]) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen(LOWCOMM + ["train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        LOWCOMM + ["train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.time() + 120
     meta = out / "checkpoints" / "step-000000016" / "meta.json"
     while not meta.exists():
@@ -38,22 +54,28 @@ def _kill_after_checkpoint(out: Path, args: list[str]) -> subprocess.CompletedPr
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), time.time() - t0
 
 
-@pytest.mark.parametrize("strategy,extra", [
-    ("diloco", ["sync_every=4"]),
-    pytest.param("ddp", [], marks=pytest.mark.slow),
-    pytest.param("loco", [], marks=pytest.mark.slow),
-    # results in flight at the checkpoint (tau = 1; CO2's whole round) are stored as pending
-    pytest.param("streaming", ["sync_every=4", "overlap=1", "alpha=0.5"], marks=pytest.mark.slow),
-    pytest.param("co2", ["sync_every=4"], marks=pytest.mark.slow),
-    pytest.param("sparseloco", ["sync_every=4"], marks=pytest.mark.slow),  # error buffers
-])
+@pytest.mark.parametrize(
+    "strategy,extra",
+    [
+        ("diloco", ["sync_every=4"]),
+        pytest.param("ddp", [], marks=pytest.mark.slow),
+        pytest.param("loco", [], marks=pytest.mark.slow),
+        # results in flight at the checkpoint (tau = 1; CO2's whole round) are stored as pending
+        pytest.param(
+            "streaming", ["sync_every=4", "overlap=1", "alpha=0.5"], marks=pytest.mark.slow
+        ),
+        pytest.param("co2", ["sync_every=4"], marks=pytest.mark.slow),
+        pytest.param("sparseloco", ["sync_every=4"], marks=pytest.mark.slow),  # error buffers
+    ],
+)
 def test_kill_worker_then_resume_is_bit_identical(tmp_path, strategy, extra):
     full, broken = tmp_path / "full", tmp_path / "broken"
     ref = _train(["--strategy", strategy, "--workers", "2", "--out", str(full), *COMMON, *extra])
     assert ref.returncode == 0, ref.stderr
 
-    dead, seconds = _kill_after_checkpoint(broken, ["--strategy", strategy, "--workers", "2",
-                                                    "--out", str(broken), *COMMON, *extra])
+    dead, seconds = _kill_after_checkpoint(
+        broken, ["--strategy", strategy, "--workers", "2", "--out", str(broken), *COMMON, *extra]
+    )
     assert dead.returncode != 0
     assert seconds < 60  # the others stopped well within the collective timeout
     assert "worker 1" in dead.stderr and "Last checkpoint" in dead.stderr, dead.stderr
@@ -76,8 +98,19 @@ def test_kill_worker_then_resume_is_bit_identical(tmp_path, strategy, extra):
 @pytest.mark.slow
 def test_corrupt_checkpoint_refused_previous_used(tmp_path):
     out = tmp_path / "run"
-    args = ["--strategy", "diloco", "--workers", "2", "--out", str(out), *COMMON, "sync_every=4",
-            "--steps", "16", "comm_delay_s=0"]
+    args = [
+        "--strategy",
+        "diloco",
+        "--workers",
+        "2",
+        "--out",
+        str(out),
+        *COMMON,
+        "sync_every=4",
+        "--steps",
+        "16",
+        "comm_delay_s=0",
+    ]
     assert _train(args).returncode == 0
     last = out / "checkpoints" / "step-000000016" / "rank1.pt"
     data = bytearray(last.read_bytes())

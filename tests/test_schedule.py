@@ -47,7 +47,10 @@ def test_fragments_strided_and_sequential():
     frags = build_fragments(names, [f"blocks.{b}" for b in range(4)], fragments=3)
     assert frags[0] == ["embed.weight", "norm.weight", "head.weight"]
     assert frags[1] == ["blocks.0.w", "blocks.2.w"] and frags[2] == ["blocks.1.w", "blocks.3.w"]
-    assert len(build_fragments(names, [f"blocks.{b}" for b in range(4)], 1, blocks_per_fragment=3)) == 3
+    assert (
+        len(build_fragments(names, [f"blocks.{b}" for b in range(4)], 1, blocks_per_fragment=3))
+        == 3
+    )
     with pytest.raises(ConfigError, match="blocks"):
         build_fragments(names, [f"blocks.{b}" for b in range(4)], fragments=6)
     check_fragments(frags, names)

@@ -11,29 +11,48 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lowcomm.sim import (GRID, PAPER_WIRE_SCALE, PRESETS, TARGETS, Link, Strategy, Workload,
-                         bandwidth_grid, layer_groups, load_run, make_strategies, min_bandwidth,
-                         min_bandwidth_table, simulate)
-from lowcomm.sim import cli
+from lowcomm.sim import (
+    GRID,
+    PAPER_WIRE_SCALE,
+    PRESETS,
+    TARGETS,
+    Link,
+    Strategy,
+    Workload,
+    bandwidth_grid,
+    cli,
+    layer_groups,
+    load_run,
+    make_strategies,
+    min_bandwidth,
+    min_bandwidth_table,
+    simulate,
+)
 
 # The Streaming DiLoCo paper's Table 4 (Douillard et al., 2025): first Gbit/s of the grid that
 # reaches 50/80/90/95/99% compute utilization. The 1B block is docs/benchmarking.md §4's bar.
 PAPER_TABLE4 = {
-    "1b": {"dp": [86.8, 152.6, 184.2, 222.3, 569.0],
-           "diloco": [1.4, 6.2, 13.3, 23.3, 86.8],
-           "streaming": [1.4, 5.2, 9.1, 16.0, 28.1],
-           "streaming_overlap": [1.4, 4.3, 6.2, 9.1, 11.0],
-           "streaming_overlap_fp4": [0.4, 0.9, 1.7, 2.0, 3.0]},
-    "10b": {"dp": [104.8, 222.3, 222.3, 268.3, 471.5],
-            "diloco": [1.7, 7.5, 16.0, 33.9, 104.8],
-            "streaming": [1.7, 5.2, 9.1, 13.3, 19.3],
-            "streaming_overlap": [1.7, 3.6, 5.2, 6.2, 7.5],
-            "streaming_overlap_fp4": [0.4, 0.9, 1.4, 1.4, 1.7]},
-    "100b": {"dp": [184.2, 323.8, 390.7, 390.7, 471.5],
-             "diloco": [3.0, 11.0, 23.3, 49.4, 184.2],
-             "streaming": [2.4, 6.2, 9.1, 11.0, 19.3],
-             "streaming_overlap": [1.7, 3.6, 4.3, 5.2, 5.2],
-             "streaming_overlap_fp4": [0.5, 0.9, 1.1, 1.1, 1.4]},
+    "1b": {
+        "dp": [86.8, 152.6, 184.2, 222.3, 569.0],
+        "diloco": [1.4, 6.2, 13.3, 23.3, 86.8],
+        "streaming": [1.4, 5.2, 9.1, 16.0, 28.1],
+        "streaming_overlap": [1.4, 4.3, 6.2, 9.1, 11.0],
+        "streaming_overlap_fp4": [0.4, 0.9, 1.7, 2.0, 3.0],
+    },
+    "10b": {
+        "dp": [104.8, 222.3, 222.3, 268.3, 471.5],
+        "diloco": [1.7, 7.5, 16.0, 33.9, 104.8],
+        "streaming": [1.7, 5.2, 9.1, 13.3, 19.3],
+        "streaming_overlap": [1.7, 3.6, 5.2, 6.2, 7.5],
+        "streaming_overlap_fp4": [0.4, 0.9, 1.4, 1.4, 1.7],
+    },
+    "100b": {
+        "dp": [184.2, 323.8, 390.7, 390.7, 471.5],
+        "diloco": [3.0, 11.0, 23.3, 49.4, 184.2],
+        "streaming": [2.4, 6.2, 9.1, 11.0, 19.3],
+        "streaming_overlap": [1.7, 3.6, 4.3, 5.2, 5.2],
+        "streaming_overlap_fp4": [0.5, 0.9, 1.1, 1.1, 1.4],
+    },
 }
 
 
@@ -44,7 +63,9 @@ def grid_pos(gbps: float | None) -> int:
     0.543 as 0.5), so a value is accepted within half a grid step of its point."""
     assert gbps is not None
     pos = int(np.argmin(np.abs(np.log(GRID) - np.log(gbps))))
-    assert abs(np.log(GRID[pos] / gbps)) < 0.5 * np.log(GRID[1] / GRID[0]), f"{gbps} is off the grid"
+    assert abs(np.log(GRID[pos] / gbps)) < 0.5 * np.log(GRID[1] / GRID[0]), (
+        f"{gbps} is off the grid"
+    )
     return pos
 
 
@@ -53,11 +74,14 @@ def step_offsets(model: str, wire_scale: float = 1.0) -> dict[str, list[int]]:
     preset = PRESETS[model]
     rows = {k: v for k, v in make_strategies(preset.workload).items() if k in PAPER_TABLE4[model]}
     ours = min_bandwidth_table(preset.workload, rows, Link(preset.workers, wire_scale=wire_scale))
-    return {k: [grid_pos(a) - grid_pos(b) for a, b in zip(ours[k], PAPER_TABLE4[model][k])]
-            for k in rows}
+    return {
+        k: [grid_pos(a) - grid_pos(b) for a, b in zip(ours[k], PAPER_TABLE4[model][k])]
+        for k in rows
+    }
 
 
 # ---------------------------------------------------------------------------- fidelity to papers
+
 
 def test_grid_is_the_papers():
     assert np.allclose(GRID, np.logspace(-1, 3, 50))
@@ -65,7 +89,8 @@ def test_grid_is_the_papers():
 
 
 def test_1b_table_within_one_grid_step():
-    """docs/benchmarking.md §4: every 1B cell within one step of the 50-point grid (physical model)."""
+    """docs/benchmarking.md §4: every 1B cell within one step of the 50-point grid
+    (physical model)."""
     offsets = step_offsets("1b")
     bad = {k: v for k, v in offsets.items() if max(abs(x) for x in v) > 1}
     assert not bad, f"cells more than one grid step away: {bad}"
@@ -105,13 +130,16 @@ def test_paper_table1_hours_at_1gbit():
 
 # ---------------------------------------------------------------------------- physics of the model
 
+
 def test_utilization_rises_with_bandwidth_and_is_bounded():
     for preset in PRESETS.values():
         for strat in make_strategies(preset.workload).values():
             u = simulate(preset.workload, strat, GRID, Link(preset.workers)).utilization
             assert np.all(np.diff(u) >= -1e-12), strat.name
             assert np.all((u > 0) & (u <= 1.0))
-            assert simulate(preset.workload, strat, [1e9]).utilization[0] == pytest.approx(1.0, abs=1e-6)
+            assert simulate(preset.workload, strat, [1e9]).utilization[0] == pytest.approx(
+                1.0, abs=1e-6
+            )
 
 
 def test_dp_closed_forms():
@@ -183,11 +211,15 @@ def test_sequential_pattern_is_modelled():
 
 
 def test_workload_from_flops_and_validation():
-    w = Workload.from_flops(params=1e9, layers=24, flops_per_step=6e9 * 1e6, chips=8,
-                            peak_flops=1e15, mfu=0.5)
+    w = Workload.from_flops(
+        params=1e9, layers=24, flops_per_step=6e9 * 1e6, chips=8, peak_flops=1e15, mfu=0.5
+    )
     assert w.step_time_s == pytest.approx(6e15 / 4e15)
-    for bad in (dict(params=-1, layers=2, step_time_s=1), dict(params=1, layers=0, step_time_s=1),
-                dict(params=1, layers=2, step_time_s=0)):
+    for bad in (
+        dict(params=-1, layers=2, step_time_s=1),
+        dict(params=1, layers=0, step_time_s=1),
+        dict(params=1, layers=2, step_time_s=0),
+    ):
         with pytest.raises(ValueError):
             Workload(**bad)
     with pytest.raises(ValueError):
@@ -199,11 +231,13 @@ def test_workload_from_flops_and_validation():
 
 
 def test_min_bandwidth_none_when_never_reached():
-    assert min_bandwidth(np.array([0.1, 0.6, 0.85]), np.array([1.0, 2.0, 3.0]),
-                         [0.5, 0.8, 0.9]) == [2.0, 3.0, None]
+    assert min_bandwidth(
+        np.array([0.1, 0.6, 0.85]), np.array([1.0, 2.0, 3.0]), [0.5, 0.8, 0.9]
+    ) == [2.0, 3.0, None]
 
 
 # ---------------------------------------------------------------------------- CLI
+
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
     parser = argparse.ArgumentParser()
@@ -220,8 +254,16 @@ def test_cli_json_contract(model, capsys):
     data = json.loads(out)
     assert list(data) == ["model", "targets", "rows"]
     assert data["model"] == model and data["targets"] == list(TARGETS)
-    assert list(data["rows"]) == ["dp", "diloco", "streaming", "streaming_overlap",
-                                  "streaming_overlap_fp4", "sparseloco", "co2", "loco"]
+    assert list(data["rows"]) == [
+        "dp",
+        "diloco",
+        "streaming",
+        "streaming_overlap",
+        "streaming_overlap_fp4",
+        "sparseloco",
+        "co2",
+        "loco",
+    ]
     for vals in data["rows"].values():
         assert len(vals) == 5 and all(v is None or v > 0 for v in vals)
 
@@ -238,26 +280,62 @@ def test_cli_json_matches_library(capsys):
 def test_cli_table_custom_model_and_flops(capsys):
     rc, out, _ = run_cli(["--model", "100b"], capsys)
     assert rc == 0 and "data-parallel" in out and "100b" in out
-    rc, out, _ = run_cli(["--layers", "80", "--params", "70b", "--step-time", "3", "--workers", "4",
-                          "--sync-every", "50", "--latency", "20", "--bandwidths", "1,10"], capsys)
+    rc, out, _ = run_cli(
+        [
+            "--layers",
+            "80",
+            "--params",
+            "70b",
+            "--step-time",
+            "3",
+            "--workers",
+            "4",
+            "--sync-every",
+            "50",
+            "--latency",
+            "20",
+            "--bandwidths",
+            "1,10",
+        ],
+        capsys,
+    )
     assert rc == 0 and "7e+10 parameters" in out and "utilization at the given" in out
-    rc, out, _ = run_cli(["--layers", "24", "--params", "1e9", "--tokens-per-step", "1e6",
-                          "--chips", "8", "--peak-flops", "1e15", "--mfu", "0.5", "--json"], capsys)
+    rc, out, _ = run_cli(
+        [
+            "--layers",
+            "24",
+            "--params",
+            "1e9",
+            "--tokens-per-step",
+            "1e6",
+            "--chips",
+            "8",
+            "--peak-flops",
+            "1e15",
+            "--mfu",
+            "0.5",
+            "--json",
+        ],
+        capsys,
+    )
     assert rc == 0 and json.loads(out)["model"] == "custom"
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--model", "5b"], "unknown model preset"),
-    (["--params", "-1", "--layers", "4", "--step-time", "1"], "--params"),
-    (["--model", "1b", "--workers", "-2"], "--workers"),
-    (["--model", "1b", "--step-time", "-0.1"], "--step-time"),
-    (["--model", "1b", "--latency", "-5"], "--latency"),
-    (["--layers", "4"], "give --model"),
-    (["--params", "1e9", "--layers", "4", "--flops-per-step", "1e15"], "--chips"),
-    (["--model", "1b", "--strategies", "dp,nope"], "unknown strategies"),
-    (["--model", "1b", "--targets", "0.5,2"], "--targets"),
-    (["--from-run", "/nonexistent/run/dir"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--model", "5b"], "unknown model preset"),
+        (["--params", "-1", "--layers", "4", "--step-time", "1"], "--params"),
+        (["--model", "1b", "--workers", "-2"], "--workers"),
+        (["--model", "1b", "--step-time", "-0.1"], "--step-time"),
+        (["--model", "1b", "--latency", "-5"], "--latency"),
+        (["--layers", "4"], "give --model"),
+        (["--params", "1e9", "--layers", "4", "--flops-per-step", "1e15"], "--chips"),
+        (["--model", "1b", "--strategies", "dp,nope"], "unknown strategies"),
+        (["--model", "1b", "--targets", "0.5,2"], "--targets"),
+        (["--from-run", "/nonexistent/run/dir"], "does not exist"),
+    ],
+)
 def test_cli_bad_input_one_line_error(argv, needle, capsys):
     rc, out, err = run_cli(argv, capsys)
     assert rc == 2 and not out
@@ -266,12 +344,23 @@ def test_cli_bad_input_one_line_error(argv, needle, capsys):
 
 # ---------------------------------------------------------------------------- --from-run
 
+
 def write_run(tmp_path: Path, **over) -> Path:
-    summary = {"strategy": "ddp", "workers": 2, "params": 1_000_000, "inner_steps": 100,
-               "wall_s": 20.0, "compute_s": 5.0, "blocked_s": 15.0, "n_layers": 4,
-               "step_compute_s": 0.05, "bytes_sent_per_worker": 4 * 1_000_000 * 100,
-               "payload_bytes_per_worker": 4 * 1_000_000 * 100, "compute_utilization": 0.25,
-               "config": {"sync_every": 1, "bandwidth": "100mbit"}}
+    summary = {
+        "strategy": "ddp",
+        "workers": 2,
+        "params": 1_000_000,
+        "inner_steps": 100,
+        "wall_s": 20.0,
+        "compute_s": 5.0,
+        "blocked_s": 15.0,
+        "n_layers": 4,
+        "step_compute_s": 0.05,
+        "bytes_sent_per_worker": 4 * 1_000_000 * 100,
+        "payload_bytes_per_worker": 4 * 1_000_000 * 100,
+        "compute_utilization": 0.25,
+        "config": {"sync_every": 1, "bandwidth": "100mbit"},
+    }
     summary.update(over)
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     return tmp_path
@@ -293,10 +382,20 @@ def test_from_run_reads_bytes_and_predicts(tmp_path, capsys):
 
 
 def test_from_run_streaming_config_and_shared_link(tmp_path):
-    run_dir = write_run(tmp_path, strategy="streaming", inner_steps=300,
-                        bytes_sent_per_worker=3 * 1_000_000 // 2, topology="shared",
-                        config={"sync_every": 100, "blocks_per_fragment": 2, "overlap": 1,
-                                "fragment_pattern": "strided", "bandwidth": "1gbit"})
+    run_dir = write_run(
+        tmp_path,
+        strategy="streaming",
+        inner_steps=300,
+        bytes_sent_per_worker=3 * 1_000_000 // 2,
+        topology="shared",
+        config={
+            "sync_every": 100,
+            "blocks_per_fragment": 2,
+            "overlap": 1,
+            "fragment_pattern": "strided",
+            "bandwidth": "1gbit",
+        },
+    )
     sc = load_run(run_dir)
     assert sc.strategy.fragments == 2 and sc.strategy.overlap == 1 and sc.strategy.sync_every == 100
     assert sc.per_worker_gbps == pytest.approx(0.5)
@@ -316,6 +415,7 @@ def test_from_run_missing_fields(tmp_path, capsys):
 
 # ---------------------------------------------------------------------------- no torch
 
+
 def test_simulator_does_not_need_torch():
     """Import lowcomm.sim with torch made unimportable (bypassing lowcomm/__init__)."""
     src = Path(__file__).resolve().parents[1] / "src" / "lowcomm"
@@ -333,6 +433,7 @@ def test_simulator_does_not_need_torch():
 
 
 # ---------------------------------------------------------------------------- report
+
 
 def test_report_fills_every_placeholder_of_its_template():
     """benchmarks/simulator.md's generator: the packaged template, all placeholders filled."""

@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
+from helpers import adamw, batches, local_steps, tiny_model
 
 import lowcomm
-from helpers import adamw, batches, local_steps, tiny_model
 
 H, ROUNDS, DENSITY, BETA = 3, 3, 1 / 16, 0.95
 
@@ -37,8 +37,9 @@ def reference_compress(e: torch.Tensor, density: float) -> tuple[torch.Tensor, t
     sigma = (centred / m).std() * m if vals.numel() > 1 else torch.tensor(0.0)
     width = sigma * 1.5 if sigma > 0 else torch.tensor(1.0)
     codes = (centred / width + 2).round().clamp(0, 3).long()
-    lut = torch.stack([centred[codes == c].mean() if (codes == c).any() else (c - 2) * width
-                       for c in range(4)])
+    lut = torch.stack(
+        [centred[codes == c].mean() if (codes == c).any() else (c - 2) * width for c in range(4)]
+    )
     deq = lut[codes] + shift
     out_tiles = torch.zeros_like(tiles)
     out_tiles.scatter_(1, idx, deq.view(-1, k))
@@ -46,6 +47,7 @@ def reference_compress(e: torch.Tensor, density: float) -> tuple[torch.Tensor, t
 
     def untile(t):
         return t.reshape(R // tr, C // tc, tr, tc).permute(0, 2, 1, 3).reshape(e.shape)
+
     return untile(out_tiles), untile(mask_tiles)
 
 
@@ -87,8 +89,9 @@ def _sparseloco_worker(rank: int, world: int, aggregation: str, extra: int = 0) 
     model = tiny_model(seed=0)
     opt = adamw(model)
     data = batches(rank, world)
-    sync = lowcomm.SparseLoCo(model, opt, sync_every=H, density=DENSITY, error_decay=BETA,
-                              aggregation=aggregation)
+    sync = lowcomm.SparseLoCo(
+        model, opt, sync_every=H, density=DENSITY, error_decay=BETA, aggregation=aggregation
+    )
     out = []
     with sync:
         for step in range(1, H * ROUNDS + extra + 1):
@@ -98,8 +101,12 @@ def _sparseloco_worker(rank: int, world: int, aggregation: str, extra: int = 0) 
             opt.zero_grad()
             if step % H == 0:
                 out.append(sync.global_flat().clone())
-    return {"globals": out, "final": sync.global_flat().clone(), "stats": sync.stats.as_dict(),
-            "shapes": [p.shape for p in model.parameters()]}
+    return {
+        "globals": out,
+        "final": sync.global_flat().clone(),
+        "stats": sync.stats.as_dict(),
+        "shapes": [p.shape for p in model.parameters()],
+    }
 
 
 @pytest.mark.parametrize("aggregation", ["mean", "selected-mean"])
@@ -109,8 +116,9 @@ def test_sparseloco_matches_plain_torch(workers, aggregation):
     expected = reference_sparseloco(2, aggregation)
     for r in res:
         for k in range(ROUNDS):
-            torch.testing.assert_close(r["globals"][k], expected[k], atol=1e-6, rtol=0,
-                                       msg=f"outer step {k + 1}")
+            torch.testing.assert_close(
+                r["globals"][k], expected[k], atol=1e-6, rtol=0, msg=f"outer step {k + 1}"
+            )
     assert torch.equal(res[0]["globals"][-1], res[1]["globals"][-1])
     # bytes: every sync all-gathers one payload per worker: wire = (M - 1) x payload
     from lowcomm.aggregate import make_aggregator
@@ -156,8 +164,10 @@ def test_payload_bytes_match_the_format_formula():
     n_all = sum(math.prod(s) for s in shapes)
     codec = make_codec("topk", density=cfg.density, value_bits=2)
     entry_bits = sum(codec.formula_bits_per_param(s) * math.prod(s) for s in shapes)
-    print(f"small: {payload} B per sync per worker, {payload * 8 / n_all:.3f} bits/param; "
-          f"entries {entry_bits / 8:.0f} B + headers {payload - entry_bits / 8:.0f} B")
+    print(
+        f"small: {payload} B per sync per worker, {payload * 8 / n_all:.3f} bits/param; "
+        f"entries {entry_bits / 8:.0f} B + headers {payload - entry_bits / 8:.0f} B"
+    )
     assert payload * 8 / n_all < 0.25  # about 0.22 bits per parameter at density 1/64
     # the real encoded size equals what the aggregator reports (bytes come from real tensors)
     enc = agg.encode([torch.randn(s) for s in shapes])
@@ -168,6 +178,6 @@ def test_k_rounds_half_to_even_like_the_authors():
     """k = round(L * density) with Python's round (half to even), as the authors' code does."""
     from lowcomm.codecs.topk import _Geometry
 
-    assert _Geometry(torch.Size([10]), 0.25).k == 2   # 2.5 -> 2 (half up would keep 3)
-    assert _Geometry(torch.Size([10]), 0.35).k == 4   # 3.5 -> 4
+    assert _Geometry(torch.Size([10]), 0.25).k == 2  # 2.5 -> 2 (half up would keep 3)
+    assert _Geometry(torch.Size([10]), 0.35).k == 4  # 3.5 -> 4
     assert _Geometry(torch.Size([64, 64]), 1 / 64).k == 64

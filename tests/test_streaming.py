@@ -7,9 +7,9 @@ import time
 
 import pytest
 import torch
+from helpers import adamw, batches, flat_params, local_steps, tiny_model
 
 import lowcomm
-from helpers import adamw, batches, flat_params, local_steps, tiny_model
 
 STEPS = 14
 
@@ -32,8 +32,21 @@ def _train(rank, world, steps, make_sync, step_starts=None):
 
 def _p1_vs_diloco_worker(rank: int, world: int) -> dict:
     a, _ = _train(rank, world, 12, lambda m, o: lowcomm.DiLoCo(m, o, sync_every=4, outer_lr=0.7))
-    b, _ = _train(rank, world, 12, lambda m, o: lowcomm.StreamingDiLoCo(
-        m, o, sync_every=4, outer_lr=0.7, fragments=1, blocks_per_fragment=0, overlap=0, codec="fp32"))
+    b, _ = _train(
+        rank,
+        world,
+        12,
+        lambda m, o: lowcomm.StreamingDiLoCo(
+            m,
+            o,
+            sync_every=4,
+            outer_lr=0.7,
+            fragments=1,
+            blocks_per_fragment=0,
+            overlap=0,
+            codec="fp32",
+        ),
+    )
     return {"diloco": flat_params(a), "streaming": flat_params(b)}
 
 
@@ -44,15 +57,32 @@ def test_streaming_p1_tau0_fp32_is_diloco_exactly(workers):
 
 
 def _streaming_worker(rank: int, world: int, H: int, P: int, tau: int, alpha: float) -> dict:
-    model, sync = _train(rank, world, STEPS, lambda m, o: lowcomm.StreamingDiLoCo(
-        m, o, sync_every=H, fragments=P, blocks_per_fragment=0, overlap=tau, alpha=alpha,
-        codec="fp32", outer_lr=0.7, outer_momentum=0.9))
-    return {"global": {k: v.clone() for k, v in sync.global_state().items()},
-            "fragments": sync.fragment_names}
+    model, sync = _train(
+        rank,
+        world,
+        STEPS,
+        lambda m, o: lowcomm.StreamingDiLoCo(
+            m,
+            o,
+            sync_every=H,
+            fragments=P,
+            blocks_per_fragment=0,
+            overlap=tau,
+            alpha=alpha,
+            codec="fp32",
+            outer_lr=0.7,
+            outer_momentum=0.9,
+        ),
+    )
+    return {
+        "global": {k: v.clone() for k, v in sync.global_state().items()},
+        "fragments": sync.fragment_names,
+    }
 
 
 def reference_streaming(world, H, P, tau, alpha):
-    """docs/algorithms.md §2 in plain torch: M model copies stepped in lockstep, one SGD per fragment."""
+    """docs/algorithms.md §2 in plain torch: M model copies stepped in lockstep,
+    one SGD per fragment."""
     init = tiny_model(seed=0)
     names = [n for n, _ in init.named_parameters()]
     blocks = len(init.blocks)
@@ -60,14 +90,18 @@ def reference_streaming(world, H, P, tau, alpha):
         frags = [names]
     else:  # embeddings+norm+head, then blocks strided over the other P-1 fragments
         frags = [[n for n in names if not n.startswith("blocks.")]]
-        frags += [[n for n in names if any(n.startswith(f"blocks.{b}.") for b in range(g, blocks, P - 1))]
-                  for g in range(P - 1)]
+        frags += [
+            [n for n in names if any(n.startswith(f"blocks.{b}.") for b in range(g, blocks, P - 1))]
+            for g in range(P - 1)
+        ]
     models = [copy.deepcopy(init) for _ in range(world)]
     opts = [adamw(m) for m in models]
     data = [batches(r, world) for r in range(world)]
     params = [dict(m.named_parameters()) for m in models]
     glob = {n: p.detach().clone() for n, p in init.named_parameters()}
-    outer = [torch.optim.SGD([glob[n] for n in f], lr=0.7, momentum=0.9, nesterov=True) for f in frags]
+    outer = [
+        torch.optim.SGD([glob[n] for n in f], lr=0.7, momentum=0.9, nesterov=True) for f in frags
+    ]
     pending = {}
 
     def apply(p, avg):
@@ -88,8 +122,10 @@ def reference_streaming(world, H, P, tau, alpha):
             o.zero_grad()
         for p in range(P):
             if (t - (p * H) // P) % H == 0:
-                avg = {n: torch.stack([glob[n] - params[w][n].detach() for w in range(world)]).mean(0)
-                       for n in frags[p]}
+                avg = {
+                    n: torch.stack([glob[n] - params[w][n].detach() for w in range(world)]).mean(0)
+                    for n in frags[p]
+                }
                 pending[p] = (avg, t + tau)
         for p in sorted(pending):
             avg, at = pending[p]
@@ -100,8 +136,13 @@ def reference_streaming(world, H, P, tau, alpha):
         apply(p, pending.pop(p)[0])
     for p in range(P):  # then one outer step for each fragment with inner steps not yet sent
         if (STEPS - (p * H) // P) % H != 0:
-            apply(p, {n: torch.stack([glob[n] - params[w][n].detach() for w in range(world)]).mean(0)
-                      for n in frags[p]})
+            apply(
+                p,
+                {
+                    n: torch.stack([glob[n] - params[w][n].detach() for w in range(world)]).mean(0)
+                    for n in frags[p]
+                },
+            )
     return glob, frags
 
 
@@ -118,9 +159,22 @@ def test_streaming_matches_plain_torch(workers, H, P, tau, alpha):
 
 def _overlap_worker(rank: int, world: int) -> dict:
     starts: list[float] = []
-    model, sync = _train(rank, world, 12, lambda m, o: lowcomm.StreamingDiLoCo(
-        m, o, sync_every=6, fragments=2, blocks_per_fragment=0, overlap=2, codec="fp32",
-        comm_delay_s=0.3), step_starts=starts)
+    model, sync = _train(
+        rank,
+        world,
+        12,
+        lambda m, o: lowcomm.StreamingDiLoCo(
+            m,
+            o,
+            sync_every=6,
+            fragments=2,
+            blocks_per_fragment=0,
+            overlap=2,
+            codec="fp32",
+            comm_delay_s=0.3,
+        ),
+        step_starts=starts,
+    )
     return {"events": sync.events, "starts": starts}
 
 
@@ -145,12 +199,24 @@ def _streamed_topk_worker(rank: int, world: int) -> dict:
     model = tiny_model(seed=0)
     opt = adamw(model)
     data = batches(rank, world)
-    sync = lowcomm.StreamingDiLoCo(model, opt, sync_every=6, fragments=2, blocks_per_fragment=0,
-                                   overlap=1, alpha=0.5, codec="topk", density=1 / 16,
-                                   compensation="ef", reduce="gather", outer_optimizer="sgd", outer_lr=1.0)
+    sync = lowcomm.StreamingDiLoCo(
+        model,
+        opt,
+        sync_every=6,
+        fragments=2,
+        blocks_per_fragment=0,
+        overlap=1,
+        alpha=0.5,
+        codec="topk",
+        density=1 / 16,
+        compensation="ef",
+        reduce="gather",
+        outer_optimizer="sgd",
+        outer_lr=1.0,
+    )
     x0, y0 = batches(0, 1).batch(10_000)
     with sync:
-        for step in range(36):
+        for _ in range(36):
             x, y = data.next()
             loss = model(x, y)
             loss.backward()
@@ -175,9 +241,23 @@ def test_streamed_topk_with_error_feedback_end_to_end(workers):
 
 
 def _continue_worker(rank: int, world: int, steps: int) -> dict:
-    model, sync = _train(rank, world, steps, lambda m, o: lowcomm.StreamingDiLoCo(
-        m, o, sync_every=6, fragments=1, blocks_per_fragment=0, overlap=2, merge="continue",
-        codec="fp32", outer_lr=0.7, outer_momentum=0.9))
+    model, sync = _train(
+        rank,
+        world,
+        steps,
+        lambda m, o: lowcomm.StreamingDiLoCo(
+            m,
+            o,
+            sync_every=6,
+            fragments=1,
+            blocks_per_fragment=0,
+            overlap=2,
+            merge="continue",
+            codec="fp32",
+            outer_lr=0.7,
+            outer_momentum=0.9,
+        ),
+    )
     return {"global": sync.global_flat().clone()}
 
 
@@ -217,7 +297,11 @@ def reference_continue(world: int, steps: int, H: int = 6, tau: int = 2) -> torc
             land()  # (never at a send step here: tau < H)
             pending = None
         if t % H == 0:
-            pending = (torch.stack([g - vec(m) for m in models]).mean(0), [vec(m) for m in models], t + tau)
+            pending = (
+                torch.stack([g - vec(m) for m in models]).mean(0),
+                [vec(m) for m in models],
+                t + tau,
+            )
             last_send = t
     if pending is not None:
         land()

@@ -6,11 +6,23 @@ import json
 
 from lowcomm.train.summary import RunSummary
 
-WRITTEN = {"name": "diloco", "strategy": "diloco", "workers": 2, "params": 1000, "tokens": 640,
-           "inner_steps": 10, "final_val_loss": 3.5, "bytes_sent_per_worker": 12,
-           "wall_s": 2.0, "compute_s": 1.5, "compute_utilization": 0.75, "seed": 0,
-           "config": {"model": "tiny", "data": "x.txt", "steps": 10, "seed": 0, "sync_every": 5},
-           "data": "text file x.txt", "some_future_field": [1, 2]}
+WRITTEN = {
+    "name": "diloco",
+    "strategy": "diloco",
+    "workers": 2,
+    "params": 1000,
+    "tokens": 640,
+    "inner_steps": 10,
+    "final_val_loss": 3.5,
+    "bytes_sent_per_worker": 12,
+    "wall_s": 2.0,
+    "compute_s": 1.5,
+    "compute_utilization": 0.75,
+    "seed": 0,
+    "config": {"model": "tiny", "data": "x.txt", "steps": 10, "seed": 0, "sync_every": 5},
+    "data": "text file x.txt",
+    "some_future_field": [1, 2],
+}
 
 
 def test_round_trip_keeps_every_key(tmp_path):
@@ -24,8 +36,9 @@ def test_round_trip_keeps_every_key(tmp_path):
 
 def test_seeds_share_a_config_key_other_data_does_not():
     a = RunSummary.from_dict(WRITTEN)
-    b = RunSummary.from_dict({**WRITTEN, "seed": 1, "config": {**WRITTEN["config"], "seed": 1,
-                                                               "progress": False}})
+    b = RunSummary.from_dict(
+        {**WRITTEN, "seed": 1, "config": {**WRITTEN["config"], "seed": 1, "progress": False}}
+    )
     other_h = RunSummary.from_dict({**WRITTEN, "config": {**WRITTEN["config"], "sync_every": 50}})
     other_data = RunSummary.from_dict({**WRITTEN, "data": "text file y.txt"})
     assert a.config_key() == b.config_key()

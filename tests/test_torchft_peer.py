@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from lowcomm.peers import torchft as torchft_peer
 from lowcomm.config import ConfigError, build_configs
+from lowcomm.peers import torchft as torchft_peer
 from lowcomm.presets import preset_config
 from lowcomm.train.launch import launch
 
@@ -31,7 +31,9 @@ def test_unsupported_settings_are_refused() -> None:
 def test_torchft_diloco_equals_our_diloco(tmp_path) -> None:
     """Two independent implementations of the same math, same data: same losses and bytes."""
     pytest.importorskip("torchft")
-    common = dict(model="tiny", steps=30, sync_every=10, eval_every=10, timeout_s=60, progress=False)
+    common = dict(
+        model="tiny", steps=30, sync_every=10, eval_every=10, timeout_s=60, progress=False
+    )
     out = {}
     for strategy in ("diloco", "torchft-diloco"):
         sync_cfg, train_cfg = build_configs(common, sync=preset_config(strategy))

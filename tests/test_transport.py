@@ -42,7 +42,10 @@ def test_collectives_and_byte_meter(workers):
         assert m0["payload_bytes"] == 40 and m0["sent_bytes"] == round(2 * 2 / 3 * 40)
         # all-gather of 3 bytes: (M-1) * 3 each way
         assert m1["payload_bytes"] - m0["payload_bytes"] == 3
-        assert m1["sent_bytes"] - m0["sent_bytes"] == 6 and m1["received_bytes"] - m0["received_bytes"] == 6
+        assert (
+            m1["sent_bytes"] - m0["sent_bytes"] == 6
+            and m1["received_bytes"] - m0["received_bytes"] == 6
+        )
         # all-to-all of 3 x 16 bytes: (M-1)/M of the input
         assert m2["payload_bytes"] - m1["payload_bytes"] == 48
         assert m2["sent_bytes"] - m1["sent_bytes"] == 32

@@ -16,23 +16,42 @@ from typing import Any
 _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from .errors import (  # noqa: E402  (torch-free)
-    CheckpointError, ConfigError, LowCommError, NonFiniteError, PayloadError, ReplicaMismatchError,
+    CheckpointError,
+    ConfigError,
+    LowCommError,
+    NonFiniteError,
+    PayloadError,
+    ReplicaMismatchError,
 )
 
 # public name -> the module that defines it (imported on first access)
 _LAZY = {
-    "LowComm": "engine", "SyncStats": "engine",
-    "SyncConfig": "config", "TrainConfig": "config",
-    "DiLoCo": "presets", "StreamingDiLoCo": "presets", "SparseLoCo": "presets", "CO2": "presets",
+    "LowComm": "engine",
+    "SyncStats": "engine",
+    "SyncConfig": "config",
+    "TrainConfig": "config",
+    "DiLoCo": "presets",
+    "StreamingDiLoCo": "presets",
+    "SparseLoCo": "presets",
+    "CO2": "presets",
     "preset_config": "presets",
-    "GradReduceState": "loco", "allreduce_hook": "loco", "LoCoState": "loco", "loco_hook": "loco",
-    "TorchHookState": "loco", "torch_hook": "loco",
-    "load_model": "train.export", "RunSummary": "train.summary",
+    "GradReduceState": "loco",
+    "allreduce_hook": "loco",
+    "LoCoState": "loco",
+    "loco_hook": "loco",
+    "TorchHookState": "loco",
+    "torch_hook": "loco",
+    "load_model": "train.export",
+    "RunSummary": "train.summary",
 }
 
 __all__ = [
     *_LAZY,
-    "LowCommError", "ConfigError", "NonFiniteError", "ReplicaMismatchError", "PayloadError",
+    "LowCommError",
+    "ConfigError",
+    "NonFiniteError",
+    "ReplicaMismatchError",
+    "PayloadError",
     "CheckpointError",
 ]
 __version__ = "0.1.0"

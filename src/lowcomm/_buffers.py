@@ -25,7 +25,8 @@ def persistent(model: nn.Module, floating: bool | None = None) -> list[torch.Ten
 
 
 def float_flat(model: nn.Module) -> torch.Tensor | None:
-    """The floating persistent buffers as one flat FP32 tensor on the CPU (None if there are none)."""
+    """The floating persistent buffers as one flat FP32 tensor on the CPU
+    (None if there are none)."""
     bufs = persistent(model, floating=True)
     if not bufs:
         return None
@@ -38,5 +39,5 @@ def load_float_flat(model: nn.Module, flat: torch.Tensor) -> None:
     with torch.no_grad():
         for b in persistent(model, floating=True):
             n = b.numel()
-            b.copy_(flat[offset:offset + n].view(b.shape))
+            b.copy_(flat[offset : offset + n].view(b.shape))
             offset += n

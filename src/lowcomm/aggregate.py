@@ -45,28 +45,34 @@ _DENSE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 class Encoded:
     """What one worker contributes to one exchange."""
 
-    payload: torch.Tensor           # what the first collective gets (flag included)
-    shapes: list[torch.Size]        # the shapes of the tensors it encodes, in order
-    numel: int                      # total elements
-    local: torch.Tensor | None      # flat FP32 of what peers will decode from us (for compensation)
-    key: str | None = None          # names the reduce-side compensation buffer (two-phase)
-    shard_numel: int = 0            # two-phase: elements per worker's shard
+    payload: torch.Tensor  # what the first collective gets (flag included)
+    shapes: list[torch.Size]  # the shapes of the tensors it encodes, in order
+    numel: int  # total elements
+    local: torch.Tensor | None  # flat FP32 of what peers will decode from us (for compensation)
+    key: str | None = None  # names the reduce-side compensation buffer (two-phase)
+    shard_numel: int = 0  # two-phase: elements per worker's shard
 
 
 @dataclass
 class Reduced:
     """The result of one exchange."""
 
-    mean: torch.Tensor              # flat FP32 average over the valid workers
-    valid_workers: int              # how many workers contributed
+    mean: torch.Tensor  # flat FP32 average over the valid workers
+    valid_workers: int  # how many workers contributed
 
 
 class Aggregator:
     """Averages flat groups of tensors across workers through a codec and a collective."""
 
-    def __init__(self, method: str, codec: Codec | None, world_size: int,
-                 aggregation: str = "mean", dense_dtype: torch.dtype = torch.float32,
-                 reduce_compensation: Compensation | None = None) -> None:
+    def __init__(
+        self,
+        method: str,
+        codec: Codec | None,
+        world_size: int,
+        aggregation: str = "mean",
+        dense_dtype: torch.dtype = torch.float32,
+        reduce_compensation: Compensation | None = None,
+    ) -> None:
         if method not in ("allreduce", "gather", "two-phase"):
             raise ValueError(f"unknown reduce method {method}")
         if method != "allreduce" and codec is None:
@@ -82,8 +88,13 @@ class Aggregator:
         self.reduce_compensation = reduce_compensation if method == "two-phase" else None
 
     # -- encode (compute thread) -----------------------------------------------------------------
-    def encode(self, tensors: list[torch.Tensor], need_local: bool = False, valid: bool = True,
-               key: str | None = None) -> Encoded:
+    def encode(
+        self,
+        tensors: list[torch.Tensor],
+        need_local: bool = False,
+        valid: bool = True,
+        key: str | None = None,
+    ) -> Encoded:
         """Encode ``tensors`` (FP32, any shapes); ``need_local`` also returns our decoded view.
 
         ``valid=False`` sends zeros flagged as "left out": peers average without this worker.
@@ -102,8 +113,9 @@ class Aggregator:
         assert self.codec is not None
         if self.method == "gather":
             parts = [self.codec.encode(t) for t in tensors]
-            flag = torch.tensor([int(valid)], dtype=torch.uint8,
-                                device=parts[0].device if parts else None)
+            flag = torch.tensor(
+                [int(valid)], dtype=torch.uint8, device=parts[0].device if parts else None
+            )
             payload = torch.cat(parts + [flag])
             local = None
             if need_local:
@@ -117,13 +129,19 @@ class Aggregator:
             enc.local = enc.local[:numel]
         return enc
 
-    def encode_shards(self, shards: torch.Tensor, need_local: bool = False, valid: bool = True,
-                      key: str | None = None) -> Encoded:
+    def encode_shards(
+        self,
+        shards: torch.Tensor,
+        need_local: bool = False,
+        valid: bool = True,
+        key: str | None = None,
+    ) -> Encoded:
         """Two-phase encode of ``shards`` (M x n, FP32), row j for worker j: FSDP's own layout."""
         assert self.codec is not None and self.method == "two-phase"
         if shards.shape[0] != self.world_size:
-            raise ValueError(f"need one shard per worker ({self.world_size}), "
-                             f"got {shards.shape[0]}")
+            raise ValueError(
+                f"need one shard per worker ({self.world_size}), got {shards.shape[0]}"
+            )
         if not valid:
             shards = torch.zeros_like(shards)
         flag = torch.tensor([[int(valid)]], dtype=torch.uint8, device=shards.device)
@@ -132,8 +150,9 @@ class Aggregator:
         local = None
         if need_local:
             shape = shards[0].shape
-            local = torch.cat([self.codec.decode(p, shape, f"shard {j}")
-                               for j, p in enumerate(packed)])
+            local = torch.cat(
+                [self.codec.decode(p, shape, f"shard {j}") for j, p in enumerate(packed)]
+            )
         return Encoded(payload, [shards.shape], shards.numel(), local, key, shards.shape[1])
 
     # -- exchange (may run on the comm thread) ---------------------------------------------------
@@ -173,8 +192,9 @@ class Aggregator:
         if self.reduce_compensation is not None:
             self.reduce_compensation.step()
 
-    def _sum_gathered(self, gathered: list[torch.Tensor], shapes: list[torch.Size],
-                      numel: int) -> Reduced:
+    def _sum_gathered(
+        self, gathered: list[torch.Tensor], shapes: list[torch.Size], numel: int
+    ) -> Reduced:
         assert self.codec is not None
         dev = gathered[0].device if gathered else None
         total = torch.zeros(numel, dtype=torch.float32, device=dev)
@@ -190,16 +210,16 @@ class Aggregator:
             for i, shape in enumerate(shapes):
                 nb = self.codec.nbytes(shape)
                 n = _numel(shape)
-                piece = payload[offset_b:offset_b + nb]
+                piece = payload[offset_b : offset_b + nb]
                 name = f"tensor {i} from worker {w}"
                 if self.aggregation == "selected-mean":
                     sparse = self.codec.decode_sparse  # type: ignore[attr-defined]
                     idx, vals = sparse(piece, shape, name)
-                    total[offset_e:offset_e + n].index_add_(0, idx, vals)
-                    counts[offset_e:offset_e + n].index_add_(0, idx, torch.ones_like(vals))
+                    total[offset_e : offset_e + n].index_add_(0, idx, vals)
+                    counts[offset_e : offset_e + n].index_add_(0, idx, torch.ones_like(vals))
                 else:
                     dec = self.codec.decode(piece, shape, name)
-                    total[offset_e:offset_e + n] += dec.reshape(-1)
+                    total[offset_e : offset_e + n] += dec.reshape(-1)
                 offset_b += nb
                 offset_e += n
         if self.aggregation == "selected-mean":
@@ -220,9 +240,10 @@ class Aggregator:
             comp.after_send(key, h, self.codec.decode(payload, h.shape, "own averaged shard"))
         gathered = transport.all_gather(payload)
         shape = mine.shape
-        out = torch.cat([self.codec.decode(p, shape, f"averaged shard {w}")
-                         for w, p in enumerate(gathered)])
-        return Reduced(out[:enc.numel], red.valid_workers)
+        out = torch.cat(
+            [self.codec.decode(p, shape, f"averaged shard {w}") for w, p in enumerate(gathered)]
+        )
+        return Reduced(out[: enc.numel], red.valid_workers)
 
     # -- helpers -------------------------------------------------------------------------------
     def _shard_len(self, numel: int) -> int:
@@ -235,18 +256,19 @@ class Aggregator:
         m = self.world_size
         n = self._shard_len(flat.numel())
         padded = torch.zeros(n * m, dtype=torch.float32, device=flat.device)
-        padded[:flat.numel()] = flat
+        padded[: flat.numel()] = flat
         return padded.view(m, n)
 
-    def _decode_flat(self, payload: torch.Tensor, shapes: list[torch.Size],
-                     numel: int) -> torch.Tensor:
+    def _decode_flat(
+        self, payload: torch.Tensor, shapes: list[torch.Size], numel: int
+    ) -> torch.Tensor:
         assert self.codec is not None
         out = torch.empty(numel, dtype=torch.float32, device=payload.device)
         ob = oe = 0
         for i, shape in enumerate(shapes):
             nb, n = self.codec.nbytes(shape), _numel(shape)
-            dec = self.codec.decode(payload[ob:ob + nb], shape, f"tensor {i}")
-            out[oe:oe + n] = dec.reshape(-1)
+            dec = self.codec.decode(payload[ob : ob + nb], shape, f"tensor {i}")
+            out[oe : oe + n] = dec.reshape(-1)
             ob += nb
             oe += n
         return out
@@ -295,11 +317,17 @@ def make_aggregator(cfg: SyncConfig, world_size: int) -> Aggregator:
         return Aggregator("allreduce", None, world_size, dense_dtype=_DENSE_DTYPES[cfg.codec])
     from .codecs import make_codec  # the codec registry
 
-    codec = make_codec(cfg.codec, block_size=cfg.codec_block, density=cfg.density,
-                       value_bits=cfg.value_bits)
+    codec = make_codec(
+        cfg.codec, block_size=cfg.codec_block, density=cfg.density, value_bits=cfg.value_bits
+    )
     reduce_comp = _reduce_compensation(cfg) if method == "two-phase" else None
-    return Aggregator(method, codec, world_size, aggregation=cfg.resolved_aggregation,
-                      reduce_compensation=reduce_comp)
+    return Aggregator(
+        method,
+        codec,
+        world_size,
+        aggregation=cfg.resolved_aggregation,
+        reduce_compensation=reduce_comp,
+    )
 
 
 def _reduce_compensation(cfg: SyncConfig) -> Compensation | None:
@@ -309,14 +337,20 @@ def _reduce_compensation(cfg: SyncConfig) -> Compensation | None:
     if cfg.compensation == "ef":
         return ErrorFeedback(cfg.error_decay, device=None)
     if cfg.compensation == "loco":
-        return MovingAverageCompensation(cfg.loco_beta, device=None,
-                                         reset_every=cfg.loco_reset_every)
+        return MovingAverageCompensation(
+            cfg.loco_beta, device=None, reset_every=cfg.loco_reset_every
+        )
     return None
 
 
-def encode_compensated(aggregator: Aggregator, compensation: Compensation | None,
-                       names: list[str], tensors: list[torch.Tensor], valid: bool = True,
-                       key: str | None = None) -> Encoded:
+def encode_compensated(
+    aggregator: Aggregator,
+    compensation: Compensation | None,
+    names: list[str],
+    tensors: list[torch.Tensor],
+    valid: bool = True,
+    key: str | None = None,
+) -> Encoded:
     """Compensate, encode and record the loss of one group of named tensors (one collective).
 
     Per tensor: ``x' = before_send(name, x)``; the group is encoded; then ``after_send(name, x',
@@ -330,6 +364,6 @@ def encode_compensated(aggregator: Aggregator, compensation: Compensation | None
         assert enc.local is not None
         offset = 0
         for n, h in zip(names, to_send):
-            comp.after_send(n, h, enc.local[offset:offset + h.numel()].view_as(h))
+            comp.after_send(n, h, enc.local[offset : offset + h.numel()].view_as(h))
             offset += h.numel()
     return enc

@@ -36,7 +36,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +84,9 @@ def step_of(ckpt_dir: Path) -> int:
     """The step encoded in a checkpoint folder's name."""
     m = _STEP_RE.match(Path(ckpt_dir).name)
     if m is None:
-        raise ValueError(f"{ckpt_dir} is not a checkpoint folder (expected a name like step-000000100)")
+        raise ValueError(
+            f"{ckpt_dir} is not a checkpoint folder (expected a name like step-000000100)"
+        )
     return int(m.group(1))
 
 
@@ -120,7 +122,8 @@ def _ensure_dir(path: Path) -> None:
 
 
 def _atomic_write(path: Path, write_fn) -> str:
-    """Write via ``write_fn(fileobj)`` to a temp file, fsync, hash, rename over ``path``; return sha256."""
+    """Write via ``write_fn(fileobj)`` to a temp file, fsync, hash, rename over ``path``;
+    return sha256."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -173,8 +176,9 @@ def check_weights_only_safe(state: Any) -> None:
                 for k, v in obj.items():
                     if type(k) not in _SCALARS:
                         raise TypeError(
-                            f"{_path_str(path)} has a key of type {t.__module__}.{type(k).__qualname__} "
-                            f"({k!r}); only str/int/float/bool/None keys load with weights_only=True"
+                            f"{_path_str(path)} has a key of type "
+                            f"{t.__module__}.{type(k).__qualname__} ({k!r}); "
+                            "only str/int/float/bool/None keys load with weights_only=True"
                         )
                     walk(v, path + [k])
             else:
@@ -183,8 +187,9 @@ def check_weights_only_safe(state: Any) -> None:
             active.discard(id(obj))
             return
         raise TypeError(
-            f"{_path_str(path)} is a {t.__module__}.{t.__qualname__}, which torch.load(weights_only=True) "
-            "cannot load; store tensors, str/int/float/bool/None and lists/tuples/dicts of those "
+            f"{_path_str(path)} is a {t.__module__}.{t.__qualname__}, which "
+            "torch.load(weights_only=True) cannot load; "
+            "store tensors, str/int/float/bool/None and lists/tuples/dicts of those "
             "(e.g. obj.state_dict() instead of obj, .item() or torch.tensor(...) for numpy values)"
         )
 
@@ -221,7 +226,8 @@ def _lowcomm_version() -> str:
 
 
 def write_meta(ckpt_dir: Path, meta: dict, checksums: dict[int, str]) -> None:
-    """Atomically write meta.json (marking the checkpoint complete); call after every rank file is written."""
+    """Atomically write meta.json (marking the checkpoint complete); call after every rank
+    file is written."""
     ckpt_dir = Path(ckpt_dir)
     if "step" not in meta:
         raise ValueError("meta must contain 'step'")
@@ -240,7 +246,7 @@ def write_meta(ckpt_dir: Path, meta: dict, checksums: dict[int, str]) -> None:
     out = {
         "format": FORMAT_VERSION,
         "lowcomm_version": _lowcomm_version(),
-        "created": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.fromtimestamp(now, UTC).isoformat(timespec="seconds"),
         "created_unix": now,
         **meta,
         "step": step,
@@ -269,9 +275,15 @@ def finalize(
         for r, sha in shas.items():
             problem = _check_file(rank_file(ckpt_dir, r), sha)
             if problem:
-                raise CheckpointError(f"not finalizing {ckpt_dir}: {rank_file(ckpt_dir, r).name} {problem}")
+                raise CheckpointError(
+                    f"not finalizing {ckpt_dir}: {rank_file(ckpt_dir, r).name} {problem}"
+                )
     meta: dict[str, Any] = dict(extra or {})
-    meta.update(step=step, world_size=world_size, config_hash=config_hash(config) if config is not None else None)
+    meta.update(
+        step=step,
+        world_size=world_size,
+        config_hash=config_hash(config) if config is not None else None,
+    )
     write_meta(ckpt_dir, meta, shas)
     return ckpt_dir
 
@@ -291,7 +303,9 @@ def read_meta(ckpt_dir: Path) -> dict:
     try:
         meta = json.loads(path.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete (never finalized)") from None
+        raise CheckpointError(
+            f"{path} is missing: the checkpoint is incomplete (never finalized)"
+        ) from None
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} is unreadable: {e}") from e
     if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict):
@@ -310,13 +324,16 @@ def _check_file(path: Path, expected_sha256: str | None) -> str | None:
     actual = sha256_file(path)
     if actual != expected_sha256:
         return (
-            f"fails its checksum ({size} bytes, sha256 {actual[:12]}..., expected {expected_sha256[:12]}...): "
+            f"fails its checksum ({size} bytes, sha256 {actual[:12]}..., "
+            f"expected {expected_sha256[:12]}...): "
             "the file is truncated or corrupted"
         )
     return None
 
 
-def verify_checkpoint(ckpt_dir: Path, world_size: int | None = None, *, checksums: bool = True) -> dict:
+def verify_checkpoint(
+    ckpt_dir: Path, world_size: int | None = None, *, checksums: bool = True
+) -> dict:
     """Return the meta of a complete checkpoint, else raise CheckpointError saying why."""
     ckpt_dir = Path(ckpt_dir)
     meta = read_meta(ckpt_dir)
@@ -325,7 +342,10 @@ def verify_checkpoint(ckpt_dir: Path, world_size: int | None = None, *, checksum
         raise CheckpointError(f"{ckpt_dir} was written by {ws} ranks, this run has {world_size}")
     expected = {f"rank{r}.pt" for r in range(ws)} if isinstance(ws, int) else None
     if expected is None or set(meta["files"]) != expected:
-        raise CheckpointError(f"{ckpt_dir / META_NAME} lists files {sorted(meta['files'])}, expected one per rank of {ws}")
+        raise CheckpointError(
+            f"{ckpt_dir / META_NAME} lists files {sorted(meta['files'])}, "
+            f"expected one per rank of {ws}"
+        )
     for name, sha in sorted(meta["files"].items()):
         problem = _check_file(ckpt_dir / name, sha if checksums else None)
         if problem:
@@ -334,9 +354,14 @@ def verify_checkpoint(ckpt_dir: Path, world_size: int | None = None, *, checksum
 
 
 def latest_complete(
-    run_dir: Path, world_size: int | None = None, *, before_step: int | None = None, checksums: bool = True
+    run_dir: Path,
+    world_size: int | None = None,
+    *,
+    before_step: int | None = None,
+    checksums: bool = True,
 ) -> Path | None:
-    """Newest checkpoint that verifies (optionally older than ``before_step``); warns about each one skipped."""
+    """Newest checkpoint that verifies (optionally older than ``before_step``); warns about
+    each one skipped."""
     for d in reversed(list_checkpoints(run_dir)):
         if before_step is not None and step_of(d) >= before_step:
             continue
@@ -364,7 +389,8 @@ def _earlier_hint(ckpt_dir: Path) -> str:
 
 
 def load_rank_state(ckpt_dir: Path, rank: int, expected_sha256: str | None = None) -> dict:
-    """Verify ``rank{rank}.pt`` against its checksum (from meta.json unless given) and load it on CPU."""
+    """Verify ``rank{rank}.pt`` against its checksum (from meta.json unless given) and load
+    it on CPU."""
     ckpt_dir = Path(ckpt_dir)
     path = rank_file(ckpt_dir, rank)
     try:
@@ -372,7 +398,10 @@ def load_rank_state(ckpt_dir: Path, rank: int, expected_sha256: str | None = Non
             meta = read_meta(ckpt_dir)
             expected_sha256 = meta["files"].get(path.name)
             if expected_sha256 is None:
-                raise CheckpointError(f"{ckpt_dir / META_NAME} lists no {path.name} (world size {meta.get('world_size')})")
+                raise CheckpointError(
+                    f"{ckpt_dir / META_NAME} lists no {path.name} "
+                    f"(world size {meta.get('world_size')})"
+                )
         problem = _check_file(path, expected_sha256)
         if problem:
             raise CheckpointError(f"{path} {problem}")
@@ -381,7 +410,9 @@ def load_rank_state(ckpt_dir: Path, rank: int, expected_sha256: str | None = Non
         except Exception as e:  # checksum matched, so the writer stored something unloadable
             raise CheckpointError(f"{path} cannot be loaded with weights_only=True: {e}") from e
     except CheckpointError as e:
-        raise CheckpointError(f"cannot resume from {ckpt_dir.name}: {e}. {_earlier_hint(ckpt_dir)}") from None
+        raise CheckpointError(
+            f"cannot resume from {ckpt_dir.name}: {e}. {_earlier_hint(ckpt_dir)}"
+        ) from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} holds a {type(state).__qualname__}, expected a dict")
     return state
@@ -397,7 +428,9 @@ def prune(run_dir: Path, keep: int, *, checksums: bool = True) -> list[Path]:
     being written); those older than it are deleted with the rest.
     """
     if keep < 1:
-        raise ValueError(f"keep must be >= 1 (never delete the newest complete checkpoint), got {keep}")
+        raise ValueError(
+            f"keep must be >= 1 (never delete the newest complete checkpoint), got {keep}"
+        )
     ckpts = list_checkpoints(run_dir)
     kept: list[Path] = []
     newest_complete: int | None = None
@@ -427,7 +460,8 @@ def prune(run_dir: Path, keep: int, *, checksums: bool = True) -> list[Path]:
 
 
 def rng_state() -> dict:
-    """Capture torch CPU, current CUDA device, numpy global and Python ``random`` RNG states (weights_only-safe)."""
+    """Capture torch CPU, current CUDA device, numpy global and Python ``random`` RNG states
+    (weights_only-safe)."""
     version, mt, gauss_next = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
@@ -439,7 +473,11 @@ def rng_state() -> dict:
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached),
         },
-        "python": {"version": int(version), "state": torch.tensor(mt, dtype=torch.int64), "gauss_next": gauss_next},
+        "python": {
+            "version": int(version),
+            "state": torch.tensor(mt, dtype=torch.int64),
+            "gauss_next": gauss_next,
+        },
     }
     # Only the current device: get_rng_state_all() would create a context on every visible GPU.
     # is_initialized: a process that never touched CUDA has no CUDA stream to save, and calling
@@ -463,9 +501,14 @@ def set_rng_state(state: dict) -> None:
         )
     )
     py = state["python"]
-    random.setstate((int(py["version"]), tuple(int(x) for x in py["state"].tolist()), py["gauss_next"]))
+    random.setstate(
+        (int(py["version"]), tuple(int(x) for x in py["state"].tolist()), py["gauss_next"])
+    )
     if "cuda" in state:
         if torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"].cpu())
         else:
-            warnings.warn("checkpoint has a CUDA RNG state but CUDA is not available: not restored", stacklevel=2)
+            warnings.warn(
+                "checkpoint has a CUDA RNG state but CUDA is not available: not restored",
+                stacklevel=2,
+            )

@@ -14,10 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import (ConfigError, TrainConfig, build_configs, help_text, load_toml,
-                     parse_overrides)
+from .config import ConfigError, TrainConfig, build_configs, help_text, load_toml, parse_overrides
 from .errors import LowCommError
-
 
 _OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
@@ -36,8 +34,11 @@ class _Help(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if (action.default not in (None, False, argparse.SUPPRESS) and "default" not in text
-                and action.option_strings):
+        if (
+            action.default not in (None, False, argparse.SUPPRESS)
+            and "default" not in text
+            and action.option_strings
+        ):
             text += " (default: %(default)s)"
         return text
 
@@ -49,8 +50,9 @@ def _port(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
     if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (1-65535); omit --port to "
-                                         f"pick a free one")
+        raise argparse.ArgumentTypeError(
+            f"{port} is not a TCP port (1-65535); omit --port to pick a free one"
+        )
     return port
 
 
@@ -62,16 +64,16 @@ def _check_out_dir(path: str | Path) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"cannot write to output folder {out}: {e.strerror}; choose a "
-                          f"writable --out") from None
+        raise ConfigError(
+            f"cannot write to output folder {out}: {e.strerror}; choose a writable --out"
+        ) from None
     return out
 
 
 # a folder holding any of these holds a run (a new run there needs --overwrite) ...
 _RUN_MARKS = ("summary.json", "metrics.jsonl", "model.pt", "checkpoints")
 # ... and --overwrite removes these too (what else a run writes in its folder)
-_RUN_OUTPUTS = _RUN_MARKS + ("corpus.json", "workers.json", "workers.json.tmp", "tensorboard",
-                             "hf")
+_RUN_OUTPUTS = _RUN_MARKS + ("corpus.json", "workers.json", "workers.json.tmp", "tensorboard", "hf")
 
 
 def _existing_run(path: str, overwrite: bool) -> list[Path]:
@@ -79,8 +81,10 @@ def _existing_run(path: str, overwrite: bool) -> list[Path]:
     out = Path(path)
     marks = [n for n in _RUN_MARKS if (out / n).exists()]
     if marks and not overwrite:
-        raise ConfigError(f"--out {out} holds a run already ({', '.join(marks)}): use --resume "
-                          f"{out} to continue it or --overwrite to replace it")
+        raise ConfigError(
+            f"--out {out} holds a run already ({', '.join(marks)}): use --resume "
+            f"{out} to continue it or --overwrite to replace it"
+        )
     return [out / n for n in _RUN_OUTPUTS if (out / n).exists()] if marks else []
 
 
@@ -132,20 +136,29 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.strategy is None:
         raise UsageError("lowcomm train: --strategy is required (or --resume DIR)")
     if args.strategy not in STRATEGIES:
-        raise ConfigError(f"unknown strategy '{args.strategy}': choose one of "
-                          f"{', '.join(STRATEGIES)}")
+        raise ConfigError(
+            f"unknown strategy '{args.strategy}': choose one of {', '.join(STRATEGIES)}"
+        )
     args.workers = 2 if args.workers_given is None else args.workers_given
     if args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
-    sync_cfg, train_cfg = build_configs(_values(args),
-                                       sync=preset_config(args.strategy, workers=args.workers))
+    sync_cfg, train_cfg = build_configs(
+        _values(args), sync=preset_config(args.strategy, workers=args.workers)
+    )
     _check_model(train_cfg.model)
     _check_data(train_cfg.data)
     old = _existing_run(args.out, args.overwrite)
     out = _check_out_dir(args.out)
     # the old run goes only once the new one's settings, model and data have passed their checks
-    summary = launch(args.strategy, sync_cfg, train_cfg, out, args.workers, args.port,
-                     on_checked=lambda: _remove(old))
+    summary = launch(
+        args.strategy,
+        sync_cfg,
+        train_cfg,
+        out,
+        args.workers,
+        args.port,
+        on_checked=lambda: _remove(old),
+    )
     _print_summary(summary, out)
     return 0
 
@@ -158,14 +171,28 @@ def _check_data(spec: str) -> None:
 
     path, _ = _split_dtype(spec)
     if not path.exists():
-        raise ConfigError(f"data path {path} does not exist: give a text file, a folder, a .bin "
-                          f"token file, hf:NAME, or data=stdlib")
+        raise ConfigError(
+            f"data path {path} does not exist: give a text file, a folder, a .bin "
+            f"token file, hf:NAME, or data=stdlib"
+        )
 
 
 # settings a resumed run may change: how it is run and observed, and how long it goes on
-RESUME_MAY_CHANGE = frozenset({"steps", "checkpoint_every", "eval_every", "eval_batches",
-                               "log_every", "progress", "log", "timeout_s", "threads", "device",
-                               "comm_delay_s"})
+RESUME_MAY_CHANGE = frozenset(
+    {
+        "steps",
+        "checkpoint_every",
+        "eval_every",
+        "eval_batches",
+        "log_every",
+        "progress",
+        "log",
+        "timeout_s",
+        "threads",
+        "device",
+        "comm_delay_s",
+    }
+)
 
 
 def _resume(args: argparse.Namespace) -> int:
@@ -176,9 +203,11 @@ def _resume(args: argparse.Namespace) -> int:
     last, meta = find_resume(args.resume)
     run = meta["run"]
     if args.strategy is not None and args.strategy != run["strategy"]:
-        raise ConfigError(f"--resume {args.resume}: the run was trained with --strategy "
-                          f"{run['strategy']}, not {args.strategy}; drop --strategy to continue "
-                          f"it, or start a new run with another --out")
+        raise ConfigError(
+            f"--resume {args.resume}: the run was trained with --strategy "
+            f"{run['strategy']}, not {args.strategy}; drop --strategy to continue "
+            f"it, or start a new run with another --out"
+        )
     known = config_fields()
     saved = {k: v for k, v in {**run["sync"], **run["train"]}.items() if k in known}
     given = _values(args)
@@ -188,18 +217,36 @@ def _resume(args: argparse.Namespace) -> int:
     conflicts = [k for k in changed if k not in RESUME_MAY_CHANGE]
     if conflicts:
         listed = ", ".join(f"{k} (saved {saved[k]!r}, given {now[k]!r})" for k in conflicts)
-        raise ConfigError(f"--resume {args.resume}: {listed} differ from the saved run; a resumed "
-                          f"run keeps its settings: start a new run with another --out to change "
-                          f"them")
+        raise ConfigError(
+            f"--resume {args.resume}: {listed} differ from the saved run; a resumed "
+            f"run keeps its settings: start a new run with another --out to change "
+            f"them"
+        )
     if changed:
-        print(f"warning: resuming with changed settings {changed}: the run will not match an "
-              f"uninterrupted one", file=sys.stderr)
+        print(
+            f"warning: resuming with changed settings {changed}: the run will not match an "
+            f"uninterrupted one",
+            file=sys.stderr,
+        )
     workers = args.workers_given if args.workers_given is not None else meta["world_size"]
-    print(f"resuming {run['strategy']} from {last} (step {meta['step']}) on {workers} workers",
-          flush=True)
+    print(
+        f"resuming {run['strategy']} from {last} (step {meta['step']}) on {workers} workers",
+        flush=True,
+    )
     out = Path(args.resume)
-    _print_summary(launch(run["strategy"], sync_cfg, train_cfg, out, workers, args.port,
-                          name=run.get("name"), resume=str(last)), out)
+    _print_summary(
+        launch(
+            run["strategy"],
+            sync_cfg,
+            train_cfg,
+            out,
+            workers,
+            args.port,
+            name=run.get("name"),
+            resume=str(last),
+        ),
+        out,
+    )
     return 0
 
 
@@ -233,8 +280,17 @@ def cmd_compare(args: argparse.Namespace) -> int:
     _check_model(train_cfg.model)
     _check_data(train_cfg.data)
     out = _check_out_dir(args.out)
-    results = run_compare(entries, values, args.workers, seeds or [0], out, args.port,
-                          bandwidths=bandwidths, topology=args.topology, command=_command())
+    results = run_compare(
+        entries,
+        values,
+        args.workers,
+        seeds or [0],
+        out,
+        args.port,
+        bandwidths=bandwidths,
+        topology=args.topology,
+        command=_command(),
+    )
     print()
     print(results_table(results))
     print(f"\nresults: {out / 'results.md'}, {out / 'results.json'}; plots: {out}/loss_vs_*.png")
@@ -246,8 +302,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from .bench.compare import network_table, results_table, write_report
 
     out = Path(args.out)
-    results = write_report([Path(p) for p in args.dirs], out, args.target_loss,
-                           command=_command())
+    results = write_report([Path(p) for p in args.dirs], out, args.target_loss, command=_command())
     print(results_table(results))
     if args.target_loss is not None:
         print()
@@ -288,14 +343,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     _add_train(sub)
     _add_compare(sub)
-    r = sub.add_parser("report", help="one table and plots over finished runs from several folders",
-                       formatter_class=_Help)
+    r = sub.add_parser(
+        "report",
+        help="one table and plots over finished runs from several folders",
+        formatter_class=_Help,
+    )
     r.add_argument("dirs", nargs="+", help="run folders or `compare --out` folders")
-    r.add_argument("--out", default="runs/report",
-                   help="where results.md, results.json and plots go")
-    r.add_argument("--target-loss", type=float, default=None,
-                   help="add a per-link table: utilization, tokens/s vs unshaped, time to this "
-                        "validation loss (default: no such table)")
+    r.add_argument(
+        "--out", default="runs/report", help="where results.md, results.json and plots go"
+    )
+    r.add_argument(
+        "--target-loss",
+        type=float,
+        default=None,
+        help="add a per-link table: utilization, tokens/s vs unshaped, time to this "
+        "validation loss (default: no such table)",
+    )
     r.set_defaults(func=cmd_report)
     s = sub.add_parser("simulate", help="compute utilization vs bandwidth at scales we cannot run")
     try:
@@ -307,38 +370,65 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_simulate)
     b = sub.add_parser("bench", help="microbenchmarks: codecs, overhead")
     b.add_argument("what", help="codecs or overhead")
-    b.add_argument("rest", nargs=argparse.REMAINDER,
-                   help="arguments of the benchmark (e.g. --json)")
+    b.add_argument(
+        "rest", nargs=argparse.REMAINDER, help="arguments of the benchmark (e.g. --json)"
+    )
     b.set_defaults(func=cmd_bench)
     return p
 
 
-_MODEL_HELP = (f"model preset: tiny, small, base, 124m, or a Hugging Face causal LM: hf:ARCH[:PRESET] "
-               f"(llama, gpt2, qwen2, ...) or hf:PATH (default: {TrainConfig.model}, the model key)")
+_MODEL_HELP = (
+    f"model preset: tiny, small, base, 124m, or a Hugging Face causal LM: hf:ARCH[:PRESET] "
+    f"(llama, gpt2, qwen2, ...) or hf:PATH (default: {TrainConfig.model}, the model key)"
+)
 _STEPS_HELP = f"inner steps per worker (default: {TrainConfig.steps}, the steps key)"
 
 
 def _add_train(sub: Any) -> None:
     t = sub.add_parser(
-        "train", help="train one strategy", formatter_class=_Help,
+        "train",
+        help="train one strategy",
+        formatter_class=_Help,
         usage="lowcomm train --strategy NAME [options] [key=value ...]\n"
-              "       lowcomm train --resume DIR [options] [key=value ...]",
+        "       lowcomm train --resume DIR [options] [key=value ...]",
         epilog="config keys (key=value or in --config FILE.toml), with their defaults:\n"
-               + help_text())
+        + help_text(),
+    )
     need = t.add_argument_group("required (unless --resume DIR)")
-    need.add_argument("--strategy", default=None, metavar="NAME",
-                      help="ddp, loco, diloco, streaming, sparseloco or co2")
-    t.add_argument("--workers", type=int, default=None, dest="workers_given", metavar="M",
-                   help="local worker processes (default: 2, or the saved run's with --resume; "
-                        "ignored under torchrun)")
-    t.add_argument("--resume", default=None, metavar="DIR",
-                   help="continue the run saved in DIR from its newest complete checkpoint "
-                        "(default: start a new run)")
+    need.add_argument(
+        "--strategy",
+        default=None,
+        metavar="NAME",
+        help="ddp, loco, diloco, streaming, sparseloco or co2",
+    )
+    t.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        dest="workers_given",
+        metavar="M",
+        help="local worker processes (default: 2, or the saved run's with --resume; "
+        "ignored under torchrun)",
+    )
+    t.add_argument(
+        "--resume",
+        default=None,
+        metavar="DIR",
+        help="continue the run saved in DIR from its newest complete checkpoint "
+        "(default: start a new run)",
+    )
     _add_model_and_steps(t)
-    t.add_argument("--out", default="runs/train", metavar="DIR",
-                   help="output folder; refused if it holds a run, unless --overwrite")
-    t.add_argument("--overwrite", action="store_true",
-                   help="replace the run already in --out (its checkpoints and model included)")
+    t.add_argument(
+        "--out",
+        default="runs/train",
+        metavar="DIR",
+        help="output folder; refused if it holds a run, unless --overwrite",
+    )
+    t.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run already in --out (its checkpoints and model included)",
+    )
     _add_config_port_overrides(t)
     t.set_defaults(func=cmd_train)
 
@@ -351,32 +441,58 @@ def _add_model_and_steps(p: argparse.ArgumentParser) -> None:
 
 def _add_config_port_overrides(p: argparse.ArgumentParser) -> None:
     """--config, --port and the key=value overrides, shared by train and compare."""
-    p.add_argument("--config", default=None, metavar="FILE.toml",
-                   help="TOML file of config keys (default: none)")
-    p.add_argument("--port", type=_port, default=None,
-                   help="rendezvous port (default: a free one)")
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE.toml",
+        help="TOML file of config keys (default: none)",
+    )
+    p.add_argument("--port", type=_port, default=None, help="rendezvous port (default: a free one)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
 
 def _add_compare(sub: Any) -> None:
-    c = sub.add_parser("compare", help="compare strategies on the same model, data and seed",
-                       formatter_class=_Help,
-                       epilog="config keys apply to every entry:\n" + help_text())
-    c.add_argument("--strategies", default="ddp,diloco", metavar="LIST",
-                   help="comma list; an entry may carry overrides: "
-                        "sparseloco:density=1/32:sync_every=50")
-    c.add_argument("--workers", type=int, default=2, metavar="M",
-                   help="local worker processes per run")
+    c = sub.add_parser(
+        "compare",
+        help="compare strategies on the same model, data and seed",
+        formatter_class=_Help,
+        epilog="config keys apply to every entry:\n" + help_text(),
+    )
+    c.add_argument(
+        "--strategies",
+        default="ddp,diloco",
+        metavar="LIST",
+        help="comma list; an entry may carry overrides: sparseloco:density=1/32:sync_every=50",
+    )
+    c.add_argument(
+        "--workers", type=int, default=2, metavar="M", help="local worker processes per run"
+    )
     _add_model_and_steps(c)
     c.add_argument("--seeds", default="0", help="comma list of seeds, e.g. 0,1")
-    c.add_argument("--bandwidth", default=None, metavar="RATE",
-                   help="shape the link to this rate, e.g. 50mbit (default: unshaped)")
-    c.add_argument("--bandwidths", default=None, metavar="LIST",
-                   help="sweep these rates, e.g. 10mbit,100mbit,1gbit (default: no sweep)")
-    c.add_argument("--topology", default="shared", choices=["shared", "per-worker"],
-                   help="shaped links: one shared by all workers, or one per worker")
-    c.add_argument("--out", default="runs/compare", metavar="DIR",
-                   help="output folder: one subfolder per run, results.md/json and plots")
+    c.add_argument(
+        "--bandwidth",
+        default=None,
+        metavar="RATE",
+        help="shape the link to this rate, e.g. 50mbit (default: unshaped)",
+    )
+    c.add_argument(
+        "--bandwidths",
+        default=None,
+        metavar="LIST",
+        help="sweep these rates, e.g. 10mbit,100mbit,1gbit (default: no sweep)",
+    )
+    c.add_argument(
+        "--topology",
+        default="shared",
+        choices=["shared", "per-worker"],
+        help="shaped links: one shared by all workers, or one per worker",
+    )
+    c.add_argument(
+        "--out",
+        default="runs/compare",
+        metavar="DIR",
+        help="output folder: one subfolder per run, results.md/json and plots",
+    )
     _add_config_port_overrides(c)
     c.set_defaults(func=cmd_compare)
 

@@ -53,12 +53,14 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, str):
         key = {"fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype)
         if key not in _DTYPES:
-            raise ValueError(f"compensation storage dtype must be one of fp32, bf16, int8; "
-                             f"got {dtype!r}")
+            raise ValueError(
+                f"compensation storage dtype must be one of fp32, bf16, int8; got {dtype!r}"
+            )
         return _DTYPES[key]
     if dtype not in _NAMES:
-        raise ValueError(f"compensation storage dtype must be float32, bfloat16 or int8; "
-                         f"got {dtype}")
+        raise ValueError(
+            f"compensation storage dtype must be float32, bfloat16 or int8; got {dtype}"
+        )
     return dtype
 
 
@@ -112,8 +114,10 @@ class _BufferStore:
         if buf is None:
             return torch.zeros(like.shape, dtype=torch.float32, device=like.device)
         if buf.shape != like.shape:
-            raise ValueError(f"compensation buffer {key!r} has shape {tuple(buf.shape)}, "
-                             f"got a tensor of shape {tuple(like.shape)}")
+            raise ValueError(
+                f"compensation buffer {key!r} has shape {tuple(buf.shape)}, "
+                f"got a tensor of shape {tuple(like.shape)}"
+            )
         out = buf.to(device=like.device, dtype=torch.float32, copy=True)  # never an alias
         if self.dtype == torch.int8:
             out.mul_(self.scales[key].to(like.device))
@@ -159,11 +163,14 @@ class _BufferStore:
     def load(self, state: dict[str, Any]) -> None:
         dtype = _as_dtype(state["dtype"])
         if dtype != self.dtype:
-            raise ValueError(f"state holds {state['dtype']} buffers, this compensation stores "
-                             f"{_NAMES[self.dtype]}")
+            raise ValueError(
+                f"state holds {state['dtype']} buffers, this compensation stores "
+                f"{_NAMES[self.dtype]}"
+            )
         self.buffers = {str(k): v.to(self.device or v.device) for k, v in state["buffers"].items()}
-        self.scales = {str(k): v.to(self.device or v.device)
-                       for k, v in state.get("scales", {}).items()}
+        self.scales = {
+            str(k): v.to(self.device or v.device) for k, v in state.get("scales", {}).items()
+        }
         if self.dtype == torch.int8 and set(self.scales) != set(self.buffers):
             raise ValueError("int8 compensation state lacks a scale for some buffers")
 
@@ -201,8 +208,12 @@ class _Compensation:
 class ErrorFeedback(_Compensation):
     """SparseLoCo's error feedback: ``e <- beta e + x``; send ``C(e)``; ``e <- e - D(C(e))``."""
 
-    def __init__(self, beta: float, dtype: torch.dtype | str = torch.float32,
-                 device: torch.device | str | None = "cpu") -> None:
+    def __init__(
+        self,
+        beta: float,
+        dtype: torch.dtype | str = torch.float32,
+        device: torch.device | str | None = "cpu",
+    ) -> None:
         if not 0.0 <= beta <= 1.0:
             raise ValueError(f"error decay beta must be in [0, 1], got {beta}")
         self.beta = float(beta)
@@ -236,8 +247,10 @@ class ErrorFeedback(_Compensation):
                 raise KeyError(f"no error buffer for {key!r}: call accumulate first")
             e = self._store.get(key, sent_decoded)
         if e.shape != sent_decoded.shape:
-            raise ValueError(f"decoded tensor for {key!r} has shape {tuple(sent_decoded.shape)}, "
-                             f"error buffer has {tuple(e.shape)}")
+            raise ValueError(
+                f"decoded tensor for {key!r} has shape {tuple(sent_decoded.shape)}, "
+                f"error buffer has {tuple(e.shape)}"
+            )
         self._store.put(key, e - sent_decoded.to(device=e.device, dtype=torch.float32))
 
     def reset(self) -> None:
@@ -259,9 +272,13 @@ class ErrorFeedback(_Compensation):
 class MovingAverageCompensation(_Compensation):
     """LoCo: ``h = g + e``; send ``C(h)``; ``e <- beta e + (1 - beta)(h - D(C(h)))``."""
 
-    def __init__(self, beta: float, dtype: torch.dtype | str = torch.float32,
-                 device: torch.device | str | None = "cpu",
-                 reset_every: int = DEFAULT_RESET_EVERY) -> None:
+    def __init__(
+        self,
+        beta: float,
+        dtype: torch.dtype | str = torch.float32,
+        device: torch.device | str | None = "cpu",
+        reset_every: int = DEFAULT_RESET_EVERY,
+    ) -> None:
         if not 0.0 <= beta <= 1.0:
             raise ValueError(f"LoCo beta must be in [0, 1], got {beta}")
         if reset_every < 0:
@@ -287,8 +304,10 @@ class MovingAverageCompensation(_Compensation):
     def update(self, key: str, h: torch.Tensor, decoded: torch.Tensor) -> None:
         """``e <- beta e + (1 - beta)(h - decoded)``."""
         if h.shape != decoded.shape:
-            raise ValueError(f"decoded tensor for {key!r} has shape {tuple(decoded.shape)}, "
-                             f"compensated tensor has {tuple(h.shape)}")
+            raise ValueError(
+                f"decoded tensor for {key!r} has shape {tuple(decoded.shape)}, "
+                f"compensated tensor has {tuple(h.shape)}"
+            )
         e = self._store.get(key, h)
         err = h.detach().to(torch.float32) - decoded.to(device=h.device, dtype=torch.float32)
         e.mul_(self.beta).add_(err, alpha=1.0 - self.beta)
@@ -305,8 +324,13 @@ class MovingAverageCompensation(_Compensation):
         self._store.zero()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": "loco", "beta": self.beta, "reset_every": self.reset_every,
-                "steps": self.steps, **self._store.state()}
+        return {
+            "kind": "loco",
+            "beta": self.beta,
+            "reset_every": self.reset_every,
+            "steps": self.steps,
+            **self._store.state(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("kind") != "loco":

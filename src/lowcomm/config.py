@@ -12,14 +12,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-
 from .errors import ConfigError  # noqa: F401  (re-exported: the historical import path)
-
 
 # The closed choices of SyncConfig: one list each (the Literal is the list).
 FragmentPattern = Literal["strided", "sequential"]
-Codec = Literal["fp32", "bf16", "fp16", "int8", "int4", "int2", "fp4", "topk", "loco",
-                "int4-authors"]
+Codec = Literal[
+    "fp32", "bf16", "fp16", "int8", "int4", "int2", "fp4", "topk", "loco", "int4-authors"
+]
 Reduce = Literal["auto", "allreduce", "gather", "two-phase"]
 Aggregation = Literal["auto", "mean", "selected-mean"]
 Compensation = Literal["none", "ef", "loco"]
@@ -42,69 +41,130 @@ def knob(default: Any, help: str) -> Any:
 
 @dataclass
 class SyncConfig:
-    """How workers synchronise: the one engine's knobs (docs/algorithms.md, 'One engine, not five')."""
+    """How workers synchronise: the one engine's knobs (docs/algorithms.md,
+    'One engine, not five')."""
 
     sync_every: int = knob(100, "H: inner steps between two syncs of the same parameters (>= 1).")
-    fragments: int = knob(1, "P: number of fragments, counting the embeddings+norm+head fragment "
-                             "when P >= 2. P = 1 syncs the whole model at once (plain DiLoCo).")
-    blocks_per_fragment: int = knob(0, "Blocks per fragment; when > 0 it sets P instead of "
-                                       "`fragments` (Streaming DiLoCo used 3).")
-    fragment_pattern: FragmentPattern = knob("strided", "How blocks map to fragments: strided (block b -> "
-                                            "fragment b mod (P-1)) or sequential (consecutive runs).")
-    overlap: int = knob(0, "tau: inner steps a fragment's collective stays in flight before its "
-                           "result is applied. 0 = blocking; tau < H/P; -1 (or tau = H, with P = 1) "
-                           "is CO2's whole-round overlap.")
-    alpha: float = knob(0.0, "Merge weight after an overlapped sync: theta <- alpha*theta_local + "
-                             "(1-alpha)*theta_global. 0 discards the tau local steps, 0.5 averages.")
-    merge: Merge = knob("alpha", "How an overlapped result (tau >= 1) enters the local weights: alpha "
-                                 "(the alpha-mix above) or continue (the new global copy plus the "
-                                 "steps taken since the send). CO2's whole-round overlap uses co2_merge.")
-    codec: Codec = knob("fp32", "What goes on the wire: fp32|bf16|fp16|int8|int4|int2|fp4|topk|loco|"
-                                   "int4-authors.")
+    fragments: int = knob(
+        1,
+        "P: number of fragments, counting the embeddings+norm+head fragment "
+        "when P >= 2. P = 1 syncs the whole model at once (plain DiLoCo).",
+    )
+    blocks_per_fragment: int = knob(
+        0,
+        "Blocks per fragment; when > 0 it sets P instead of `fragments` (Streaming DiLoCo used 3).",
+    )
+    fragment_pattern: FragmentPattern = knob(
+        "strided",
+        "How blocks map to fragments: strided (block b -> "
+        "fragment b mod (P-1)) or sequential (consecutive runs).",
+    )
+    overlap: int = knob(
+        0,
+        "tau: inner steps a fragment's collective stays in flight before its "
+        "result is applied. 0 = blocking; tau < H/P; -1 (or tau = H, with P = 1) "
+        "is CO2's whole-round overlap.",
+    )
+    alpha: float = knob(
+        0.0,
+        "Merge weight after an overlapped sync: theta <- alpha*theta_local + "
+        "(1-alpha)*theta_global. 0 discards the tau local steps, 0.5 averages.",
+    )
+    merge: Merge = knob(
+        "alpha",
+        "How an overlapped result (tau >= 1) enters the local weights: alpha "
+        "(the alpha-mix above) or continue (the new global copy plus the "
+        "steps taken since the send). CO2's whole-round overlap uses co2_merge.",
+    )
+    codec: Codec = knob(
+        "fp32", "What goes on the wire: fp32|bf16|fp16|int8|int4|int2|fp4|topk|loco|int4-authors."
+    )
     codec_block: int = knob(128, "Elements per scale block for the int-k and fp4 codecs.")
-    density: float = knob(1 / 64, "Top-k codec: fraction of entries kept per chunk (1/64 = 64 of 4096).")
+    density: float = knob(
+        1 / 64, "Top-k codec: fraction of entries kept per chunk (1/64 = 64 of 4096)."
+    )
     value_bits: int = knob(2, "Top-k codec: bits per kept value (2 = 4-entry lookup of bin means).")
-    reduce: Reduce = knob("auto", "Collective for the outer gradient: allreduce (dense codecs), gather "
-                               "(all-gather + FP32 sum), two-phase (all-to-all reduce-scatter + "
-                               "all-gather), or auto (allreduce for fp32/bf16/fp16, gather otherwise).")
-    aggregation: Aggregation = knob("auto", "Top-k aggregation: selected-mean (each entry averaged "
-                                    "over the workers that sent it, as the SparseLoCo authors' code "
-                                    "does; measured better), mean (1/M sum of decoded payloads), or "
-                                    "auto (selected-mean for codec=topk, mean otherwise).")
-    compensation: Compensation = knob("none", "Error compensation of what is sent: none, ef (error feedback, "
-                                     "SparseLoCo) or loco (moving average, LoCo).")
+    reduce: Reduce = knob(
+        "auto",
+        "Collective for the outer gradient: allreduce (dense codecs), gather "
+        "(all-gather + FP32 sum), two-phase (all-to-all reduce-scatter + "
+        "all-gather), or auto (allreduce for fp32/bf16/fp16, gather otherwise).",
+    )
+    aggregation: Aggregation = knob(
+        "auto",
+        "Top-k aggregation: selected-mean (each entry averaged "
+        "over the workers that sent it, as the SparseLoCo authors' code "
+        "does; measured better), mean (1/M sum of decoded payloads), or "
+        "auto (selected-mean for codec=topk, mean otherwise).",
+    )
+    compensation: Compensation = knob(
+        "none",
+        "Error compensation of what is sent: none, ef (error feedback, "
+        "SparseLoCo) or loco (moving average, LoCo).",
+    )
     error_decay: float = knob(0.95, "beta of error feedback: e <- beta*e + delta.")
-    outer_optimizer: OuterKind = knob("nesterov", "Outer optimizer on the global copy: nesterov, sgd "
-                                            "(plain, SparseLoCo) or co2 (momentum + penalty + clip).")
+    outer_optimizer: OuterKind = knob(
+        "nesterov",
+        "Outer optimizer on the global copy: nesterov, sgd "
+        "(plain, SparseLoCo) or co2 (momentum + penalty + clip).",
+    )
     outer_lr: float = knob(0.7, "Outer learning rate.")
     outer_momentum: float = knob(0.9, "Outer momentum.")
     nesterov: bool = knob(True, "Use Nesterov momentum in the outer optimizer.")
-    staleness_penalty: bool = knob(False, "CO2: damp the stale pseudo-gradient element-wise by how "
-                                          "far the global parameters moved (Gap-Aware form).")
-    co2_merge: CO2Merge = knob("continue", "CO2: continue (each worker keeps its own progress of the "
-                                           "round in flight on top of the newest global model) or reset "
-                                           "(restart every round from the one-round-stale global model; "
-                                           "the earlier rule, kept as an ablation).")
+    staleness_penalty: bool = knob(
+        False,
+        "CO2: damp the stale pseudo-gradient element-wise by how "
+        "far the global parameters moved (Gap-Aware form).",
+    )
+    co2_merge: CO2Merge = knob(
+        "continue",
+        "CO2: continue (each worker keeps its own progress of the "
+        "round in flight on top of the newest global model) or reset "
+        "(restart every round from the one-round-stale global model; "
+        "the earlier rule, kept as an ablation).",
+    )
     momentum_clip: float = knob(0.0, "CO2: clip the outer momentum at phi (0 = off).")
-    momentum_clip_mode: ClipMode = knob("element", "CO2: clip element-wise to +-phi (element) or the L2 norm to phi (norm).")
+    momentum_clip_mode: ClipMode = knob(
+        "element", "CO2: clip element-wise to +-phi (element) or the L2 norm to phi (norm)."
+    )
     loco_beta: float = knob(0.8, "LoCo: moving-average weight of the compensation buffer.")
-    loco_reset_every: int = knob(1024, "LoCo: zero the compensation buffers every N optimizer steps "
-                                       "(0 = never; 1024 is the LoCo authors' period).")
-    loco_quantizer: LocoQuantizer = knob("ours", "LoCo per-step hooks: ours (absmax/7, codes -7..7, groups of "
-                                       "codec_block) or authors (absmax/8, codes -8..7, one group per "
-                                       "min(rows, cols)); ours had the lower error on large matrices.")
-    loco_compress_1d: bool = knob(False, "LoCo per-step hooks: quantise 1-D tensors (biases, norms) "
-                                         "too; by default they are sent as FP32, as the authors do.")
-    nonfinite_patience: int = knob(3, "Stop the run after this many syncs in a row in which some worker's "
-                                      "pseudo-gradient was non-finite and left out (1 = stop at the first).")
-    replica_check_every: int = knob(10, "Every N syncs, compare a hash of the global parameters across "
-                                        "workers; a mismatch stops the run (0 = never).")
-    state_device: StateDevice = knob("cpu", "Where the global copy and outer state live: cpu or the model's device (model).")
+    loco_reset_every: int = knob(
+        1024,
+        "LoCo: zero the compensation buffers every N optimizer steps "
+        "(0 = never; 1024 is the LoCo authors' period).",
+    )
+    loco_quantizer: LocoQuantizer = knob(
+        "ours",
+        "LoCo per-step hooks: ours (absmax/7, codes -7..7, groups of "
+        "codec_block) or authors (absmax/8, codes -8..7, one group per "
+        "min(rows, cols)); ours had the lower error on large matrices.",
+    )
+    loco_compress_1d: bool = knob(
+        False,
+        "LoCo per-step hooks: quantise 1-D tensors (biases, norms) "
+        "too; by default they are sent as FP32, as the authors do.",
+    )
+    nonfinite_patience: int = knob(
+        3,
+        "Stop the run after this many syncs in a row in which some worker's "
+        "pseudo-gradient was non-finite and left out (1 = stop at the first).",
+    )
+    replica_check_every: int = knob(
+        10,
+        "Every N syncs, compare a hash of the global parameters across "
+        "workers; a mismatch stops the run (0 = never).",
+    )
+    state_device: StateDevice = knob(
+        "cpu", "Where the global copy and outer state live: cpu or the model's device (model)."
+    )
     bucket_mb: float = knob(64.0, "Largest flat buffer handed to one collective, in MiB.")
-    buffers: Buffers = knob("average", "Module buffers (e.g. BatchNorm statistics): average (floating "
-                                       "buffers averaged in FP32 at every sync, integer ones broadcast "
-                                       "from rank 0), broadcast (all from rank 0 at every sync) or local "
-                                       "(never synced).")
+    buffers: Buffers = knob(
+        "average",
+        "Module buffers (e.g. BatchNorm statistics): average (floating "
+        "buffers averaged in FP32 at every sync, integer ones broadcast "
+        "from rank 0), broadcast (all from rank 0 at every sync) or local "
+        "(never synced).",
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -115,21 +175,27 @@ class SyncConfig:
             raise KeyError(key)
         return getattr(self, key)
 
-    def validate(self) -> "SyncConfig":
+    def validate(self) -> SyncConfig:
         """Raise ConfigError on any setting that cannot work; return self."""
         check_types(self)
         if self.sync_every < 1:
-            raise ConfigError(f"sync_every (H) must be >= 1, got {self.sync_every}: set sync_every=1 or more")
+            raise ConfigError(
+                f"sync_every (H) must be >= 1, got {self.sync_every}: set sync_every=1 or more"
+            )
         if self.fragments < 1:
             raise ConfigError(f"fragments (P) must be >= 1, got {self.fragments}")
         if self.blocks_per_fragment < 0:
             raise ConfigError(f"blocks_per_fragment must be >= 0, got {self.blocks_per_fragment}")
         if self.blocks_per_fragment > 0 and self.fragments > 1:
-            raise ConfigError(f"fragments={self.fragments} and blocks_per_fragment="
-                              f"{self.blocks_per_fragment} both set P: give one (blocks_per_fragment=0 "
-                              f"to use the count)")
+            raise ConfigError(
+                f"fragments={self.fragments} and blocks_per_fragment="
+                f"{self.blocks_per_fragment} both set P: give one (blocks_per_fragment=0 "
+                f"to use the count)"
+            )
         if self.overlap < -1:
-            raise ConfigError(f"overlap (tau) must be >= 0, or -1 for a whole round; got {self.overlap}")
+            raise ConfigError(
+                f"overlap (tau) must be >= 0, or -1 for a whole round; got {self.overlap}"
+            )
         if not 0.0 <= self.alpha <= 1.0:
             raise ConfigError(f"alpha must be in [0, 1], got {self.alpha}")
         if not 0.0 < self.density <= 1.0:
@@ -155,14 +221,20 @@ class SyncConfig:
         if self.bucket_mb <= 0:
             raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb}")
         if self.reduce == "allreduce" and self.codec not in DENSE_CODECS:
-            raise ConfigError(f"reduce=allreduce needs a dense codec ({', '.join(DENSE_CODECS)}), "
-                              f"got codec={self.codec}: use reduce=gather or reduce=two-phase")
+            raise ConfigError(
+                f"reduce=allreduce needs a dense codec ({', '.join(DENSE_CODECS)}), "
+                f"got codec={self.codec}: use reduce=gather or reduce=two-phase"
+            )
         if self.aggregation == "selected-mean" and self.codec != "topk":
-            raise ConfigError(f"aggregation=selected-mean needs codec=topk (got codec={self.codec}): "
-                              f"use aggregation=mean or auto")
+            raise ConfigError(
+                f"aggregation=selected-mean needs codec=topk (got codec={self.codec}): "
+                f"use aggregation=mean or auto"
+            )
         if self.reduce == "two-phase" and self.codec == "topk":
-            raise ConfigError("reduce=two-phase needs an element-wise codec; top-k tiles whole "
-                              "tensors: use reduce=gather")
+            raise ConfigError(
+                "reduce=two-phase needs an element-wise codec; top-k tiles whole "
+                "tensors: use reduce=gather"
+            )
         return self
 
     @property
@@ -186,15 +258,27 @@ class SyncConfig:
             return  # CO2: the whole round overlaps the next one
         if tau * n_fragments >= H:
             raise ConfigError(
-                f"overlap (tau={tau}) must be < H/P = {H}/{n_fragments}: a fragment's result must land "
-                f"before the next fragment is sent; lower overlap, raise sync_every or use fewer "
-                f"fragments (or overlap=sync_every with fragments=1 for CO2's whole-round overlap)")
+                f"overlap (tau={tau}) must be < H/P = {H}/{n_fragments}: "
+                f"a fragment's result must land before the next fragment is sent; "
+                f"lower overlap, raise sync_every or use fewer "
+                f"fragments (or overlap=sync_every with fragments=1 for CO2's whole-round overlap)"
+            )
 
 
-_LITERALS = {"FragmentPattern": FragmentPattern, "Codec": Codec, "Reduce": Reduce,
-             "Aggregation": Aggregation, "Compensation": Compensation, "OuterKind": OuterKind,
-             "ClipMode": ClipMode, "Merge": Merge, "CO2Merge": CO2Merge, "Buffers": Buffers,
-             "StateDevice": StateDevice, "LocoQuantizer": LocoQuantizer}
+_LITERALS = {
+    "FragmentPattern": FragmentPattern,
+    "Codec": Codec,
+    "Reduce": Reduce,
+    "Aggregation": Aggregation,
+    "Compensation": Compensation,
+    "OuterKind": OuterKind,
+    "ClipMode": ClipMode,
+    "Merge": Merge,
+    "CO2Merge": CO2Merge,
+    "Buffers": Buffers,
+    "StateDevice": StateDevice,
+    "LocoQuantizer": LocoQuantizer,
+}
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -232,17 +316,29 @@ def check_types(cfg: Any) -> None:
 class TrainConfig:
     """The reference trainer's knobs (model, data, inner optimizer, logging, run control)."""
 
-    model: str = knob("small", "Model preset: tiny, small, base or 124m; or a Hugging Face causal LM: "
-                               "hf:ARCH[:PRESET] (llama, gpt2, qwen2, ... at a preset's size) or "
-                               "hf:PATH (a local folder); needs lowcomm[hf].")
-    data: str = knob("stdlib", "Corpus: stdlib (the Python standard library's source), a text file "
-                               "or folder, a token .bin file, or hf:NAME[:CONFIG].")
-    tokenizer: str = knob("bytes", "Tokens of a text corpus: bytes (one per byte, vocab 256) or bpe:N "
-                                   "(a byte-level BPE of N tokens trained on the corpus, cached; "
-                                   "needs lowcomm[hf]).")
-    shard: str = knob("striped", "How the train tokens are split between workers: striped (disjoint "
-                                 "64K-token blocks dealt round-robin: IID-like) or contiguous (one "
-                                 "slice each: non-IID on a corpus sorted by path).")
+    model: str = knob(
+        "small",
+        "Model preset: tiny, small, base or 124m; or a Hugging Face causal LM: "
+        "hf:ARCH[:PRESET] (llama, gpt2, qwen2, ... at a preset's size) or "
+        "hf:PATH (a local folder); needs lowcomm[hf].",
+    )
+    data: str = knob(
+        "stdlib",
+        "Corpus: stdlib (the Python standard library's source), a text file "
+        "or folder, a token .bin file, or hf:NAME[:CONFIG].",
+    )
+    tokenizer: str = knob(
+        "bytes",
+        "Tokens of a text corpus: bytes (one per byte, vocab 256) or bpe:N "
+        "(a byte-level BPE of N tokens trained on the corpus, cached; "
+        "needs lowcomm[hf]).",
+    )
+    shard: str = knob(
+        "striped",
+        "How the train tokens are split between workers: striped (disjoint "
+        "64K-token blocks dealt round-robin: IID-like) or contiguous (one "
+        "slice each: non-IID on a corpus sorted by path).",
+    )
     steps: int = knob(500, "Inner optimizer steps per worker.")
     batch_size: int = knob(16, "Sequences per worker per step.")
     seq_len: int = knob(128, "Tokens per sequence.")
@@ -254,23 +350,40 @@ class TrainConfig:
     beta2: float = knob(0.95, "AdamW beta2.")
     grad_clip: float = knob(1.0, "Clip the gradient norm to this (0 = off).")
     seed: int = knob(0, "Seed of model init and data order; the same seed gives the same run.")
-    eval_every: int = knob(100, "Validation loss on the global parameters every N steps (0 = only at the end).")
+    eval_every: int = knob(
+        100, "Validation loss on the global parameters every N steps (0 = only at the end)."
+    )
     eval_batches: int = knob(16, "Validation batches per evaluation (split across workers).")
     log_every: int = knob(10, "Write a metrics.jsonl record every N steps.")
     threads: int = knob(1, "Compute threads per worker on CPU.")
     timeout_s: float = knob(300.0, "Collective timeout: a peer silent this long stops the run.")
-    checkpoint_every: int = knob(0, "Checkpoint every N inner steps, at the next sync boundary (0 = off).")
+    checkpoint_every: int = knob(
+        0, "Checkpoint every N inner steps, at the next sync boundary (0 = off)."
+    )
     device: str = knob("auto", "cpu, cuda, or auto (cuda when available).")
     loco_bits: int = knob(4, "LoCo strategy: bits per gradient value (8, 4 or 2).")
-    ddp_hook: str = knob("allreduce", "DDP strategy: gradient hook: allreduce (FP32, lowcomm's), bf16 "
-                         "(PyTorch's bf16_compress_hook) or powersgd (PyTorch's PowerSGD hook).")
+    ddp_hook: str = knob(
+        "allreduce",
+        "DDP strategy: gradient hook: allreduce (FP32, lowcomm's), bf16 "
+        "(PyTorch's bf16_compress_hook) or powersgd (PyTorch's PowerSGD hook).",
+    )
     powersgd_rank: int = knob(1, "DDP with ddp_hook=powersgd: matrix approximation rank.")
-    powersgd_start: int = knob(10, "DDP with ddp_hook=powersgd: plain all-reduce for this many steps first.")
-    progress: bool = knob(True, "Show progress on rank 0: a bar when stderr is a terminal, else "
-                                "one plain line every log_every steps.")
-    log: str = knob("none", "Also log to: none or tensorboard (DIR/tensorboard/; needs "
-                            "pip install 'lowcomm[tensorboard]').")
-    comm_delay_s: float = knob(0.0, "Test only: sleep before each engine collective (a slow network).")
+    powersgd_start: int = knob(
+        10, "DDP with ddp_hook=powersgd: plain all-reduce for this many steps first."
+    )
+    progress: bool = knob(
+        True,
+        "Show progress on rank 0: a bar when stderr is a terminal, else "
+        "one plain line every log_every steps.",
+    )
+    log: str = knob(
+        "none",
+        "Also log to: none or tensorboard (DIR/tensorboard/; needs "
+        "pip install 'lowcomm[tensorboard]').",
+    )
+    comm_delay_s: float = knob(
+        0.0, "Test only: sleep before each engine collective (a slow network)."
+    )
 
 
 def config_fields() -> dict[str, tuple[type, dataclasses.Field]]:
@@ -321,7 +434,8 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
-    """Read a TOML config file; flat keys, or tables whose keys are merged (e.g. [sync], [train])."""
+    """Read a TOML config file; flat keys, or tables whose keys are merged
+    (e.g. [sync], [train])."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {p} not found: give an existing .toml file")
@@ -338,8 +452,9 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     return flat
 
 
-def build_configs(values: dict[str, Any], sync: SyncConfig | None = None,
-                  train: TrainConfig | None = None) -> tuple[SyncConfig, TrainConfig]:
+def build_configs(
+    values: dict[str, Any], sync: SyncConfig | None = None, train: TrainConfig | None = None
+) -> tuple[SyncConfig, TrainConfig]:
     """Apply `values` (from TOML and key=value) over the given configs; unknown keys are errors."""
     known = config_fields()
     sync_kw: dict[str, Any] = {}
@@ -348,11 +463,15 @@ def build_configs(values: dict[str, Any], sync: SyncConfig | None = None,
         if key not in known:
             close = [k for k in known if k.startswith(key[:4])] if len(key) >= 4 else []
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise ConfigError(f"unknown config key '{key}'{hint}: see `lowcomm train --help` for the keys")
+            raise ConfigError(
+                f"unknown config key '{key}'{hint}: see `lowcomm train --help` for the keys"
+            )
         cls, f = known[key]
         (sync_kw if cls is SyncConfig else train_kw)[key] = _coerce(key, f, raw)
     if "fragments" in sync_kw and "blocks_per_fragment" not in sync_kw:
-        sync_kw["blocks_per_fragment"] = 0  # an explicit count replaces a preset's blocks per fragment
+        sync_kw["blocks_per_fragment"] = (
+            0  # an explicit count replaces a preset's blocks per fragment
+        )
     s = dataclasses.replace(sync or SyncConfig(), **sync_kw)
     t = dataclasses.replace(train or TrainConfig(), **train_kw)
     s.validate()
@@ -383,8 +502,10 @@ def validate_train(t: TrainConfig) -> None:
     if t.powersgd_rank < 1:
         raise ConfigError(f"powersgd_rank must be >= 1, got {t.powersgd_rank}")
     if t.powersgd_start < 2:
-        raise ConfigError(f"powersgd_start must be >= 2 (PyTorch's PowerSGD needs two plain steps), "
-                          f"got {t.powersgd_start}")
+        raise ConfigError(
+            f"powersgd_start must be >= 2 (PyTorch's PowerSGD needs two plain steps), "
+            f"got {t.powersgd_start}"
+        )
 
 
 def help_text() -> str:

@@ -30,10 +30,11 @@ import dataclasses
 import hashlib
 import logging
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,8 +45,13 @@ from .aggregate import Aggregator, Encoded, Reduced, encode_compensated, make_ag
 from .config import ConfigError, SyncConfig
 from .errors import NonFiniteError, ReplicaMismatchError
 from .outer import OuterOptimizer, make_outer
-from .schedule import (Schedule, build_fragments, check_fragments, expand_fragment_modules,
-                       find_blocks)
+from .schedule import (
+    Schedule,
+    build_fragments,
+    check_fragments,
+    expand_fragment_modules,
+    find_blocks,
+)
 from .transport import Transport
 
 log = logging.getLogger("lowcomm")
@@ -64,7 +70,7 @@ class _Fragment:
     global_flat: torch.Tensor
     global_views: list[torch.Tensor]
     buckets: list[list[int]]
-    unsent: int = 0                       # inner steps since this fragment was last sent
+    unsent: int = 0  # inner steps since this fragment was last sent
     snapshot: torch.Tensor | None = None  # continue merge: local weights at the last send
 
     @property
@@ -76,8 +82,8 @@ class _Fragment:
 class _Event:
     """What one exchange (all fragments sent at one step) brought back."""
 
-    flags: torch.Tensor                  # [M, 3 + P] int64, every worker's control flags
-    reduced: dict[int, Reduced]          # fragment -> averaged pseudo-gradient
+    flags: torch.Tensor  # [M, 3 + P] int64, every worker's control flags
+    reduced: dict[int, Reduced]  # fragment -> averaged pseudo-gradient
     buffers: torch.Tensor | None = None  # averaged / broadcast floating buffers, flat FP32
 
     @property
@@ -87,10 +93,10 @@ class _Event:
 
 @dataclass
 class _Pending:
-    future: Future                       # of an _Event
+    future: Future  # of an _Event
     sent_at: int
     apply_at: int
-    own: torch.Tensor | None = None      # continue merge: what this worker sent, decoded
+    own: torch.Tensor | None = None  # continue merge: what this worker sent, decoded
 
 
 @dataclass
@@ -105,15 +111,15 @@ class SyncStats:
     bytes_received: int = 0
     control_bytes_sent: int = 0
     control_bytes_received: int = 0
-    buffer_bytes_sent: int = 0           # module buffers averaged or broadcast at syncs
+    buffer_bytes_sent: int = 0  # module buffers averaged or broadcast at syncs
     buffer_bytes_received: int = 0
-    final_syncs: int = 0                 # consolidations when leaving the block
-    final_sync_bytes_sent: int = 0       # their training bytes (also counted in bytes_sent)
+    final_syncs: int = 0  # consolidations when leaving the block
+    final_sync_bytes_sent: int = 0  # their training bytes (also counted in bytes_sent)
     blocked_s: float = 0.0
     outer_s: float = 0.0
     peak_bytes_per_sync: int = 0
-    left_out_syncs: int = 0         # fragment syncs in which some worker was left out
-    left_out_here: int = 0          # ... of which this worker was the one left out
+    left_out_syncs: int = 0  # fragment syncs in which some worker was left out
+    left_out_here: int = 0  # ... of which this worker was the one left out
     replica_checks: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -138,18 +144,27 @@ class LowComm:
     module or parameter names go in ``fragment_modules``.
     """
 
-    def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
-                 config: SyncConfig | None = None, *,
-                 fragment_modules: list[list[str]] | None = None,
-                 process_group: dist.ProcessGroup | None = None, timeout_s: float = 300.0,
-                 comm_delay_s: float = 0.0, **overrides: Any) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        config: SyncConfig | None = None,
+        *,
+        fragment_modules: list[list[str]] | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        timeout_s: float = 300.0,
+        comm_delay_s: float = 0.0,
+        **overrides: Any,
+    ) -> None:
         _check_arguments(model, inner_optimizer, config, timeout_s, overrides)
         self.config = dataclasses.replace(config or SyncConfig(), **overrides)
         self.model = model
         self.inner_optimizer = inner_optimizer
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
-            raise ConfigError("the model has no trainable parameters: unfreeze some (requires_grad)")
+            raise ConfigError(
+                "the model has no trainable parameters: unfreeze some (requires_grad)"
+            )
         _check_optimizer_holds(inner_optimizer, [p for _, p in named])
         self.fragment_names = self._resolve_fragments([n for n, _ in named], fragment_modules)
         self.schedule = Schedule(self.config.sync_every, len(self.fragment_names), self.config.tau)
@@ -162,7 +177,7 @@ class LowComm:
         self._pending: dict[int, _Pending] = {}
         self._hook: Any = None
         self.step = 0
-        self.last_sync_step = -1   # the last step at which anything was sent or applied
+        self.last_sync_step = -1  # the last step at which anything was sent or applied
         self.stats = SyncStats()
         self.transport: Transport | None = None
         self._buffer_transport: Transport | None = None
@@ -171,7 +186,7 @@ class LowComm:
         self.compensation: Any = None
         # (what, fragment, time) for sent / completed / applied: lets tests and users see overlap
         self.events: list[tuple[str, int, float]] = []
-        self._left_out: set[int] = set()      # fragments whose last pseudo-gradient here was non-finite
+        self._left_out: set[int] = set()  # fragments whose last pseudo-gradient here was non-finite
         self._nonfinite_streak = 0
         self._replica_check: Future | None = None
         self._started = False
@@ -179,22 +194,31 @@ class LowComm:
         self._kept_local: dict[str, torch.Tensor] | None = None  # local weights and buffers then
         self._loaded: dict[str, Any] | None = None  # a state_dict loaded before start()
 
-    def _resolve_fragments(self, names: list[str], modules: list[list[str]] | None) -> list[list[str]]:
+    def _resolve_fragments(
+        self, names: list[str], modules: list[list[str]] | None
+    ) -> list[list[str]]:
         cfg = self.config
         if modules is not None:
             if not isinstance(modules, (list, tuple)) or not modules:
-                raise ConfigError("fragment_modules must be a non-empty list of lists of module "
-                                  "or parameter names, e.g. [['embed', 'head'], ['layers.0']]")
+                raise ConfigError(
+                    "fragment_modules must be a non-empty list of lists of module "
+                    "or parameter names, e.g. [['embed', 'head'], ['layers.0']]"
+                )
             fragments = expand_fragment_modules(list(modules), names)
         else:
-            fragments = build_fragments(names, find_blocks(self.model), cfg.fragments,
-                                        cfg.blocks_per_fragment, cfg.fragment_pattern)
+            fragments = build_fragments(
+                names,
+                find_blocks(self.model),
+                cfg.fragments,
+                cfg.blocks_per_fragment,
+                cfg.fragment_pattern,
+            )
         check_fragments(fragments, names)
         cfg.check_schedule(len(fragments))
         return fragments
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def __enter__(self) -> "LowComm":
+    def __enter__(self) -> LowComm:
         self.start()
         return self
 
@@ -233,8 +257,14 @@ class LowComm:
                 # every worker starts from rank 0's parameters (control traffic, not training)
                 self.transport.broadcast(flat, src=0, control=True)
                 flat = flat.to(state_device)
-                frag = _Fragment(i, list(names), params, flat, _views(flat, params),
-                                 _buckets(params, bucket_numel))
+                frag = _Fragment(
+                    i,
+                    list(names),
+                    params,
+                    flat,
+                    _views(flat, params),
+                    _buckets(params, bucket_numel),
+                )
                 if self._continues():
                     frag.snapshot = flat.clone()
                 self._frags.append(frag)
@@ -252,7 +282,9 @@ class LowComm:
             return self._process_group
         # A group of its own, so engine traffic (possibly on the comm thread) never
         # interleaves with the training loop's own collectives on the default group.
-        return dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=self._timeout_s))
+        return dist.new_group(
+            backend=dist.get_backend(), timeout=timedelta(seconds=self._timeout_s)
+        )
 
     def _reenter(self) -> None:
         """Second and later blocks: the model must still hold what leaving published.
@@ -264,18 +296,23 @@ class LowComm:
             return
         if self._published is not None:
             current = dict(self.model.named_parameters())
-            changed = [n for n, v in self._published.items()
-                       if not torch.equal(current[n].detach().to(v.device, v.dtype), v)]
+            changed = [
+                n
+                for n, v in self._published.items()
+                if not torch.equal(current[n].detach().to(v.device, v.dtype), v)
+            ]
             if changed:
                 raise ConfigError(
                     f"the model's parameters changed since the last block ended (e.g. "
                     f"{changed[0]}): to continue from a checkpoint load it with "
-                    f"sync.load_state_dict(...) instead of model.load_state_dict(...)")
+                    f"sync.load_state_dict(...) instead of model.load_state_dict(...)"
+                )
         _load_named(self.model, self._kept_local)
         self._kept_local = None
 
     def finish(self) -> None:
-        """Leave the block: wait for every worker, then load the consolidated model (see module doc)."""
+        """Leave the block: wait for every worker, then load the consolidated model
+        (see module doc)."""
         if not self._started:
             return
         self._remove_hook()
@@ -291,7 +328,9 @@ class LowComm:
         self.stats.final_sync_bytes_sent += self.transport.meter.sent_bytes - sent0
         self._publish()
         self._restore_run_state(kept)
-        self.stats.outer_s += (time.perf_counter() - t0) - (self.transport.meter.blocked_s - blocked0)
+        self.stats.outer_s += (time.perf_counter() - t0) - (
+            self.transport.meter.blocked_s - blocked0
+        )
         self.close()
 
     def close(self) -> None:
@@ -353,7 +392,9 @@ class LowComm:
         self.last_sync_step = step
         if sends:
             self._count_sync(len(sends))
-        self.stats.outer_s += (time.perf_counter() - t0) - (self.transport.meter.blocked_s - blocked0)
+        self.stats.outer_s += (time.perf_counter() - t0) - (
+            self.transport.meter.blocked_s - blocked0
+        )
         self._update_stats()
         return None
 
@@ -363,8 +404,13 @@ class LowComm:
         self.events.append(("applied", p, time.perf_counter()))
         return event.reduced[p], pend.own, event
 
-    def _send(self, sends: list[int], step: int, flags: torch.Tensor | None,
-              results: dict[int, tuple[Reduced, torch.Tensor | None, _Event]]) -> None:
+    def _send(
+        self,
+        sends: list[int],
+        step: int,
+        flags: torch.Tensor | None,
+        results: dict[int, tuple[Reduced, torch.Tensor | None, _Event]],
+    ) -> None:
         """Encode the fragments due and start (or run) their exchange."""
         encoded, owns, nonfinite = {}, {}, False
         for p in sends:
@@ -423,21 +469,29 @@ class LowComm:
         if nonfinite:
             self._left_out.add(frag.index)
             self.stats.left_out_here += 1
-            log.warning("rank %d: non-finite pseudo-gradient in fragment %d at step %d; left out "
-                        "of this sync, restarting from the global parameters",
-                        self.transport.rank, frag.index, self.step)
+            log.warning(
+                "rank %d: non-finite pseudo-gradient in fragment %d at step %d; left out "
+                "of this sync, restarting from the global parameters",
+                self.transport.rank,
+                frag.index,
+                self.step,
+            )
         valid = contributes and not nonfinite
         encoded = self._encode_buckets(frag, pseudo_grad, valid, need_own=frag.snapshot is not None)
         own = None
         if frag.snapshot is not None:
-            own = (torch.cat([e.local for e in encoded]) if valid  # type: ignore[misc]
-                   else torch.zeros_like(local)).clone()
+            own = (
+                torch.cat([e.local for e in encoded])
+                if valid  # type: ignore[misc]
+                else torch.zeros_like(local)
+            ).clone()
             frag.snapshot.copy_(local)
         frag.unsent = 0
         return encoded, own, nonfinite
 
-    def _encode_buckets(self, frag: _Fragment, pseudo_grad: torch.Tensor, valid: bool,
-                        need_own: bool) -> list[Encoded]:
+    def _encode_buckets(
+        self, frag: _Fragment, pseudo_grad: torch.Tensor, valid: bool, need_own: bool
+    ) -> list[Encoded]:
         """Encode per bucket, through the error compensation when there is one (error feedback:
         e <- beta e + delta, send e, e <- e - sent; LoCo: h = delta + e, e <- moving average of
         h - sent). The key names each bucket's buffer for a compensated two-phase reduce."""
@@ -447,33 +501,56 @@ class LowComm:
             names, tensors = [frag.names[i] for i in bucket], [views[i] for i in bucket]
             key = f"fragment {frag.index} bucket {b}"
             if self.compensation is None:
-                encoded.append(self.aggregator.encode(tensors, need_local=need_own, valid=valid,
-                                                      key=key))
+                encoded.append(
+                    self.aggregator.encode(tensors, need_local=need_own, valid=valid, key=key)
+                )
             else:
-                encoded.append(encode_compensated(self.aggregator, self.compensation, names,
-                                                  tensors, valid, key=key))
+                encoded.append(
+                    encode_compensated(
+                        self.aggregator, self.compensation, names, tensors, valid, key=key
+                    )
+                )
         return encoded
 
-    def _event_job(self, encoded: dict[int, list[Encoded]], mine: torch.Tensor | None,
-                   flags: torch.Tensor | None, with_buffers: bool = True) -> Callable[[], _Event]:
+    def _event_job(
+        self,
+        encoded: dict[int, list[Encoded]],
+        mine: torch.Tensor | None,
+        flags: torch.Tensor | None,
+        with_buffers: bool = True,
+    ) -> Callable[[], _Event]:
         """The collectives of one sync: control flags (unless given), each fragment's exchange,
         then the floating buffers."""
-        aggregator, transport, stats, events = self.aggregator, self.transport, self.stats, self.events
+        aggregator, transport, stats, events = (
+            self.aggregator,
+            self.transport,
+            self.stats,
+            self.events,
+        )
         assert aggregator is not None and transport is not None
         buffers = None
         if with_buffers and self.config.buffers != "local":
             buffers = _buffers.float_flat(self.model)
 
         def job() -> _Event:
-            gathered = flags if mine is None else torch.stack(transport.all_gather(mine, control=True))
+            gathered = (
+                flags if mine is None else torch.stack(transport.all_gather(mine, control=True))
+            )
             sent0 = transport.meter.sent_bytes
             reduced = {}
             for p, parts in encoded.items():
                 out = [aggregator.exchange(e, transport) for e in parts]
-                reduced[p] = out[0] if len(out) == 1 else Reduced(
-                    torch.cat([r.mean for r in out]), min(r.valid_workers for r in out))
+                reduced[p] = (
+                    out[0]
+                    if len(out) == 1
+                    else Reduced(
+                        torch.cat([r.mean for r in out]), min(r.valid_workers for r in out)
+                    )
+                )
                 events.append(("completed", p, time.perf_counter()))
-            stats.peak_bytes_per_sync = max(stats.peak_bytes_per_sync, transport.meter.sent_bytes - sent0)
+            stats.peak_bytes_per_sync = max(
+                stats.peak_bytes_per_sync, transport.meter.sent_bytes - sent0
+            )
             return _Event(gathered, reduced, self._exchange_buffers(buffers))
 
         return job
@@ -489,8 +566,9 @@ class LowComm:
         return bt.all_reduce(flat).div_(bt.world_size)
 
     # -- applying results ------------------------------------------------------------------------
-    def _apply(self, p: int, reduced: Reduced, own: torch.Tensor | None, event: _Event,
-               final: bool = False) -> None:
+    def _apply(
+        self, p: int, reduced: Reduced, own: torch.Tensor | None, event: _Event, final: bool = False
+    ) -> None:
         """Outer step on fragment p's global copy, then merge it into the local parameters."""
         frag = self._frags[p]
         if not final:
@@ -519,14 +597,21 @@ class LowComm:
         m = self.transport.world_size
         self.stats.left_out_syncs += 1
         self._nonfinite_streak += 1
-        log.warning("step %d: %d of %d workers left out of fragment %d's sync (non-finite "
-                    "pseudo-gradient); %d such syncs in a row", self.step, bad, m, p,
-                    self._nonfinite_streak)
+        log.warning(
+            "step %d: %d of %d workers left out of fragment %d's sync (non-finite "
+            "pseudo-gradient); %d such syncs in a row",
+            self.step,
+            bad,
+            m,
+            p,
+            self._nonfinite_streak,
+        )
         if self._nonfinite_streak >= self.config.nonfinite_patience:
             raise NonFiniteError(
                 f"{self._nonfinite_streak} syncs in a row had non-finite pseudo-gradients "
                 f"(last at inner step {self.step}): lower inner_lr, check the data, or resume "
-                f"from the last checkpoint; nonfinite_patience={self.config.nonfinite_patience}")
+                f"from the last checkpoint; nonfinite_patience={self.config.nonfinite_patience}"
+            )
 
     def _merge(self, frag: _Fragment) -> None:
         """The new global copy into the local weights, by the configured merge rule."""
@@ -593,11 +678,14 @@ class LowComm:
                 reduced = event.reduced[p]
                 if reduced.valid_workers > 0:
                     frag = self._frags[p]
-                    self.outer.step(frag.key, frag.global_flat, reduced.mean.to(frag.global_flat.device))
+                    self.outer.step(
+                        frag.key, frag.global_flat, reduced.mean.to(frag.global_flat.device)
+                    )
                 self.events.append(("applied", p, time.perf_counter()))
 
     def _sync_buffers(self) -> None:
-        """Leaving: floating buffers averaged (or rank 0's), integer ones and frozen weights rank 0's."""
+        """Leaving: floating buffers averaged (or rank 0's), integer ones and frozen weights
+        rank 0's."""
         self._broadcast_constants(floating=self.config.buffers == "broadcast")
         if self.config.buffers == "average":
             flat = self._exchange_buffers(_buffers.float_flat(self.model))
@@ -617,8 +705,9 @@ class LowComm:
         with torch.no_grad():
             for frag in self._frags:
                 self._load_global(frag)
-        self._published = {n: v.detach().clone() for f in self._frags
-                           for n, v in zip(f.names, f.global_views)}
+        self._published = {
+            n: v.detach().clone() for f in self._frags for n, v in zip(f.names, f.global_views)
+        }
 
     def _keep_run_state(self) -> dict[str, Any]:
         """What leaving must not change: local weights and buffers, global copies, outer state."""
@@ -628,7 +717,9 @@ class LowComm:
             "snapshot": [None if f.snapshot is None else f.snapshot.clone() for f in self._frags],
             "unsent": [f.unsent for f in self._frags],
             "outer": self.outer.state_dict(),
-            "compensation": self.compensation.state_dict() if self.compensation is not None else None,
+            "compensation": self.compensation.state_dict()
+            if self.compensation is not None
+            else None,
             "reduce_compensation": self._reduce_compensation_state(),
             "pending": dict(self._pending),
         }
@@ -638,7 +729,9 @@ class LowComm:
         comp = self.aggregator.reduce_compensation if self.aggregator is not None else None
         if comp is None:
             return {}
-        self.transport.wait(self.transport.submit(lambda: None))  # its updates run on the comm thread
+        self.transport.wait(
+            self.transport.submit(lambda: None)
+        )  # its updates run on the comm thread
         return comp.state_dict()
 
     def _load_reduce_compensation(self, state: dict[str, Any] | None) -> None:
@@ -661,7 +754,8 @@ class LowComm:
 
     # -- replica check ---------------------------------------------------------------------------
     def _start_replica_check(self) -> None:
-        """Hash the global copy now; gather every worker's hash on the comm thread (checked later)."""
+        """Hash the global copy now; gather every worker's hash on the comm thread
+        (checked later)."""
         digest = hashlib.sha256()
         for f in self._frags:
             digest.update(f.global_flat.detach().cpu().contiguous().numpy().tobytes())
@@ -680,7 +774,8 @@ class LowComm:
         if bad:
             raise ReplicaMismatchError(
                 f"global parameters differ between workers (ranks {bad} disagree with rank 0 after "
-                f"sync {self.stats.syncs}): the replicas diverged; resume from the last checkpoint")
+                f"sync {self.stats.syncs}): the replicas diverged; resume from the last checkpoint"
+            )
 
     # -- checkpoint state ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -721,9 +816,15 @@ class LowComm:
             done.set_result(event)
             self._pending[p] = dataclasses.replace(pend, future=done)
             red = event.reduced[p]
-            out[str(p)] = {"mean": red.mean.clone(), "valid_workers": red.valid_workers,
-                           "flags": event.flags.clone(), "buffers": event.buffers,
-                           "own": pend.own, "sent_at": pend.sent_at, "apply_at": pend.apply_at}
+            out[str(p)] = {
+                "mean": red.mean.clone(),
+                "valid_workers": red.valid_workers,
+                "flags": event.flags.clone(),
+                "buffers": event.buffers,
+                "own": pend.own,
+                "sent_at": pend.sent_at,
+                "apply_at": pend.apply_at,
+            }
         return out
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -740,8 +841,10 @@ class LowComm:
 
     def _load_run_state(self, sd: dict[str, Any]) -> None:
         if sd["fragments"] != [list(f.names) for f in self._frags]:
-            raise ConfigError("the checkpoint's fragments differ from this run's: resume with the "
-                              "same model and fragment settings")
+            raise ConfigError(
+                "the checkpoint's fragments differ from this run's: resume with the "
+                "same model and fragment settings"
+            )
         snaps = sd.get("snapshot") or {}
         unsent = sd.get("unsent") or [0] * len(self._frags)
         with torch.no_grad():
@@ -815,7 +918,8 @@ class LowComm:
         return {n: v for f in self._frags for n, v in zip(f.names, f.global_views)}
 
     def global_flat(self) -> torch.Tensor:
-        """All global parameters (as :meth:`global_state`) as one flat FP32 tensor, fragment order."""
+        """All global parameters (as :meth:`global_state`) as one flat FP32 tensor,
+        fragment order."""
         state = self.global_state()
         return torch.cat([state[n].reshape(-1).float() for f in self._frags for n in f.names])
 
@@ -824,8 +928,15 @@ class LowComm:
             return
         m = self.transport.meter
         s = self.stats
-        s.payload_bytes, s.bytes_sent, s.bytes_received = m.payload_bytes, m.sent_bytes, m.received_bytes
-        s.control_bytes_sent, s.control_bytes_received = m.control_sent_bytes, m.control_received_bytes
+        s.payload_bytes, s.bytes_sent, s.bytes_received = (
+            m.payload_bytes,
+            m.sent_bytes,
+            m.received_bytes,
+        )
+        s.control_bytes_sent, s.control_bytes_received = (
+            m.control_sent_bytes,
+            m.control_received_bytes,
+        )
         s.blocked_s = m.blocked_s
         if self._buffer_transport is not None:
             bm = self._buffer_transport.meter
@@ -863,7 +974,8 @@ def _destroy_groups_at_exit() -> None:
 _NO_GROUP_MESSAGE = (
     "lowcomm needs a torch.distributed process group: call "
     "torch.distributed.init_process_group('gloo') (or 'nccl' on GPUs) before entering the block; "
-    "torchrun only sets the environment it reads")
+    "torchrun only sets the environment it reads"
+)
 
 
 def _check_arguments(model: Any, opt: Any, config: Any, timeout_s: Any, overrides: dict) -> None:
@@ -871,7 +983,9 @@ def _check_arguments(model: Any, opt: Any, config: Any, timeout_s: Any, override
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(opt, torch.optim.Optimizer):
-        raise ConfigError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(opt).__name__}")
+        raise ConfigError(
+            f"inner_optimizer must be a torch.optim.Optimizer, got {type(opt).__name__}"
+        )
     if config is not None and not isinstance(config, SyncConfig):
         raise ConfigError(f"config must be a lowcomm.SyncConfig, got {type(config).__name__}")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
@@ -879,17 +993,23 @@ def _check_arguments(model: Any, opt: Any, config: Any, timeout_s: Any, override
     known = {f.name for f in dataclasses.fields(SyncConfig)}
     bad = [k for k in overrides if k not in known]
     if bad:
-        raise ConfigError(f"unknown sync option(s) {', '.join(bad)}: see lowcomm.SyncConfig for the knobs")
+        raise ConfigError(
+            f"unknown sync option(s) {', '.join(bad)}: see lowcomm.SyncConfig for the knobs"
+        )
     if "fragments" in overrides and not isinstance(overrides["fragments"], int):
-        raise ConfigError("fragments is a count of fragments; give explicit lists of module names "
-                          "as fragment_modules=[[...], ...]")
+        raise ConfigError(
+            "fragments is a count of fragments; give explicit lists of module names "
+            "as fragment_modules=[[...], ...]"
+        )
 
 
 def _check_optimizer_holds(opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
     held = {id(p) for group in opt.param_groups for p in group["params"]}
     if not any(id(p) in held for p in params):
-        raise ConfigError("the inner optimizer holds none of the model's trainable parameters: "
-                          "build it from this model's parameters (e.g. AdamW(model.parameters()))")
+        raise ConfigError(
+            "the inner optimizer holds none of the model's trainable parameters: "
+            "build it from this model's parameters (e.g. AdamW(model.parameters()))"
+        )
 
 
 def _pending_from(p: int, d: dict[str, Any]) -> _Pending:
@@ -924,7 +1044,7 @@ def _load_named(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
 def _views(flat: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]:
     out, offset = [], 0
     for p in params:
-        out.append(flat[offset:offset + p.numel()].view(p.shape))
+        out.append(flat[offset : offset + p.numel()].view(p.shape))
         offset += p.numel()
     return out
 

@@ -38,15 +38,28 @@ from .config import SyncConfig
 from .errors import ConfigError
 
 try:  # an optional extra: pip install 'lowcomm[hf]'
-    from transformers import (AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel,
-                              Trainer, TrainerCallback)
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        PretrainedConfig,
+        PreTrainedModel,
+        Trainer,
+        TrainerCallback,
+    )
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError("lowcomm.hf needs Hugging Face transformers: "
-                      "pip install 'lowcomm[hf]'") from err
+    raise ImportError(
+        "lowcomm.hf needs Hugging Face transformers: pip install 'lowcomm[hf]'"
+    ) from err
 
-__all__ = ["HFCausalLM", "hf_config", "build_hf_model", "make_engine", "LowCommCallback",
-           "LowCommTrainer"]
+__all__ = [
+    "HFCausalLM",
+    "hf_config",
+    "build_hf_model",
+    "make_engine",
+    "LowCommCallback",
+    "LowCommTrainer",
+]
 
 
 class HFCausalLM(nn.Module):
@@ -73,7 +86,7 @@ class HFCausalLM(nn.Module):
         """The wrapped ``transformers`` model (shares every tensor with this module)."""
         return self.__dict__["_hf"]
 
-    def train(self, mode: bool = True) -> "HFCausalLM":
+    def train(self, mode: bool = True) -> HFCausalLM:
         """Set training mode here and on the HF model (whose own flag some forwards read)."""
         self.hf_model.train(mode)
         return super().train(mode)
@@ -112,25 +125,32 @@ def _preset_shape(preset: str) -> dict[str, int]:
     from .train.model import PRESETS
 
     if preset not in PRESETS:
-        raise ConfigError(f"unknown size preset '{preset}' in hf:ARCH:PRESET: choose one of "
-                          f"{', '.join(PRESETS)}")
+        raise ConfigError(
+            f"unknown size preset '{preset}' in hf:ARCH:PRESET: choose one of {', '.join(PRESETS)}"
+        )
     p = PRESETS[preset]
     return {"dim": p.dim, "n_layers": p.n_layers, "n_heads": p.n_heads, "hidden": p.hidden}
 
 
-def hf_config(arch: str, preset: str = "tiny", vocab_size: int = 256,
-              max_seq_len: int | None = None) -> PretrainedConfig:
+def hf_config(
+    arch: str, preset: str = "tiny", vocab_size: int = 256, max_seq_len: int | None = None
+) -> PretrainedConfig:
     """An HF config of model type ``arch`` at our size ``preset`` (width, depth, heads)."""
     shape = _preset_shape(preset)
     from .train.model import PRESETS
 
     kw: dict[str, Any] = dict(
-        hidden_size=shape["dim"], num_hidden_layers=shape["n_layers"],
-        num_attention_heads=shape["n_heads"], vocab_size=vocab_size,
-        max_position_embeddings=max_seq_len or PRESETS[preset].max_seq_len)
+        hidden_size=shape["dim"],
+        num_hidden_layers=shape["n_layers"],
+        num_attention_heads=shape["n_heads"],
+        vocab_size=vocab_size,
+        max_position_embeddings=max_seq_len or PRESETS[preset].max_seq_len,
+    )
     if arch not in CONFIG_MAPPING:
-        raise ConfigError(f"unknown Hugging Face model type '{arch}' in model=hf:{arch}: use a "
-                          f"transformers model type (llama, gpt2, qwen2, ...) or a local folder")
+        raise ConfigError(
+            f"unknown Hugging Face model type '{arch}' in model=hf:{arch}: use a "
+            f"transformers model type (llama, gpt2, qwen2, ...) or a local folder"
+        )
     config_cls = CONFIG_MAPPING[arch]
     # Default special ids (GPT-2's 50256) may lie outside a small vocabulary; we never use them.
     defaults = config_cls()
@@ -161,39 +181,50 @@ def _from_folder(path: Path, vocab_size: int | None, max_seq_len: int | None) ->
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)))
     have = model.get_input_embeddings().weight.shape[0]
     if vocab_size is not None and vocab_size > have:
-        raise ConfigError(f"the corpus needs {vocab_size} token ids but model {path} has {have}: "
-                          f"use a tokenizer with at most {have} tokens or a larger model")
+        raise ConfigError(
+            f"the corpus needs {vocab_size} token ids but model {path} has {have}: "
+            f"use a tokenizer with at most {have} tokens or a larger model"
+        )
     positions = getattr(model.config, "max_position_embeddings", None)
     if max_seq_len is not None and positions is not None and max_seq_len > positions:
-        raise ConfigError(f"seq_len={max_seq_len} exceeds model {path}'s {positions} positions: "
-                          f"use seq_len={positions} or less")
+        raise ConfigError(
+            f"seq_len={max_seq_len} exceeds model {path}'s {positions} positions: "
+            f"use seq_len={positions} or less"
+        )
     return model
 
 
-def build_hf_model(spec: str, vocab_size: int | None = None,
-                   max_seq_len: int | None = None) -> HFCausalLM:
+def build_hf_model(
+    spec: str, vocab_size: int | None = None, max_seq_len: int | None = None
+) -> HFCausalLM:
     """The model named by ``spec`` (what follows ``hf:``): ``ARCH[:PRESET]`` or a local folder."""
     if not spec:
-        raise ConfigError("empty model=hf: name: use hf:ARCH[:PRESET] (e.g. hf:llama:tiny) "
-                          "or hf:PATH")
+        raise ConfigError(
+            "empty model=hf: name: use hf:ARCH[:PRESET] (e.g. hf:llama:tiny) or hf:PATH"
+        )
     path = Path(spec)
     looks_like_path = "/" in spec or spec.startswith(".")
     # a bare name (hf:llama) is a model type unless it is a model folder here
     if path.is_dir() and (looks_like_path or (path / "config.json").exists()):
         if not (path / "config.json").exists():
-            raise ConfigError(f"model folder {path} has no config.json: give a folder written by "
-                              f"save_pretrained, or hf:ARCH[:PRESET]")
+            raise ConfigError(
+                f"model folder {path} has no config.json: give a folder written by "
+                f"save_pretrained, or hf:ARCH[:PRESET]"
+            )
         return HFCausalLM(_from_folder(path, vocab_size, max_seq_len))
     if looks_like_path:
-        raise ConfigError(f"model folder {spec} does not exist: give an existing folder or "
-                          f"hf:ARCH[:PRESET] (models are built from configs, never downloaded)")
+        raise ConfigError(
+            f"model folder {spec} does not exist: give an existing folder or "
+            f"hf:ARCH[:PRESET] (models are built from configs, never downloaded)"
+        )
     arch, _, preset = spec.partition(":")
     cfg = hf_config(arch, preset or "tiny", vocab_size or 256, max_seq_len)
     return HFCausalLM(AutoModelForCausalLM.from_config(cfg))
 
 
-def make_engine(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str = "diloco",
-                **kwargs: Any) -> Any:
+def make_engine(
+    model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str = "diloco", **kwargs: Any
+) -> Any:
     """The lowcomm engine of a named strategy (diloco, streaming, sparseloco, co2) on ``model``.
 
     ``kwargs`` are SyncConfig knobs (``sync_every=50``) or LowComm options (``timeout_s``).
@@ -202,8 +233,10 @@ def make_engine(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: st
     from .presets import PER_STEP_STRATEGIES, preset_config
 
     if strategy in PER_STEP_STRATEGIES:
-        raise ConfigError(f"strategy '{strategy}' is per-step gradient reduction: with the HF "
-                          f"Trainer use plain DDP (transformers.Trainer) instead of lowcomm")
+        raise ConfigError(
+            f"strategy '{strategy}' is per-step gradient reduction: with the HF "
+            f"Trainer use plain DDP (transformers.Trainer) instead of lowcomm"
+        )
     known = {f.name for f in dataclasses.fields(SyncConfig)}
     sync_kw = {k: v for k, v in kwargs.items() if k in known}
     other = {k: v for k, v in kwargs.items() if k not in known}
@@ -250,30 +283,44 @@ class LowCommCallback(TrainerCallback):
         self.active = False
         self._checked = False
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
-                       optimizer: Any = None, **kwargs: Any) -> None:
+    def on_train_begin(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        model: nn.Module | None = None,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
         """Build the engine on the Trainer's model and optimizer and start it."""
         if model is None or optimizer is None:
-            raise ConfigError("LowCommCallback needs the Trainer's model and optimizer: add it "
-                              "to a transformers.Trainer (or use lowcomm.hf.LowCommTrainer)")
+            raise ConfigError(
+                "LowCommCallback needs the Trainer's model and optimizer: add it "
+                "to a transformers.Trainer (or use lowcomm.hf.LowCommTrainer)"
+            )
         if _is_ddp(model):
-            raise ConfigError("the model is wrapped in DistributedDataParallel, which all-reduces "
-                              "gradients every step: use lowcomm.hf.LowCommTrainer")
+            raise ConfigError(
+                "the model is wrapped in DistributedDataParallel, which all-reduces "
+                "gradients every step: use lowcomm.hf.LowCommTrainer"
+            )
         # a fresh engine per train() call: the optimizer may be a new one
         self.engine = make_engine(model, _unwrap_optimizer(optimizer), self.strategy, **self.kwargs)
         self.engine.start()
         self.active, self._checked = True, False
 
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any,
-                              model: nn.Module | None = None, **kwargs: Any) -> None:
+    def on_pre_optimizer_step(
+        self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any
+    ) -> None:
         """Once per run: refuse gradients that were all-reduced (DiLoCo silently become DDP)."""
         if self._checked or model is None:
             return
         self._checked = True
         if _grads_identical_everywhere(model):
-            raise ConfigError("gradients are identical on every worker after the first step: the "
-                              "Trainer all-reduces them (DDP) or every worker reads the same data; "
-                              "use lowcomm.hf.LowCommTrainer, which keeps DDP off and shards data")
+            raise ConfigError(
+                "gradients are identical on every worker after the first step: the "
+                "Trainer all-reduces them (DDP) or every worker reads the same data; "
+                "use lowcomm.hf.LowCommTrainer, which keeps DDP off and shards data"
+            )
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Apply what is in flight and load the global parameters into the model."""
@@ -285,9 +332,12 @@ class LowCommCallback(TrainerCallback):
 def _prepare_model_without_ddp(prepare_model: Any) -> Any:
     """Accelerator.prepare_model with DDP (and FSDP/TP) wrapping skipped: evaluation_mode=True
     keeps device placement, mixed precision and torch.compile."""
-    def prepare(model: nn.Module, device_placement: bool | None = None,
-                evaluation_mode: bool = False) -> nn.Module:
+
+    def prepare(
+        model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ) -> nn.Module:
         return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+
     return prepare
 
 
@@ -300,17 +350,26 @@ class LowCommTrainer(Trainer):
     only the engine's outer syncs. ``evaluate()`` during training uses the global parameters.
     """
 
-    def __init__(self, *args: Any, lowcomm_strategy: str = "diloco",
-                 lowcomm_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        lowcomm_strategy: str = "diloco",
+        lowcomm_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         self.lowcomm_callback = LowCommCallback(lowcomm_strategy, **(lowcomm_kwargs or {}))
         super().__init__(*args, **kwargs)
         if self.is_fsdp_enabled or self.is_deepspeed_enabled:
-            raise ConfigError("LowCommTrainer trains a full model replica per worker: turn off "
-                              "FSDP / DeepSpeed (fsdp=, deepspeed= in TrainingArguments)")
+            raise ConfigError(
+                "LowCommTrainer trains a full model replica per worker: turn off "
+                "FSDP / DeepSpeed (fsdp=, deepspeed= in TrainingArguments)"
+            )
         if self.args.fp16:
             # the engine counts optimizer steps; a step skipped on one worker shifts its syncs
-            raise ConfigError("fp16 loss scaling skips optimizer steps on overflow, worker by "
-                              "worker, which desynchronizes the syncs: use bf16=True instead")
+            raise ConfigError(
+                "fp16 loss scaling skips optimizer steps on overflow, worker by "
+                "worker, which desynchronizes the syncs: use bf16=True instead"
+            )
         self.add_callback(self.lowcomm_callback)
         # Scaling each loss by the token count of all workers assumes DDP averages gradients.
         if getattr(self.args, "average_tokens_across_devices", False):

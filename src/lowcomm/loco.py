@@ -10,6 +10,15 @@ from .hooks.loco_ddp import LoCoState, loco_hook
 from .hooks.loco_fsdp import LoCoReduceScatter, enable_fsdp_loco
 
 __all__ = [
-    "DEFAULT_QUANTIZER", "QUANTIZERS", "TORCH_HOOKS", "GradReduceState", "LoCoReduceScatter",
-    "LoCoState", "TorchHookState", "allreduce_hook", "enable_fsdp_loco", "loco_hook", "torch_hook",
+    "DEFAULT_QUANTIZER",
+    "QUANTIZERS",
+    "TORCH_HOOKS",
+    "GradReduceState",
+    "LoCoReduceScatter",
+    "LoCoState",
+    "TorchHookState",
+    "allreduce_hook",
+    "enable_fsdp_loco",
+    "loco_hook",
+    "torch_hook",
 ]

@@ -57,7 +57,9 @@ class OuterSGD(OuterOptimizer):
         global_params.add_(g, alpha=-self.lr)
 
 
-def gap_aware_penalty(gap: torch.Tensor, mean_abs_update: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+def gap_aware_penalty(
+    gap: torch.Tensor, mean_abs_update: torch.Tensor, eps: float = 1e-12
+) -> torch.Tensor:
     """Lambda = 1 / max(1, gap / (eps + C)), element-wise (Gap-Aware's form, docs/algorithms.md §4).
 
     ``gap`` is how far each global coordinate moved since the stale pseudo-gradient was computed
@@ -78,8 +80,14 @@ class OuterCO2(OuterOptimizer):
     update, plus the engine's global copy; they live on ``state_device`` (CPU by default).
     """
 
-    def __init__(self, lr: float, momentum: float, penalty: bool = True, clip: float = 0.0,
-                 clip_mode: str = "element") -> None:
+    def __init__(
+        self,
+        lr: float,
+        momentum: float,
+        penalty: bool = True,
+        clip: float = 0.0,
+        clip_mode: str = "element",
+    ) -> None:
         super().__init__()
         if clip_mode not in ("element", "norm"):
             raise ValueError(f"clip_mode must be element or norm, got {clip_mode}")
@@ -128,5 +136,10 @@ def make_outer(cfg: SyncConfig) -> OuterOptimizer:
         return OuterSGD(cfg.outer_lr, cfg.outer_momentum, nesterov=cfg.nesterov)
     if cfg.outer_optimizer == "sgd":
         return OuterSGD(cfg.outer_lr, 0.0)
-    return OuterCO2(cfg.outer_lr, cfg.outer_momentum, penalty=cfg.staleness_penalty,
-                    clip=cfg.momentum_clip, clip_mode=cfg.momentum_clip_mode)
+    return OuterCO2(
+        cfg.outer_lr,
+        cfg.outer_momentum,
+        penalty=cfg.staleness_penalty,
+        clip=cfg.momentum_clip,
+        clip_mode=cfg.momentum_clip_mode,
+    )

@@ -20,15 +20,40 @@ from .engine import LowComm
 # per-step gradient reduction (no outer loop) and are handled by the trainer with DDP hooks.
 STRATEGY_CONFIGS: dict[str, dict[str, Any]] = {
     "diloco": dict(sync_every=100, outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9),
-    "streaming": dict(sync_every=100, blocks_per_fragment=3, overlap=1, alpha=0.5, codec="fp4",
-                      outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9),
+    "streaming": dict(
+        sync_every=100,
+        blocks_per_fragment=3,
+        overlap=1,
+        alpha=0.5,
+        codec="fp4",
+        outer_optimizer="nesterov",
+        outer_lr=0.7,
+        outer_momentum=0.9,
+    ),
     # selected-mean: measured better than the 1/M mean (benchmarks/sparseloco.md: 1.4814 vs 1.6458)
-    "sparseloco": dict(sync_every=15, codec="topk", density=1 / 64, value_bits=2, reduce="gather",
-                       compensation="ef", error_decay=0.95, merge="continue",
-                       outer_optimizer="sgd", outer_lr=1.0),
+    "sparseloco": dict(
+        sync_every=15,
+        codec="topk",
+        density=1 / 64,
+        value_bits=2,
+        reduce="gather",
+        compensation="ef",
+        error_decay=0.95,
+        merge="continue",
+        outer_optimizer="sgd",
+        outer_lr=1.0,
+    ),
     # continue merge, penalty off until measured under it, momentum by worker count (set at build)
-    "co2": dict(sync_every=48, overlap=-1, outer_optimizer="co2", outer_lr=1.0, outer_momentum=0.0,
-                staleness_penalty=False, momentum_clip=0.0, co2_merge="continue"),
+    "co2": dict(
+        sync_every=48,
+        overlap=-1,
+        outer_optimizer="co2",
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        staleness_penalty=False,
+        momentum_clip=0.0,
+        co2_merge="continue",
+    ),
 }
 # Per-step strategies: no outer loop; only the gradient-compression knobs of SyncConfig apply.
 PER_STEP_CONFIGS: dict[str, dict[str, Any]] = {
@@ -53,7 +78,9 @@ def preset_config(strategy: str, workers: int | None = None, **overrides: Any) -
         raise ConfigError(f"unknown strategy '{strategy}': choose one of {', '.join(STRATEGIES)}")
     base = dict(STRATEGY_CONFIGS.get(strategy) or PEER_CONFIGS[strategy])
     if "fragments" in overrides and "blocks_per_fragment" not in overrides:
-        base["blocks_per_fragment"] = 0  # an explicit count replaces the preset's blocks per fragment
+        base["blocks_per_fragment"] = (
+            0  # an explicit count replaces the preset's blocks per fragment
+        )
     elif overrides.get("blocks_per_fragment", 0) > 0 and overrides.get("fragments", 1) > 1:
         raise ConfigError("give fragments (a count) or blocks_per_fragment, not both")
     if strategy == "co2" and workers is not None and "outer_momentum" not in overrides:
@@ -73,13 +100,17 @@ def co2_momentum(workers: int) -> float:
 class _Preset(LowComm):
     strategy = ""
 
-    def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, **overrides: Any) -> None:
+    def __init__(
+        self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, **overrides: Any
+    ) -> None:
         known = {f.name for f in dataclasses.fields(SyncConfig)}
         sync_kw = {k: v for k, v in overrides.items() if k in known}
         other = {k: v for k, v in overrides.items() if k not in known}
         if "fragments" in sync_kw and not isinstance(sync_kw["fragments"], int):
-            raise ConfigError("fragments is a count of fragments; give explicit lists of module "
-                              "names as fragment_modules=[[...], ...]")
+            raise ConfigError(
+                "fragments is a count of fragments; give explicit lists of module "
+                "names as fragment_modules=[[...], ...]"
+            )
         workers = dist.get_world_size(other.get("process_group")) if dist.is_initialized() else None
         config = preset_config(self.strategy, workers=workers, **sync_kw)
         super().__init__(model, inner_optimizer, config, **other)

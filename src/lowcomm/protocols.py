@@ -32,9 +32,9 @@ class HasMeter(Protocol):
 class SyncEngine(Protocol):
     """An outer loop around (model, inner optimizer) that the reference trainer can drive."""
 
-    transport: Any           # has ``.meter`` (a :class:`Meter`) once started
-    stats: Any               # a :class:`lowcomm.engine.SyncStats`
-    last_sync_step: int      # the last inner step at which anything was sent or applied
+    transport: Any  # has ``.meter`` (a :class:`Meter`) once started
+    stats: Any  # a :class:`lowcomm.engine.SyncStats`
+    last_sync_step: int  # the last inner step at which anything was sent or applied
 
     def __enter__(self) -> Any:
         """Join the workers and hook the inner optimizer."""
@@ -51,7 +51,6 @@ class SyncEngine(Protocol):
     def global_parameters(self) -> contextlib.AbstractContextManager[Any]:
         """The global parameters loaded into the model for the ``with`` body (evaluation)."""
         ...
-
 
 
 @runtime_checkable

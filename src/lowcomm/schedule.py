@@ -12,6 +12,7 @@ from typing import Any
 
 from .config import ConfigError
 
+
 def find_blocks(model: Any) -> list[str]:
     """Module-name prefixes of the model's repeated blocks, in order; [] if it has none.
 
@@ -44,20 +45,27 @@ def expand_fragment_modules(groups: list[list[str]], param_names: list[str]) -> 
     An entry matches a parameter equal to it or under it (``layers.0`` matches ``layers.0.w``);
     wrapper prefixes (``_orig_mod.``, ``module.``) may be left out.
     """
+
     def bare(name: str) -> str:
         for prefix in _WRAPPER_PREFIXES:
             while name.startswith(prefix):
-                name = name[len(prefix):]
+                name = name[len(prefix) :]
         return name
 
     out: list[list[str]] = []
     for i, group in enumerate(groups):
         if isinstance(group, str) or not all(isinstance(g, str) for g in group):
-            raise ConfigError(f"fragment_modules[{i}] must be a list of module or parameter names, "
-                              f"got {group!r}")
+            raise ConfigError(
+                f"fragment_modules[{i}] must be a list of module or parameter names, got {group!r}"
+            )
         wanted = [bare(g) for g in group]
-        out.append([n for n in param_names
-                    if any(bare(n) == w or bare(n).startswith(w + ".") for w in wanted)])
+        out.append(
+            [
+                n
+                for n in param_names
+                if any(bare(n) == w or bare(n).startswith(w + ".") for w in wanted)
+            ]
+        )
     return out
 
 
@@ -86,17 +94,26 @@ def resolve_fragment_count(n_blocks: int, fragments: int, blocks_per_fragment: i
     """P from either `fragments` or `blocks_per_fragment`, validated against the block count."""
     if blocks_per_fragment > 0:
         if n_blocks == 0:
-            raise ConfigError("blocks_per_fragment needs a model with a block list "
-                              "(model.blocks / model.layers / ...) or explicit fragments")
+            raise ConfigError(
+                "blocks_per_fragment needs a model with a block list "
+                "(model.blocks / model.layers / ...) or explicit fragments"
+            )
         return -(-n_blocks // blocks_per_fragment) + 1
     if fragments > 1 and fragments > n_blocks + 1:
-        raise ConfigError(f"fragments={fragments} but the model has {n_blocks} blocks: "
-                          f"P must be <= blocks + 1 = {n_blocks + 1}")
+        raise ConfigError(
+            f"fragments={fragments} but the model has {n_blocks} blocks: "
+            f"P must be <= blocks + 1 = {n_blocks + 1}"
+        )
     return fragments
 
 
-def build_fragments(param_names: list[str], block_prefixes: list[str], fragments: int,
-                    blocks_per_fragment: int = 0, pattern: str = "strided") -> list[list[str]]:
+def build_fragments(
+    param_names: list[str],
+    block_prefixes: list[str],
+    fragments: int,
+    blocks_per_fragment: int = 0,
+    pattern: str = "strided",
+) -> list[list[str]]:
     """Parameter names per fragment (docs/algorithms.md §2).
 
     P = 1: one fragment with everything. P >= 2: fragment 0 holds every parameter outside the
@@ -129,8 +146,10 @@ def check_fragments(fragments: list[list[str]], param_names: list[str]) -> None:
             raise ConfigError(f"fragment {i} is empty: every fragment needs at least one parameter")
         for name in frag:
             if name in seen:
-                raise ConfigError(f"parameter '{name}' is in fragments {seen[name]} and {i}: "
-                                  f"each parameter must be in exactly one")
+                raise ConfigError(
+                    f"parameter '{name}' is in fragments {seen[name]} and {i}: "
+                    f"each parameter must be in exactly one"
+                )
             seen[name] = i
     known = set(param_names)
     unknown = [n for n in seen if n not in known]
@@ -138,7 +157,9 @@ def check_fragments(fragments: list[list[str]], param_names: list[str]) -> None:
         raise ConfigError(f"fragments name parameters the model does not have: {unknown[:5]}")
     missing = [n for n in param_names if n not in seen]
     if missing:
-        raise ConfigError(f"parameters in no fragment: {missing[:5]}: fragments must cover every parameter")
+        raise ConfigError(
+            f"parameters in no fragment: {missing[:5]}: fragments must cover every parameter"
+        )
 
 
 @dataclass(frozen=True)
@@ -162,8 +183,9 @@ class Schedule:
         """Fragments whose pseudo-gradient is sent after inner step ``step`` (1-based)."""
         if step < 1:
             return []
-        return [p for p in range(self.n_fragments)
-                if (step - self.offset(p)) % self.sync_every == 0]
+        return [
+            p for p in range(self.n_fragments) if (step - self.offset(p)) % self.sync_every == 0
+        ]
 
     def apply_step(self, send_step: int) -> int:
         """The inner step after which a result sent at ``send_step`` is applied."""

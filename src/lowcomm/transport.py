@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,8 @@ T = TypeVar("T")
 
 
 def ring_all_reduce_bytes(nbytes: float, workers: int) -> float:
-    """Bytes each worker sends (and receives) in a ring all-reduce of ``nbytes``: 2(M-1)/M of them."""
+    """Bytes each worker sends (and receives) in a ring all-reduce of ``nbytes``:
+    2(M-1)/M of them."""
     return 2 * (workers - 1) / workers * nbytes
 
 
@@ -53,7 +55,8 @@ class ByteMeter:
         self._lock = threading.Lock()
 
     def record(self, payload: int, sent: float, received: float, control: bool) -> None:
-        """Add one collective's bytes: ``payload`` this worker's input, ``sent``/``received`` wire bytes."""
+        """Add one collective's bytes: ``payload`` this worker's input, ``sent``/``received``
+        wire bytes."""
         with self._lock:
             if control:
                 self.control_payload_bytes += int(payload)
@@ -90,13 +93,19 @@ def _nbytes(t: torch.Tensor) -> int:
 class Transport:
     """Collectives over one process group, metered; async work on a single ordered comm thread."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, meter: ByteMeter | None = None,
-                 delay_s: float = 0.0) -> None:
-        """``delay_s`` adds a sleep before each collective: a test-only slow network, never a default."""
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        meter: ByteMeter | None = None,
+        delay_s: float = 0.0,
+    ) -> None:
+        """``delay_s`` adds a sleep before each collective: a test-only slow network, never a
+        default."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "lowcomm needs torch.distributed initialised: launch with `torchrun` or "
-                "`lowcomm train --workers M`, or call torch.distributed.init_process_group first")
+                "`lowcomm train --workers M`, or call torch.distributed.init_process_group first"
+            )
         self.group = group
         self.meter = meter if meter is not None else ByteMeter()
         self.rank = dist.get_rank(group)
@@ -106,8 +115,11 @@ class Transport:
         # NCCL moves only CUDA tensors: payloads built on the CPU (the global copy may live
         # there) are staged through this device and handed back where they came from.
         backend = dist.get_backend(group)
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
-                       else torch.device("cpu"))
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
 
     # -- collectives (blocking; call from the comm thread for overlap) ------------------------
     def all_reduce(self, t: torch.Tensor, control: bool = False) -> torch.Tensor:
@@ -152,7 +164,8 @@ class Transport:
         return list(flat_out.to(chunks[0].device).unbind(0))
 
     def all_reduce_async(self, t: torch.Tensor, control: bool = False) -> torch.futures.Future:
-        """Start a sum all-reduce of ``t`` in place; returns a Future of ``t`` (for DDP comm hooks)."""
+        """Start a sum all-reduce of ``t`` in place; returns a Future of ``t``
+        (for DDP comm hooks)."""
         self._maybe_delay()
         m = self.world_size
         n = _nbytes(t)
@@ -162,7 +175,8 @@ class Transport:
         return work.get_future().then(lambda fut: fut.value()[0])
 
     def broadcast(self, t: torch.Tensor, src: int = 0, control: bool = True) -> torch.Tensor:
-        """Copy rank ``src``'s ``t`` into every worker's ``t`` in place (control traffic by default)."""
+        """Copy rank ``src``'s ``t`` into every worker's ``t`` in place
+        (control traffic by default)."""
         m = self.world_size
         n = _nbytes(t)
         buf = t.to(self.device)

@@ -28,7 +28,7 @@ import math
 import os
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -49,13 +49,23 @@ CODECS: list[tuple[str, str, dict]] = [
 ]
 
 
-def transformer_shapes(vocab: int = 4096, dim: int = 512, layers: int = 4,
-                       hidden: int = 1376) -> list[tuple[int, ...]]:
+def transformer_shapes(
+    vocab: int = 4096, dim: int = 512, layers: int = 4, hidden: int = 1376
+) -> list[tuple[int, ...]]:
     """Parameter shapes of a small Llama-style decoder (untied embedding and head)."""
     shapes: list[tuple[int, ...]] = [(vocab, dim)]
     for _ in range(layers):
-        shapes += [(dim,), (dim, dim), (dim, dim), (dim, dim), (dim, dim),
-                   (dim,), (hidden, dim), (hidden, dim), (dim, hidden)]
+        shapes += [
+            (dim,),
+            (dim, dim),
+            (dim, dim),
+            (dim, dim),
+            (dim, dim),
+            (dim,),
+            (hidden, dim),
+            (hidden, dim),
+            (dim, hidden),
+        ]
     shapes += [(dim,), (vocab, dim)]
     return shapes
 
@@ -115,8 +125,10 @@ def measure(label: str, codec: Codec, tensors: list[torch.Tensor], repeats: int)
 
 
 def _table(rows: list[dict]) -> str:
-    head = ("| codec | numel | tensors | encode GB/s | decode GB/s | copy GB/s | encode/copy | "
-            "decode/copy | wire bits/param | formula bits/param | rel L2 error |")
+    head = (
+        "| codec | numel | tensors | encode GB/s | decode GB/s | copy GB/s | encode/copy | "
+        "decode/copy | wire bits/param | formula bits/param | rel L2 error |"
+    )
     lines = [head, "|" + "---|" * 11]
     for r in rows:
         lines.append(
@@ -133,14 +145,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print a JSON list of result rows")
     ap.add_argument("--numel", type=int, default=1 << 24, help="elements of the large tensor")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats (best is kept)")
-    ap.add_argument("--codecs", default=None,
-                    help="comma-separated labels to run (default: all of " +
-                    ", ".join(c[0] for c in CODECS) + ")")
+    ap.add_argument(
+        "--codecs",
+        default=None,
+        help="comma-separated labels to run (default: all of "
+        + ", ".join(c[0] for c in CODECS)
+        + ")",
+    )
     ap.add_argument("--no-mix", action="store_true", help="skip the transformer-shapes mix")
     ap.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch CPU threads (default 1, as each worker of a multi-process run "
-                    "uses; 0 keeps torch's default)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1, as each worker of a multi-process run "
+        "uses; 0 keeps torch's default)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.numel < 1 or args.repeats < 1:
@@ -173,15 +193,21 @@ def main(argv: list[str] | None = None) -> int:
             row["case"] = case or f"{'x'.join(map(str, big_shape))}"
             rows.append(row)
             if not args.json:
-                print(f"{label:16s} {row['case']:12s} enc {row['encode_vs_copy']:.3f}x copy, "
-                      f"dec {row['decode_vs_copy']:.3f}x, {row['wire_bits_per_param']:.3f} bits, "
-                      f"err {row['rel_l2_error']:.4f}", file=sys.stderr, flush=True)
+                print(
+                    f"{label:16s} {row['case']:12s} enc {row['encode_vs_copy']:.3f}x copy, "
+                    f"dec {row['decode_vs_copy']:.3f}x, {row['wire_bits_per_param']:.3f} bits, "
+                    f"err {row['rel_l2_error']:.4f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
         thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "0")
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {dev}, "
-              f"THP_MEM_ALLOC_ENABLE={thp}")
+        print(
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {dev}, "
+            f"THP_MEM_ALLOC_ENABLE={thp}"
+        )
         print(_table(rows))
     return 0
 

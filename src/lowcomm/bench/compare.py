@@ -9,15 +9,15 @@ import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, build_configs
+from ..peers import torchft as torchft_peer
 from ..presets import STRATEGIES, preset_config
 from ..train.launch import LaunchError, launch
 from ..train.summary import RunSummary
-from ..peers import torchft as torchft_peer
 
 
 @dataclass
@@ -40,11 +40,15 @@ def parse_entries(spec: str) -> list[Entry]:
         parts = item.split(":")
         strategy = parts[0]
         if strategy not in STRATEGIES:
-            raise ConfigError(f"unknown strategy '{strategy}': choose one of {', '.join(STRATEGIES)}")
+            raise ConfigError(
+                f"unknown strategy '{strategy}': choose one of {', '.join(STRATEGIES)}"
+            )
         overrides: dict[str, str] = {}
         for kv in parts[1:]:
             if "=" not in kv:
-                raise ConfigError(f"'{kv}' in '{item}' is not key=value (e.g. sparseloco:density=1/32)")
+                raise ConfigError(
+                    f"'{kv}' in '{item}' is not key=value (e.g. sparseloco:density=1/32)"
+                )
             k, v = kv.split("=", 1)
             overrides[k] = v
         label = strategy + "".join(f"-{k}={v}" for k, v in overrides.items())
@@ -54,13 +58,23 @@ def parse_entries(spec: str) -> list[Entry]:
     names = [e.name for e in out]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
-        raise ConfigError(f"--strategies lists {sorted(dup)} twice: give each entry different overrides")
+        raise ConfigError(
+            f"--strategies lists {sorted(dup)} twice: give each entry different overrides"
+        )
     return out
 
 
-def run_compare(entries: list[Entry], common: dict[str, Any], workers: int, seeds: list[int],
-                out_dir: Path, port: int | None = None, bandwidths: list[str] | None = None,
-                topology: str = "shared", command: str | None = None) -> list[RunSummary]:
+def run_compare(
+    entries: list[Entry],
+    common: dict[str, Any],
+    workers: int,
+    seeds: list[int],
+    out_dir: Path,
+    port: int | None = None,
+    bandwidths: list[str] | None = None,
+    topology: str = "shared",
+    command: str | None = None,
+) -> list[RunSummary]:
     """Run every entry for every seed (and bandwidth), one after another.
 
     Writes results.json, results.md and the plots. With ``bandwidths``, each run's workers sit
@@ -68,29 +82,46 @@ def run_compare(entries: list[Entry], common: dict[str, Any], workers: int, seed
     bandwidth and torn down after it. ``command`` (the command line) heads results.md.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    plans = _plan(entries, common, seeds, workers)  # every configuration checked before the first run
+    plans = _plan(
+        entries, common, seeds, workers
+    )  # every configuration checked before the first run
     results: list[RunSummary] = []
     failed: list[str] = []
     for bw in bandwidths or [None]:
         net = _open_network(bw, topology, workers)
         try:
             for e, seed, values, sync_cfg, train_cfg in plans:
-                name = e.name + (f"-{bw}" if bw else "") + (f"-seed{seed}" if len(seeds) > 1 else "")
-                print(f"[compare] {name}: {e.strategy}, {workers} workers, {train_cfg.steps} steps",
-                      flush=True)
+                name = (
+                    e.name + (f"-{bw}" if bw else "") + (f"-seed{seed}" if len(seeds) > 1 else "")
+                )
+                print(
+                    f"[compare] {name}: {e.strategy}, {workers} workers, {train_cfg.steps} steps",
+                    flush=True,
+                )
                 try:
                     if net is None:
-                        raw = launch(e.strategy, sync_cfg, train_cfg, out_dir / name, workers, port,
-                                     name=name)
+                        raw = launch(
+                            e.strategy,
+                            sync_cfg,
+                            train_cfg,
+                            out_dir / name,
+                            workers,
+                            port,
+                            name=name,
+                        )
                     else:
                         raw = launch_shaped(net, e.strategy, values, out_dir / name, name)
-                        raw.update(bandwidth=bw, topology=topology,
-                                   measured_link_mbit=net.measured_mbit)
+                        raw.update(
+                            bandwidth=bw, topology=topology, measured_link_mbit=net.measured_mbit
+                        )
                 except LaunchError as err:
                     if err.exitcode == 2:  # a user error: every later run would hit it too
                         raise
-                    # one lost run must not cost the rest of a sweep: note it, go on, fail at the end
-                    print(f"error: {err}; going on with the other runs", file=sys.stderr, flush=True)
+                    # one lost run must not cost the rest of a sweep: note it, go on,
+                    # fail at the end
+                    print(
+                        f"error: {err}; going on with the other runs", file=sys.stderr, flush=True
+                    )
                     failed.append(name)
                     continue
                 if raw is None:
@@ -106,21 +137,26 @@ def run_compare(entries: list[Entry], common: dict[str, Any], workers: int, seed
     _write_results_md(out_dir, results_table(results), command)
     plot_results(results, out_dir, subtitle=provenance(command))
     if failed:
-        raise LaunchError(f"{len(failed)} of {len(failed) + len(results)} runs failed "
-                          f"({', '.join(failed)}); the others are in {out_dir / 'results.md'}: re-run "
-                          f"the failed ones with `lowcomm compare --strategies ...` and merge them "
-                          f"with `lowcomm report`")
+        raise LaunchError(
+            f"{len(failed)} of {len(failed) + len(results)} runs failed "
+            f"({', '.join(failed)}); the others are in {out_dir / 'results.md'}: re-run "
+            f"the failed ones with `lowcomm compare --strategies ...` and merge them "
+            f"with `lowcomm report`"
+        )
     return results
 
 
-def _plan(entries: list[Entry], common: dict[str, Any], seeds: list[int],
-          workers: int) -> list[tuple]:
+def _plan(
+    entries: list[Entry], common: dict[str, Any], seeds: list[int], workers: int
+) -> list[tuple]:
     """(entry, seed, values, sync config, train config) of every run, each config validated."""
     plans = []
     for seed in seeds:
         for e in entries:
             values = {**common, **e.overrides, "seed": seed}
-            sync_cfg, train_cfg = build_configs(values, sync=preset_config(e.strategy, workers=workers))
+            sync_cfg, train_cfg = build_configs(
+                values, sync=preset_config(e.strategy, workers=workers)
+            )
             if e.strategy == torchft_peer.STRATEGY:
                 torchft_peer.check_config(sync_cfg, train_cfg.checkpoint_every, None)
             plans.append((e, seed, values, sync_cfg, train_cfg))
@@ -147,7 +183,7 @@ def provenance(command: str | None = None) -> str:
     """One line naming what produced a table or plot: the command, the commit and the date."""
     from ..train.loop import git_rev
 
-    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     cmd = command if command is not None else "lowcomm " + " ".join(sys.argv[1:])
     return f"`{cmd}` · commit {git_rev()} · {when}"
 
@@ -157,19 +193,36 @@ def _write_results_md(out_dir: Path, body: str, command: str | None) -> None:
     (out_dir / "results.md").write_text(f"Produced by {provenance(command)}\n\n{body}\n")
 
 
-def launch_shaped(net: Any, strategy: str, values: dict[str, Any], out_dir: Path, name: str) -> dict[str, Any]:
+def launch_shaped(
+    net: Any, strategy: str, values: dict[str, Any], out_dir: Path, name: str
+) -> dict[str, Any]:
     """Start each worker in its namespace (torchrun-style env), one core each; rank 0's summary.
 
     One code path for both topologies: in ``shared`` every rank's namespace is the same one.
     """
     # --overwrite: a re-run of the sweep replaces its earlier run, as unshaped entries do
-    argv = [sys.executable, "-m", "lowcomm.cli", "train", "--strategy", strategy, "--overwrite",
-            "--out", str(out_dir),
-            *[f"{k}={v}" for k, v in values.items()], "progress=false"]
+    argv = [
+        sys.executable,
+        "-m",
+        "lowcomm.cli",
+        "train",
+        "--strategy",
+        strategy,
+        "--overwrite",
+        "--out",
+        str(out_dir),
+        *[f"{k}={v}" for k, v in values.items()],
+        "progress=false",
+    ]
     cores = os.cpu_count() or 1
     procs = []
     for rank in range(net.workers):
-        env = {**os.environ, **net.env(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(net.workers)}
+        env = {
+            **os.environ,
+            **net.env(rank),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(net.workers),
+        }
         env.pop("LOWCOMM_LAUNCHED", None)
         cmd = net.command(rank, ["taskset", "-c", str(rank % cores), *argv])
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL if rank else None))
@@ -183,8 +236,10 @@ def launch_shaped(net: Any, strategy: str, values: dict[str, Any], out_dir: Path
                     except subprocess.TimeoutExpired:
                         continue
                     if codes[r] != 0:
-                        raise LaunchError(f"{name}: worker {r} failed with exit code {codes[r]}",
-                                          2 if codes[r] == 2 else 1)
+                        raise LaunchError(
+                            f"{name}: worker {r} failed with exit code {codes[r]}",
+                            2 if codes[r] == 2 else 1,
+                        )
     finally:
         for p in procs:
             if p.poll() is None:
@@ -203,26 +258,34 @@ def _fmt_bytes(n: float) -> str:
 
 
 def results_table(results: list[RunSummary]) -> str:
-    """Markdown table: loss, ratio to DDP on the same problem, wire bytes, reduction, utilization."""
-    lines = ["| name | strategy | final val loss | vs DDP | wire bytes sent / worker | "
-             "peak wire bytes / sync | fewer bytes than DDP FP32 | wall s | compute util. |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    """Markdown table: loss, ratio to DDP on the same problem, wire bytes, reduction,
+    utilization."""
+    lines = [
+        "| name | strategy | final val loss | vs DDP | wire bytes sent / worker | "
+        "peak wire bytes / sync | fewer bytes than DDP FP32 | wall s | compute util. |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         ddp = ddp_reference(results, r)
         ratio = f"{r.final_val_loss / ddp:.3f}" if ddp else "-"
         sent = r.bytes_sent_per_worker or 0
         red = (r.ddp_fp32_bytes_per_worker or 0) / sent if sent else math.inf
-        lines.append(f"| {r.label} | {r.strategy} | {r.final_val_loss:.4f} | {ratio} | "
-                     f"{_fmt_bytes(sent)} | {_fmt_bytes(r.peak_bytes_per_sync or 0)} | "
-                     f"{red:.1f}x | {r.wall_s or 0:.1f} | {r.compute_utilization or 0:.1%} |")
+        lines.append(
+            f"| {r.label} | {r.strategy} | {r.final_val_loss:.4f} | {ratio} | "
+            f"{_fmt_bytes(sent)} | {_fmt_bytes(r.peak_bytes_per_sync or 0)} | "
+            f"{red:.1f}x | {r.wall_s or 0:.1f} | {r.compute_utilization or 0:.1%} |"
+        )
     return "\n".join(lines)
 
 
 def ddp_reference(results: list[RunSummary], run: RunSummary) -> float | None:
     """Mean final loss of the DDP runs trained on the same problem as ``run`` (None if none)."""
     key = run.problem_key()
-    losses = [r.final_val_loss for r in results if r.strategy == "ddp"
-              and r.entry in (None, "ddp") and r.problem_key() == key]
+    losses = [
+        r.final_val_loss
+        for r in results
+        if r.strategy == "ddp" and r.entry in (None, "ddp") and r.problem_key() == key
+    ]
     return sum(losses) / len(losses) if losses else None
 
 
@@ -245,9 +308,11 @@ def plot_results(results: list[RunSummary], out_dir: Path, subtitle: str = "") -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    axes_spec = [("tokens", "tokens trained", "loss_vs_tokens.png", False),
-                 ("bytes_sent", "wire bytes sent per worker", "loss_vs_bytes.png", True),
-                 ("wall_s", "wall-clock seconds (training loop)", "loss_vs_wallclock.png", False)]
+    axes_spec = [
+        ("tokens", "tokens trained", "loss_vs_tokens.png", False),
+        ("bytes_sent", "wire bytes sent per worker", "loss_vs_bytes.png", True),
+        ("wall_s", "wall-clock seconds (training loop)", "loss_vs_wallclock.png", False),
+    ]
     written = [_loss_plot(plt, results, out_dir, spec, subtitle) for spec in axes_spec]
     swept = sorted({r.bandwidth for r in results if r.bandwidth}, key=_rate)
     if len(swept) > 1:  # a --bandwidths sweep: compute utilization per entry vs link rate
@@ -263,8 +328,9 @@ def _title(ax: Any, title: str, subtitle: str) -> None:
     ax.set_title(title + (f"\n{subtitle.replace('`', '')}" if subtitle else ""), fontsize=8)
 
 
-def _loss_plot(plt: Any, results: list[RunSummary], out_dir: Path, spec: tuple,
-               subtitle: str) -> Path:
+def _loss_plot(
+    plt: Any, results: list[RunSummary], out_dir: Path, spec: tuple, subtitle: str
+) -> Path:
     """One loss curve per run; one colour per entry, its seeds or links in other line styles."""
     key, label, fname, logx = spec
     entries = list(dict.fromkeys(_entry(r) for r in results))
@@ -277,8 +343,9 @@ def _loss_plot(plt: Any, results: list[RunSummary], out_dir: Path, spec: tuple,
         pts = _val_points(Path(r.run_dir or out_dir / r.label), key)
         if pts:
             xs, ys = zip(*pts)
-            ax.plot(xs, ys, style, marker="o", markersize=3, label=r.label,
-                    color=colours[_entry(r)])
+            ax.plot(
+                xs, ys, style, marker="o", markersize=3, label=r.label, color=colours[_entry(r)]
+            )
     ax.set_xlabel(label)
     ax.set_ylabel("validation loss (global parameters)")
     _title(ax, f"validation loss vs {label}", subtitle)
@@ -297,8 +364,11 @@ def _utilization_plot(plt: Any, results: list[RunSummary], out_dir: Path, subtit
     """Compute utilization of each entry against the link rate of a bandwidth sweep."""
     fig, ax = plt.subplots(figsize=(7, 4.8))
     for entry in dict.fromkeys(_entry(r) for r in results):
-        pts = sorted((_rate(r.bandwidth) / 1e6, r.compute_utilization) for r in results
-                     if _entry(r) == entry and r.bandwidth)
+        pts = sorted(
+            (_rate(r.bandwidth) / 1e6, r.compute_utilization)
+            for r in results
+            if _entry(r) == entry and r.bandwidth
+        )
         if pts:
             xs, ys = zip(*pts)
             ax.plot(xs, ys, marker="o", label=entry)
@@ -325,22 +395,26 @@ def collect_runs(paths: list[Path]) -> list[RunSummary]:
     found: list[tuple[Path, Path]] = []
     for p in paths:
         if not p.exists():
-            raise FileNotFoundError(f"{p}: no such folder (give run folders or `lowcomm compare "
-                                    f"--out` folders)")
+            raise FileNotFoundError(
+                f"{p}: no such folder (give run folders or `lowcomm compare --out` folders)"
+            )
         if (p / "summary.json").exists():
             found.append((p.parent, p))
         else:
             found.extend((p, s.parent) for s in sorted(p.glob("*/summary.json")))
     if not found:
-        raise FileNotFoundError(f"no finished runs (summary.json) under {', '.join(map(str, paths))}")
+        raise FileNotFoundError(
+            f"no finished runs (summary.json) under {', '.join(map(str, paths))}"
+        )
     prefix = len({parent for parent, _ in found}) > 1
     results = []
     for parent, run in found:
         try:
             summary = RunSummary.read(run)
         except ValueError as e:  # JSONDecodeError included
-            raise FileNotFoundError(f"{run / 'summary.json'} is not a valid summary ({e}): "
-                                    f"re-run that entry") from None
+            raise FileNotFoundError(
+                f"{run / 'summary.json'} is not a valid summary ({e}): re-run that entry"
+            ) from None
         summary.run_dir = str(run)
         entry = re.sub(r"-seed\d+$", "", summary.name or run.name)
         if summary.bandwidth and entry.endswith(f"-{summary.bandwidth}"):
@@ -352,9 +426,11 @@ def collect_runs(paths: list[Path]) -> list[RunSummary]:
     return results
 
 
-def write_report(paths: list[Path], out_dir: Path, target_loss: float | None = None,
-                 command: str | None = None) -> list[RunSummary]:
-    """`lowcomm report`: one results table (results.md/json) and the plots for runs from many folders.
+def write_report(
+    paths: list[Path], out_dir: Path, target_loss: float | None = None, command: str | None = None
+) -> list[RunSummary]:
+    """`lowcomm report`: one results table (results.md/json) and the plots for runs from
+    many folders.
 
     With ``target_loss``, also the per-link table of :func:`network_table`.
     """
@@ -362,8 +438,9 @@ def write_report(paths: list[Path], out_dir: Path, target_loss: float | None = N
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_json(results, out_dir / "results.json")
     extra = "\n\n" + network_table(results, target_loss) if target_loss is not None else ""
-    _write_results_md(out_dir, results_table(results) + "\n\n" + seeds_table(results) + extra,
-                      command)
+    _write_results_md(
+        out_dir, results_table(results) + "\n\n" + seeds_table(results) + extra, command
+    )
     plot_results(results, out_dir, subtitle=provenance(command))
     return results
 
@@ -389,16 +466,21 @@ def seed_groups(results: list[RunSummary]) -> dict[str, list[RunSummary]]:
 
 def seeds_table(results: list[RunSummary]) -> str:
     """Markdown table per configuration over its seeds: mean final loss, spread, ratio to DDP."""
-    lines = ["| entry | runs | mean final val loss | spread (max - min) | mean vs DDP | "
-             "wire bytes sent / worker |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| entry | runs | mean final val loss | spread (max - min) | mean vs DDP | "
+        "wire bytes sent / worker |",
+        "|---|---|---|---|---|---|",
+    ]
     for label, rs in seed_groups(results).items():
         losses = [r.final_val_loss for r in rs]
         mean = sum(losses) / len(losses)
         ddp = ddp_reference(results, rs[0])
         ratio = f"{mean / ddp:.3f}" if ddp else "-"
         sent = sum(r.bytes_sent_per_worker or 0 for r in rs) / len(rs)
-        lines.append(f"| {label} | {len(rs)} | {mean:.4f} | {max(losses) - min(losses):.4f} | "
-                     f"{ratio} | {_fmt_bytes(sent)} |")
+        lines.append(
+            f"| {label} | {len(rs)} | {mean:.4f} | {max(losses) - min(losses):.4f} | "
+            f"{ratio} | {_fmt_bytes(sent)} |"
+        )
     return "\n".join(lines)
 
 
@@ -424,25 +506,31 @@ def time_to_loss(run_dir: Path, target: float) -> tuple[float, float] | None:
 
 
 def network_table(results: list[RunSummary], target: float) -> str:
-    """Markdown table per entry and link: utilization, tokens/s vs the unshaped run, time to ``target`` loss.
+    """Markdown table per entry and link: utilization, tokens/s vs the unshaped run, time to
+    ``target`` loss.
 
     A run too short to reach the target (DDP on the slowest links, docs/benchmarking.md §2) gets an
     estimate: the steps its unshaped run needed times its own measured seconds per step.
     """
     unshaped = {_entry(r): r for r in results if not r.bandwidth}
-    lines = [f"| entry | link | compute util. | tokens/s | tokens/s vs unshaped | steps | "
-             f"time to val loss {target} (s) | final val loss | wire bytes sent / worker |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    order = sorted(results, key=lambda r: (_entry(r), -_rate(r.bandwidth) if r.bandwidth
-                                           else -math.inf))
+    lines = [
+        f"| entry | link | compute util. | tokens/s | tokens/s vs unshaped | steps | "
+        f"time to val loss {target} (s) | final val loss | wire bytes sent / worker |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    order = sorted(
+        results, key=lambda r: (_entry(r), -_rate(r.bandwidth) if r.bandwidth else -math.inf)
+    )
     for r in order:
         base = unshaped.get(_entry(r))
         tps = _tokens_per_s(r)
         rel = f"{tps / _tokens_per_s(base):.3f}" if base and (base.wall_s or 0) > 0 else "-"
-        lines.append(f"| {_entry(r)} | {r.bandwidth or 'unshaped'} | "
-                     f"{r.compute_utilization or 0:.1%} | {tps:,.0f} | {rel} | {r.inner_steps} | "
-                     f"{_time_to_target(r, base, target)} | {r.final_val_loss:.4f} | "
-                     f"{_fmt_bytes(r.bytes_sent_per_worker or 0)} |")
+        lines.append(
+            f"| {_entry(r)} | {r.bandwidth or 'unshaped'} | "
+            f"{r.compute_utilization or 0:.1%} | {tps:,.0f} | {rel} | {r.inner_steps} | "
+            f"{_time_to_target(r, base, target)} | {r.final_val_loss:.4f} | "
+            f"{_fmt_bytes(r.bytes_sent_per_worker or 0)} |"
+        )
     return "\n".join(lines)
 
 

@@ -84,25 +84,45 @@ def main(argv: list[str] | None = None) -> int:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "times.json")
-        mp.start_processes(_worker, args=(args.workers, port, args, out), nprocs=args.workers,
-                           join=True, start_method="spawn")
+        mp.start_processes(
+            _worker,
+            args=(args.workers, port, args, out),
+            nprocs=args.workers,
+            join=True,
+            start_method="spawn",
+        )
         times = json.loads(Path(out).read_text())
     plain = statistics.median(times["plain"])
     eng = statistics.median(times["engine"])
     sync = statistics.median(times["engine_sync"]) if times["engine_sync"] else float("nan")
-    res = {"model": args.model, "workers": args.workers, "sync_every": args.sync_every,
-           "steps_measured": len(times["plain"]), "plain_median_s": plain, "engine_median_s": eng,
-           "overhead_outside_sync": eng / plain - 1, "plain_mean_s": statistics.fmean(times["plain"]),
-           "engine_mean_s": statistics.fmean(times["engine"]), "sync_steps": len(times["engine_sync"]),
-           "sync_step_median_s": sync, "sync_step_extra_s": sync - plain}
+    res = {
+        "model": args.model,
+        "workers": args.workers,
+        "sync_every": args.sync_every,
+        "steps_measured": len(times["plain"]),
+        "plain_median_s": plain,
+        "engine_median_s": eng,
+        "overhead_outside_sync": eng / plain - 1,
+        "plain_mean_s": statistics.fmean(times["plain"]),
+        "engine_mean_s": statistics.fmean(times["engine"]),
+        "sync_steps": len(times["engine_sync"]),
+        "sync_step_median_s": sync,
+        "sync_step_extra_s": sync - plain,
+    }
     if args.json:
         print(json.dumps(res, indent=2))
     else:
         print("| measure | plain loop | with engine | ratio |\n|---|---|---|---|")
         print(f"| median step s (outside syncs) | {plain:.5f} | {eng:.5f} | {eng / plain:.4f} |")
-        print(f"| mean step s (outside syncs) | {res['plain_mean_s']:.5f} | {res['engine_mean_s']:.5f} | "
-              f"{res['engine_mean_s'] / res['plain_mean_s']:.4f} |")
-        print(f"| sync step s (median of {res['sync_steps']}) | {plain:.5f} | {sync:.5f} | {sync / plain:.3f} |")
+        print(
+            f"| mean step s (outside syncs) | {res['plain_mean_s']:.5f} | "
+            f"{res['engine_mean_s']:.5f} | "
+            f"{res['engine_mean_s'] / res['plain_mean_s']:.4f} |"
+        )
+        print(
+            f"| sync step s (median of {res['sync_steps']}) | {plain:.5f} | {sync:.5f} | "
+            f"{sync / plain:.3f} |"
+        )
     return 0
 
 

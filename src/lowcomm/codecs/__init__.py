@@ -36,11 +36,23 @@ from .lut import LutCodec
 from .topk import TopKCodec
 from .uniform import UniformCodec
 
-CODEC_NAMES: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8", "int4", "int2", "fp4", "topk",
-                                 "loco", "int4-authors")
+CODEC_NAMES: tuple[str, ...] = (
+    "fp32",
+    "bf16",
+    "fp16",
+    "int8",
+    "int4",
+    "int2",
+    "fp4",
+    "topk",
+    "loco",
+    "int4-authors",
+)
 
 _OPTIONS = {
-    "fp32": (), "bf16": (), "fp16": (),
+    "fp32": (),
+    "bf16": (),
+    "fp16": (),
     "int8": ("block_size", "stochastic", "generator"),
     "int4": ("block_size", "stochastic", "generator"),
     "int2": ("block_size", "stochastic", "generator"),
@@ -73,6 +85,15 @@ def make_codec(name: str, **opts) -> Codec:
 
 
 __all__ = [
-    "AuthorsInt4Codec", "authors_group_size", "CODEC_NAMES", "Codec", "DenseCodec", "FP4Codec",
-    "LutCodec", "PayloadError", "TopKCodec", "UniformCodec", "make_codec",
+    "AuthorsInt4Codec",
+    "authors_group_size",
+    "CODEC_NAMES",
+    "Codec",
+    "DenseCodec",
+    "FP4Codec",
+    "LutCodec",
+    "PayloadError",
+    "TopKCodec",
+    "UniformCodec",
+    "make_codec",
 ]

@@ -48,7 +48,7 @@ def dither(n: int, generator: torch.Generator | None, device: torch.device) -> t
     ``torch.rand`` on a CPU, which stochastic rounding is bound by."""
     words = torch.empty(-(-n // 4), dtype=torch.int64, device=device)
     words.random_(-(2**63), None, generator=generator)  # all 64 bits random
-    u = words.view(torch.int16)[:n].to(torch.float32)    # -32768..32767
+    u = words.view(torch.int16)[:n].to(torch.float32)  # -32768..32767
     return u.add_(32768.5).mul_(1.0 / 65536)
 
 
@@ -102,22 +102,37 @@ class BlockCodec(Codec):
         return self._unit * max(1, chunk_elems(device) // self._unit)
 
     # ---- subclass hooks ----------------------------------------------------------------------
-    def _quantize(self, xb: torch.Tensor, scales: torch.Tensor, work: torch.Tensor,
-                  iwork: torch.Tensor, codes: torch.Tensor) -> None:
+    def _quantize(
+        self,
+        xb: torch.Tensor,
+        scales: torch.Tensor,
+        work: torch.Tensor,
+        iwork: torch.Tensor,
+        codes: torch.Tensor,
+    ) -> None:
         """xb (nb, B) fp32 -> scales (nb,) fp32 and codes (nb*B,) uint8. work/iwork: scratch."""
         raise NotImplementedError
 
-    def _quantize_packed(self, xb: torch.Tensor, scales: torch.Tensor, work: torch.Tensor,
-                         iwork: torch.Tensor, packed: torch.Tensor) -> bool:
+    def _quantize_packed(
+        self,
+        xb: torch.Tensor,
+        scales: torch.Tensor,
+        work: torch.Tensor,
+        iwork: torch.Tensor,
+        packed: torch.Tensor,
+    ) -> bool:
         """Optional fast path for whole packing groups: write packed bytes; False if absent."""
         return False
 
-    def _dequantize(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
-                    iwork: torch.Tensor) -> torch.Tensor:
+    def _dequantize(
+        self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, iwork: torch.Tensor
+    ) -> torch.Tensor:
         """codes (nb*B,) uint8, scales (nb,) -> out (nb, B) fp32; return a 0-d bool 'invalid'."""
         raise NotImplementedError
 
-    def _block_absmax(self, xb: torch.Tensor, work: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    def _block_absmax(
+        self, xb: torch.Tensor, work: torch.Tensor, scales: torch.Tensor
+    ) -> torch.Tensor:
         torch.abs(xb, out=work)
         s = work.amax(dim=1)
         s.clamp_(min=MIN_SCALE)  # NaN stays NaN: the receiver's scale check catches it
@@ -157,23 +172,45 @@ class BlockCodec(Codec):
                     continue
             fb = full * B
             if full:
-                self._quantize(xc[:fb].view(full, B), scales[b0 : b0 + full],
-                               work[:fb].view(full, B), iwork[:fb], codes[:fb])
+                self._quantize(
+                    xc[:fb].view(full, B),
+                    scales[b0 : b0 + full],
+                    work[:fb].view(full, B),
+                    iwork[:fb],
+                    codes[:fb],
+                )
             if tail:
-                self._quantize(xc[fb:].view(1, tail), scales[b0 + full : b0 + full + 1],
-                               work[:tail].view(1, tail), iwork[:tail], codes[fb:m])
-            pack_planar(codes[:m], self.bits, out=packed[p0 : p0 + planar_nbytes(m, self.bits)],
-                        pad=self.pad_code)
+                self._quantize(
+                    xc[fb:].view(1, tail),
+                    scales[b0 + full : b0 + full + 1],
+                    work[:tail].view(1, tail),
+                    iwork[:tail],
+                    codes[fb:m],
+                )
+            pack_planar(
+                codes[:m],
+                self.bits,
+                out=packed[p0 : p0 + planar_nbytes(m, self.bits)],
+                pad=self.pad_code,
+            )
         return payload
 
-    def decode(self, payload: torch.Tensor, shape: torch.Size, name: str = "tensor") -> torch.Tensor:
+    def decode(
+        self, payload: torch.Tensor, shape: torch.Size, name: str = "tensor"
+    ) -> torch.Tensor:
         shape = torch.Size(shape)
         n = numel_of(shape)
         B = self.block_size
         nblocks, codes_at, total = self._layout(n)
         payload = check_payload(
-            payload, name=name, codec=self.name, describe=self.describe(),
-            expected_nbytes=total, param=B, numel=n, shape=shape,
+            payload,
+            name=name,
+            codec=self.name,
+            describe=self.describe(),
+            expected_nbytes=total,
+            param=B,
+            numel=n,
+            shape=shape,
         )
         scales = payload[HEADER_BYTES:codes_at].view(torch.float32)
         check_finite_scales(scales, name)
@@ -194,20 +231,29 @@ class BlockCodec(Codec):
             if self.bits == 8:  # codes are the wire bytes themselves
                 cm = packed[p0 : p0 + m]
             else:
-                cm = unpack_planar(packed[p0 : p0 + planar_nbytes(m, self.bits)], self.bits, m,
-                                   out=codes[:m])
+                cm = unpack_planar(
+                    packed[p0 : p0 + planar_nbytes(m, self.bits)], self.bits, m, out=codes[:m]
+                )
             if full:
-                invalid |= self._dequantize(cm[:fb], scales[b0 : b0 + full],
-                                            out[start : start + fb].view(full, B), iwork[:fb])
+                invalid |= self._dequantize(
+                    cm[:fb],
+                    scales[b0 : b0 + full],
+                    out[start : start + fb].view(full, B),
+                    iwork[:fb],
+                )
             if tail:
-                invalid |= self._dequantize(cm[fb:], scales[b0 + full : b0 + full + 1],
-                                            out[start + fb : start + m].view(1, tail),
-                                            iwork[:tail])
+                invalid |= self._dequantize(
+                    cm[fb:],
+                    scales[b0 + full : b0 + full + 1],
+                    out[start + fb : start + m].view(1, tail),
+                    iwork[:tail],
+                )
         if bool(invalid):
-            raise PayloadError(f"{name}: {self.describe()} payload holds codes outside the "
-                               f"format's range ({self.invalid_codes})")
+            raise PayloadError(
+                f"{name}: {self.describe()} payload holds codes outside the "
+                f"format's range ({self.invalid_codes})"
+            )
         return out.view(shape)
 
     #: human description of the codes a decoder rejects
     invalid_codes: str = ""
-

@@ -29,8 +29,18 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian torch platform
 HEADER_BYTES = 16
 MAGIC = b"LC"
 VERSION = 1
-CODEC_IDS = {"fp32": 1, "bf16": 2, "fp16": 3, "int8": 4, "int4": 5, "int2": 6, "fp4": 7,
-             "topk": 8, "lut": 9, "int4-authors": 10}
+CODEC_IDS = {
+    "fp32": 1,
+    "bf16": 2,
+    "fp16": 3,
+    "int8": 4,
+    "int4": 5,
+    "int2": 6,
+    "fp4": 7,
+    "topk": 8,
+    "lut": 9,
+    "int4-authors": 10,
+}
 _ID_NAMES = {v: k for k, v in CODEC_IDS.items()}
 _STRUCT = struct.Struct("<2sBBIQ")
 
@@ -67,7 +77,9 @@ def check_payload(
 ) -> torch.Tensor:
     """Validate size and header; return the payload, copied if its start is misaligned."""
     if not isinstance(payload, torch.Tensor):
-        raise PayloadError(f"{name}: payload is a {type(payload).__name__}, expected a uint8 tensor")
+        raise PayloadError(
+            f"{name}: payload is a {type(payload).__name__}, expected a uint8 tensor"
+        )
     if payload.dtype != torch.uint8 or payload.dim() != 1:
         raise PayloadError(
             f"{name}: payload must be a 1-D uint8 tensor, got {payload.dtype} of shape "
@@ -87,7 +99,9 @@ def check_payload(
         bytes(payload[:HEADER_BYTES].tolist())
     )
     if magic != MAGIC:
-        raise PayloadError(f"{name}: bad magic {magic!r} (expected {MAGIC!r}): not a lowcomm payload")
+        raise PayloadError(
+            f"{name}: bad magic {magic!r} (expected {MAGIC!r}): not a lowcomm payload"
+        )
     if version != VERSION:
         raise PayloadError(f"{name}: payload format version {version}, this build reads {VERSION}")
     if cid != CODEC_IDS[codec]:

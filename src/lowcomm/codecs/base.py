@@ -12,7 +12,6 @@ from abc import ABC, abstractmethod
 
 import torch
 
-
 from ..errors import PayloadError  # noqa: F401  (re-exported)
 
 
@@ -30,7 +29,9 @@ class Codec(ABC):
         """Pack ``x`` (float, any shape) into a 1-D uint8 payload of ``nbytes(x.shape)`` bytes."""
 
     @abstractmethod
-    def decode(self, payload: torch.Tensor, shape: torch.Size, name: str = "tensor") -> torch.Tensor:
+    def decode(
+        self, payload: torch.Tensor, shape: torch.Size, name: str = "tensor"
+    ) -> torch.Tensor:
         """Unpack a payload into an FP32 tensor of ``shape``; raise PayloadError naming ``name``."""
 
     @abstractmethod

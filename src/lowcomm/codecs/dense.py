@@ -45,12 +45,20 @@ class DenseCodec(Codec):
         payload[HEADER_BYTES:].view(self.dtype).copy_(flat)
         return payload
 
-    def decode(self, payload: torch.Tensor, shape: torch.Size, name: str = "tensor") -> torch.Tensor:
+    def decode(
+        self, payload: torch.Tensor, shape: torch.Size, name: str = "tensor"
+    ) -> torch.Tensor:
         shape = torch.Size(shape)
         n = numel_of(shape)
         payload = check_payload(
-            payload, name=name, codec=self.name, describe=self.name,
-            expected_nbytes=self.nbytes(shape), param=0, numel=n, shape=shape,
+            payload,
+            name=name,
+            codec=self.name,
+            describe=self.name,
+            expected_nbytes=self.nbytes(shape),
+            param=0,
+            numel=n,
+            shape=shape,
         )
         data = payload[HEADER_BYTES:].view(self.dtype)
         out = torch.empty(n, dtype=torch.float32, device=payload.device)

@@ -2,7 +2,8 @@
 
 Per tensor (docs/algorithms.md §3 step 3, generalised from 2 to ``bits`` bits with ``L = 2**bits``):
 ``shift = mean(v)``, ``sigma = std(v)`` (unbiased, as ``torch.std``, computed on the values
-scaled by their absmax so it neither overflows nor underflows; 0 for fewer than 2 values), ``width = 6 sigma / L`` (1 when sigma is 0), and each value gets
+scaled by their absmax so it neither overflows nor underflows; 0 for fewer than 2 values),
+``width = 6 sigma / L`` (1 when sigma is 0), and each value gets
 ``code = clamp(round((v - shift) / width + L/2), 0, L-1)`` -- for 2 bits the reference code's
 bins at -2..+1 widths. Each code decodes to ``shift + lut[code]`` with ``lut[c]`` the mean of
 ``v - shift`` over the values coded ``c`` (the bin centre ``(c - L/2) * width`` for an empty
@@ -94,12 +95,20 @@ class LutCodec(Codec):
         payload[self._codes_at() :] = pack_bits(codes, self.bits)
         return payload
 
-    def decode(self, payload: torch.Tensor, shape: torch.Size, name: str = "tensor") -> torch.Tensor:
+    def decode(
+        self, payload: torch.Tensor, shape: torch.Size, name: str = "tensor"
+    ) -> torch.Tensor:
         shape = torch.Size(shape)
         n = numel_of(shape)
         payload = check_payload(
-            payload, name=name, codec=self.name, describe=self.describe(),
-            expected_nbytes=self.nbytes(shape), param=self.bits, numel=n, shape=shape,
+            payload,
+            name=name,
+            codec=self.name,
+            describe=self.describe(),
+            expected_nbytes=self.nbytes(shape),
+            param=self.bits,
+            numel=n,
+            shape=shape,
         )
         stats = payload[HEADER_BYTES : self._codes_at()].view(torch.float32)
         check_finite(stats, name, "shift or lookup table")

@@ -107,9 +107,9 @@ def _topk_indices(mag: torch.Tensor, k: int, group: int) -> torch.Tensor:
         return torch.topk(mag, k, dim=1, sorted=False).indices
     rows, L = mag.shape
     G = L // group
-    gmax = mag.view(rows, group, G).amax(dim=1)                 # elementwise max of rows: fast
+    gmax = mag.view(rows, group, G).amax(dim=1)  # elementwise max of rows: fast
     top_groups = torch.topk(gmax, k, dim=1, sorted=False).indices  # (rows, k)
-    offsets = torch.arange(0, L, G, device=mag.device)          # the group's members
+    offsets = torch.arange(0, L, G, device=mag.device)  # the group's members
     pos = (top_groups.unsqueeze(2) + offsets).view(rows, k * group)
     cand = torch.gather(mag, 1, pos)
     pick = torch.topk(cand, k, dim=1, sorted=False).indices
@@ -218,14 +218,21 @@ class TopKCodec(Codec):
         g = self.geometry(shape)
         _, idx_at, total = self._layout(g)
         payload = check_payload(
-            payload, name=name, codec=self.name, describe=self.describe(),
-            expected_nbytes=total, param=g.k, numel=g.n, shape=shape,
+            payload,
+            name=name,
+            codec=self.name,
+            describe=self.describe(),
+            expected_nbytes=total,
+            param=g.k,
+            numel=g.n,
+            shape=shape,
         )
         dev = payload.device
         if g.n == 0:
             return torch.empty(0, dtype=torch.int64, device=dev), torch.empty(0, device=dev)
-        values = self.value_codec.decode(payload[HEADER_BYTES:idx_at], (g.K,),
-                                         name=f"{name} (top-k values)")
+        values = self.value_codec.decode(
+            payload[HEADER_BYTES:idx_at], (g.K,), name=f"{name} (top-k values)"
+        )
         local = unpack_bits(payload[idx_at:], g.index_bits, g.K).view(g.ntiles, g.k)
         if bool((local >= g.L).any()):
             bad = local[local >= g.L][:3].tolist()
@@ -237,7 +244,9 @@ class TopKCodec(Codec):
             )
         return g.global_index(local).view(-1), values
 
-    def decode(self, payload: torch.Tensor, shape: torch.Size, name: str = "tensor") -> torch.Tensor:
+    def decode(
+        self, payload: torch.Tensor, shape: torch.Size, name: str = "tensor"
+    ) -> torch.Tensor:
         shape = torch.Size(shape)
         idx, values = self.decode_sparse(payload, shape, name)
         out = torch.zeros(numel_of(shape), dtype=torch.float32, device=values.device)

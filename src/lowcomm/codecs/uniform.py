@@ -6,11 +6,13 @@ the integer ``q = round(x * qmax / s)`` in ``[-qmax, qmax]`` with ``qmax = 2**(b
 the most negative code (``-2**(bits-1)``) is never produced, so int2 is ternary {-s, 0, +s}.
 On the wire a code is stored offset-binary, ``q + 2**(bits-1)``, so the unused code is 0 and a
 decoder rejects any 0 code (the unused fields of the last byte are padding: the encoder writes
-the zero code ``2**(bits-1)`` there and a decoder ignores them). Two int4 / four int2 codes per byte, planar (see bitpack).
+the zero code ``2**(bits-1)`` there and a decoder ignores them). Two int4 / four int2 codes
+per byte, planar (see bitpack).
 Wire format: see ``_block``. Bits per element: ``bits + 32 / block_size``.
 
 Rounding: to nearest (ties to even), or stochastic with ``stochastic=True``
-(``floor(y + u)`` with a 16-bit uniform dither u, unbiased). Error per element: ``|x - x'| <= s / (2 qmax)``
+(``floor(y + u)`` with a 16-bit uniform dither u, unbiased). Error per element:
+``|x - x'| <= s / (2 qmax)``
 (RTN) or ``< s / qmax`` (stochastic), up to fp32 rounding.
 
 Speed trick: adding ``2**23 + offset`` to ``x * qmax / s`` leaves ``round(.) + offset`` in the
@@ -51,7 +53,9 @@ class UniformCodec(BlockCodec):
         torch.mul(xb, inv[:, None], out=work)
         if self.stochastic:
             u = dither(work.numel(), self.generator, work.device).view(work.shape)
-            work.add_(u.sub_(0.5)).clamp_(-self.qmax, self.qmax)  # round(y + u - 1/2) = floor(y + u)
+            work.add_(u.sub_(0.5)).clamp_(
+                -self.qmax, self.qmax
+            )  # round(y + u - 1/2) = floor(y + u)
         # round-to-nearest-even into the low mantissa bits; codes land in [1, 2*qmax + 1]
         work.add_(_MAGIC + self.offset)
         codes.copy_(work.view(torch.int32).view(-1))  # narrowing keeps the low byte

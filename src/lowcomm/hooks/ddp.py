@@ -8,7 +8,8 @@ monkeypatch in :mod:`lowcomm.hooks.patches`). LoCo's hook is in :mod:`lowcomm.ho
 
 # no `from __future__ import annotations`: DDP checks the hook's annotations at runtime
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,8 +37,9 @@ class GradReduceState:
         self.buckets += 1
 
 
-def allreduce_hook(state: GradReduceState,
-                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def allreduce_hook(
+    state: GradReduceState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """FP32 mean all-reduce of one DDP bucket, counted by the transport's byte meter."""
     state.launched()
     buf = bucket.buffer()
@@ -58,15 +60,18 @@ class TorchHookState(GradReduceState):
     ``close()`` stops counting (and undoes the patch once no hook needs it).
     """
 
-    def __init__(self, transport: Transport, kind: str, rank: int = 1,
-                 start_iter: int = 10) -> None:
+    def __init__(
+        self, transport: Transport, kind: str, rank: int = 1, start_iter: int = 10
+    ) -> None:
         super().__init__(transport)
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
         if transport.group is None:
-            raise ValueError("TorchHookState needs a transport with its own process group "
-                             "(its collectives are metered by group)")
+            raise ValueError(
+                "TorchHookState needs a transport with its own process group "
+                "(its collectives are metered by group)"
+            )
         if kind == "bf16":
             self.inner_state: Any = transport.group
             self.inner_hook: Callable = default_hooks.bf16_compress_hook
@@ -74,13 +79,18 @@ class TorchHookState(GradReduceState):
             if rank < 1:
                 raise ConfigError(f"PowerSGD rank must be >= 1, got {rank}: set powersgd_rank >= 1")
             self.inner_state = psgd.PowerSGDState(
-                process_group=transport.group, matrix_approximation_rank=rank,
-                start_powerSGD_iter=max(start_iter, 2), use_error_feedback=True, warm_start=True,
-                random_seed=0)
+                process_group=transport.group,
+                matrix_approximation_rank=rank,
+                start_powerSGD_iter=max(start_iter, 2),
+                use_error_feedback=True,
+                warm_start=True,
+                random_seed=0,
+            )
             self.inner_hook = psgd.powerSGD_hook
         else:
-            raise ConfigError(f"unknown PyTorch hook '{kind}': choose one of "
-                              f"{', '.join(TORCH_HOOKS)}")
+            raise ConfigError(
+                f"unknown PyTorch hook '{kind}': choose one of {', '.join(TORCH_HOOKS)}"
+            )
         self.kind = kind
         # the last bucket's future (PowerSGD chaining)
         self.tail: torch.futures.Future | None = None
@@ -91,8 +101,9 @@ class TorchHookState(GradReduceState):
         unmeter_all_reduce(self.transport)
 
 
-def _after(prev: torch.futures.Future,
-           start: Callable[[], torch.futures.Future]) -> torch.futures.Future:
+def _after(
+    prev: torch.futures.Future, start: Callable[[], torch.futures.Future]
+) -> torch.futures.Future:
     """A future for ``start()``'s result, with ``start`` run once ``prev`` is done."""
     fut: torch.futures.Future = torch.futures.Future()
 
@@ -112,8 +123,9 @@ def _after(prev: torch.futures.Future,
     return fut
 
 
-def torch_hook(state: TorchHookState,
-               bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def torch_hook(
+    state: TorchHookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """Run PyTorch's hook on one bucket; marks the launch time like the other hooks.
 
     PowerSGD issues its second and third all-reduce from callbacks, so two buckets in flight

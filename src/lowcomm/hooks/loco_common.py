@@ -39,11 +39,13 @@ DEFAULT_QUANTIZER = "ours"
 def check_quantizer(quantizer: str, bits: int) -> None:
     """Raise ConfigError on an unknown quantiser or one that cannot do ``bits``."""
     if quantizer not in QUANTIZERS:
-        raise ConfigError(f"unknown LoCo quantizer {quantizer!r}: choose one of "
-                          f"{', '.join(QUANTIZERS)}")
+        raise ConfigError(
+            f"unknown LoCo quantizer {quantizer!r}: choose one of {', '.join(QUANTIZERS)}"
+        )
     if quantizer == "authors" and bits != 4:
-        raise ConfigError(f"the authors' quantizer is 4-bit only, got bits={bits}: "
-                          f"use bits=4 or quantizer=ours")
+        raise ConfigError(
+            f"the authors' quantizer is 4-bit only, got bits={bits}: use bits=4 or quantizer=ours"
+        )
     if bits not in (2, 4, 8):
         raise ConfigError(f"LoCo bits must be 2, 4 or 8, got {bits}")
 

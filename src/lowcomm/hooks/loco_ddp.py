@@ -40,8 +40,8 @@ class _Part:
     """Tensors of one bucket that go through one collective."""
 
     aggregator: Aggregator
-    index: list[int]        # positions in the bucket
-    key: str | None         # the reduce-side buffer's name (compressed parts only)
+    index: list[int]  # positions in the bucket
+    key: str | None  # the reduce-side buffer's name (compressed parts only)
     compensated: bool
 
 
@@ -56,12 +56,22 @@ class LoCoState(GradReduceState):
     wire bytes with one quantisation, else two-phase, whose bytes stay about 2 x payload).
     """
 
-    def __init__(self, model: torch.nn.Module, transport: Transport | None = None, bits: int = 4,
-                 beta: float = 0.8, group_size: int = 128, reset_every: int = DEFAULT_RESET_EVERY,
-                 storage_dtype: torch.dtype = torch.float32, reduce: str = "auto",
-                 compensate: bool = True, state_device: str | None = None,
-                 quantizer: str = DEFAULT_QUANTIZER, compress_1d: bool = False,
-                 scaler: Any = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        transport: Transport | None = None,
+        bits: int = 4,
+        beta: float = 0.8,
+        group_size: int = 128,
+        reset_every: int = DEFAULT_RESET_EVERY,
+        storage_dtype: torch.dtype = torch.float32,
+        reduce: str = "auto",
+        compensate: bool = True,
+        state_device: str | None = None,
+        quantizer: str = DEFAULT_QUANTIZER,
+        compress_1d: bool = False,
+        scaler: Any = None,
+    ) -> None:
         super().__init__(transport if transport is not None else Transport())
         check_quantizer(quantizer, bits)
         if reduce not in ("auto", "gather", "two-phase"):
@@ -72,8 +82,12 @@ class LoCoState(GradReduceState):
         self.method = reduce if reduce != "auto" else ("gather" if m <= 2 else "two-phase")
         self.bits, self.group_size, self.quantizer = bits, group_size, quantizer
         self.compress_1d = compress_1d
-        make = (lambda: MovingAverageCompensation(beta, dtype=storage_dtype, device=state_device,
-                                                  reset_every=reset_every))
+
+        def make() -> MovingAverageCompensation:
+            return MovingAverageCompensation(
+                beta, dtype=storage_dtype, device=state_device, reset_every=reset_every
+            )
+
         self.compensation = make() if compensate else None
         # the second quantisation's buffers: only this worker's averaged shards
         self.reduce_compensation = make() if compensate and self.method == "two-phase" else None
@@ -96,8 +110,11 @@ class LoCoState(GradReduceState):
         if agg is None:
             codec = loco_codec(self.quantizer, self.bits, group)
             agg = self._by_group[group] = Aggregator(
-                self.method, codec, self.transport.world_size,
-                reduce_compensation=self.reduce_compensation)
+                self.method,
+                codec,
+                self.transport.world_size,
+                reduce_compensation=self.reduce_compensation,
+            )
         return agg
 
     def plan(self, names: list[str], shapes: list[torch.Size]) -> list[_Part]:
@@ -139,8 +156,10 @@ class LoCoState(GradReduceState):
     def state_dict(self) -> dict:
         """The compensation buffers and step counters (tensors and plain types only)."""
         comp, red = self.compensation, self.reduce_compensation
-        return {"compensation": comp.state_dict() if comp else {},
-                "reduce_compensation": red.state_dict() if red else {}}
+        return {
+            "compensation": comp.state_dict() if comp else {},
+            "reduce_compensation": red.state_dict() if red else {},
+        }
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore from ``state_dict()``."""
@@ -164,10 +183,17 @@ def loco_hook(state: LoCoState, bucket: dist.GradBucket) -> torch.futures.Future
     parts = state.plan(names, [g.shape for g in grads])
     with torch.no_grad():
         valid = all(bool(torch.isfinite(g).all()) for g in grads)
-        encoded = [encode_compensated(
-            part.aggregator, state.compensation if part.compensated else None,
-            [names[i] for i in part.index], [grads[i].float() for i in part.index], valid,
-            part.key) for part in parts]
+        encoded = [
+            encode_compensated(
+                part.aggregator,
+                state.compensation if part.compensated else None,
+                [names[i] for i in part.index],
+                [grads[i].float() for i in part.index],
+                valid,
+                part.key,
+            )
+            for part in parts
+        ]
     offsets = [0]
     for g in grads:
         offsets.append(offsets[-1] + g.numel())
@@ -188,8 +214,13 @@ def _start_step(state: LoCoState) -> None:
         state.loss_scale.follow(state.scaler)
 
 
-def _exchange(state: LoCoState, buf: torch.Tensor, parts: list[_Part], encoded: list[Encoded],
-              offsets: list[int]) -> torch.futures.Future[torch.Tensor]:
+def _exchange(
+    state: LoCoState,
+    buf: torch.Tensor,
+    parts: list[_Part],
+    encoded: list[Encoded],
+    offsets: list[int],
+) -> torch.futures.Future[torch.Tensor]:
     """Run every part's exchange on the comm thread; write the means into ``buf``."""
     transport = state.transport
     result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -204,7 +235,7 @@ def _exchange(state: LoCoState, buf: torch.Tensor, parts: list[_Part], encoded: 
             at = 0
             for i in part.index:
                 n = offsets[i + 1] - offsets[i]
-                buf[offsets[i]:offsets[i + 1]].copy_(mean[at:at + n])
+                buf[offsets[i] : offsets[i + 1]].copy_(mean[at : at + n])
                 at += n
 
     def done(f: Any) -> None:

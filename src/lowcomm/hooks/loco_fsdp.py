@@ -54,18 +54,31 @@ class LoCoReduceScatter(_ReduceScatterBase or object):  # type: ignore[misc]
     this step, an FSDP layout this code does not know), everything is quantised.
     """
 
-    def __init__(self, key: str, bits: int = 4, beta: float = 0.8, group_size: int = 128,
-                 storage_dtype: torch.dtype = torch.float32, compensate: bool = True,
-                 reset_every: int = DEFAULT_RESET_EVERY, quantizer: str = DEFAULT_QUANTIZER,
-                 scaler: Any = None, shapes: list[torch.Size] | None = None,
-                 compress_1d: bool = False) -> None:
+    def __init__(
+        self,
+        key: str,
+        bits: int = 4,
+        beta: float = 0.8,
+        group_size: int = 128,
+        storage_dtype: torch.dtype = torch.float32,
+        compensate: bool = True,
+        reset_every: int = DEFAULT_RESET_EVERY,
+        quantizer: str = DEFAULT_QUANTIZER,
+        scaler: Any = None,
+        shapes: list[torch.Size] | None = None,
+        compress_1d: bool = False,
+    ) -> None:
         check_quantizer(quantizer, bits)
         self.key = key
         self.codec = loco_codec(quantizer, bits, group_size)
         # device=None: the buffer stays where FSDP's gradients are
-        self.compensation = (MovingAverageCompensation(beta, dtype=storage_dtype, device=None,
-                                                       reset_every=reset_every)
-                             if compensate else None)
+        self.compensation = (
+            MovingAverageCompensation(
+                beta, dtype=storage_dtype, device=None, reset_every=reset_every
+            )
+            if compensate
+            else None
+        )
         self.loss_scale = LossScale(self.compensation)
         self.scaler = scaler
         self.shapes = None if compress_1d or shapes is None else [torch.Size(s) for s in shapes]
@@ -98,13 +111,19 @@ class LoCoReduceScatter(_ReduceScatterBase or object):  # type: ignore[misc]
                     mask = torch.zeros(chunk, dtype=torch.bool, device=device)
                     at = 0
                     for s, n in zip(self.shapes, sizes):
-                        mask[at:at + n] = len(s) == 1
+                        mask[at : at + n] = len(s) == 1
                         at += n
             self._masks[cache] = mask
         return self._masks[cache]
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                 group: dist.ProcessGroup, op: Any = None, async_op: bool = False) -> None:
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any = None,
+        async_op: bool = False,
+    ) -> None:
         transport = self.transport(group)
         m = transport.world_size
         if self.scaler is not None:  # once per step: this module reduces once per backward
@@ -118,8 +137,14 @@ class LoCoReduceScatter(_ReduceScatterBase or object):  # type: ignore[misc]
                 mean = red.mean
             else:
                 red = self._quantised(x[:, ~mask], valid, transport)
-                dense = _reduce(Aggregator("two-phase", make_codec("fp32"), m), x[:, mask],
-                                None, None, valid, transport)
+                dense = _reduce(
+                    Aggregator("two-phase", make_codec("fp32"), m),
+                    x[:, mask],
+                    None,
+                    None,
+                    valid,
+                    transport,
+                )
                 mean = torch.empty(x.shape[1], dtype=torch.float32, device=red.mean.device)
                 mean[~mask], mean[mask] = red.mean, dense.mean
             if red.valid_workers < m:  # an fp16 overflow somewhere: NaN everywhere, drop errors
@@ -135,8 +160,14 @@ class LoCoReduceScatter(_ReduceScatterBase or object):  # type: ignore[misc]
         return _reduce(agg, x, self.compensation, self.key, valid, transport)
 
 
-def _reduce(agg: Aggregator, x: torch.Tensor, comp: Compensation | None, key: str | None,
-            valid: bool, transport: Transport) -> Reduced:
+def _reduce(
+    agg: Aggregator,
+    x: torch.Tensor,
+    comp: Compensation | None,
+    key: str | None,
+    valid: bool,
+    transport: Transport,
+) -> Reduced:
     """Compensate (when ``comp``) and reduce-scatter ``x`` (M x n, row j for worker j)."""
     comp = comp if valid else None
     h = comp.before_send(key, x.reshape(-1)) if comp is not None else x
@@ -162,9 +193,11 @@ def enable_fsdp_loco(model: torch.nn.Module, **kw: Any) -> dict[str, LoCoReduceS
     ``kw`` are :class:`LoCoReduceScatter`'s settings.
     """
     if _FSDPModule is None:
-        raise ConfigError(f"this torch ({torch.__version__}) has no FSDP2 "
-                          f"set_custom_reduce_scatter (needs torch >= 2.9): use LoCo through "
-                          f"DDP (loco_hook) instead")
+        raise ConfigError(
+            f"this torch ({torch.__version__}) has no FSDP2 "
+            f"set_custom_reduce_scatter (needs torch >= 2.9): use LoCo through "
+            f"DDP (loco_hook) instead"
+        )
     installed: dict[str, LoCoReduceScatter] = {}
     for name, module in model.named_modules():
         if isinstance(module, _FSDPModule):

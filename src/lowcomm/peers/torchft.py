@@ -23,9 +23,10 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import urlparse
 
 import torch
@@ -41,7 +42,8 @@ STRATEGY = "torchft-diloco"
 
 def _import_torchft() -> Any:
     if not os.environ.get("LOWCOMM_DEBUG"):
-        # torchft's Rust side logs every quorum at INFO; keep run logs readable (LOWCOMM_DEBUG=1 shows them)
+        # torchft's Rust side logs every quorum at INFO; keep run logs readable
+        # (LOWCOMM_DEBUG=1 shows them)
         os.environ.setdefault("RUST_LOG", "warn")
         logging.getLogger("torchft").setLevel(logging.WARNING)
     try:
@@ -53,22 +55,33 @@ def _import_torchft() -> Any:
     except ImportError as e:
         raise ConfigError(
             f"the '{STRATEGY}' entry needs torchft: pip install 'lowcomm[torchft]' "
-            f"(or pip install torchft-nightly) ({e})") from None
-    return SimpleNamespace(LighthouseServer=LighthouseServer, DiLoCo=DiLoCo, Manager=Manager,
-                           ProcessGroupGloo=ProcessGroupGloo)
+            f"(or pip install torchft-nightly) ({e})"
+        ) from None
+    return SimpleNamespace(
+        LighthouseServer=LighthouseServer,
+        DiLoCo=DiLoCo,
+        Manager=Manager,
+        ProcessGroupGloo=ProcessGroupGloo,
+    )
 
 
 def check_config(sync_cfg: SyncConfig, checkpoint_every: int, resume: str | None) -> None:
     """Reject what this peer cannot do (or a missing torchft), before any worker starts."""
     _import_torchft()
     if sync_cfg.outer_optimizer != "nesterov":
-        raise ConfigError(f"{STRATEGY} runs torchft's DiLoCo with a Nesterov SGD outer optimizer; "
-                          f"outer_optimizer={sync_cfg.outer_optimizer!r} is not supported")
+        raise ConfigError(
+            f"{STRATEGY} runs torchft's DiLoCo with a Nesterov SGD outer optimizer; "
+            f"outer_optimizer={sync_cfg.outer_optimizer!r} is not supported"
+        )
     if sync_cfg.codec not in ("none", "fp32"):
-        raise ConfigError(f"{STRATEGY} sends FP32 pseudo-gradients; codec={sync_cfg.codec!r} is not supported")
+        raise ConfigError(
+            f"{STRATEGY} sends FP32 pseudo-gradients; codec={sync_cfg.codec!r} is not supported"
+        )
     if checkpoint_every or resume:
-        raise ConfigError(f"{STRATEGY} is a benchmark peer: checkpoints and resume are not supported "
-                          "(set checkpoint_every=0)")
+        raise ConfigError(
+            f"{STRATEGY} is a benchmark peer: checkpoints and resume are not supported "
+            "(set checkpoint_every=0)"
+        )
 
 
 def _own_address() -> str:
@@ -79,8 +92,13 @@ def _own_address() -> str:
 class TorchftDiLoCo:
     """torchft's DiLoCo behind the slice of the LowComm interface that the trainer uses."""
 
-    def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, sync_cfg: SyncConfig,
-                 timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        sync_cfg: SyncConfig,
+        timeout_s: float = 300.0,
+    ) -> None:
         ft = _import_torchft()
         self.model = model
         self.opt = inner_optimizer
@@ -92,7 +110,8 @@ class TorchftDiLoCo:
         self._step = 0
         timeout = timedelta(seconds=timeout_s)
 
-        # the lighthouse runs in rank 0's process; everyone learns its address over the control group
+        # the lighthouse runs in rank 0's process; everyone learns its address over the
+        # control group
         self._lighthouse = None
         addr = [None]
         if self.rank == 0:
@@ -107,22 +126,46 @@ class TorchftDiLoCo:
             # peers cannot reach. This process is one worker, so point the name at our address.
             socket.gethostname = lambda: host  # type: ignore[assignment]
         # a replica group of one: its own store, on the address its peers can reach
-        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                    timeout=timeout)
+        self._store = dist.TCPStore(
+            host, 0, is_master=True, wait_for_workers=False, timeout=timeout
+        )
         self.manager = ft.Manager(
-            pg=ft.ProcessGroupGloo(timeout=timeout), min_replica_size=self.world,
-            load_state_dict=self._load_state, state_dict=self._state,
-            # every rank builds the same seeded model, so no step-0 healing (with init_sync, torchft's
-            # first quorum, after H local steps, would overwrite replica 1's first round with replica 0's)
-            init_sync=False, use_async_quorum=False, replica_id=f"lowcomm_{self.rank}",
-            store_addr=host, store_port=self._store.port, rank=0, world_size=1,
-            lighthouse_addr=addr[0], hostname=host, port=0,
-            timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
+            pg=ft.ProcessGroupGloo(timeout=timeout),
+            min_replica_size=self.world,
+            load_state_dict=self._load_state,
+            state_dict=self._state,
+            # every rank builds the same seeded model, so no step-0 healing (with init_sync,
+            # torchft's first quorum, after H local steps, would overwrite replica 1's first
+            # round with replica 0's)
+            init_sync=False,
+            use_async_quorum=False,
+            replica_id=f"lowcomm_{self.rank}",
+            store_addr=host,
+            store_port=self._store.port,
+            rank=0,
+            world_size=1,
+            lighthouse_addr=addr[0],
+            hostname=host,
+            port=0,
+            timeout=timeout,
+            quorum_timeout=timeout,
+            connect_timeout=timeout,
+        )
         self._meter_allreduce()
-        outer = torch.optim.SGD(model.parameters(), lr=sync_cfg.outer_lr, momentum=sync_cfg.outer_momentum,
-                                nesterov=sync_cfg.outer_momentum > 0)
-        self.diloco = ft.DiLoCo(self.manager, [model], inner_optimizer, outer, sync_every=sync_cfg.sync_every,
-                                backup_device=next(model.parameters()).device)
+        outer = torch.optim.SGD(
+            model.parameters(),
+            lr=sync_cfg.outer_lr,
+            momentum=sync_cfg.outer_momentum,
+            nesterov=sync_cfg.outer_momentum > 0,
+        )
+        self.diloco = ft.DiLoCo(
+            self.manager,
+            [model],
+            inner_optimizer,
+            outer,
+            sync_every=sync_cfg.sync_every,
+            backup_device=next(model.parameters()).device,
+        )
         self._time_hook()
 
     # -- state for torchft's healing of a replica that joins late (not used when all start together)
@@ -149,7 +192,8 @@ class TorchftDiLoCo:
         self.manager.allreduce = allreduce
 
     def _time_hook(self) -> None:
-        """Time DiLoCo's optimizer post-hook: on a sync step it is quorum + all-reduce + outer step."""
+        """Time DiLoCo's optimizer post-hook: on a sync step it is quorum + all-reduce +
+        outer step."""
         orig = self.diloco._step_post_hook
         meter = self.transport.meter
 
@@ -161,13 +205,14 @@ class TorchftDiLoCo:
             if self.stats.bytes_sent != before:  # this step synced
                 meter.add_blocked(time.perf_counter() - t0)
                 self.stats.syncs += 1
-                self.stats.peak_bytes_per_sync = max(self.stats.peak_bytes_per_sync,
-                                                     self.stats.bytes_sent - before)
+                self.stats.peak_bytes_per_sync = max(
+                    self.stats.peak_bytes_per_sync, self.stats.bytes_sent - before
+                )
                 self.last_sync_step = self._step
 
         self.diloco._step_post_hook = hook  # registered by DiLoCo.__enter__, so patch before it
 
-    def __enter__(self) -> "TorchftDiLoCo":
+    def __enter__(self) -> TorchftDiLoCo:
         self.diloco.__enter__()
         return self
 
@@ -181,7 +226,8 @@ class TorchftDiLoCo:
 
     @contextlib.contextmanager
     def global_parameters(self) -> Iterator[None]:
-        """Swap in torchft's global copy (its backup of the last synced parameters) for evaluation."""
+        """Swap in torchft's global copy (its backup of the last synced parameters) for
+        evaluation."""
         frag = self.diloco._fragments[0]
         params = dict(self.model.named_parameters())
         local = {n: p.detach().clone() for n, p in params.items()}
@@ -196,7 +242,7 @@ class TorchftDiLoCo:
                     p.copy_(local[n])
 
     def finish(self) -> None:
-        """Nothing in flight: torchft's DiLoCo (fragment_sync_delay 0) waits within the sync step."""
+        """Nothing in flight: torchft's DiLoCo (fragment_sync_delay 0) waits within the sync
+        step."""
         self.stats.inner_steps = self._step
         self.stats.blocked_s = self.transport.meter.blocked_s
-

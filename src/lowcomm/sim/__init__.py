@@ -11,12 +11,43 @@ See :mod:`lowcomm.sim.model` for the model and its calibration, :mod:`lowcomm.si
 """
 
 from .fromrun import RunError, RunScenario, load_run
-from .model import (GRID, PAPER_WIRE_SCALE, PRESETS, ROW_LABELS, TARGETS, Link, Preset, SimResult,
-                    Strategy, Workload, bandwidth_grid, layer_groups, make_strategies, min_bandwidth,
-                    min_bandwidth_table, simulate)
+from .model import (
+    GRID,
+    PAPER_WIRE_SCALE,
+    PRESETS,
+    ROW_LABELS,
+    TARGETS,
+    Link,
+    Preset,
+    SimResult,
+    Strategy,
+    Workload,
+    bandwidth_grid,
+    layer_groups,
+    make_strategies,
+    min_bandwidth,
+    min_bandwidth_table,
+    simulate,
+)
 
 __all__ = [
-    "GRID", "PAPER_WIRE_SCALE", "PRESETS", "ROW_LABELS", "TARGETS", "Link", "Preset", "RunError",
-    "RunScenario", "SimResult", "Strategy", "Workload", "bandwidth_grid", "layer_groups",
-    "load_run", "make_strategies", "min_bandwidth", "min_bandwidth_table", "simulate",
+    "GRID",
+    "PAPER_WIRE_SCALE",
+    "PRESETS",
+    "ROW_LABELS",
+    "TARGETS",
+    "Link",
+    "Preset",
+    "RunError",
+    "RunScenario",
+    "SimResult",
+    "Strategy",
+    "Workload",
+    "bandwidth_grid",
+    "layer_groups",
+    "load_run",
+    "make_strategies",
+    "min_bandwidth",
+    "min_bandwidth_table",
+    "simulate",
 ]

@@ -22,10 +22,24 @@ from .model import Link, Strategy, Workload
 PER_STEP = ("ddp", "loco")
 OUTER = ("diloco", "streaming", "sparseloco", "co2")
 # Keys where a run may record the bandwidth of its shaped link, with their unit in Gbit/s.
-_BANDWIDTH_KEYS = {"bandwidth_gbps": 1.0, "bandwidth_gbit": 1.0, "bandwidth_mbps": 1e-3,
-                   "bandwidth_mbit": 1e-3, "bandwidth_kbit": 1e-6}
-_RATE_UNITS = {"bit": 1e-9, "kbit": 1e-6, "mbit": 1e-3, "gbit": 1.0, "tbit": 1e3,
-               "bps": 1e-9, "kbps": 1e-6, "mbps": 1e-3, "gbps": 1.0}
+_BANDWIDTH_KEYS = {
+    "bandwidth_gbps": 1.0,
+    "bandwidth_gbit": 1.0,
+    "bandwidth_mbps": 1e-3,
+    "bandwidth_mbit": 1e-3,
+    "bandwidth_kbit": 1e-6,
+}
+_RATE_UNITS = {
+    "bit": 1e-9,
+    "kbit": 1e-6,
+    "mbit": 1e-3,
+    "gbit": 1.0,
+    "tbit": 1e3,
+    "bps": 1e-9,
+    "kbps": 1e-6,
+    "mbps": 1e-3,
+    "gbps": 1.0,
+}
 
 
 class RunError(ValueError):
@@ -107,16 +121,23 @@ def _sends(inner_steps: int, sync_every: int, fragments: int) -> float:
     return total / fragments
 
 
-def load_run(run_dir: str | Path, *, layers: int | None = None, step_time_s: float | None = None,
-             params: float | None = None, latency_s: float = 0.0) -> RunScenario:
+def load_run(
+    run_dir: str | Path,
+    *,
+    layers: int | None = None,
+    step_time_s: float | None = None,
+    params: float | None = None,
+    latency_s: float = 0.0,
+) -> RunScenario:
     """Read DIR/summary.json; explicit ``layers``/``step_time_s``/``params`` fill or override it."""
     path = Path(run_dir)
     file, summary = _read_summary(path)
     _check_fields(file, summary, layers, step_time_s, params)
     name = str(summary.strategy)
     if name not in PER_STEP + OUTER:
-        raise RunError(f"{file}: unknown strategy '{name}' (expected one of "
-                       f"{', '.join(PER_STEP + OUTER)})")
+        raise RunError(
+            f"{file}: unknown strategy '{name}' (expected one of {', '.join(PER_STEP + OUTER)})"
+        )
     inner_steps, workers = int(summary.inner_steps), int(summary.workers)
     n_layers = int(layers if layers is not None else summary.n_layers)
     n_params = float(params if params is not None else summary.params)
@@ -125,21 +146,34 @@ def load_run(run_dir: str | Path, *, layers: int | None = None, step_time_s: flo
         if step_time_s is None:
             step_time_s = float(summary.compute_s) / max(inner_steps, 1)
     if inner_steps < 1 or workers < 2 or n_layers < 1 or n_params <= 0 or step_time_s <= 0:
-        raise RunError(f"{file}: need inner_steps >= 1, workers >= 2, n_layers >= 1, params > 0 "
-                       f"and a positive step time (got {inner_steps}, {workers}, {n_layers}, "
-                       f"{n_params:g}, {step_time_s:g})")
+        raise RunError(
+            f"{file}: need inner_steps >= 1, workers >= 2, n_layers >= 1, params > 0 "
+            f"and a positive step time (got {inner_steps}, {workers}, {n_layers}, "
+            f"{n_params:g}, {step_time_s:g})"
+        )
     strategy, wire_bits, sends = _strategy(file, summary, name, n_layers, n_params, workers)
     measured = _number(summary.compute_utilization)
     wall, compute = _number(summary.wall_s), _number(summary.compute_s)
     if measured is None and wall and compute is not None:
         measured = compute / wall
-    workload = Workload(params=n_params, layers=n_layers, step_time_s=step_time_s,
-                        name=f"run:{path}")
+    workload = Workload(
+        params=n_params, layers=n_layers, step_time_s=step_time_s, name=f"run:{path}"
+    )
     topology = str(summary.topology or summary.config.get("topology") or "per-worker")
     if topology not in ("shared", "per-worker"):
         raise RunError(f"{file}: unknown topology '{topology}' (expected shared or per-worker)")
-    return RunScenario(path, name, workload, strategy, Link(workers, latency_s), measured,
-                       _find_bandwidth(summary), topology, wire_bits, sends)
+    return RunScenario(
+        path,
+        name,
+        workload,
+        strategy,
+        Link(workers, latency_s),
+        measured,
+        _find_bandwidth(summary),
+        topology,
+        wire_bits,
+        sends,
+    )
 
 
 def _read_summary(path: Path) -> tuple[Path, RunSummary]:
@@ -155,8 +189,9 @@ def _read_summary(path: Path) -> tuple[Path, RunSummary]:
         raise RunError(f"cannot read {file}: {exc}") from None
 
 
-def _check_fields(file: Path, s: RunSummary, layers: int | None, step_time_s: float | None,
-                  params: float | None) -> None:
+def _check_fields(
+    file: Path, s: RunSummary, layers: int | None, step_time_s: float | None, params: float | None
+) -> None:
     """RunError naming every field the scenario needs and neither the file nor a flag gives."""
     missing = [k for k in ("strategy", "inner_steps", "workers") if getattr(s, k) is None]
     if params is None and _number(s.params) is None:
@@ -171,8 +206,9 @@ def _check_fields(file: Path, s: RunSummary, layers: int | None, step_time_s: fl
         raise RunError(f"{file} lacks {', '.join(missing)}")
 
 
-def _strategy(file: Path, summary: RunSummary, name: str, n_layers: int, n_params: float,
-              workers: int) -> tuple[Strategy, float, float]:
+def _strategy(
+    file: Path, summary: RunSummary, name: str, n_layers: int, n_params: float, workers: int
+) -> tuple[Strategy, float, float]:
     """The simulator's strategy for the run, its wire bits per parameter per send, and sends."""
     config = summary.config
     if name in PER_STEP:
@@ -190,8 +226,9 @@ def _strategy(file: Path, summary: RunSummary, name: str, n_layers: int, n_param
         groups = max(1, min(groups, n_layers))
     sends = _sends(int(summary.inner_steps), sync_every, groups)
     if sends <= 0:
-        raise RunError(f"{file}: the run made no sync in {summary.inner_steps} steps with "
-                       f"H = {sync_every}")
+        raise RunError(
+            f"{file}: the run made no sync in {summary.inner_steps} steps with H = {sync_every}"
+        )
     sent = _number(summary.bytes_sent_per_worker)
     if sent is not None:
         wire_bits = 8.0 * sent / (n_params * sends)

@@ -27,8 +27,8 @@ Everything is vectorised over the bandwidth grid; numpy and the standard library
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -53,8 +53,10 @@ COLLECTIVES = ("allreduce", "allgather", "wire")
 def bandwidth_grid(lo_gbps: float = 0.1, hi_gbps: float = 1000.0, points: int = 50) -> np.ndarray:
     """Log-spaced bandwidths in Gbit/s; the default is the paper's numpy.logspace(-1, 3, 50)."""
     if not (lo_gbps > 0 and hi_gbps > lo_gbps and points >= 2):
-        raise ValueError(f"bad bandwidth grid: {lo_gbps}..{hi_gbps} Gbit/s with {points} points "
-                         f"(need 0 < min < max and at least 2 points)")
+        raise ValueError(
+            f"bad bandwidth grid: {lo_gbps}..{hi_gbps} Gbit/s with {points} points "
+            f"(need 0 < min < max and at least 2 points)"
+        )
     return np.logspace(math.log10(lo_gbps), math.log10(hi_gbps), int(points))
 
 
@@ -91,16 +93,32 @@ class Workload:
             raise ValueError(f"forward_fraction must be in (0, 1), got {self.forward_fraction!r}")
 
     @classmethod
-    def from_flops(cls, params: float, layers: int, flops_per_step: float, chips: float,
-                   peak_flops: float, mfu: float, name: str = "custom") -> "Workload":
+    def from_flops(
+        cls,
+        params: float,
+        layers: int,
+        flops_per_step: float,
+        chips: float,
+        peak_flops: float,
+        mfu: float,
+        name: str = "custom",
+    ) -> Workload:
         """Step time = FLOPs per step / (chips x peak FLOP/s x MFU); FLOPs ~ 6 x N x tokens/step."""
-        for key, val in (("flops_per_step", flops_per_step), ("chips", chips),
-                         ("peak_flops", peak_flops), ("mfu", mfu)):
+        for key, val in (
+            ("flops_per_step", flops_per_step),
+            ("chips", chips),
+            ("peak_flops", peak_flops),
+            ("mfu", mfu),
+        ):
             _positive(key, val)
         if mfu > 1:
             raise ValueError(f"mfu is a fraction in (0, 1], got {mfu}")
-        return cls(params=params, layers=layers, name=name,
-                   step_time_s=flops_per_step / (chips * peak_flops * mfu))
+        return cls(
+            params=params,
+            layers=layers,
+            name=name,
+            step_time_s=flops_per_step / (chips * peak_flops * mfu),
+        )
 
 
 @dataclass(frozen=True)
@@ -112,8 +130,9 @@ class Link:
     latency_s: float = 0.0
     """One-way latency per hop of a collective, seconds (the paper's table uses 0)."""
     wire_scale: float = 1.0
-    """Multiplies the wire bits of every reduction. 1 is the ring accounting of this module (what
-    really crosses the link); PAPER_WIRE_SCALE reproduces the paper's simulated table (see there)."""
+    """Multiplies the wire bits of every reduction. 1 is the ring accounting of this module
+    (what really crosses the link); PAPER_WIRE_SCALE reproduces the paper's simulated table
+    (see there)."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.workers, int) and self.workers >= 2):
@@ -198,11 +217,22 @@ def layer_groups(layers: int, fragments: int, pattern: str = "strided") -> list[
     return assign_blocks(layers, fragments, pattern)
 
 
-def make_strategies(workload: Workload, *, sync_every: int = 100, blocks_per_fragment: int = 3,
-                    fragments: int | None = None, pattern: str = "strided", overlap: int = 1,
-                    dense_bits: float = 16.0, fp4_bits: float = 4.0, density: float = 1 / 64,
-                    index_bits: float = 12.0, value_bits: float = 2.0, loco_bits: float = 4.0,
-                    co2_sync_every: int | None = None) -> dict[str, Strategy]:
+def make_strategies(
+    workload: Workload,
+    *,
+    sync_every: int = 100,
+    blocks_per_fragment: int = 3,
+    fragments: int | None = None,
+    pattern: str = "strided",
+    overlap: int = 1,
+    dense_bits: float = 16.0,
+    fp4_bits: float = 4.0,
+    density: float = 1 / 64,
+    index_bits: float = 12.0,
+    value_bits: float = 2.0,
+    loco_bits: float = 4.0,
+    co2_sync_every: int | None = None,
+) -> dict[str, Strategy]:
     """The table's rows for one workload.
 
     dp: bf16 gradients every step, ring all-reduce, overlapped with the backward.
@@ -215,7 +245,9 @@ def make_strategies(workload: Workload, *, sync_every: int = 100, blocks_per_fra
     """
     if fragments is None:
         if not (isinstance(blocks_per_fragment, int) and blocks_per_fragment >= 1):
-            raise ValueError(f"blocks_per_fragment must be an integer >= 1, got {blocks_per_fragment!r}")
+            raise ValueError(
+                f"blocks_per_fragment must be an integer >= 1, got {blocks_per_fragment!r}"
+            )
         fragments = -(-workload.layers // blocks_per_fragment)
     fragments = min(fragments, workload.layers)
     if not 0 < density <= 1:
@@ -227,10 +259,18 @@ def make_strategies(workload: Workload, *, sync_every: int = 100, blocks_per_fra
         "diloco": Strategy("diloco", sync_every, 1, "strided", 0, dense_bits),
         "streaming": stream,
         "streaming_overlap": replace(stream, name="streaming_overlap", overlap=overlap),
-        "streaming_overlap_fp4": replace(stream, name="streaming_overlap_fp4", overlap=overlap,
-                                         bits_per_param=fp4_bits),
-        "sparseloco": Strategy("sparseloco", sync_every, 1, "strided", 0,
-                               density * (index_bits + value_bits), "allgather"),
+        "streaming_overlap_fp4": replace(
+            stream, name="streaming_overlap_fp4", overlap=overlap, bits_per_param=fp4_bits
+        ),
+        "sparseloco": Strategy(
+            "sparseloco",
+            sync_every,
+            1,
+            "strided",
+            0,
+            density * (index_bits + value_bits),
+            "allgather",
+        ),
         "co2": Strategy("co2", co2_h, 1, "strided", co2_h, dense_bits),
         "loco": Strategy("loco", 1, 1, "strided", 0, loco_bits),
     }
@@ -257,8 +297,9 @@ class SimResult:
         return min_bandwidth(self.utilization, self.bandwidth_gbps, targets)
 
 
-def min_bandwidth(utilization: np.ndarray, grid: np.ndarray,
-                  targets: Sequence[float] = TARGETS) -> list[float | None]:
+def min_bandwidth(
+    utilization: np.ndarray, grid: np.ndarray, targets: Sequence[float] = TARGETS
+) -> list[float | None]:
     """For each target, the smallest grid bandwidth whose utilization reaches it, or None.
 
     The first grid point at or above the target (the paper's convention); utilization rises
@@ -271,15 +312,25 @@ def min_bandwidth(utilization: np.ndarray, grid: np.ndarray,
     return out
 
 
-def simulate(workload: Workload, strategy: Strategy, bandwidth_gbps: Iterable[float] | float = GRID,
-             link: Link = Link(), periods: int = 2, warmup_periods: int = 2) -> SimResult:
+def simulate(
+    workload: Workload,
+    strategy: Strategy,
+    bandwidth_gbps: Iterable[float] | float = GRID,
+    link: Link = Link(),
+    periods: int = 2,
+    warmup_periods: int = 2,
+) -> SimResult:
     """Simulate ``warmup_periods`` + ``periods`` sync periods and measure the last ``periods``.
 
     A period is H inner steps (at least 4 steps when H is small) so that every group syncs the
     same number of times in the measured window; the warm-up lets the link's backlog settle.
     """
-    if not (isinstance(periods, int) and periods >= 1 and isinstance(warmup_periods, int)
-            and warmup_periods >= 0):
+    if not (
+        isinstance(periods, int)
+        and periods >= 1
+        and isinstance(warmup_periods, int)
+        and warmup_periods >= 0
+    ):
         raise ValueError("periods must be >= 1 and warmup_periods >= 0 (integers)")
     bw = np.atleast_1d(np.asarray(bandwidth_gbps, dtype=float))
     if bw.ndim != 1 or not np.all(np.isfinite(bw)) or np.any(bw <= 0):
@@ -295,16 +346,17 @@ def simulate(workload: Workload, strategy: Strategy, bandwidth_gbps: Iterable[fl
     for key in send_at:
         send_at[key].sort(reverse=True)  # backward order: the last layer finishes first
 
-    f = S * workload.forward_fraction / L        # forward of one layer
+    f = S * workload.forward_fraction / L  # forward of one layer
     b = S * (1.0 - workload.forward_fraction) / L  # backward of one layer: dA then dW
-    wire_bits_layer = (workload.params / L * strategy.wire_bits_per_param(link.workers)
-                       * link.wire_scale)
+    wire_bits_layer = (
+        workload.params / L * strategy.wire_bits_per_param(link.workers) * link.wire_scale
+    )
     cost = wire_bits_layer / (bw * 1e9) + strategy.hops(link.workers) * link.latency_s
     tau = strategy.overlap
 
     period = H if H >= 4 else 4 * H
     warm, measured = warmup_periods * period, periods * period
-    fwd_tail = (L - np.arange(L))[:, None] * f   # ready_l + (L - l) f bounds the forward's end
+    fwd_tail = (L - np.arange(L))[:, None] * f  # ready_l + (L - l) f bounds the forward's end
     ready = np.zeros((L, bw.size))
     pending: dict[int, list[tuple[int, np.ndarray]]] = {}
     t = np.zeros(bw.size)
@@ -327,18 +379,31 @@ def simulate(workload: Workload, strategy: Strategy, bandwidth_gbps: Iterable[fl
         t = t_fwd + L * b
     wall = (t - t_start) / measured
     sends_per_step = sum(len(g) for g in groups) / (L * H)
-    return SimResult(workload, strategy, link, bw, np.minimum(1.0, S / wall), wall,
-                     wire_bits_layer * L * sends_per_step / 8.0)
+    return SimResult(
+        workload,
+        strategy,
+        link,
+        bw,
+        np.minimum(1.0, S / wall),
+        wall,
+        wire_bits_layer * L * sends_per_step / 8.0,
+    )
 
 
-def min_bandwidth_table(workload: Workload, strategies: Mapping[str, Strategy] | None = None,
-                        link: Link = Link(), targets: Sequence[float] = TARGETS,
-                        grid: np.ndarray | None = None) -> dict[str, list[float | None]]:
+def min_bandwidth_table(
+    workload: Workload,
+    strategies: Mapping[str, Strategy] | None = None,
+    link: Link = Link(),
+    targets: Sequence[float] = TARGETS,
+    grid: np.ndarray | None = None,
+) -> dict[str, list[float | None]]:
     """Row -> the first grid bandwidth (Gbit/s) reaching each target, None where none does."""
     grid = GRID if grid is None else grid
     strategies = make_strategies(workload) if strategies is None else strategies
-    return {name: simulate(workload, strat, grid, link).min_bandwidth(targets)
-            for name, strat in strategies.items()}
+    return {
+        name: simulate(workload, strat, grid, link).min_bandwidth(targets)
+        for name, strat in strategies.items()
+    }
 
 
 @dataclass(frozen=True)

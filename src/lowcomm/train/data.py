@@ -80,13 +80,23 @@ class Corpus:
     def save_description(self, out_dir: str | Path) -> None:
         """Print the description and write it with token counts and vocab to OUT/corpus.json."""
         print(f"lowcomm: corpus: {self.description}", file=sys.stderr, flush=True)
-        record = {"name": self.name, "train_tokens": len(self.train), "val_tokens": len(self.val),
-                  "vocab_size": self.vocab_size, "description": self.description}
+        record = {
+            "name": self.name,
+            "train_tokens": len(self.train),
+            "val_tokens": len(self.val),
+            "vocab_size": self.vocab_size,
+            "description": self.description,
+        }
         (Path(out_dir) / "corpus.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
-def load_corpus(spec: str | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
-                vocab_size: int | None = None, tokenizer: str = "bytes") -> Corpus:
+def load_corpus(
+    spec: str | None = None,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    vocab_size: int | None = None,
+    tokenizer: str = "bytes",
+) -> Corpus:
     """Load the corpus named by `spec` (see the module docstring for accepted forms).
 
     ``tokenizer="bpe:N"`` re-tokenizes a text corpus with a byte-level BPE trained on it
@@ -110,7 +120,9 @@ def load_corpus(spec: str | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
     if path.suffix == ".bin":
         return _load_bin(path, dtype or "uint16", vocab_size)
     if dtype is not None:
-        raise ConfigError(f"a dtype suffix is only meaningful for .bin token arrays, not {str(path)!r}")
+        raise ConfigError(
+            f"a dtype suffix is only meaningful for .bin token arrays, not {str(path)!r}"
+        )
     if path.is_dir():
         return _load_folder(path, max_bytes)
     return _load_text_file(path)
@@ -124,8 +136,10 @@ def _split_dtype(spec: str) -> tuple[Path, str | None]:
     if tail in BIN_DTYPES:
         return Path(head), tail
     if re.fullmatch(r"(u?int|float|bfloat|i|u|f)\d*", tail) and not Path(spec).exists():
-        raise ConfigError(f"unknown token dtype '{tail}' in '{spec}': token arrays are "
-                          f"{', '.join(BIN_DTYPES)} (e.g. data={head}:uint16)")
+        raise ConfigError(
+            f"unknown token dtype '{tail}' in '{spec}': token arrays are "
+            f"{', '.join(BIN_DTYPES)} (e.g. data={head}:uint16)"
+        )
     return Path(spec), None
 
 
@@ -134,9 +148,11 @@ def repeat_warning(corpus: Corpus, tokens_needed: int, limit: float = 10.0) -> s
     passes = tokens_needed / max(len(corpus.train), 1)
     if passes <= limit:
         return None
-    return (f"the corpus has {len(corpus.train):,} train tokens and the run reads "
-            f"{tokens_needed:,}: every token about {passes:.0f} times, so the model will mostly "
-            f"memorize it; give a bigger corpus or fewer steps")
+    return (
+        f"the corpus has {len(corpus.train):,} train tokens and the run reads "
+        f"{tokens_needed:,}: every token about {passes:.0f} times, so the model will mostly "
+        f"memorize it; give a bigger corpus or fewer steps"
+    )
 
 
 def stdlib_files(max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[Path, list[Path]]:
@@ -168,7 +184,8 @@ def split_files(root: Path, files: list[Path]) -> tuple[list[Path], list[Path]]:
 
 
 class Batches:
-    """Random training windows from this worker's disjoint shard; batch s depends on (seed, rank, s) only.
+    """Random training windows from this worker's disjoint shard; batch s depends on
+    (seed, rank, s) only.
 
     Shards (``shard``):
       - ``striped`` (default): the tokens are cut into blocks of ``block_tokens`` dealt round-robin
@@ -192,7 +209,9 @@ class Batches:
         block_tokens: int = 65536,
     ) -> None:
         if batch_size < 1 or seq_len < 1:
-            raise ValueError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
+            raise ValueError(
+                f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}"
+            )
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if seed < 0:
@@ -202,8 +221,9 @@ class Batches:
         shard_len = len(tokens) // world_size
         if shard_len < seq_len + 1:
             raise ConfigError(
-                f"each of {world_size} shards has {shard_len} tokens ({len(tokens)} in all), fewer than "
-                f"seq_len + 1 = {seq_len + 1}; use a bigger corpus, fewer workers or a shorter seq_len"
+                f"each of {world_size} shards has {shard_len} tokens ({len(tokens)} in all), "
+                f"fewer than seq_len + 1 = {seq_len + 1}; "
+                "use a bigger corpus, fewer workers or a shorter seq_len"
             )
         self.tokens = tokens
         self.batch_size = batch_size
@@ -231,7 +251,8 @@ class Batches:
         return [(int(b), int(b) + self.block_len) for b in self.blocks]
 
     def window_starts(self, step: int) -> np.ndarray:
-        """Offsets in `tokens` of the batch_size windows (seq_len + 1 tokens each) of batch `step`."""
+        """Offsets in `tokens` of the batch_size windows (seq_len + 1 tokens each) of batch
+        `step`."""
         # A fresh generator per step, seeded by (seed, rank, step): any batch can be recomputed
         # from its step alone, so resuming needs no sampler state but the counter.
         rng = np.random.default_rng((self.seed, self.rank, step))
@@ -271,7 +292,9 @@ def val_batches(
     """A fixed list of n_batches (x, y) validation batches, identical on every worker."""
     n_starts = len(tokens) - seq_len  # windows are seq_len + 1 tokens long
     if n_starts < 1:
-        raise ConfigError(f"validation set has {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+        raise ConfigError(
+            f"validation set has {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}"
+        )
     n = batch_size * n_batches
     # Stratified: one random window per equal slice of the val set, so even a few batches cover
     # all of it and the estimate has less variance than independent draws.
@@ -279,7 +302,9 @@ def val_batches(
     rng = np.random.default_rng(seed)
     starts = edges[:-1] + rng.integers(0, np.maximum(edges[1:] - edges[:-1], 1))
     idx = starts[:, None] + np.arange(seq_len + 1)
-    windows = torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64)).view(n_batches, batch_size, seq_len + 1)
+    windows = torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64)).view(
+        n_batches, batch_size, seq_len + 1
+    )
     return [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows]
 
 
@@ -317,7 +342,8 @@ def _load_stdlib(max_bytes: int) -> Corpus:
     val = _bytes_to_tokens([p.read_bytes() for p in val_files])
     desc = (
         f"Python {platform.python_version()} standard library at {root}: {len(files)} *.py files, "
-        f"{len(train)} train / {len(val)} val byte tokens; val = {len(val_files)} files picked by path hash"
+        f"{len(train)} train / {len(val)} val byte tokens; "
+        f"val = {len(val_files)} files picked by path hash"
     )
     return Corpus(train=train, val=val, vocab_size=256, name="stdlib", description=desc)
 
@@ -329,7 +355,10 @@ def _load_text_file(path: Path) -> Corpus:
         raise ConfigError(f"corpus file {str(path)!r} is empty")
     _check_text(path, tokens)
     train, val = _split_tail(tokens)
-    desc = f"text file {path}: {len(train)} train / {len(val)} val byte tokens; val = last 1/{VAL_EVERY}"
+    desc = (
+        f"text file {path}: {len(train)} train / {len(val)} val byte tokens; "
+        f"val = last 1/{VAL_EVERY}"
+    )
     return Corpus(train=train, val=val, vocab_size=256, name=path.name, description=desc)
 
 
@@ -346,11 +375,13 @@ def _check_text(path: Path, data: np.ndarray) -> None:
         raise ConfigError(
             f"corpus file {str(path)!r} is not UTF-8 text ({bad:.0%} of its bytes are not): "
             f"if it holds token ids, give it a .bin name ({path.with_suffix('.bin').name}, read "
-            f"as uint16; add :uint8 or :uint32 for others); else give UTF-8 text or data=stdlib")
+            f"as uint16; add :uint8 or :uint32 for others); else give UTF-8 text or data=stdlib"
+        )
 
 
 def _load_folder(root: Path, max_bytes: int) -> Corpus:
-    """Every non-hidden UTF-8 file under root, split by file (by tail if the hash split is one-sided)."""
+    """Every non-hidden UTF-8 file under root, split by file (by tail if the hash split is
+    one-sided)."""
     candidates = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]  # .git and friends
@@ -389,7 +420,10 @@ def _memmap(path: Path, dtype: str) -> np.ndarray:
     itemsize = np.dtype(dtype).itemsize
     size = path.stat().st_size
     if size == 0 or size % itemsize:
-        raise ConfigError(f"token file {str(path)!r} has {size} bytes, not a positive multiple of {dtype}'s {itemsize}")
+        raise ConfigError(
+            f"token file {str(path)!r} has {size} bytes, "
+            f"not a positive multiple of {dtype}'s {itemsize}"
+        )
     return np.memmap(path, dtype=dtype, mode="r")
 
 
@@ -406,7 +440,10 @@ def _load_bin(path: Path, dtype: str, vocab_size: int | None) -> Corpus:
     if vocab_size is None:
         # One pass over the file; pass vocab_size to skip it on huge arrays.
         vocab_size = int(max(train.max(), val.max() if len(val) else 0)) + 1
-    desc = f"token array {path} ({dtype}): {len(train)} train / {len(val)} val tokens, vocab {vocab_size}; val = {how}"
+    desc = (
+        f"token array {path} ({dtype}): {len(train)} train / {len(val)} val tokens, "
+        f"vocab {vocab_size}; val = {how}"
+    )
     return Corpus(train=train, val=val, vocab_size=vocab_size, name=path.stem, description=desc)
 
 
@@ -416,7 +453,8 @@ def _load_hf(name: str, config: str | None, max_bytes: int) -> Corpus:
         import datasets  # optional extra: imported here so the core package never needs it
     except ImportError as err:
         raise ImportError(
-            f"corpus 'hf:{name}' needs the optional Hugging Face `datasets` package: pip install 'lowcomm[hf]'"
+            f"corpus 'hf:{name}' needs the optional Hugging Face `datasets` package: "
+            "pip install 'lowcomm[hf]'"
         ) from err
 
     def read(split: str) -> np.ndarray:
@@ -424,7 +462,9 @@ def _load_hf(name: str, config: str | None, max_bytes: int) -> Corpus:
         chunks, total = [], 0
         for row in datasets.load_dataset(name, config, split=split, streaming=True):
             if "text" not in row:
-                raise ConfigError(f"dataset {name!r} has no 'text' field; its fields are {sorted(row)}")
+                raise ConfigError(
+                    f"dataset {name!r} has no 'text' field; its fields are {sorted(row)}"
+                )
             data = row["text"].encode("utf-8")
             chunks.append(data)
             total += len(data) + 1
@@ -440,5 +480,8 @@ def _load_hf(name: str, config: str | None, max_bytes: int) -> Corpus:
     else:
         train, val = _split_tail(read("train"))
         how = f"last 1/{VAL_EVERY} of 'train'"
-    desc = f"Hugging Face dataset {name}{':' + config if config else ''}: {len(train)} train / {len(val)} val byte tokens; val = {how}"
+    desc = (
+        f"Hugging Face dataset {name}{':' + config if config else ''}: "
+        f"{len(train)} train / {len(val)} val byte tokens; val = {how}"
+    )
     return Corpus(train=train, val=val, vocab_size=256, name=name, description=desc)

@@ -13,12 +13,13 @@ import signal
 import socket
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from ..peers import torchft as torchft_peer
 from ..config import ConfigError, SyncConfig, TrainConfig
 from ..errors import LowCommError
+from ..peers import torchft as torchft_peer
 
 
 class LaunchError(RuntimeError):
@@ -45,14 +46,16 @@ def free_port() -> int:
 def check_port(port: int) -> None:
     """ConfigError when ``port`` is out of range or cannot be bound on this machine."""
     if not 1 <= port <= 65535:
-        raise ConfigError(f"--port {port} is not a TCP port: give 1-65535, or omit it to pick a "
-                          f"free one")
+        raise ConfigError(
+            f"--port {port} is not a TCP port: give 1-65535, or omit it to pick a free one"
+        )
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
-            raise ConfigError(f"port {port} is in use: pass another --port or omit it to pick a "
-                              f"free one") from None
+            raise ConfigError(
+                f"port {port} is in use: pass another --port or omit it to pick a free one"
+            ) from None
 
 
 class Interrupted(LaunchError):
@@ -62,8 +65,14 @@ class Interrupted(LaunchError):
         super().__init__(message, 130)
 
 
-def _entry(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str, name: str | None,
-           resume: str | None) -> Any:
+def _entry(
+    strategy: str,
+    sync_cfg: SyncConfig,
+    cfg: TrainConfig,
+    out_dir: str,
+    name: str | None,
+    resume: str | None,
+) -> Any:
     os.environ["LOWCOMM_LAUNCHED"] = "1"
     # Ctrl-C reaches every worker (the terminal signals the whole group) and the launcher passes
     # it on: leave at once and quietly; the launcher reports where the run stopped.
@@ -116,8 +125,9 @@ def preflight(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, workers: in
     warnings = []
     vocab = 256
     if cfg.data.startswith("hf:") and importlib.util.find_spec("datasets") is None:
-        raise ConfigError(f"data={cfg.data} needs the Hugging Face datasets package: "
-                          f"pip install 'lowcomm[hf]'")
+        raise ConfigError(
+            f"data={cfg.data} needs the Hugging Face datasets package: pip install 'lowcomm[hf]'"
+        )
     if cfg.data not in ("stdlib", "") and not cfg.data.startswith("hf:"):
         corpus = _check_data(cfg, workers)
         vocab = corpus.vocab_size
@@ -165,10 +175,17 @@ def _check_schedule(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, vocab
     LowComm(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_cfg)
 
 
-def launch(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str | Path,
-           workers: int, port: int | None = None, name: str | None = None,
-           resume: str | None = None,
-           on_checked: Callable[[], None] | None = None) -> dict[str, Any] | None:
+def launch(
+    strategy: str,
+    sync_cfg: SyncConfig,
+    cfg: TrainConfig,
+    out_dir: str | Path,
+    workers: int,
+    port: int | None = None,
+    name: str | None = None,
+    resume: str | None = None,
+    on_checked: Callable[[], None] | None = None,
+) -> dict[str, Any] | None:
     """Run a training job; returns rank 0's summary (None on other ranks under torchrun).
 
     ``resume`` is a checkpoint folder (from :func:`find_resume`) to continue from. Config,
@@ -195,9 +212,16 @@ def launch(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str |
     return _run_local(strategy, sync_cfg, cfg, Path(out_dir), workers, port, name, resume)
 
 
-def _run_local(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: Path,
-               workers: int, port: int | None, name: str | None,
-               resume: str | None) -> dict[str, Any] | None:
+def _run_local(
+    strategy: str,
+    sync_cfg: SyncConfig,
+    cfg: TrainConfig,
+    out_dir: Path,
+    workers: int,
+    port: int | None,
+    name: str | None,
+    resume: str | None,
+) -> dict[str, Any] | None:
     """Start ``workers`` local processes with torch's elastic launcher; rank 0's summary."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -208,10 +232,17 @@ def _run_local(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: P
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     for stale in out_dir.glob(".error-rank*"):  # left by a launcher that was killed
         stale.unlink(missing_ok=True)
-    lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=workers,
-                      run_id=uuid.uuid4().hex[:12], rdzv_backend="c10d",
-                      rdzv_endpoint=f"127.0.0.1:{port or free_port()}", max_restarts=0,
-                      monitor_interval=0.2, start_method="spawn")
+    lc = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=workers,
+        run_id=uuid.uuid4().hex[:12],
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{port or free_port()}",
+        max_restarts=0,
+        monitor_interval=0.2,
+        start_method="spawn",
+    )
     try:
         results = elastic_launch(lc, _entry)(strategy, sync_cfg, cfg, str(out_dir), name, resume)
     except (KeyboardInterrupt, SignalException):
@@ -231,10 +262,15 @@ def _worker_failure(e: Any, out_dir: Path) -> LaunchError:
         return LaunchError(_user_errors(out_dir) or f"worker {rank} stopped on a user error", 2)
     if failure.exitcode == 130:
         return Interrupted(interrupted_message(out_dir))
-    what = (f"was lost (killed by signal {-failure.exitcode})" if failure.exitcode < 0
-            else f"failed (exit code {failure.exitcode})")
-    return LaunchError(f"worker {rank} (pid {failure.pid}) {what}: {msg}; the other workers were "
-                       f"stopped. {_last_checkpoint_hint(out_dir)}")
+    what = (
+        f"was lost (killed by signal {-failure.exitcode})"
+        if failure.exitcode < 0
+        else f"failed (exit code {failure.exitcode})"
+    )
+    return LaunchError(
+        f"worker {rank} (pid {failure.pid}) {what}: {msg}; the other workers were "
+        f"stopped. {_last_checkpoint_hint(out_dir)}"
+    )
 
 
 def interrupted_message(out_dir: str | Path) -> str:
@@ -247,11 +283,15 @@ def interrupted_message(out_dir: str | Path) -> str:
         last = ckpt.latest_complete(out, checksums=False)
         if last is not None:
             step = max(step, ckpt.step_of(last))
-            return (f"interrupted at step {step}; last checkpoint {last} "
-                    f"(step {ckpt.step_of(last)}); "
-                    f"resume with `lowcomm train --resume {out}`")
-    return (f"interrupted at step {step}; no checkpoint was written, so the run cannot be "
-            f"resumed (set checkpoint_every=N to make runs resumable)")
+            return (
+                f"interrupted at step {step}; last checkpoint {last} "
+                f"(step {ckpt.step_of(last)}); "
+                f"resume with `lowcomm train --resume {out}`"
+            )
+    return (
+        f"interrupted at step {step}; no checkpoint was written, so the run cannot be "
+        f"resumed (set checkpoint_every=N to make runs resumable)"
+    )
 
 
 def _last_logged_step(out: Path) -> int:
@@ -291,7 +331,9 @@ def find_resume(run_dir: str | Path) -> tuple[Path, dict[str, Any]]:
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
     if last is None:
-        raise ConfigError(f"--resume {run}: no complete checkpoint in {run / 'checkpoints'} "
-                          f"(runs write them with checkpoint_every=N)")
+        raise ConfigError(
+            f"--resume {run}: no complete checkpoint in {run / 'checkpoints'} "
+            f"(runs write them with checkpoint_every=N)"
+        )
     meta = ckpt.read_meta(last)
     return last, meta

@@ -16,8 +16,9 @@ from typing import IO, Any
 
 from ..config import ConfigError
 
-TENSORBOARD_HINT = ("log=tensorboard needs the tensorboard package: "
-                    "pip install 'lowcomm[tensorboard]'")
+TENSORBOARD_HINT = (
+    "log=tensorboard needs the tensorboard package: pip install 'lowcomm[tensorboard]'"
+)
 
 
 def check_log_backend(name: str) -> None:
@@ -32,9 +33,18 @@ def check_log_backend(name: str) -> None:
 class RunLog:
     """Rank 0's outputs of a run's progress; on other ranks every method does nothing."""
 
-    def __init__(self, out: Path, rank: int, *, start_step: int, total_steps: int, desc: str,
-                 progress: bool = True, backend: str = "none",
-                 stream: IO[str] | None = None) -> None:
+    def __init__(
+        self,
+        out: Path,
+        rank: int,
+        *,
+        start_step: int,
+        total_steps: int,
+        desc: str,
+        progress: bool = True,
+        backend: str = "none",
+        stream: IO[str] | None = None,
+    ) -> None:
         self.active = rank == 0
         self.stream = stream if stream is not None else sys.stderr
         self.file = _open_metrics(out, start_step) if self.active else None
@@ -44,8 +54,15 @@ class RunLog:
             if self.stream.isatty():  # no \r-spam in logs and CI
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=total_steps, initial=start_step - 1, desc=desc, unit="step",
-                                leave=False, dynamic_ncols=True, file=self.stream)
+                self.bar = tqdm(
+                    total=total_steps,
+                    initial=start_step - 1,
+                    desc=desc,
+                    unit="step",
+                    leave=False,
+                    dynamic_ncols=True,
+                    file=self.stream,
+                )
             else:
                 self.plain = True
         self.desc = desc
@@ -65,8 +82,12 @@ class RunLog:
             self.bar.set_postfix(loss=f"{loss:.3f}", MB=f"{mb:.1f}", refresh=False)
         elif self.plain and "train_loss" in rec:
             tps = rec["tokens"] / rec["wall_s"] if rec.get("wall_s") else 0.0
-            print(f"[{self.desc}] step {rec['step']}: loss {loss:.4f}, {mb:.1f} MB sent, "
-                  f"{tps:,.0f} tokens/s", file=self.stream, flush=True)
+            print(
+                f"[{self.desc}] step {rec['step']}: loss {loss:.4f}, {mb:.1f} MB sent, "
+                f"{tps:,.0f} tokens/s",
+                file=self.stream,
+                flush=True,
+            )
 
     def step_done(self) -> None:
         """Advance the progress bar by one step."""
@@ -111,8 +132,14 @@ def _tensorboard_writer(out: Path) -> Any:
 
 
 # metrics.jsonl key -> TensorBoard tag
-_TAGS = {"train_loss": "loss/train", "val_loss": "loss/val", "bytes_sent": "bytes/sent_per_worker",
-         "payload_bytes": "bytes/payload_per_worker", "lr": "lr", "utilization": "time/utilization"}
+_TAGS = {
+    "train_loss": "loss/train",
+    "val_loss": "loss/val",
+    "bytes_sent": "bytes/sent_per_worker",
+    "payload_bytes": "bytes/payload_per_worker",
+    "lr": "lr",
+    "utilization": "time/utilization",
+}
 
 
 def _to_tensorboard(writer: Any, rec: dict[str, Any]) -> None:

@@ -31,12 +31,28 @@ from .resume import load_state, restore, save_checkpoint
 from .run import Run, init_distributed, lr_lambda, resolve_device, set_up, wrap_for_strategy
 from .summary import RunSummary
 
-__all__ = ["run_worker", "train_step", "after_step", "finish", "summarize", "save_model",
-           "init_distributed", "resolve_device", "lr_lambda", "git_rev"]
+__all__ = [
+    "run_worker",
+    "train_step",
+    "after_step",
+    "finish",
+    "summarize",
+    "save_model",
+    "init_distributed",
+    "resolve_device",
+    "lr_lambda",
+    "git_rev",
+]
 
 
-def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str | Path,
-               name: str | None = None, resume: str | None = None) -> dict[str, Any] | None:
+def run_worker(
+    strategy: str,
+    sync_cfg: SyncConfig,
+    cfg: TrainConfig,
+    out_dir: str | Path,
+    name: str | None = None,
+    resume: str | None = None,
+) -> dict[str, Any] | None:
     """Train on this process's rank; returns the summary on rank 0 (None elsewhere).
 
     ``resume`` names a checkpoint folder to continue from
@@ -48,8 +64,15 @@ def run_worker(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: s
     saved = load_state(run, resume) if resume is not None else None
     if saved is not None:
         run.start_step = int(saved["step"]) + 1
-    log = RunLog(run.out, run.rank, start_step=run.start_step, total_steps=cfg.steps,
-                 desc=name or strategy, progress=cfg.progress, backend=cfg.log)
+    log = RunLog(
+        run.out,
+        run.rank,
+        start_step=run.start_step,
+        total_steps=cfg.steps,
+        desc=name or strategy,
+        progress=cfg.progress,
+        backend=cfg.log,
+    )
     try:
         with run.sync_context():
             if saved is not None:
@@ -115,10 +138,17 @@ def _train_record(run: Run, step: int) -> dict[str, Any]:
     train_loss = float(run.loss_sum[0] / max(run.loss_sum[1], 1))
     run.loss_sum.zero_()
     totals = run.meter_totals()
-    return {"step": step, "tokens": step * run.tokens_per_step, "train_loss": train_loss,
-            "lr": run.sched.get_last_lr()[0], "bytes_sent": totals.get("sent_bytes", 0),
-            "payload_bytes": totals.get("payload_bytes", 0), "wall_s": run.clock.wall_s,
-            "compute_s": run.clock.compute_s, "blocked_s": totals["blocked_s"]}
+    return {
+        "step": step,
+        "tokens": step * run.tokens_per_step,
+        "train_loss": train_loss,
+        "lr": run.sched.get_last_lr()[0],
+        "bytes_sent": totals.get("sent_bytes", 0),
+        "payload_bytes": totals.get("payload_bytes", 0),
+        "wall_s": run.clock.wall_s,
+        "compute_s": run.clock.compute_s,
+        "blocked_s": totals["blocked_s"],
+    }
 
 
 def finish(run: Run) -> None:
@@ -132,17 +162,33 @@ def summarize(run: Run, log: RunLog) -> RunSummary | None:
     """Final evaluation, then the summary over all workers; rank 0 writes its files."""
     val_loss = run.evaluate()
     totals = run.meter_totals()
-    log.record({"step": run.cfg.steps, "tokens": run.cfg.steps * run.tokens_per_step,
-                "val_loss": val_loss, "wall_s": run.clock.wall_s, "final": True})
+    log.record(
+        {
+            "step": run.cfg.steps,
+            "tokens": run.cfg.steps * run.tokens_per_step,
+            "val_loss": val_loss,
+            "wall_s": run.clock.wall_s,
+            "final": True,
+        }
+    )
     # per-worker figures averaged over workers; peak memory is the max
-    vec = torch.tensor([totals.get("sent_bytes", 0), totals.get("received_bytes", 0),
-                        totals.get("payload_bytes", 0), totals["control_sent_bytes"],
-                        run.clock.wall_s, run.clock.compute_s, totals["blocked_s"]],
-                       dtype=torch.float64)
+    vec = torch.tensor(
+        [
+            totals.get("sent_bytes", 0),
+            totals.get("received_bytes", 0),
+            totals.get("payload_bytes", 0),
+            totals["control_sent_bytes"],
+            run.clock.wall_s,
+            run.clock.compute_s,
+            totals["blocked_s"],
+        ],
+        dtype=torch.float64,
+    )
     run.control.all_reduce(vec, control=True)
     vec /= run.world
-    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024],
-                       dtype=torch.float64)
+    rss = torch.tensor(
+        [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64
+    )
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     if run.rank != 0:
         return None
@@ -161,21 +207,35 @@ def _build_summary(run: Run, val_loss: float, means: list[float], rss: int) -> R
     engine = run.engine
     outer = getattr(engine, "outer", None)
     return RunSummary(
-        name=run.name or run.strategy, strategy=run.strategy, workers=run.world, params=n_params,
-        n_layers=len(getattr(run.model, "blocks", [])), tokens=steps * run.tokens_per_step,
-        inner_steps=steps, final_val_loss=val_loss,
-        bytes_sent_per_worker=int(sent), bytes_received_per_worker=int(recv),
+        name=run.name or run.strategy,
+        strategy=run.strategy,
+        workers=run.world,
+        params=n_params,
+        n_layers=len(getattr(run.model, "blocks", [])),
+        tokens=steps * run.tokens_per_step,
+        inner_steps=steps,
+        final_val_loss=val_loss,
+        bytes_sent_per_worker=int(sent),
+        bytes_received_per_worker=int(recv),
         payload_bytes_per_worker=int(payload),
         ddp_fp32_bytes_per_worker=int(steps * ring_all_reduce_bytes(4 * n_params, run.world)),
         control_bytes_per_worker=int(control_sent),
         syncs=engine.stats.syncs if engine is not None else steps,
         # per-step strategies send every step: their "sync" is one step's traffic
-        peak_bytes_per_sync=(engine.stats.peak_bytes_per_sync if engine is not None
-                             else int(sent / steps)),
-        wall_s=wall, compute_s=compute, blocked_s=blocked,
+        peak_bytes_per_sync=(
+            engine.stats.peak_bytes_per_sync if engine is not None else int(sent / steps)
+        ),
+        wall_s=wall,
+        compute_s=compute,
+        blocked_s=blocked,
         compute_utilization=compute / wall if wall > 0 else 0.0,
-        step_compute_s=compute / steps, peak_rss_bytes=rss, seed=cfg.seed, config=config,
-        data=run.corpus, torch_version=torch.__version__, git_rev=git_rev(),
+        step_compute_s=compute / steps,
+        peak_rss_bytes=rss,
+        seed=cfg.seed,
+        config=config,
+        data=run.corpus,
+        torch_version=torch.__version__,
+        git_rev=git_rev(),
         device=str(run.device),
         outer_clipped_elements=getattr(outer, "clipped_elements", None),
         outer_penalized_elements=getattr(outer, "penalized_elements", None),
@@ -232,8 +292,9 @@ def git_rev() -> str:
     here = Path(__file__).resolve().parent
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(here), *args], capture_output=True, text=True,
-                              timeout=5).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(here), *args], capture_output=True, text=True, timeout=5
+        ).stdout.strip()
 
     try:
         rev = git("rev-parse", "--short", "HEAD")

@@ -31,9 +31,11 @@ class ModelConfig:
     n_heads: int = 4
     """Attention heads per block; `dim` must be divisible by it."""
     ffn_hidden: int | None = None
-    """Hidden width of the SwiGLU MLP; None uses Llama's rule, 8/3*dim rounded up to a multiple of 32."""
+    """Hidden width of the SwiGLU MLP; None uses Llama's rule, 8/3*dim rounded up to a
+    multiple of 32."""
     max_seq_len: int = 256
-    """Longest sequence the model accepts (rotary angles are computed on the fly, so this is a check)."""
+    """Longest sequence the model accepts (rotary angles are computed on the fly, so this is
+    a check)."""
     norm_eps: float = 1e-5
     """Epsilon inside RMSNorm's square root."""
     rope_theta: float = 10000.0
@@ -43,7 +45,9 @@ class ModelConfig:
         if self.dim % self.n_heads != 0:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if (self.dim // self.n_heads) % 2 != 0:
-            raise ValueError(f"head dim {self.dim // self.n_heads} must be even for rotary positions")
+            raise ValueError(
+                f"head dim {self.dim // self.n_heads} must be even for rotary positions"
+            )
 
     @property
     def hidden(self) -> int:
@@ -84,11 +88,15 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-def rotary_angles(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_angles(
+    seq_len: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Cos and sin of the rotary angles, each [seq_len, head_dim // 2], in FP32."""
     # Computed per call rather than cached in a buffer: it is cheap, stays FP32 when the model is
     # cast to bf16, and keeps state_dict() equal to the parameters.
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    )
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -178,11 +186,14 @@ class Decoder(nn.Module):
                 nn.init.ones_(module.weight)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab] if targets is None, else the mean cross-entropy (targets of -1 ignored)."""
+        """Logits [B, T, vocab] if targets is None, else the mean cross-entropy
+        (targets of -1 ignored)."""
         T = tokens.shape[1]
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.cfg.max_seq_len}")
-        cos, sin = rotary_angles(T, self.cfg.dim // self.cfg.n_heads, self.cfg.rope_theta, tokens.device)
+        cos, sin = rotary_angles(
+            T, self.cfg.dim // self.cfg.n_heads, self.cfg.rope_theta, tokens.device
+        )
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x, cos, sin)
@@ -205,8 +216,9 @@ def build_model(preset: str | ModelConfig, **overrides: object) -> nn.Module:
         except ImportError:
             from ..errors import ConfigError
 
-            raise ConfigError(f"model={preset} needs Hugging Face transformers: "
-                              f"pip install 'lowcomm[hf]'") from None
+            raise ConfigError(
+                f"model={preset} needs Hugging Face transformers: pip install 'lowcomm[hf]'"
+            ) from None
 
         return build_hf_model(preset[3:], overrides.get("vocab_size"), overrides.get("max_seq_len"))
     if isinstance(preset, ModelConfig):
@@ -217,7 +229,10 @@ def build_model(preset: str | ModelConfig, **overrides: object) -> nn.Module:
         raise ValueError(f"unknown model preset {preset!r}; valid presets: {', '.join(PRESETS)}")
     unknown = set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)}
     if unknown:
-        raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}; valid: {[f.name for f in dataclasses.fields(ModelConfig)]}")
+        raise ValueError(
+            f"unknown ModelConfig fields {sorted(unknown)}; "
+            f"valid: {[f.name for f in dataclasses.fields(ModelConfig)]}"
+        )
     # replace() re-runs __post_init__, so bad overrides fail here, and presets are never mutated.
     return Decoder(dataclasses.replace(cfg, **overrides))
 

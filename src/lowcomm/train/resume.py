@@ -24,8 +24,12 @@ KEEP = 3
 
 def run_config(run: Run) -> dict[str, Any]:
     """The settings saved with every checkpoint: what ``--resume`` rebuilds the run from."""
-    return {"strategy": run.strategy, "name": run.name, "sync": dataclasses.asdict(run.sync_cfg),
-            "train": dataclasses.asdict(run.cfg)}
+    return {
+        "strategy": run.strategy,
+        "name": run.name,
+        "sync": dataclasses.asdict(run.sync_cfg),
+        "train": dataclasses.asdict(run.cfg),
+    }
 
 
 def save_checkpoint(run: Run, step: int) -> Path:
@@ -45,16 +49,19 @@ def save_checkpoint(run: Run, step: int) -> Path:
         "engine": run.engine.state_dict() if run.engine is not None else {},
         "hook": hook.state_dict() if isinstance(hook, LoCoState) else {},
         "clock": run.clock.state_dict(),
-        "meters": {"hook": hook.transport.meter.as_dict() if hook is not None else {},
-                   "control": run.control.meter.as_dict()},
+        "meters": {
+            "hook": hook.transport.meter.as_dict() if hook is not None else {},
+            "control": run.control.meter.as_dict(),
+        },
     }
     sha = ckpt.save_rank_state(d, run.rank, state)
     shas: list[Any] = [None] * run.world
     dist.all_gather_object(shas, sha)
     if run.rank == 0:
         cfg = run_config(run)
-        ckpt.finalize(d, step=step, world_size=run.world, checksums=shas, config=cfg,
-                      extra={"run": cfg})
+        ckpt.finalize(
+            d, step=step, world_size=run.world, checksums=shas, config=cfg, extra={"run": cfg}
+        )
         ckpt.prune(run.out, keep=KEEP, checksums=False)
     dist.barrier()
     return d
@@ -85,14 +92,26 @@ def restore(run: Run, state: dict[str, Any]) -> None:
     hook = run.hook_state
     if isinstance(hook, TorchHookState) and hook.kind == "powersgd" and run.rank == 0:
         # PyTorch keeps PowerSGD's memories by bucket index with a numpy RNG: not checkpointed
-        print("lowcomm: resuming a PowerSGD run restarts PyTorch's PowerSGD error-feedback and "
-              "warm-start memories (they are not part of the checkpoint)", file=sys.stderr)
+        print(
+            "lowcomm: resuming a PowerSGD run restarts PyTorch's PowerSGD error-feedback and "
+            "warm-start memories (they are not part of the checkpoint)",
+            file=sys.stderr,
+        )
     if state["same_world"]:
         _restore_everything(run, state)
         return
     if run.engine is not None:
-        run.engine.load_state_dict(dict(state["engine"], pending={}, compensation={}, left_out=[],
-                                        local=None, snapshot={}, reduce_compensation={}))
+        run.engine.load_state_dict(
+            dict(
+                state["engine"],
+                pending={},
+                compensation={},
+                left_out=[],
+                local=None,
+                snapshot={},
+                reduce_compensation={},
+            )
+        )
         params = dict(run.model.named_parameters())
         with torch.no_grad():
             for name, value in run.engine.global_state().items():

@@ -12,10 +12,11 @@ import contextlib
 import math
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -137,9 +138,13 @@ class Run:
 
     def meter_totals(self) -> dict[str, float]:
         """The strategy's meter (engine or hook) plus the control traffic, as one dict."""
-        meter = (self.engine.transport.meter
-                 if self.engine is not None and self.engine.transport is not None
-                 else self.hook_state.transport.meter if self.hook_state is not None else None)
+        meter = (
+            self.engine.transport.meter
+            if self.engine is not None and self.engine.transport is not None
+            else self.hook_state.transport.meter
+            if self.hook_state is not None
+            else None
+        )
         totals = meter.as_dict() if meter is not None else {}
         for k in ("control_payload_bytes", "control_sent_bytes", "control_received_bytes"):
             totals[k] = totals.get(k, 0) + getattr(self.control.meter, k)
@@ -162,8 +167,13 @@ class Run:
         return float(total[0] / max(total[1], 1))
 
 
-def set_up(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str | Path,
-           name: str | None = None) -> Run:
+def set_up(
+    strategy: str,
+    sync_cfg: SyncConfig,
+    cfg: TrainConfig,
+    out_dir: str | Path,
+    name: str | None = None,
+) -> Run:
     """Join the process group and build the model, optimizer, schedule and data of this rank."""
     device = resolve_device(cfg.device)
     if device.type == "cpu":
@@ -179,16 +189,37 @@ def set_up(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str |
     torch.manual_seed(cfg.seed)
     vocab = max(corpus.vocab_size, 1)
     model = build_model(cfg.model, vocab_size=vocab, max_seq_len=max(cfg.seq_len, 1)).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr, betas=(cfg.beta1, cfg.beta2),
-                            weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.inner_lr,
+        betas=(cfg.beta1, cfg.beta2),
+        weight_decay=cfg.weight_decay,
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-    batches = Batches(corpus.train, cfg.batch_size, cfg.seq_len, rank, world, cfg.seed,
-                      shard=cfg.shard)
+    batches = Batches(
+        corpus.train, cfg.batch_size, cfg.seq_len, rank, world, cfg.seed, shard=cfg.shard
+    )
     val = val_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches, seed=cfg.seed)
-    return Run(strategy=strategy, sync_cfg=sync_cfg, cfg=cfg, out=out, name=name, device=device,
-               rank=rank, world=world, owns_group=owns_group, model=model, vocab_size=vocab,
-               corpus=corpus.description, tokenizer_file=corpus.tokenizer_file, opt=opt, sched=sched, batches=batches, val=val,
-               control=Transport())
+    return Run(
+        strategy=strategy,
+        sync_cfg=sync_cfg,
+        cfg=cfg,
+        out=out,
+        name=name,
+        device=device,
+        rank=rank,
+        world=world,
+        owns_group=owns_group,
+        model=model,
+        vocab_size=vocab,
+        corpus=corpus.description,
+        tokenizer_file=corpus.tokenizer_file,
+        opt=opt,
+        sched=sched,
+        batches=batches,
+        val=val,
+        control=Transport(),
+    )
 
 
 def wrap_for_strategy(run: Run) -> None:
@@ -197,11 +228,13 @@ def wrap_for_strategy(run: Run) -> None:
     if not run.per_step:
         run.train_model = run.model
         if run.strategy == torchft.STRATEGY:  # its settings were checked by launch()
-            run.engine = torchft.TorchftDiLoCo(run.model, run.opt, sync_cfg,
-                                               timeout_s=cfg.timeout_s)
+            run.engine = torchft.TorchftDiLoCo(
+                run.model, run.opt, sync_cfg, timeout_s=cfg.timeout_s
+            )
         else:
-            run.engine = LowComm(run.model, run.opt, sync_cfg, timeout_s=cfg.timeout_s,
-                                 comm_delay_s=cfg.comm_delay_s)
+            run.engine = LowComm(
+                run.model, run.opt, sync_cfg, timeout_s=cfg.timeout_s, comm_delay_s=cfg.comm_delay_s
+            )
         return
     grad_transport = Transport(dist.new_group(backend=dist.get_backend()), delay_s=cfg.comm_delay_s)
     # our own metered broadcast of the initial weights (DDP's would go uncounted)
@@ -212,8 +245,11 @@ def wrap_for_strategy(run: Run) -> None:
     if "init_sync" in nn.parallel.DistributedDataParallel.__init__.__code__.co_varnames:
         ddp_kw["init_sync"] = False
     run.train_model = nn.parallel.DistributedDataParallel(
-        run.model, device_ids=[run.device.index] if run.device.type == "cuda" else None,
-        process_group=grad_transport.group, **ddp_kw)
+        run.model,
+        device_ids=[run.device.index] if run.device.type == "cuda" else None,
+        process_group=grad_transport.group,
+        **ddp_kw,
+    )
     run.hook_state, hook = _ddp_hook(run, grad_transport)
     run.train_model.register_comm_hook(run.hook_state, hook)
 
@@ -223,14 +259,23 @@ def _ddp_hook(run: Run, transport: Transport) -> tuple[GradReduceState, Callable
     cfg, s = run.cfg, run.sync_cfg
     if run.strategy == "loco":
         reduce = s.reduce if s.reduce in ("gather", "two-phase") else "auto"
-        state = LoCoState(run.model, transport, bits=cfg.loco_bits, beta=s.loco_beta,
-                          group_size=s.codec_block, reset_every=s.loco_reset_every,
-                          reduce=reduce, compensate=s.compensation == "loco",
-                          quantizer=s.loco_quantizer, compress_1d=s.loco_compress_1d)
+        state = LoCoState(
+            run.model,
+            transport,
+            bits=cfg.loco_bits,
+            beta=s.loco_beta,
+            group_size=s.codec_block,
+            reset_every=s.loco_reset_every,
+            reduce=reduce,
+            compensate=s.compensation == "loco",
+            quantizer=s.loco_quantizer,
+            compress_1d=s.loco_compress_1d,
+        )
         return state, loco_hook
     if cfg.ddp_hook != "allreduce":
-        state = TorchHookState(transport, cfg.ddp_hook, rank=cfg.powersgd_rank,
-                               start_iter=cfg.powersgd_start)
+        state = TorchHookState(
+            transport, cfg.ddp_hook, rank=cfg.powersgd_rank, start_iter=cfg.powersgd_start
+        )
         return state, torch_hook
     return GradReduceState(transport), allreduce_hook
 
@@ -263,10 +308,12 @@ def resolve_device(name: str) -> torch.device:
 
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
     """Linear warm-up to 1, then cosine decay to min_lr_ratio at the last step."""
+
     def f(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
         span = max(1, cfg.steps - cfg.warmup_steps)
         progress = min(1.0, (step - cfg.warmup_steps) / span)
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
     return f

@@ -16,8 +16,20 @@ from typing import Any
 
 # Settings that change how a run is observed or stored, not what it computes: runs differing
 # only in these (or in the seed) are repeats of one configuration.
-_BOOKKEEPING = frozenset({"seed", "progress", "log", "log_every", "eval_every", "checkpoint_every",
-                          "timeout_s", "threads", "device", "comm_delay_s"})
+_BOOKKEEPING = frozenset(
+    {
+        "seed",
+        "progress",
+        "log",
+        "log_every",
+        "eval_every",
+        "checkpoint_every",
+        "timeout_s",
+        "threads",
+        "device",
+        "comm_delay_s",
+    }
+)
 # Settings that define the problem every strategy is compared on (model, data and budget).
 _PROBLEM = ("model", "data", "shard", "steps", "batch_size", "seq_len")
 
@@ -111,5 +123,8 @@ class RunSummary:
     def config_key(self) -> str:
         """Problem plus every setting that changes the result but the seed: equal keys are seeds."""
         cfg = {k: v for k, v in self.config.items() if k not in _BOOKKEEPING}
-        return json.dumps({"problem": self.problem_key(), "strategy": self.strategy, "config": cfg},
-                          sort_keys=True, default=str)
+        return json.dumps(
+            {"problem": self.problem_key(), "strategy": self.strategy, "config": cfg},
+            sort_keys=True,
+            default=str,
+        )

@@ -15,8 +15,8 @@ import fcntl
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -37,12 +37,14 @@ def parse_tokenizer(spec: str) -> int | None:
         return None
     kind, _, size = spec.partition(":")
     if kind != "bpe" or not size.isdigit():
-        raise ConfigError(f"unknown tokenizer '{spec}': use tokenizer=bytes or tokenizer=bpe:N "
-                          f"(e.g. bpe:4096)")
+        raise ConfigError(
+            f"unknown tokenizer '{spec}': use tokenizer=bytes or tokenizer=bpe:N (e.g. bpe:4096)"
+        )
     n = int(size)
     if not 257 <= n <= 2**31:
-        raise ConfigError(f"tokenizer=bpe:{n} needs 257 <= N (256 byte tokens plus merges): "
-                          f"use e.g. bpe:4096")
+        raise ConfigError(
+            f"tokenizer=bpe:{n} needs 257 <= N (256 byte tokens plus merges): use e.g. bpe:4096"
+        )
     return n
 
 
@@ -57,8 +59,10 @@ def apply_tokenizer(corpus: Corpus, spec: str, cache: Path | None = None) -> Cor
     if n is None:
         return corpus
     if corpus.vocab_size != 256:
-        raise ConfigError(f"tokenizer={spec} applies to text corpora, but {corpus.name} is already "
-                          f"tokenized (vocab {corpus.vocab_size}): drop the tokenizer setting")
+        raise ConfigError(
+            f"tokenizer={spec} applies to text corpora, but {corpus.name} is already "
+            f"tokenized (vocab {corpus.vocab_size}): drop the tokenizer setting"
+        )
     return bpe_corpus(corpus, n, cache)
 
 
@@ -82,23 +86,28 @@ def _pieces(tokens: np.ndarray) -> Iterator[str]:
         start = end
 
 
-def _train(corpus: Corpus, vocab_size: int) -> "object":
+def _train(corpus: Corpus, vocab_size: int) -> object:
     """A byte-level BPE tokenizer of vocab_size tokens trained on the corpus's train split."""
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     except ImportError as err:
-        raise ConfigError("tokenizer=bpe:N needs Hugging Face tokenizers: pip install "
-                          "'lowcomm[hf]'") from err
+        raise ConfigError(
+            "tokenizer=bpe:N needs Hugging Face tokenizers: pip install 'lowcomm[hf]'"
+        ) from err
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False, special_tokens=[],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        show_progress=False,
+        special_tokens=[],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(_pieces(corpus.train), trainer)
     return tok
 
 
-def _encode(tok: "object", tokens: np.ndarray, dtype: str) -> np.ndarray:
+def _encode(tok: object, tokens: np.ndarray, dtype: str) -> np.ndarray:
     ids = [np.asarray(e.ids, dtype=dtype) for e in tok.encode_batch(list(_pieces(tokens)))]
     return np.concatenate(ids) if ids else np.zeros(0, dtype=dtype)
 
@@ -116,12 +125,20 @@ def bpe_corpus(corpus: Corpus, vocab_size: int, cache: Path | None = None) -> Co
     meta = json.loads((folder / "meta.json").read_text())
     train = np.memmap(folder / "train.bin", dtype=meta["dtype"], mode="r")
     val = np.memmap(folder / "val.bin", dtype=meta["dtype"], mode="r")
-    desc = (f"{corpus.description}; re-tokenized with a byte-level BPE of {meta['vocab_size']} "
-            f"tokens trained on the train split: {len(train)} train / {len(val)} val tokens "
-            f"({meta['bytes_per_token']:.2f} bytes per token); "
-            f"tokenizer {folder / 'tokenizer.json'}")
-    return dataclasses.replace(corpus, train=train, val=val, vocab_size=meta["vocab_size"],
-                               description=desc, tokenizer_file=str(folder / "tokenizer.json"))
+    desc = (
+        f"{corpus.description}; re-tokenized with a byte-level BPE of {meta['vocab_size']} "
+        f"tokens trained on the train split: {len(train)} train / {len(val)} val tokens "
+        f"({meta['bytes_per_token']:.2f} bytes per token); "
+        f"tokenizer {folder / 'tokenizer.json'}"
+    )
+    return dataclasses.replace(
+        corpus,
+        train=train,
+        val=val,
+        vocab_size=meta["vocab_size"],
+        description=desc,
+        tokenizer_file=str(folder / "tokenizer.json"),
+    )
 
 
 def _build_cache(corpus: Corpus, vocab_size: int, folder: Path) -> None:
@@ -135,8 +152,14 @@ def _build_cache(corpus: Corpus, vocab_size: int, folder: Path) -> None:
     train, val = _encode(tok, corpus.train, dtype), _encode(tok, corpus.val, dtype)
     train.tofile(tmp / "train.bin")
     val.tofile(tmp / "val.bin")
-    meta = {"vocab_size": vocab, "dtype": dtype, "train_tokens": len(train), "val_tokens": len(val),
-            "bytes_per_token": (len(corpus.train) / max(len(train), 1)), "source": corpus.name}
+    meta = {
+        "vocab_size": vocab,
+        "dtype": dtype,
+        "train_tokens": len(train),
+        "val_tokens": len(val),
+        "bytes_per_token": (len(corpus.train) / max(len(train), 1)),
+        "source": corpus.name,
+    }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     if folder.exists():  # a half-written folder from a killed run
         import shutil

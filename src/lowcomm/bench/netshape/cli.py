@@ -22,15 +22,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--topology", choices=["shared", "per-worker"], default="shared")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--burst", default=None, help="bucket depth, e.g. 64kb (default: auto)")
-    parser.add_argument("--mtu", type=int, default=None,
-                        help="MTU of the shaped device (default 1500; 65536 keeps loopback's)")
+    parser.add_argument(
+        "--mtu",
+        type=int,
+        default=None,
+        help="MTU of the shaped device (default 1500; 65536 keeps loopback's)",
+    )
     parser.add_argument("--seconds", type=float, default=2.0, help="length of each measurement")
     parser.add_argument("--repeat", type=int, default=1, help="measurements to take")
     parser.add_argument("--no-check", action="store_true", help="skip the link check on entry")
-    parser.add_argument("--hold", action="store_true",
-                        help="keep the network up until Ctrl-C (prints how to enter it)")
-    parser.add_argument("--cleanup-stale", action="store_true",
-                        help="delete namespaces of dead runs (prefix lowcomm) and exit")
+    parser.add_argument(
+        "--hold",
+        action="store_true",
+        help="keep the network up until Ctrl-C (prints how to enter it)",
+    )
+    parser.add_argument(
+        "--cleanup-stale",
+        action="store_true",
+        help="delete namespaces of dead runs (prefix lowcomm) and exit",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -38,23 +48,29 @@ def build_parser() -> argparse.ArgumentParser:
 def _report(net: ShapedNetwork, args: argparse.Namespace, results: list[float]) -> None:
     """Print what was set up and measured, as one JSON object or one line."""
     if args.json:
-        print(json.dumps({
-            "rate": args.rate,
-            "requested_mbit": net.rate_bps / 1e6,
-            "topology": net.topology,
-            "workers": net.workers,
-            "burst_bytes": net.burst_bytes,
-            "mtu": net.mtu,
-            "check_mbit": net.measured_mbit,
-            "measured_mbit": results,
-            "namespaces": net.namespaces,
-            "master_addr": net.master_addr,
-        }))
+        print(
+            json.dumps(
+                {
+                    "rate": args.rate,
+                    "requested_mbit": net.rate_bps / 1e6,
+                    "topology": net.topology,
+                    "workers": net.workers,
+                    "burst_bytes": net.burst_bytes,
+                    "mtu": net.mtu,
+                    "check_mbit": net.measured_mbit,
+                    "measured_mbit": results,
+                    "namespaces": net.namespaces,
+                    "master_addr": net.master_addr,
+                }
+            )
+        )
         return
     got = ", ".join(f"{m:.1f}" for m in results)
-    print(f"{net.topology} x{net.workers} at {args.rate} "
-          f"(requested {net.rate_bps / 1e6:g} Mbit/s, burst {net.burst_bytes} B): "
-          f"measured {got} Mbit/s")
+    print(
+        f"{net.topology} x{net.workers} at {args.rate} "
+        f"(requested {net.rate_bps / 1e6:g} Mbit/s, burst {net.burst_bytes} B): "
+        f"measured {got} Mbit/s"
+    )
 
 
 def _hold(net: ShapedNetwork) -> None:
@@ -72,12 +88,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cleanup_stale:
             removed = cleanup_stale("lowcomm")
-            print(json.dumps(removed) if args.json else
-                  ("removed: " + " ".join(removed) if removed else "nothing stale"))
+            print(
+                json.dumps(removed)
+                if args.json
+                else ("removed: " + " ".join(removed) if removed else "nothing stale")
+            )
             return 0
         check_prerequisites()
-        with ShapedNetwork(args.rate, args.topology, args.workers, burst=args.burst,
-                           mtu=args.mtu, check=not args.no_check) as net:
+        with ShapedNetwork(
+            args.rate,
+            args.topology,
+            args.workers,
+            burst=args.burst,
+            mtu=args.mtu,
+            check=not args.no_check,
+        ) as net:
             results = [net.measure(seconds=args.seconds) for _ in range(args.repeat)]
             _report(net, args, results)
             if args.hold:

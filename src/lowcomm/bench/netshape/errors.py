@@ -10,8 +10,14 @@ class NetworkUnavailable(RuntimeError):
 class LinkCheckFailed(RuntimeError):
     """The shaped link does not carry the requested rate (within the tolerance)."""
 
-    def __init__(self, requested_mbit: float, measured_mbit: float, tolerance: float, where: str,
-                 detail: str = ""):
+    def __init__(
+        self,
+        requested_mbit: float,
+        measured_mbit: float,
+        tolerance: float,
+        where: str,
+        detail: str = "",
+    ):
         self.requested_mbit = requested_mbit
         self.measured_mbit = measured_mbit
         self.tolerance = tolerance

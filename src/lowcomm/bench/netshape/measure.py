@@ -21,8 +21,9 @@ def _in_namespace(ns: str, program: Path, *args: object) -> list[str]:
     return ["ip", "netns", "exec", ns, sys.executable, str(program), *map(str, args)]
 
 
-def measure_ns(src_ns: str, dst_ns: str, dst_addr: str, rate_bps: int, nbytes: int,
-               warmup_bytes: int) -> float:
+def measure_ns(
+    src_ns: str, dst_ns: str, dst_addr: str, rate_bps: int, nbytes: int, warmup_bytes: int
+) -> float:
     """Bulk TCP goodput (bits/s) from ``src_ns`` to ``dst_addr`` in ``dst_ns``, steady state.
 
     The receiver times the bytes after the first ``warmup_bytes`` (the full token bucket and TCP
@@ -32,7 +33,9 @@ def measure_ns(src_ns: str, dst_ns: str, dst_addr: str, rate_bps: int, nbytes: i
     budget = 2.0 * nbytes * 8 / rate_bps + 1.0
     receiver = subprocess.Popen(
         _in_namespace(dst_ns, RECEIVER, dst_addr, warmup_bytes, budget + 1.0),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     sender = None
     try:
@@ -44,7 +47,9 @@ def measure_ns(src_ns: str, dst_ns: str, dst_addr: str, rate_bps: int, nbytes: i
             raise RuntimeError(f"measuring receiver failed to start in {dst_ns}: {err.strip()}")
         sender = subprocess.Popen(
             _in_namespace(src_ns, SENDER, dst_addr, port_line, nbytes, budget),
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         out, err = receiver.communicate(timeout=budget + 10.0)
         _, send_err = sender.communicate(timeout=10.0)

@@ -120,14 +120,46 @@ def check_prerequisites() -> None:
     try:
         run(["ip", "netns", "add", probe])
         step = "add a tbf qdisc (`tc qdisc add ... tbf`, kernel module sch_tbf)"
-        run(["tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "10mbit",
-             "burst", "131072", "latency", TBF_LATENCY])
+        run(
+            [
+                "tc",
+                "-n",
+                probe,
+                "qdisc",
+                "add",
+                "dev",
+                "lo",
+                "root",
+                "tbf",
+                "rate",
+                "10mbit",
+                "burst",
+                "131072",
+                "latency",
+                TBF_LATENCY,
+            ]
+        )
         step = "create a bridge (kernel module bridge)"
         run(["ip", "-n", probe, "link", "add", "br0", "type", "bridge"])
         step = "create a veth pair between namespaces (kernel module veth)"
         run(["ip", "netns", "add", other])
-        run(["ip", "-n", probe, "link", "add", "v0", "type", "veth", "peer", "name", "v1",
-             "netns", other])
+        run(
+            [
+                "ip",
+                "-n",
+                probe,
+                "link",
+                "add",
+                "v0",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "v1",
+                "netns",
+                other,
+            ]
+        )
     except CommandFailed as e:
         raise NetworkUnavailable(
             f"cannot {step}: {e}. Shaped networks need a kernel with network namespaces, veth, "

@@ -211,8 +211,13 @@ class ShapedNetwork:
 
     # ---- measuring -----------------------------------------------------------------------
 
-    def measure(self, rank_a: int = 0, rank_b: int | None = None, nbytes: int | None = None,
-                seconds: float = 2.0) -> float:
+    def measure(
+        self,
+        rank_a: int = 0,
+        rank_b: int | None = None,
+        nbytes: int | None = None,
+        seconds: float = 2.0,
+    ) -> float:
         """Measured Mbit/s of a bulk TCP transfer from ``rank_a`` to ``rank_b`` (TCP goodput).
 
         ``rank_b`` defaults to rank 1 in ``per-worker`` (or the switch itself with one worker:
@@ -296,9 +301,23 @@ class ShapedNetwork:
         self._ip("ip", "-n", ns, "link", "set", "lo", "up")
 
     def _tbf(self, ns: str, dev: str) -> None:
-        self._ip("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf",
-                 "rate", f"{self.rate_bps}bit", "burst", str(self.burst_bytes),
-                 "latency", TBF_LATENCY)
+        self._ip(
+            "tc",
+            "-n",
+            ns,
+            "qdisc",
+            "add",
+            "dev",
+            dev,
+            "root",
+            "tbf",
+            "rate",
+            f"{self.rate_bps}bit",
+            "burst",
+            str(self.burst_bytes),
+            "latency",
+            TBF_LATENCY,
+        )
 
     def _setup_shared(self) -> None:
         ns = self._worker_ns[0]
@@ -322,18 +341,44 @@ class ShapedNetwork:
         port = f"p{rank}"
         self._add_namespace(ns)
         # Silence IPv6 (router solicitations, DAD) on the shaped links; best effort.
-        subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
-                        "net.ipv6.conf.all.disable_ipv6=1",
-                        "net.ipv6.conf.default.disable_ipv6=1"],
-                       capture_output=True)
+        subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "sysctl",
+                "-q",
+                "-w",
+                "net.ipv6.conf.all.disable_ipv6=1",
+                "net.ipv6.conf.default.disable_ipv6=1",
+            ],
+            capture_output=True,
+        )
         # Created inside the switch namespace with its peer moved straight into the
         # worker's: no interface ever exists in the host's namespace.
-        self._ip("ip", "-n", sw, "link", "add", port, "mtu", str(self.mtu), "type", "veth",
-                 "peer", "name", WORKER_IFNAME, "mtu", str(self.mtu), "netns", ns)
+        self._ip(
+            "ip",
+            "-n",
+            sw,
+            "link",
+            "add",
+            port,
+            "mtu",
+            str(self.mtu),
+            "type",
+            "veth",
+            "peer",
+            "name",
+            WORKER_IFNAME,
+            "mtu",
+            str(self.mtu),
+            "netns",
+            ns,
+        )
         self._ip("ip", "-n", sw, "link", "set", port, "master", "br0")
         self._ip("ip", "-n", sw, "link", "set", port, "up")
-        self._ip("ip", "-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev",
-                 WORKER_IFNAME)
+        self._ip("ip", "-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", WORKER_IFNAME)
         self._ip("ip", "-n", ns, "link", "set", WORKER_IFNAME, "up")
         self._tbf(ns, WORKER_IFNAME)  # uplink: worker -> switch
         self._tbf(sw, port)  # downlink: switch -> worker
@@ -372,10 +417,15 @@ class ShapedNetwork:
             self._signals.restore()
             atexit.unregister(self.close)
             if errors:
-                print("lowcomm.netshape: teardown left something behind (remove it with "
-                      "cleanup_stale()): " + "; ".join(errors), file=sys.stderr)
+                print(
+                    "lowcomm.netshape: teardown left something behind (remove it with "
+                    "cleanup_stale()): " + "; ".join(errors),
+                    file=sys.stderr,
+                )
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("up" if self._entered else "new")
-        return (f"ShapedNetwork(rate={self.rate!r}, topology={self.topology!r}, "
-                f"workers={self.workers}, burst={self.burst_bytes}, {state})")
+        return (
+            f"ShapedNetwork(rate={self.rate!r}, topology={self.topology!r}, "
+            f"workers={self.workers}, burst={self.burst_bytes}, {state})"
+        )

@@ -34,7 +34,7 @@ def receive(conn: socket.socket, warmup: int, end: float) -> dict[str, object]:
         conn.settimeout(left)
         try:
             n = conn.recv_into(buf)
-        except socket.timeout:
+        except TimeoutError:
             break
         if n == 0:
             break

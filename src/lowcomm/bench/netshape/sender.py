@@ -22,7 +22,7 @@ def send(addr: str, port: int, nbytes: int, deadline_s: float) -> int:
         s.settimeout(max(end - time.monotonic(), 0.05))
         try:
             sent += s.send(chunk[: min(len(chunk), nbytes - sent)])
-        except socket.timeout:
+        except TimeoutError:
             break
     s.close()
     return sent

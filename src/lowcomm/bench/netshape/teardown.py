@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
-from typing import Any, Callable
+from typing import Any
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

@@ -24,7 +24,14 @@ _RATE_UNITS = {
     "tibit": 2**40,
 }
 _SIZE_UNITS = {
-    "": 1, "b": 1, "k": 2**10, "kb": 2**10, "m": 2**20, "mb": 2**20, "g": 2**30, "gb": 2**30,
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "kb": 2**10,
+    "m": 2**20,
+    "mb": 2**20,
+    "g": 2**30,
+    "gb": 2**30,
 }
 _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?"
 
@@ -50,9 +57,7 @@ def parse_rate(s: str) -> int:
         )
     unit = unit or "bit"
     if unit not in _RATE_UNITS:
-        raise ValueError(
-            f"rate {s!r}: unknown unit {unit!r}; use one of {', '.join(_RATE_UNITS)}"
-        )
+        raise ValueError(f"rate {s!r}: unknown unit {unit!r}; use one of {', '.join(_RATE_UNITS)}")
     bits = float(number) * _RATE_UNITS[unit]
     if not math.isfinite(bits) or bits < 1:
         raise ValueError(f"rate {s!r} must be at least 1 bit/s")
