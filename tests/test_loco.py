@@ -46,6 +46,9 @@ def _loco_worker(
         reduced.append({n: p.grad.clone() for n, p in model.named_parameters()})
         model.zero_grad()
     red = state.reduce_compensation
+    # the reduce-side step count is queued on the comm thread behind the last exchange:
+    # wait for the queue before reading it
+    state.transport.wait(state.transport.submit(lambda: None))
     return {
         "reduced": reduced,
         "buckets": state.buckets,
