@@ -325,7 +325,19 @@ def _entry(r: RunSummary) -> str:
 
 
 def _title(ax: Any, title: str, subtitle: str) -> None:
-    ax.set_title(title + (f"\n{subtitle.replace('`', '')}" if subtitle else ""), fontsize=8)
+    """The title, with the provenance line wrapped so a long command stays inside the figure."""
+    import textwrap
+
+    lines = textwrap.wrap(subtitle.replace("`", ""), width=120, break_on_hyphens=False)
+    ax.set_title("\n".join([title, *lines]), fontsize=8 if len(lines) < 3 else 6)
+
+
+def _colours(plt: Any, entries: list[str]) -> dict[str, Any]:
+    """One colour per entry, distinct up to 20 entries (the default cycle repeats after 10)."""
+    if len(entries) <= 10:
+        return {e: f"C{i}" for i, e in enumerate(entries)}
+    cmap = plt.get_cmap("tab20")
+    return {e: cmap(i % 20) for i, e in enumerate(entries)}
 
 
 def _loss_plot(
@@ -334,7 +346,7 @@ def _loss_plot(
     """One loss curve per run; one colour per entry, its seeds or links in other line styles."""
     key, label, fname, logx = spec
     entries = list(dict.fromkeys(_entry(r) for r in results))
-    colours = {e: f"C{i % 10}" for i, e in enumerate(entries)}
+    colours = _colours(plt, entries)
     seen: dict[str, int] = {}
     fig, ax = plt.subplots(figsize=(7, 4.8))
     for r in results:
@@ -353,7 +365,7 @@ def _loss_plot(
         ax.set_xscale("symlog", linthresh=1e3)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[1]:  # runs without metrics draw no line
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8 if len(entries) <= 8 else 6)
     fig.tight_layout()
     fig.savefig(out_dir / fname, dpi=110)
     plt.close(fig)
