@@ -252,6 +252,16 @@ def test_per_worker_2_workers_50mbit(net_env: None) -> None:
 
 @pytest.mark.network
 def test_teardown_when_body_raises_and_leftover_workers_are_stopped(net_env: None) -> None:
+    # a background job starts with SIGINT ignored, and then the network rightly leaves it alone:
+    # give this test Python's usual handler so there is one to replace and restore
+    original = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _teardown_when_body_raises()
+    finally:
+        signal.signal(signal.SIGINT, original)
+
+
+def _teardown_when_body_raises() -> None:
     handler = signal.getsignal(signal.SIGINT)
     with pytest.raises(ZeroDivisionError):
         with ShapedNetwork(
