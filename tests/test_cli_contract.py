@@ -4,6 +4,7 @@ errors found before workers start, help and version, provenance, report grouping
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -378,8 +379,8 @@ def test_ctrl_c_stops_cleanly_with_a_resume_hint(tmp_path):
             "sync_every=4",
             "checkpoint_every=4",
             "eval_every=0",
-            "comm_delay_s=0.02",
         ],
+        env=dict(os.environ, LOWCOMM_TEST_COMM_DELAY_S="0.02"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -25,12 +25,16 @@ COMMON = [
     "eval_every=0",
     "progress=false",
     "checkpoint_every=8",
-    "comm_delay_s=0.15",
     "timeout_s=30",
 ]
 
 
+# a slow network for these tests (each collective sleeps first), so a kill lands mid-run
+SLOW = dict(os.environ, LOWCOMM_TEST_COMM_DELAY_S="0.15")
+
+
 def _train(args, **kw):
+    kw.setdefault("env", SLOW)
     return subprocess.run(
         LOWCOMM + ["train", *args], capture_output=True, text=True, timeout=300, **kw
     )
@@ -38,7 +42,11 @@ def _train(args, **kw):
 
 def _kill_after_checkpoint(out: Path, args: list[str]) -> subprocess.CompletedProcess:
     proc = subprocess.Popen(
-        LOWCOMM + ["train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        LOWCOMM + ["train", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=SLOW,
     )
     deadline = time.time() + 120
     meta = out / "checkpoints" / "step-000000016" / "meta.json"
@@ -109,9 +117,8 @@ def test_corrupt_checkpoint_refused_previous_used(tmp_path):
         "sync_every=4",
         "--steps",
         "16",
-        "comm_delay_s=0",
     ]
-    assert _train(args).returncode == 0
+    assert _train(args, env=dict(os.environ, LOWCOMM_TEST_COMM_DELAY_S="0")).returncode == 0
     last = out / "checkpoints" / "step-000000016" / "rank1.pt"
     data = bytearray(last.read_bytes())
     data[len(data) // 2] ^= 0x10  # one flipped bit

@@ -190,7 +190,6 @@ RESUME_MAY_CHANGE = frozenset(
         "timeout_s",
         "threads",
         "device",
-        "comm_delay_s",
     }
 )
 

@@ -29,6 +29,9 @@ CO2Merge = Literal["continue", "reset"]
 Buffers = Literal["average", "broadcast", "local"]
 StateDevice = Literal["cpu", "model"]
 LocoQuantizer = Literal["ours", "authors"]
+Shard = Literal["striped", "contiguous"]
+DdpHook = Literal["allreduce", "bf16", "powersgd"]
+LogTo = Literal["none", "tensorboard"]
 
 CODECS: tuple[str, ...] = get_args(Codec)
 DENSE_CODECS = ("fp32", "bf16", "fp16")
@@ -127,6 +130,7 @@ class SyncConfig:
     momentum_clip_mode: ClipMode = knob(
         "element", "CO2: clip element-wise to +-phi (element) or the L2 norm to phi (norm)."
     )
+    loco_bits: int = knob(4, "LoCo strategy: bits per gradient value (8, 4 or 2).")
     loco_beta: float = knob(0.8, "LoCo: moving-average weight of the compensation buffer.")
     loco_reset_every: int = knob(
         1024,
@@ -206,6 +210,8 @@ class SyncConfig:
             raise ConfigError(f"error_decay must be in [0, 1], got {self.error_decay}")
         if not 0.0 <= self.loco_beta < 1.0:
             raise ConfigError(f"loco_beta must be in [0, 1), got {self.loco_beta}")
+        if self.loco_bits not in (2, 4, 8):
+            raise ConfigError(f"loco_bits must be 2, 4 or 8, got {self.loco_bits}")
         if self.outer_lr <= 0:
             raise ConfigError(f"outer_lr must be > 0, got {self.outer_lr}")
         if not 0.0 <= self.outer_momentum < 1.0:
@@ -278,6 +284,9 @@ _LITERALS = {
     "Buffers": Buffers,
     "StateDevice": StateDevice,
     "LocoQuantizer": LocoQuantizer,
+    "Shard": Shard,
+    "DdpHook": DdpHook,
+    "LogTo": LogTo,
 }
 
 
@@ -316,6 +325,9 @@ def check_types(cfg: Any) -> None:
 class TrainConfig:
     """The reference trainer's knobs (model, data, inner optimizer, logging, run control)."""
 
+    def __post_init__(self) -> None:
+        validate_train(self)
+
     model: str = knob(
         "small",
         "Model preset: tiny, small, base or 124m; or a Hugging Face causal LM: "
@@ -333,7 +345,7 @@ class TrainConfig:
         "(a byte-level BPE of N tokens trained on the corpus, cached; "
         "needs lowcomm[hf]).",
     )
-    shard: str = knob(
+    shard: Shard = knob(
         "striped",
         "How the train tokens are split between workers: striped (disjoint "
         "64K-token blocks dealt round-robin: IID-like) or contiguous (one "
@@ -361,8 +373,7 @@ class TrainConfig:
         0, "Checkpoint every N inner steps, at the next sync boundary (0 = off)."
     )
     device: str = knob("auto", "cpu, cuda, or auto (cuda when available).")
-    loco_bits: int = knob(4, "LoCo strategy: bits per gradient value (8, 4 or 2).")
-    ddp_hook: str = knob(
+    ddp_hook: DdpHook = knob(
         "allreduce",
         "DDP strategy: gradient hook: allreduce (FP32, lowcomm's), bf16 "
         "(PyTorch's bf16_compress_hook) or powersgd (PyTorch's PowerSGD hook).",
@@ -376,13 +387,10 @@ class TrainConfig:
         "Show progress on rank 0: a bar when stderr is a terminal, else "
         "one plain line every log_every steps.",
     )
-    log: str = knob(
+    log: LogTo = knob(
         "none",
         "Also log to: none or tensorboard (DIR/tensorboard/; needs "
         "pip install 'lowcomm[tensorboard]').",
-    )
-    comm_delay_s: float = knob(
-        0.0, "Test only: sleep before each engine collective (a slow network)."
     )
 
 
@@ -481,6 +489,7 @@ def build_configs(
 
 def validate_train(t: TrainConfig) -> None:
     """Raise ConfigError for trainer settings that cannot work."""
+    check_types(t)
     for name in ("steps", "batch_size", "seq_len", "threads", "eval_batches", "log_every"):
         if getattr(t, name) < 1:
             raise ConfigError(f"{name} must be >= 1, got {getattr(t, name)}")
@@ -493,12 +502,6 @@ def validate_train(t: TrainConfig) -> None:
         raise ConfigError(f"timeout_s must be > 0, got {t.timeout_s}")
     if t.device not in ("auto", "cpu", "cuda") and not t.device.startswith("cuda:"):
         raise ConfigError(f"device must be auto, cpu or cuda, got {t.device}")
-    if t.shard not in ("striped", "contiguous"):
-        raise ConfigError(f"shard must be striped or contiguous, got {t.shard}")
-    if t.loco_bits not in (2, 4, 8):
-        raise ConfigError(f"loco_bits must be 2, 4 or 8, got {t.loco_bits}")
-    if t.ddp_hook not in ("allreduce", "bf16", "powersgd"):
-        raise ConfigError(f"ddp_hook must be allreduce, bf16 or powersgd, got {t.ddp_hook}")
     if t.powersgd_rank < 1:
         raise ConfigError(f"powersgd_rank must be >= 1, got {t.powersgd_rank}")
     if t.powersgd_start < 2:

@@ -222,6 +222,15 @@ def set_up(
     )
 
 
+def test_comm_delay_s() -> float:
+    """Seconds to sleep before each training collective: a slow network for tests, never a default.
+
+    Set by the environment (``LOWCOMM_TEST_COMM_DELAY_S``), not the run's config, so no user
+    setting can slow a real run down.
+    """
+    return float(os.environ.get("LOWCOMM_TEST_COMM_DELAY_S", "0"))
+
+
 def wrap_for_strategy(run: Run) -> None:
     """Give the run its communication: DDP and a metered hook, or the engine (or a peer)."""
     cfg, sync_cfg = run.cfg, run.sync_cfg
@@ -233,10 +242,16 @@ def wrap_for_strategy(run: Run) -> None:
             )
         else:
             run.engine = LowComm(
-                run.model, run.opt, sync_cfg, timeout_s=cfg.timeout_s, comm_delay_s=cfg.comm_delay_s
+                run.model,
+                run.opt,
+                sync_cfg,
+                timeout_s=cfg.timeout_s,
+                comm_delay_s=test_comm_delay_s(),
             )
         return
-    grad_transport = Transport(dist.new_group(backend=dist.get_backend()), delay_s=cfg.comm_delay_s)
+    grad_transport = Transport(
+        dist.new_group(backend=dist.get_backend()), delay_s=test_comm_delay_s()
+    )
     # our own metered broadcast of the initial weights (DDP's would go uncounted)
     with torch.no_grad():
         for p in run.model.parameters():
@@ -262,7 +277,7 @@ def _ddp_hook(run: Run, transport: Transport) -> tuple[GradReduceState, Callable
         state = LoCoState(
             run.model,
             transport,
-            bits=cfg.loco_bits,
+            bits=s.loco_bits,
             beta=s.loco_beta,
             group_size=s.codec_block,
             reset_every=s.loco_reset_every,

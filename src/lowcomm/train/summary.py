@@ -27,7 +27,6 @@ _BOOKKEEPING = frozenset(
         "timeout_s",
         "threads",
         "device",
-        "comm_delay_s",
     }
 )
 # Settings that define the problem every strategy is compared on (model, data and budget).
