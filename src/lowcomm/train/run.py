@@ -222,7 +222,7 @@ def set_up(
     )
 
 
-def test_comm_delay_s() -> float:
+def comm_delay_for_tests() -> float:
     """Seconds to sleep before each training collective: a slow network for tests, never a default.
 
     Set by the environment (``LOWCOMM_TEST_COMM_DELAY_S``), not the run's config, so no user
@@ -246,11 +246,11 @@ def wrap_for_strategy(run: Run) -> None:
                 run.opt,
                 sync_cfg,
                 timeout_s=cfg.timeout_s,
-                comm_delay_s=test_comm_delay_s(),
+                comm_delay_s=comm_delay_for_tests(),
             )
         return
     grad_transport = Transport(
-        dist.new_group(backend=dist.get_backend()), delay_s=test_comm_delay_s()
+        dist.new_group(backend=dist.get_backend()), delay_s=comm_delay_for_tests()
     )
     # our own metered broadcast of the initial weights (DDP's would go uncounted)
     with torch.no_grad():
