@@ -181,3 +181,28 @@ def test_k_rounds_half_to_even_like_the_authors():
     assert _Geometry(torch.Size([10]), 0.25).k == 2  # 2.5 -> 2 (half up would keep 3)
     assert _Geometry(torch.Size([10]), 0.35).k == 4  # 3.5 -> 4
     assert _Geometry(torch.Size([64, 64]), 1 / 64).k == 64
+
+
+def _overlapped_worker(rank: int, world: int) -> dict:
+    model = tiny_model(seed=0)
+    opt = adamw(model)
+    data = batches(rank, world)
+    sync = lowcomm.SparseLoCo(model, opt, sync_every=H, density=DENSITY, overlap=1)
+    with sync:
+        local_steps(model, opt, data, H * ROUNDS + 1)
+    return {
+        "global": sync.global_flat().clone(),
+        "merge": sync.config.merge,
+        "syncs": sync.stats.syncs,
+        "final_syncs": sync.stats.final_syncs,
+    }
+
+
+def test_sparseloco_with_overlap_continues_and_ends_as_one_model(workers):
+    """tau = 1: SparseLoCo's result lands a step late and merges by the continue rule (its
+    preset default for overlap), so no worker blocks at a sync; leaving yields one model."""
+    res = workers(_overlapped_worker, 2)
+    assert res[0]["merge"] == "continue"
+    assert res[0]["syncs"] == ROUNDS and res[0]["final_syncs"] == 1
+    assert torch.equal(res[0]["global"], res[1]["global"])
+    assert torch.isfinite(res[0]["global"]).all()
