@@ -722,6 +722,7 @@ class LowComm:
             else None,
             "reduce_compensation": self._reduce_compensation_state(),
             "pending": dict(self._pending),
+            "left_out": set(self._left_out),  # a non-finite final step must not mark the run
         }
         return kept
 
@@ -750,6 +751,7 @@ class LowComm:
             self.compensation.load_state_dict(kept["compensation"])
         self._load_reduce_compensation(kept["reduce_compensation"])
         self._pending = kept["pending"]
+        self._left_out = kept["left_out"]
         self._kept_local = kept["local"]
 
     # -- replica check ---------------------------------------------------------------------------
