@@ -28,15 +28,15 @@ def _free_port() -> int:
 
 
 def torchrun(
-    script: Path, *args: str, cwd: Path, timeout: float = 240
+    script: Path, *args: str, cwd: Path, timeout: float = 240, nproc: int = 2
 ) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node 2 script args`` as a user would type it; output captured."""
+    """``torchrun --nproc-per-node N script args`` as a user would type it; output captured."""
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc-per-node",
-        "2",
+        str(nproc),
         "--master-port",
         str(_free_port()),
         str(script),

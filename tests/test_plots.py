@@ -193,6 +193,18 @@ def test_compare_goes_on_after_a_lost_run_and_fails_at_the_end(tmp_path, monkeyp
         compare.run_compare(entries, {"model": "tiny", "steps": 30}, 2, [0], tmp_path / "again")
     assert ran == ["ddp"]  # a user error would hit every run: stop at once
 
+    def interrupted(*args, name, **kwargs):
+        ran.append(name)
+        raise Interrupted("interrupted at step 3")
+
+    from lowcomm.train.launch import Interrupted
+
+    ran.clear()
+    monkeypatch.setattr(compare, "launch", interrupted)
+    with pytest.raises(Interrupted):
+        compare.run_compare(entries, {"model": "tiny", "steps": 30}, 2, [0], tmp_path / "ctrl-c")
+    assert ran == ["ddp"]  # Ctrl-C or SIGTERM stops the whole sweep, not one run of it
+
 
 def test_plot_titles_carry_the_provenance(tmp_path, monkeypatch):
     import matplotlib.axes

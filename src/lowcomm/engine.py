@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import logging
 import time
@@ -39,6 +40,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed support: no sharded parameters
+    DTensor = ()  # type: ignore[assignment,misc]
 
 from . import _buffers
 from .aggregate import Aggregator, Encoded, Reduced, encode_compensated, make_aggregator
@@ -66,7 +72,7 @@ class _Fragment:
 
     index: int
     names: list[str]
-    params: list[nn.Parameter]
+    raw: list[nn.Parameter]  # the model's parameters (DTensors under FSDP2)
     global_flat: torch.Tensor
     global_views: list[torch.Tensor]
     buckets: list[list[int]]
@@ -76,6 +82,14 @@ class _Fragment:
     @property
     def key(self) -> str:
         return f"fragment{self.index}"
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """This rank's part of each parameter: the local shard under FSDP2, else the parameter.
+
+        Looked up each time: FSDP2 may re-point a sharded parameter's storage at lazy init.
+        """
+        return [_local(p) for p in self.raw]
 
 
 @dataclass
@@ -142,6 +156,12 @@ class LowComm:
 
     ``config.fragments`` is a count (the blocks are found in the model); explicit lists of
     module or parameter names go in ``fragment_modules``.
+
+    A worker can be a whole site: give ``mesh``, a 2-D DeviceMesh with a ``"replicate"``
+    dimension (one entry per worker) and the model sharded with FSDP2 ``fully_shard`` over the
+    other. Each rank then syncs its own shard only with the ranks that hold the same shard in
+    the other workers; traffic inside a worker stays the user's FSDP2. (``process_group`` gives
+    that outer group directly.)
     """
 
     def __init__(
@@ -152,11 +172,13 @@ class LowComm:
         *,
         fragment_modules: list[list[str]] | None = None,
         process_group: dist.ProcessGroup | None = None,
+        mesh: Any = None,
         timeout_s: float = 300.0,
         comm_delay_s: float = 0.0,
         **overrides: Any,
     ) -> None:
         _check_arguments(model, inner_optimizer, config, timeout_s, overrides)
+        _check_mesh(mesh, process_group)
         self.config = dataclasses.replace(config or SyncConfig(), **overrides)
         self.model = model
         self.inner_optimizer = inner_optimizer
@@ -171,6 +193,7 @@ class LowComm:
         self._by_name = dict(named)
         self._frozen = [p for p in model.parameters() if not p.requires_grad]
         self._process_group = process_group
+        self._mesh = mesh
         self._timeout_s = float(timeout_s)
         self._comm_delay_s = comm_delay_s
         self._frags: list[_Fragment] = []
@@ -252,7 +275,7 @@ class LowComm:
         state_device = self._state_device()
         with torch.no_grad():
             for i, names in enumerate(self.fragment_names):
-                params = [self._by_name[n] for n in names]
+                params = [_local(self._by_name[n]) for n in names]
                 flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
                 # every worker starts from rank 0's parameters (control traffic, not training)
                 self.transport.broadcast(flat, src=0, control=True)
@@ -260,7 +283,7 @@ class LowComm:
                 frag = _Fragment(
                     i,
                     list(names),
-                    params,
+                    [self._by_name[n] for n in names],
                     flat,
                     _views(flat, params),
                     _buckets(params, bucket_numel),
@@ -280,6 +303,9 @@ class LowComm:
         _destroy_groups_at_exit()
         if self._process_group is not None:
             return self._process_group
+        if self._mesh is not None:
+            _check_sharded(self._mesh, list(self._by_name.values()))
+            return _replica_groups(self._mesh, self._timeout_s)
         # A group of its own, so engine traffic (possibly on the comm thread) never
         # interleaves with the training loop's own collectives on the default group.
         return dist.new_group(
@@ -295,7 +321,7 @@ class LowComm:
         if self._kept_local is None:
             return
         if self._published is not None:
-            current = dict(self.model.named_parameters())
+            current = {n: _local(p) for n, p in self.model.named_parameters()}
             changed = [
                 n
                 for n, v in self._published.items()
@@ -582,7 +608,7 @@ class LowComm:
             self._load_global(frag)
             if frag.snapshot is not None:
                 frag.snapshot.copy_(frag.global_flat)
-            for param in frag.params:
+            for param in frag.raw:
                 self.inner_optimizer.state.pop(param, None)
         else:
             self._merge(frag)
@@ -699,7 +725,7 @@ class LowComm:
             tensors += _buffers.persistent(self.model, floating=None if floating else False)
         with torch.no_grad():
             for t in tensors:
-                self.transport.broadcast(t.data, src=0, control=True)
+                self.transport.broadcast(_local(t).data, src=0, control=True)
 
     def _publish(self) -> None:
         with torch.no_grad():
@@ -958,7 +984,9 @@ def _destroy_groups_at_exit() -> None:
 
     Left to interpreter exit, gloo's threads can be destroyed while still joinable and abort
     the process (SIGABRT, "terminate called without an active exception") after a run that
-    otherwise succeeded; scripts that call destroy_process_group() themselves are unaffected.
+    otherwise succeeded. So at exit: stop our comm threads, drop our references to the process
+    groups, destroy them, and collect, so that their C++ destructors run while Python is whole.
+    Scripts that call destroy_process_group() themselves only get the first two.
     """
     global _EXIT_HOOKED
     if _EXIT_HOOKED:
@@ -966,9 +994,14 @@ def _destroy_groups_at_exit() -> None:
     _EXIT_HOOKED = True
 
     def cleanup() -> None:
+        from .transport import release_all
+
+        with contextlib.suppress(Exception):
+            release_all()
         if dist.is_available() and dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+        gc.collect()
 
     atexit.register(cleanup)
 
@@ -1005,6 +1038,58 @@ def _check_arguments(model: Any, opt: Any, config: Any, timeout_s: Any, override
         )
 
 
+def _check_mesh(mesh: Any, process_group: Any) -> None:
+    """A DeviceMesh whose workers lie along a "replicate" dimension, or one clear error."""
+    if mesh is None:
+        return
+    if process_group is not None:
+        raise ConfigError("give either mesh= or process_group=, not both")
+    names = getattr(mesh, "mesh_dim_names", None)
+    if not hasattr(mesh, "mesh") or (mesh.ndim > 1 and "replicate" not in (names or ())):
+        raise ConfigError(
+            "mesh must be a torch DeviceMesh whose workers lie along a dimension named "
+            "'replicate', e.g. init_device_mesh('cpu', (workers, ranks_per_worker), "
+            "mesh_dim_names=('replicate', 'shard'))"
+        )
+
+
+def _check_sharded(mesh: Any, params: list[nn.Parameter]) -> None:
+    """Several ranks per worker need the model sharded over them (FSDP2), said before any sync."""
+    per_worker = mesh.size() // _workers_of(mesh)
+    if per_worker > 1 and not any(isinstance(p, DTensor) for p in params):
+        raise ConfigError(
+            f"mesh= puts {per_worker} ranks in each worker but the model's parameters are not "
+            f"sharded: wrap it with FSDP2 (fully_shard(model, mesh=mesh['shard'])) before "
+            f"building the optimizer, or give one rank per worker"
+        )
+
+
+def _workers_of(mesh: Any) -> int:
+    if mesh.ndim == 1:
+        return mesh.size()
+    return mesh.size(mesh.mesh_dim_names.index("replicate"))
+
+
+def _replica_groups(mesh: Any, timeout_s: float) -> dist.ProcessGroup:
+    """This rank's outer group: the ranks at its own position in every worker.
+
+    Groups of our own (every rank creates all of them, in one order), so engine traffic never
+    interleaves with the user's own collectives on the mesh's groups.
+    """
+    ranks = mesh.mesh
+    if ranks.ndim > 1:
+        dim = mesh.mesh_dim_names.index("replicate")
+        ranks = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim])
+    else:
+        ranks = ranks.reshape(1, -1)
+    group, _ = dist.new_subgroups_by_enumeration(
+        [row.tolist() for row in ranks],
+        backend=dist.get_backend(),
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return group
+
+
 def _check_optimizer_holds(opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
     held = {id(p) for group in opt.param_groups for p in group["params"]}
     if not any(id(p) in held for p in params):
@@ -1024,19 +1109,27 @@ def _pending_from(p: int, d: dict[str, Any]) -> _Pending:
     return _Pending(fut, int(d["sent_at"]), int(d["apply_at"]), d.get("own"))
 
 
-def _flat_of(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a DTensor's local shard (same storage), else ``t`` itself."""
+    if not isinstance(t, DTensor):
+        return t
+    with torch.no_grad():  # a plain view of the shard, outside autograd
+        return t.to_local()
+
+
+def _flat_of(params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).to(device, torch.float32) for p in params])
 
 
 def _named_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Clones of the trainable parameters and persistent buffers, by name."""
-    out = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    out = {n: _local(p).detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     out.update({n: b.detach().clone() for n, b in _buffers.named_persistent(model)})
     return out
 
 
 def _load_named(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
-    targets = dict(model.named_parameters())
+    targets = {n: _local(p) for n, p in model.named_parameters()}
     targets.update(dict(_buffers.named_persistent(model)))
     with torch.no_grad():
         for name, value in values.items():

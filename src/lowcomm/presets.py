@@ -97,6 +97,17 @@ def co2_momentum(workers: int) -> float:
     return 0.6
 
 
+def _worker_count(group: Any, mesh: Any) -> int | None:
+    """How many workers sync: the mesh's replicate size, else the group's size (None before
+    torch.distributed starts)."""
+    if mesh is not None:
+        from .engine import _check_mesh, _workers_of
+
+        _check_mesh(mesh, group)
+        return _workers_of(mesh)
+    return dist.get_world_size(group) if dist.is_initialized() else None
+
+
 class _Preset(LowComm):
     strategy = ""
 
@@ -111,7 +122,7 @@ class _Preset(LowComm):
                 "fragments is a count of fragments; give explicit lists of module "
                 "names as fragment_modules=[[...], ...]"
             )
-        workers = dist.get_world_size(other.get("process_group")) if dist.is_initialized() else None
+        workers = _worker_count(other.get("process_group"), other.get("mesh"))
         config = preset_config(self.strategy, workers=workers, **sync_kw)
         super().__init__(model, inner_optimizer, config, **other)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -107,6 +108,7 @@ class Transport:
                 "`lowcomm train --workers M`, or call torch.distributed.init_process_group first"
             )
         self.group = group
+        _LIVE.add(self)
         self.meter = meter if meter is not None else ByteMeter()
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -175,17 +177,23 @@ class Transport:
         return work.get_future().then(lambda fut: fut.value()[0])
 
     def broadcast(self, t: torch.Tensor, src: int = 0, control: bool = True) -> torch.Tensor:
-        """Copy rank ``src``'s ``t`` into every worker's ``t`` in place
-        (control traffic by default)."""
+        """Copy the group's rank ``src``'s ``t`` into every worker's ``t`` in place
+        (control traffic by default). ``src`` counts within this transport's group."""
         m = self.world_size
         n = _nbytes(t)
         buf = t.to(self.device)
-        dist.broadcast(buf, src=src, group=self.group)
+        # torch's src is a global rank; in a replica group rank 0 is not global rank 0
+        dist.broadcast(buf, src=self._global_rank(src), group=self.group)
         if buf is not t:
             t.copy_(buf)
         wire = (m - 1) / m * n
         self.meter.record(n if self.rank == src else 0, wire, wire, control)
         return t
+
+    def _global_rank(self, group_rank: int) -> int:
+        if self.group is None or self.group is dist.GroupMember.WORLD:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
 
     # -- asynchrony ------------------------------------------------------------------------------
     def submit(self, fn: Callable[[], T]) -> Future:
@@ -222,6 +230,22 @@ class Transport:
             self._pool.shutdown(wait=True)
             self._pool = None
 
+    def release(self) -> None:
+        """Stop the comm thread and drop the process group (at exit: no collective after)."""
+        self.close()
+        self.group = None
+
     def _maybe_delay(self) -> None:
         if self.delay_s > 0:
             time.sleep(self.delay_s)
+
+
+# Every transport, so that interpreter exit can let go of their process groups (see
+# release_all): a group must be destroyed while Python is still whole.
+_LIVE: weakref.WeakSet[Transport] = weakref.WeakSet()
+
+
+def release_all() -> None:
+    """Release every live transport's process group."""
+    for t in list(_LIVE):
+        t.release()

@@ -115,7 +115,7 @@ def run_compare(
                             bandwidth=bw, topology=topology, measured_link_mbit=net.measured_mbit
                         )
                 except LaunchError as err:
-                    if err.exitcode == 2:  # a user error: every later run would hit it too
+                    if err.exitcode in (2, 130):  # a user error (every run would hit it), Ctrl-C
                         raise
                     # one lost run must not cost the rest of a sweep: note it, go on,
                     # fail at the end
