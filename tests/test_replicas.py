@@ -8,6 +8,13 @@ and co2.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 from test_own_loop import HERE, torchrun
@@ -87,3 +94,82 @@ def test_a_mesh_without_workers_or_with_unsharded_weights_is_one_clear_error():
     with pytest.raises(lowcomm.ConfigError, match="2 ranks in each worker .* not sharded"):
         _check_sharded(_FakeMesh((2, 2), ("replicate", "shard")), list(model.parameters()))
     _check_sharded(_FakeMesh((2, 1), ("replicate", "shard")), list(model.parameters()))  # fine
+
+
+def _node(port: int, out, *args: str) -> subprocess.Popen:
+    """One of two `torchrun --nnodes 2 --nproc-per-node 2` invocations (a node), c10d rendezvous."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job",
+        "-m", "lowcomm.cli", "train", *args,
+    ]  # fmt: skip
+    log = open(out / f"node-{port}-{len(list(out.glob('node-*')))}.log", "w")  # noqa: SIM115
+    # a session of its own: killing the node kills its launcher and workers, like losing a machine
+    return subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, cwd=out, start_new_session=True
+    )
+
+
+def test_two_nodes_of_two_ranks_train_and_resume_after_one_is_killed(tmp_path):
+    """Two sites, each a torchrun of 2 ranks with FSDP2 inside; one is killed after a sharded
+    checkpoint; both restart with --resume and finish as an uninterrupted run does."""
+    from test_own_loop import _free_port
+
+    args = ["--strategy", "streaming", "--model", "tiny", "--steps", "160"]
+    args += ["sync_every=10", "ranks_per_worker=2", "checkpoint_every=20", "eval_every=0"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    whole.mkdir(), cut.mkdir()
+    port = _free_port()
+    nodes = [_node(port, whole, *args, "--out", str(whole / "run")) for _ in range(2)]
+    assert [n.wait(timeout=300) for n in nodes] == [0, 0]
+    port = _free_port()
+    nodes = [_node(port, cut, *args, "--out", str(cut / "run")) for _ in range(2)]
+    first = cut / "run" / "checkpoints" / "step-000000040" / "meta.json"
+    deadline = time.time() + 300
+    while not first.exists() and time.time() < deadline:
+        time.sleep(0.02)
+    os.killpg(nodes[1].pid, signal.SIGKILL)  # one site lost, mid-run
+    codes = [n.wait(timeout=300) for n in nodes]
+    assert codes[0] != 0 and codes[1] != 0, codes  # the other site stopped too, with an error
+    assert not (cut / "run" / "model.pt").exists()  # it did not finish
+    assert (cut / "run" / "checkpoints" / "step-000000040" / "sharded" / "worker1").is_dir()
+    port = _free_port()
+    nodes = [_node(port, cut, "--resume", str(cut / "run")) for _ in range(2)]
+    assert [n.wait(timeout=300) for n in nodes] == [0, 0]
+    a = torch.load(whole / "run" / "model.pt")
+    b = torch.load(cut / "run" / "model.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("strategy", ["diloco", "ddp"])
+def test_trainer_with_two_ranks_per_worker_trains_as_one_rank_per_worker(tmp_path, strategy):
+    """`lowcomm train --ranks-per-worker 2`: FSDP2 inside each worker (HSDP for ddp) gives the
+    model of one rank per worker, the same bytes between workers, and meters FSDP2's own."""
+    from test_cli import TINY, _run
+
+    runs = {}
+    for n in (1, 2):
+        out = tmp_path / f"n{n}"
+        args = ["train", "--strategy", strategy, "--workers", "2", "--ranks-per-worker", str(n)]
+        proc = _run(args + TINY + ["--steps", "20", "--out", str(out), "sync_every=5"])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs[n] = (json.loads((out / "summary.json").read_text()), torch.load(out / "model.pt"))
+    (one, m1), (two, m2) = runs[1], runs[2]
+    for k, v in m1.items():
+        scale = v.float().abs().max().clamp_min(1e-12)
+        assert (m2[k].float() - v.float()).abs().max() <= 1e-5 * scale, k
+    assert two["workers"] == 2 and two["ranks_per_worker"] == 2
+    assert abs(two["bytes_sent_per_worker"] - one["bytes_sent_per_worker"]) <= 64  # headers
+    assert one["inner_bytes_sent_per_worker"] == 0
+    # each step FSDP2 gathers the weights at least once and reduce-scatters the gradients:
+    # at least (N - 1)/N x 2 x the FP32 model per rank, N ranks per worker
+    assert two["inner_bytes_sent_per_worker"] >= 20 * 2 * 4 * two["params"]
+
+
+def test_ranks_per_worker_errors_come_before_workers_start(tmp_path):
+    from test_cli import TINY, _assert_user_error, _run
+
+    base = ["train", "--workers", "2", "--ranks-per-worker", "2", "--out", str(tmp_path / "r")]
+    _assert_user_error(_run(base + ["--strategy", "loco"] + TINY), "loco", "ranks_per_worker=1")
+    odd = [a for a in TINY if not a.startswith("batch_size")] + ["batch_size=3"]
+    _assert_user_error(_run(base + ["--strategy", "diloco"] + odd), "batch_size=3", "multiple of 2")

@@ -109,7 +109,7 @@ def _values(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "config", None):
         values.update(load_toml(args.config))
     values.update(parse_overrides(args.overrides or []))
-    for key in ("model", "steps"):
+    for key in ("model", "steps", "ranks_per_worker"):
         v = getattr(args, key, None)
         if v is not None:
             values[key] = v
@@ -227,7 +227,14 @@ def _resume(args: argparse.Namespace) -> int:
             f"uninterrupted one",
             file=sys.stderr,
         )
-    workers = args.workers_given if args.workers_given is not None else meta["world_size"]
+    # meta counts ranks; a worker may hold several (ranks_per_worker)
+    saved_workers = meta["world_size"] // train_cfg.ranks_per_worker
+    workers = args.workers_given if args.workers_given is not None else saved_workers
+    if train_cfg.ranks_per_worker > 1 and workers != saved_workers:
+        raise ConfigError(
+            f"--resume {args.resume}: a run with ranks_per_worker={train_cfg.ranks_per_worker} "
+            f"resumes on its {saved_workers} workers, not {workers}: drop --workers"
+        )
     print(
         f"resuming {run['strategy']} from {last} (step {meta['step']}) on {workers} workers",
         flush=True,
@@ -436,6 +443,14 @@ def _add_model_and_steps(p: argparse.ArgumentParser) -> None:
     """--model and --steps, shared by train and compare."""
     p.add_argument("--model", default=None, metavar="PRESET", help=_MODEL_HELP)
     p.add_argument("--steps", type=int, default=None, metavar="N", help=_STEPS_HELP)
+    p.add_argument(
+        "--ranks-per-worker",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks training one worker's replica with FSDP2 (default 1; same as "
+        "ranks_per_worker=N): --workers M starts M x N processes",
+    )
 
 
 def _add_config_port_overrides(p: argparse.ArgumentParser) -> None:
@@ -483,8 +498,9 @@ def _add_compare(sub: Any) -> None:
     c.add_argument(
         "--topology",
         default="shared",
-        choices=["shared", "per-worker"],
-        help="shaped links: one shared by all workers, or one per worker",
+        choices=["shared", "per-worker", "per-node"],
+        help="shaped links: one shared by all workers, or one per worker; per-node: the same, "
+        "all ranks of a worker (ranks_per_worker) in its namespace on an unshaped local link",
     )
     c.add_argument(
         "--out",

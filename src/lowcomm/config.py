@@ -353,6 +353,12 @@ class TrainConfig:
     )
     steps: int = knob(500, "Inner optimizer steps per worker.")
     batch_size: int = knob(16, "Sequences per worker per step.")
+    ranks_per_worker: int = knob(
+        1,
+        "Ranks that train one worker's replica together with FSDP2 "
+        "(a worker is a site); lowcomm's outer loop runs between workers. "
+        "batch_size stays per worker: each rank takes batch_size / N rows.",
+    )
     seq_len: int = knob(128, "Tokens per sequence.")
     inner_lr: float = knob(3e-3, "Peak AdamW learning rate of the inner optimizer.")
     warmup_steps: int = knob(50, "Linear warm-up steps, then cosine decay.")
@@ -490,12 +496,25 @@ def build_configs(
 def validate_train(t: TrainConfig) -> None:
     """Raise ConfigError for trainer settings that cannot work."""
     check_types(t)
-    for name in ("steps", "batch_size", "seq_len", "threads", "eval_batches", "log_every"):
+    for name in (
+        "steps",
+        "batch_size",
+        "seq_len",
+        "threads",
+        "eval_batches",
+        "log_every",
+        "ranks_per_worker",
+    ):
         if getattr(t, name) < 1:
             raise ConfigError(f"{name} must be >= 1, got {getattr(t, name)}")
     for name in ("warmup_steps", "eval_every", "checkpoint_every"):
         if getattr(t, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(t, name)}")
+    if t.batch_size % t.ranks_per_worker:
+        raise ConfigError(
+            f"batch_size={t.batch_size} does not split over ranks_per_worker="
+            f"{t.ranks_per_worker}: give a multiple of {t.ranks_per_worker}"
+        )
     if t.inner_lr <= 0:
         raise ConfigError(f"inner_lr must be > 0, got {t.inner_lr}")
     if t.timeout_s <= 0:

@@ -101,16 +101,25 @@ class HFCausalLM(nn.Module):
             return logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
 
-    def save_pretrained(self, path: str | Path, tokenizer_file: str | None = None) -> None:
+    def save_pretrained(
+        self,
+        path: str | Path,
+        tokenizer_file: str | None = None,
+        state_dict: dict[str, Any] | None = None,
+    ) -> None:
         """Write the HF model to ``path`` so ``AutoModelForCausalLM.from_pretrained`` reloads it;
-        with the run's ``tokenizers`` file, ``AutoTokenizer.from_pretrained`` too."""
+        with the run's ``tokenizers`` file, ``AutoTokenizer.from_pretrained`` too.
+        ``state_dict`` (this wrapper's keys) replaces the model's own, e.g. gathered shards."""
         from transformers.utils import logging as hf_logging
 
         # no "Writing model shards" bar: it is noise in a run's log
         shown = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
         try:
-            self.hf_model.save_pretrained(str(path))
+            kw = {}
+            if state_dict is not None:
+                kw["state_dict"] = {k.removeprefix("hf_model."): v for k, v in state_dict.items()}
+            self.hf_model.save_pretrained(str(path), **kw)
         finally:
             if shown:
                 hf_logging.enable_progress_bar()

@@ -169,7 +169,9 @@ def _open_network(bw: str | None, topology: str, workers: int) -> Any:
         return None
     from .netshape import ShapedNetwork
 
-    net = ShapedNetwork(bw, topology=topology, workers=workers)
+    # per-node: a worker's namespace holds all its ranks (launch_shaped); the links are per worker
+    shape = "per-worker" if topology == "per-node" else topology
+    net = ShapedNetwork(bw, topology=shape, workers=workers)
     net.__enter__()
     print(f"[compare] link {bw} ({topology}): measured {net.measured_mbit:.1f} Mbit/s", flush=True)
     return net
@@ -215,16 +217,20 @@ def launch_shaped(
         "progress=false",
     ]
     cores = os.cpu_count() or 1
+    per = int(values.get("ranks_per_worker", 1))  # ranks in each worker's namespace
     procs = []
-    for rank in range(net.workers):
+    for rank in range(net.workers * per):
+        site = rank // per
         env = {
             **os.environ,
-            **net.env(rank),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(net.workers),
+            **net.env(site),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(net.workers * per),
+            "LOCAL_RANK": str(rank % per if per > 1 else rank),
+            "LOCAL_WORLD_SIZE": str(per if per > 1 else net.workers),
         }
         env.pop("LOWCOMM_LAUNCHED", None)
-        cmd = net.command(rank, ["taskset", "-c", str(rank % cores), *argv])
+        cmd = net.command(site, ["taskset", "-c", str(rank % cores), *argv])
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL if rank else None))
     codes = [None] * len(procs)
     try:

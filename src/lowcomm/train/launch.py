@@ -116,12 +116,14 @@ def preflight(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, workers: in
     import torch
 
     from .log import check_log_backend
+    from .sites import check_site_strategy
 
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("device=cuda but no CUDA device is available: use device=cpu")
     if cfg.device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", cfg.device):
         raise ConfigError(f"device={cfg.device!r}: choose auto, cpu, cuda or cuda:N")
     check_log_backend(cfg.log)
+    check_site_strategy(strategy, cfg)
     warnings = []
     vocab = 256
     if cfg.data.startswith("hf:") and importlib.util.find_spec("datasets") is None:
@@ -196,8 +198,11 @@ def launch(
         torchft_peer.check_config(sync_cfg, cfg.checkpoint_every, resume)
     if under_torchrun():
         from .loop import run_worker
+        from .sites import site_of
 
-        preflight(strategy, sync_cfg, cfg, int(os.environ["WORLD_SIZE"]))
+        world = int(os.environ["WORLD_SIZE"])
+        site_of(int(os.environ.get("RANK", "0")), world, cfg.ranks_per_worker)  # N divides it
+        preflight(strategy, sync_cfg, cfg, world // cfg.ranks_per_worker)
         if on_checked is not None:
             on_checked()
         return run_worker(strategy, sync_cfg, cfg, out_dir, name, resume)
@@ -235,7 +240,7 @@ def _run_local(
     lc = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
-        nproc_per_node=workers,
+        nproc_per_node=workers * cfg.ranks_per_worker,
         run_id=uuid.uuid4().hex[:12],
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{port or free_port()}",

@@ -29,6 +29,7 @@ from .log import RunLog
 from .model import count_params
 from .resume import load_state, restore, save_checkpoint
 from .run import Run, init_distributed, lr_lambda, resolve_device, set_up, wrap_for_strategy
+from .sites import full_state_dict, rows_of
 from .summary import RunSummary
 
 __all__ = [
@@ -92,7 +93,7 @@ def train_step(run: Run) -> None:
     """One inner step: forward, backward, optimizer (the engine's outer step runs inside it)."""
     hook = run.hook_state
     with run.clock.segment(run.blocked_s) as waited:
-        x, y = run.batches.next()
+        x, y = (rows_of(t, run.site) for t in run.batches.next())
         x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
         with run.autocast():
             loss = run.train_model(x, y)
@@ -181,6 +182,7 @@ def summarize(run: Run, log: RunLog) -> RunSummary | None:
             run.clock.wall_s,
             run.clock.compute_s,
             totals["blocked_s"],
+            run.inner_meter.sent_bytes,
         ],
         dtype=torch.float64,
     )
@@ -190,18 +192,22 @@ def summarize(run: Run, log: RunLog) -> RunSummary | None:
         [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64
     )
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    state = full_state_dict(run.model)  # a collective when sharded: every rank gathers
     if run.rank != 0:
         return None
     summary = _build_summary(run, val_loss, vec.tolist(), int(rss.item()))
-    save_model(run)
+    save_model(run, state)
     summary.write(run.out / "summary.json")
     return summary
 
 
 def _build_summary(run: Run, val_loss: float, means: list[float], rss: int) -> RunSummary:
-    """The RunSummary of this run from the workers' mean figures (see :func:`summarize`)."""
+    """The RunSummary of this run from the ranks' mean figures (see :func:`summarize`); byte
+    figures per worker are its ranks' together."""
     cfg, steps, n_params = run.cfg, run.cfg.steps, count_params(run.model)
-    sent, recv, payload, control_sent, wall, compute, blocked = means
+    n, replicas = run.site.ranks_per_worker, run.site.replicas
+    sent, recv, payload, control_sent, wall, compute, blocked, inner = means
+    sent, recv, payload, inner = sent * n, recv * n, payload * n, inner * n
     sync = {} if run.per_step else dataclasses.asdict(run.sync_cfg)
     config = {**dataclasses.asdict(cfg), **sync}
     engine = run.engine
@@ -209,7 +215,7 @@ def _build_summary(run: Run, val_loss: float, means: list[float], rss: int) -> R
     return RunSummary(
         name=run.name or run.strategy,
         strategy=run.strategy,
-        workers=run.world,
+        workers=replicas,
         params=n_params,
         n_layers=len(getattr(run.model, "blocks", [])),
         tokens=steps * run.tokens_per_step,
@@ -218,12 +224,14 @@ def _build_summary(run: Run, val_loss: float, means: list[float], rss: int) -> R
         bytes_sent_per_worker=int(sent),
         bytes_received_per_worker=int(recv),
         payload_bytes_per_worker=int(payload),
-        ddp_fp32_bytes_per_worker=int(steps * ring_all_reduce_bytes(4 * n_params, run.world)),
+        ddp_fp32_bytes_per_worker=int(steps * ring_all_reduce_bytes(4 * n_params, replicas)),
         control_bytes_per_worker=int(control_sent),
+        ranks_per_worker=n,
+        inner_bytes_sent_per_worker=int(inner),
         syncs=engine.stats.syncs if engine is not None else steps,
         # per-step strategies send every step: their "sync" is one step's traffic
         peak_bytes_per_sync=(
-            engine.stats.peak_bytes_per_sync if engine is not None else int(sent / steps)
+            engine.stats.peak_bytes_per_sync * n if engine is not None else int(sent / steps)
         ),
         wall_s=wall,
         compute_s=compute,
@@ -243,17 +251,18 @@ def _build_summary(run: Run, val_loss: float, means: list[float], rss: int) -> R
     )
 
 
-def save_model(run: Run) -> None:
+def save_model(run: Run, state: dict[str, torch.Tensor]) -> None:
     """Write the trained model (the global parameters, identical on every worker) to DIR.
 
     The one place a run's model files are written: ``model.pt`` (a plain state dict, read back
     by :func:`lowcomm.load_model`) and, for Hugging Face models, ``DIR/hf/`` (read back by
     ``from_pretrained``, with the tokenizer when the run trained one).
     """
-    state = {k: v.detach().cpu().clone() for k, v in run.model.state_dict().items()}
     torch.save(state, run.out / "model.pt")
     if hasattr(run.model, "save_pretrained"):
-        run.model.save_pretrained(run.out / "hf", tokenizer_file=run.tokenizer_file)
+        run.model.save_pretrained(
+            run.out / "hf", tokenizer_file=run.tokenizer_file, state_dict=state
+        )
 
 
 def _tear_down(run: Run) -> None:

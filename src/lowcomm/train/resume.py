@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .. import checkpoint as ckpt
+from ..config import ConfigError
 from ..loco import LoCoState, TorchHookState
 from .run import Run
 
@@ -39,10 +40,16 @@ def save_checkpoint(run: Run, step: int) -> Path:
     """
     d = ckpt.checkpoint_dir(run.out, step)
     hook = run.hook_state
+    sharded = run.site.sharded
+    if sharded:  # FSDP2 shards: through torch.distributed.checkpoint, beside the rank files
+        _save_sharded(run, d)
     state = {
         "step": step,
-        "model": {k: v.detach().clone() for k, v in run.model.state_dict().items()},
-        "optimizer": run.opt.state_dict(),
+        "sharded": sharded,
+        "model": {}
+        if sharded
+        else {k: v.detach().clone() for k, v in run.model.state_dict().items()},
+        "optimizer": {} if sharded else run.opt.state_dict(),
         "scheduler": run.sched.state_dict(),
         "data": run.batches.state_dict(),
         "rng": ckpt.rng_state(),
@@ -52,6 +59,8 @@ def save_checkpoint(run: Run, step: int) -> Path:
         "meters": {
             "hook": hook.transport.meter.as_dict() if hook is not None else {},
             "control": run.control.meter.as_dict(),
+            "inner": run.inner_meter.as_dict(),
+            "hsdp": run.hsdp_meter.as_dict() if run.hsdp_meter is not None else {},
         },
     }
     sha = ckpt.save_rank_state(d, run.rank, state)
@@ -69,8 +78,19 @@ def save_checkpoint(run: Run, step: int) -> Path:
 
 def load_state(run: Run, resume: str | Path) -> dict[str, Any]:
     """This rank's saved state from checkpoint folder ``resume`` (rank 0's if the world changed)."""
-    state = ckpt.load_rank_state(Path(resume), run.rank if same_world(run, resume) else 0)
-    state["same_world"] = same_world(run, resume)
+    same = same_world(run, resume)
+    state = ckpt.load_rank_state(Path(resume), run.rank if same else 0)
+    if (state.get("sharded") or run.site.sharded) and not same:
+        raise ConfigError(
+            f"{resume} was written by {ckpt.read_meta(Path(resume))['world_size']} ranks and "
+            f"this run has {run.world}: a run with several ranks per worker resumes on the same "
+            f"workers x ranks_per_worker"
+        )
+    state["same_world"] = same
+    if state.get("sharded"):
+        # before the engine hooks the optimizer: torch.distributed.checkpoint first builds the
+        # optimizer's state with a zero-gradient step, which the engine would count
+        _load_sharded(run, Path(resume))
     return state
 
 
@@ -127,8 +147,9 @@ def _restore_everything(run: Run, state: dict[str, Any]) -> None:
     """Same world: every piece of state, meters and clock included."""
     if run.engine is not None:
         run.engine.load_state_dict(state["engine"])
-    run.model.load_state_dict(state["model"])
-    run.opt.load_state_dict(state["optimizer"])
+    if not state.get("sharded"):  # sharded ones were loaded by load_state()
+        run.model.load_state_dict(state["model"])
+        run.opt.load_state_dict(state["optimizer"])
     hook = run.hook_state
     if isinstance(hook, LoCoState) and state["hook"]:
         hook.load_state_dict(state["hook"])
@@ -136,4 +157,47 @@ def _restore_everything(run: Run, state: dict[str, Any]) -> None:
     if hook is not None:
         hook.transport.meter.load_dict(state["meters"]["hook"])
     run.control.meter.load_dict(state["meters"]["control"])
+    run.inner_meter.load_dict(state["meters"].get("inner", {}))
+    if run.hsdp_meter is not None:
+        run.hsdp_meter.load_dict(state["meters"].get("hsdp", {}))
     run.clock.load_state_dict(state["clock"])
+
+
+def _save_sharded(run: Run, d: Path) -> None:
+    """Model and inner optimizer of an FSDP2 worker, every rank's shards (a collective).
+
+    One checkpoint per worker, written by that worker's ranks: between syncs the workers'
+    weights differ, and torch.distributed.checkpoint would keep one copy of what it takes for
+    replicated data.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(run.model, run.opt)
+    dcp.save(
+        {"model": model_sd, "optim": optim_sd},
+        checkpoint_id=str(_sharded_dir(run, d)),
+        process_group=_worker_group(run),
+    )
+
+
+def _load_sharded(run: Run, d: Path) -> None:
+    """Load what :func:`_save_sharded` wrote into this run's model and optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(run.model, run.opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(_sharded_dir(run, d)), process_group=_worker_group(run))
+    set_state_dict(
+        run.model, run.opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+
+
+def _sharded_dir(run: Run, d: Path) -> Path:
+    return d / "sharded" / f"worker{run.site.replica}"
+
+
+def _worker_group(run: Run) -> Any:
+    """The ranks of this rank's worker (FSDP2's "shard" dimension)."""
+    return run.site.mesh["shard"].get_group()

@@ -28,9 +28,10 @@ from ..loco import GradReduceState, LoCoState, TorchHookState, allreduce_hook, l
 from ..peers import torchft
 from ..presets import PER_STEP_STRATEGIES
 from ..protocols import SyncEngine
-from ..transport import Transport
+from ..transport import ByteMeter, Transport
 from .data import Batches, load_corpus, val_batches
 from .model import build_model
+from .sites import Site, build_mesh, shard_model, site_of
 
 
 class Clock:
@@ -100,6 +101,12 @@ class Run:
     val: list[tuple[torch.Tensor, torch.Tensor]]
     control: Transport
     """Loss logging and summaries: counted as control traffic."""
+    site: Site
+    """This rank's replica and place in it (several ranks per worker: FSDP2 inside)."""
+    inner_meter: ByteMeter
+    """FSDP2's traffic inside the worker (nothing with one rank per worker)."""
+    hsdp_meter: ByteMeter | None = None
+    """HSDP's all-reduce between workers: the per-step baseline's traffic with FSDP2 inside."""
     train_model: nn.Module | None = None
     """What the forward pass runs on: a DDP wrapper for per-step strategies, else ``model``."""
     engine: SyncEngine | None = None  # LowComm, or a peer library's outer loop
@@ -120,7 +127,7 @@ class Run:
     @property
     def tokens_per_step(self) -> int:
         """Tokens trained per inner step over all workers."""
-        return self.cfg.batch_size * self.cfg.seq_len * self.world
+        return self.cfg.batch_size * self.cfg.seq_len * self.site.replicas
 
     def blocked_s(self) -> float:
         """The engine meter's total waiting time (0 without an engine)."""
@@ -143,7 +150,7 @@ class Run:
             if self.engine is not None and self.engine.transport is not None
             else self.hook_state.transport.meter
             if self.hook_state is not None
-            else None
+            else self.hsdp_meter
         )
         totals = meter.as_dict() if meter is not None else {}
         for k in ("control_payload_bytes", "control_sent_bytes", "control_received_bytes"):
@@ -152,13 +159,17 @@ class Run:
         return totals
 
     def evaluate(self) -> float:
-        """Mean validation loss on the global parameters; batches split across workers."""
+        """Mean validation loss on the global parameters; batches split across workers.
+
+        Every rank of a worker runs its worker's batches (FSDP2's forward is collective inside
+        a worker); each adds the same losses, so the mean over all ranks is unchanged.
+        """
         engine = self.engine
         ctx = engine.global_parameters() if engine is not None else contextlib.nullcontext()
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64)
         with ctx, torch.no_grad(), self.autocast():
-            for i in range(self.rank, len(self.val), self.world):
+            for i in range(self.site.replica, len(self.val), self.site.replicas):
                 x, y = self.val[i]
                 total[0] += self.model(x.to(self.device), y.to(self.device)).item()
                 total[1] += 1
@@ -180,6 +191,7 @@ def set_up(
         torch.set_num_threads(cfg.threads)
     owns_group = init_distributed(cfg.timeout_s, device)
     rank, world = dist.get_rank(), dist.get_world_size()
+    site = site_of(rank, world, cfg.ranks_per_worker)
     out = Path(out_dir)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -189,6 +201,8 @@ def set_up(
     torch.manual_seed(cfg.seed)
     vocab = max(corpus.vocab_size, 1)
     model = build_model(cfg.model, vocab_size=vocab, max_seq_len=max(cfg.seq_len, 1)).to(device)
+    inner_meter = ByteMeter()
+    hsdp_meter = _shard_for_site(model, site, strategy, device, inner_meter)
     opt = torch.optim.AdamW(
         model.parameters(),
         lr=cfg.inner_lr,
@@ -197,7 +211,13 @@ def set_up(
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     batches = Batches(
-        corpus.train, cfg.batch_size, cfg.seq_len, rank, world, cfg.seed, shard=cfg.shard
+        corpus.train,
+        cfg.batch_size,
+        cfg.seq_len,
+        site.replica,
+        site.replicas,
+        cfg.seed,
+        shard=cfg.shard,
     )
     val = val_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches, seed=cfg.seed)
     return Run(
@@ -219,7 +239,23 @@ def set_up(
         batches=batches,
         val=val,
         control=Transport(),
+        site=site,
+        inner_meter=inner_meter,
+        hsdp_meter=hsdp_meter,
     )
+
+
+def _shard_for_site(
+    model: nn.Module, site: Site, strategy: str, device: torch.device, meter: ByteMeter
+) -> ByteMeter | None:
+    """FSDP2 inside a multi-rank worker (HSDP for per-step DDP); the HSDP meter, if any."""
+    if not site.sharded:
+        return None
+    build_mesh(site, device)
+    hsdp = strategy in PER_STEP_STRATEGIES
+    between = ByteMeter() if hsdp else meter
+    shard_model(model, site, hsdp=hsdp, meter=meter, between=between)
+    return between if hsdp else None
 
 
 def comm_delay_for_tests() -> float:
@@ -245,9 +281,13 @@ def wrap_for_strategy(run: Run) -> None:
                 run.model,
                 run.opt,
                 sync_cfg,
+                mesh=run.site.mesh,
                 timeout_s=cfg.timeout_s,
                 comm_delay_s=comm_delay_for_tests(),
             )
+        return
+    if run.site.sharded:  # HSDP: FSDP2 reduces inside a worker and all-reduces between them
+        run.train_model = run.model
         return
     grad_transport = Transport(
         dist.new_group(backend=dist.get_backend()), delay_s=comm_delay_for_tests()

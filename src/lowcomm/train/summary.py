@@ -51,6 +51,9 @@ class RunSummary:
     payload_bytes_per_worker: int | None = None
     ddp_fp32_bytes_per_worker: int | None = None
     control_bytes_per_worker: int | None = None
+    ranks_per_worker: int | None = None
+    inner_bytes_sent_per_worker: int | None = None
+    """FSDP2's traffic inside a worker (its ranks together); 0 with one rank per worker."""
     syncs: int | None = None
     peak_bytes_per_sync: int | None = None
     wall_s: float | None = None
