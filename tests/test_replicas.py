@@ -159,6 +159,7 @@ def test_trainer_with_two_ranks_per_worker_trains_as_one_rank_per_worker(tmp_pat
         scale = v.float().abs().max().clamp_min(1e-12)
         assert (m2[k].float() - v.float()).abs().max() <= 1e-5 * scale, k
     assert two["workers"] == 2 and two["ranks_per_worker"] == 2
+    assert abs(2 * two["bytes_sent_per_rank"] - two["bytes_sent_per_worker"]) <= 2
     assert abs(two["bytes_sent_per_worker"] - one["bytes_sent_per_worker"]) <= 64  # headers
     assert one["inner_bytes_sent_per_worker"] == 0
     # each step FSDP2 gathers the weights at least once and reduce-scatters the gradients:

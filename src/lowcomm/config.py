@@ -141,7 +141,7 @@ class SyncConfig:
         "ours",
         "LoCo per-step hooks: ours (absmax/7, codes -7..7, groups of "
         "codec_block) or authors (absmax/8, codes -8..7, one group per "
-        "min(rows, cols)); ours had the lower error on large matrices.",
+        "min(rows, cols)); ours is the default (measured: equal loss, fewer bytes).",
     )
     loco_compress_1d: bool = knob(
         False,

@@ -207,6 +207,7 @@ def _build_summary(run: Run, val_loss: float, means: list[float], rss: int) -> R
     cfg, steps, n_params = run.cfg, run.cfg.steps, count_params(run.model)
     n, replicas = run.site.ranks_per_worker, run.site.replicas
     sent, recv, payload, control_sent, wall, compute, blocked, inner = means
+    per_rank = sent
     sent, recv, payload, inner = sent * n, recv * n, payload * n, inner * n
     sync = {} if run.per_step else dataclasses.asdict(run.sync_cfg)
     config = {**dataclasses.asdict(cfg), **sync}
@@ -227,6 +228,7 @@ def _build_summary(run: Run, val_loss: float, means: list[float], rss: int) -> R
         ddp_fp32_bytes_per_worker=int(steps * ring_all_reduce_bytes(4 * n_params, replicas)),
         control_bytes_per_worker=int(control_sent),
         ranks_per_worker=n,
+        bytes_sent_per_rank=int(per_rank),
         inner_bytes_sent_per_worker=int(inner),
         syncs=engine.stats.syncs if engine is not None else steps,
         # per-step strategies send every step: their "sync" is one step's traffic

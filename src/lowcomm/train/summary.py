@@ -52,6 +52,8 @@ class RunSummary:
     ddp_fp32_bytes_per_worker: int | None = None
     control_bytes_per_worker: int | None = None
     ranks_per_worker: int | None = None
+    bytes_sent_per_rank: int | None = None
+    """Wire bytes between workers sent by one rank (a worker of N ranks sends N times this)."""
     inner_bytes_sent_per_worker: int | None = None
     """FSDP2's traffic inside a worker (its ranks together); 0 with one rank per worker."""
     syncs: int | None = None
