@@ -130,8 +130,11 @@ class Run:
         return self.cfg.batch_size * self.cfg.seq_len * self.site.replicas
 
     def blocked_s(self) -> float:
-        """The engine meter's total waiting time (0 without an engine)."""
-        return self.engine.transport.meter.blocked_s if self.engine is not None else 0.0
+        """The engine meter's total waiting time (HSDP's all-reduce wait with FSDP2 inside a
+        worker and no engine; else 0 without an engine)."""
+        if self.engine is not None:
+            return self.engine.transport.meter.blocked_s
+        return self.hsdp_meter.blocked_s if self.hsdp_meter is not None else 0.0
 
     def sync_context(self) -> contextlib.AbstractContextManager[Any]:
         """The engine's ``with`` block (start-up broadcast, then hooks), or nothing."""

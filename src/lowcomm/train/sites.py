@@ -16,6 +16,7 @@ through its all-reduce hook, from the size of what it reduced.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,10 +104,14 @@ def _meter(unit: Any, meter: ByteMeter, between: ByteMeter, n: int, replicas: in
     if not hasattr(unit, "set_custom_all_gather"):  # older torch: FSDP2 traffic not metered
         return
     unit.set_custom_all_gather(_MeteredAllGather(meter, n))
-    unit.set_custom_reduce_scatter(_MeteredReduceScatter(meter, n))
+    reduce_scatter = _MeteredReduceScatter(meter, n)
+    unit.set_custom_reduce_scatter(reduce_scatter)
     if replicas > 1:
 
         def record(reduced: torch.Tensor) -> None:
+            # FSDP2 all-reduces between workers right after its reduce-scatter returns and calls
+            # this once it is done: that stretch is time waiting on the link between workers
+            between.add_blocked(time.perf_counter() - reduce_scatter.ended)
             nbytes = reduced.numel() * reduced.element_size()
             wire = 2 * (replicas - 1) / replicas * nbytes
             between.record(nbytes, wire, wire, False)
@@ -146,6 +151,7 @@ class _MeteredReduceScatter(_Alloc):
 
     def __init__(self, meter: ByteMeter, n: int) -> None:
         self.meter, self.n = meter, n
+        self.ended = time.perf_counter()  # when the last call returned (see _meter)
 
     def __call__(
         self,
@@ -159,7 +165,9 @@ class _MeteredReduceScatter(_Alloc):
         nbytes = input_tensor.numel() * input_tensor.element_size()
         wire = (self.n - 1) / self.n * nbytes
         self.meter.record(nbytes, wire, wire, False)
-        return _REDUCE_SCATTER(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        work = _REDUCE_SCATTER(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        self.ended = time.perf_counter()
+        return work
 
 
 def rows_of(x: torch.Tensor, site: Site) -> torch.Tensor:
