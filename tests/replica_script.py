@@ -1,6 +1,7 @@
 """A worker that is a whole site: run by tests/test_replicas.py under torchrun.
 
     torchrun --nproc-per-node 4 replica_script.py fsdp OUT   # 2 replicas x 2 ranks, FSDP2 inside
+    torchrun --nproc-per-node 4 replica_script.py ddp OUT    # 2 replicas x 2 ranks, DDP inside
     torchrun --nproc-per-node 2 replica_script.py plain OUT  # 2 replicas x 1 rank, same data
     torchrun --nproc-per-node 2 replica_script.py split OUT  # as plain, each weight in 2 halves
 
@@ -85,10 +86,11 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         t = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        name = name.removeprefix("module.")  # DDP's wrapper
         if name.endswith(".w1"):
             continue
         if name.endswith(".w0"):
-            other = dict(model.named_parameters())[name[:-1] + "1"].detach()
+            other = dict(model.named_parameters())[name[:-1] + "1"].detach()  # not under DDP
             name, t = name[:-3] + ".weight", torch.cat([t, other])
         out[name] = t.detach().clone()
     return out
@@ -99,7 +101,7 @@ def build(mode: str, replicas: int, ranks_per_replica: int) -> Net:
     model = Net()
     if mode == "split":
         return split(model)
-    if mode == "fsdp":
+    if mode in ("fsdp", "ddp"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -107,6 +109,10 @@ def build(mode: str, replicas: int, ranks_per_replica: int) -> Net:
             "cpu", (replicas, ranks_per_replica), mesh_dim_names=("replicate", "shard")
         )
         MESH["mesh"] = mesh
+        if mode == "ddp":  # the worker's ranks hold whole copies, DDP averages their gradients
+            return nn.parallel.DistributedDataParallel(
+                model, process_group=mesh["shard"].get_group()
+            )
         for block in model.blocks:
             fully_shard(block, mesh=mesh["shard"])
         fully_shard(model, mesh=mesh["shard"])
@@ -127,7 +133,7 @@ def batches(replica: int, part: int, parts: int):
 def main(mode: str, out: Path) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    ranks_per_replica = 2 if mode == "fsdp" else 1
+    ranks_per_replica = 2 if mode in ("fsdp", "ddp") else 1
     replicas = world // ranks_per_replica
     replica, part = divmod(rank, ranks_per_replica)
     result: dict = {}
@@ -145,6 +151,7 @@ def main(mode: str, out: Path) -> None:
             "model": full_state(model),
             "payload_bytes": sync.stats.payload_bytes,
             "bytes_sent": sync.stats.bytes_sent,
+            "inner_bytes_sent": sync.stats.extra.get("inner_bytes_sent", 0),
         }
     torch.save(result, out / f"rank{rank}.pt")
     dist.destroy_process_group()

@@ -25,7 +25,7 @@ STRATEGIES = ["diloco", "streaming", "sparseloco", "co2"]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
-    for mode, ranks in [("fsdp", 4), ("plain", 2), ("split", 2)]:
+    for mode, ranks in [("fsdp", 4), ("ddp", 4), ("plain", 2), ("split", 2)]:
         folder = tmp_path_factory.mktemp(mode)
         proc = torchrun(HERE / "replica_script.py", mode, str(folder), cwd=folder, nproc=ranks)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -40,15 +40,18 @@ def _assert_models_close(a: dict, b: dict, rtol: float) -> None:
         assert err <= rtol * scale, f"{name}: max error {err:.3g} vs scale {scale:.3g}"
 
 
+@pytest.mark.parametrize("inner", ["fsdp", "ddp"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_replicas_with_fsdp_inside_train_as_one_rank_replicas(runs, strategy):
-    fsdp, plain, split = runs["fsdp"], runs["plain"], runs["split"]
-    final = fsdp[0][strategy]["model"]
+def test_replicas_of_two_ranks_train_as_one_rank_replicas(runs, strategy, inner):
+    """FSDP2 inside: each rank syncs its shard. DDP inside: each rank syncs its half of every
+    weight's rows and shares it with the other rank of its worker."""
+    sites, plain, split = runs[inner], runs["plain"], runs["split"]
+    final = sites[0][strategy]["model"]
     # all four ranks hold the same model: both replicas, both shards of each
     for r in range(1, 4):
         for name, v in final.items():
-            assert torch.equal(fsdp[r][strategy]["model"][name], v), (r, name)
-    start = fsdp[0]["start"]
+            assert torch.equal(sites[r][strategy]["model"][name], v), (r, name)
+    start = sites[0]["start"]
     assert max((final[n] - start[n]).abs().max() for n in final) > 1e-2  # it trained
     if strategy == "sparseloco":
         # top-k picks entries per tile and its 2-bit values share one table per tensor: on a
@@ -60,12 +63,14 @@ def test_replicas_with_fsdp_inside_train_as_one_rank_replicas(runs, strategy):
         _assert_models_close(final, plain[0][strategy]["model"], rtol=1e-5)
     # each rank sends its shard between replicas: half the 1-rank replica's payload (streaming:
     # plus a header per tensor)
-    ratio = fsdp[0][strategy]["payload_bytes"] / plain[0][strategy]["payload_bytes"]
+    ratio = sites[0][strategy]["payload_bytes"] / plain[0][strategy]["payload_bytes"]
     if strategy != "sparseloco":
         assert 0.5 <= ratio < 0.52, ratio
     else:
-        ratio = fsdp[0][strategy]["payload_bytes"] / split[0][strategy]["payload_bytes"]
+        ratio = sites[0][strategy]["payload_bytes"] / split[0][strategy]["payload_bytes"]
         assert 0.5 <= ratio < 0.52, ratio
+    if inner == "ddp":  # each rank shares the part it synced with the other rank of its worker
+        assert sites[0][strategy]["inner_bytes_sent"] > 0
 
 
 class _FakeMesh:
@@ -81,7 +86,7 @@ class _FakeMesh:
 
 def test_a_mesh_without_workers_or_with_unsharded_weights_is_one_clear_error():
     import lowcomm
-    from lowcomm.engine import _check_sharded
+    from lowcomm.engine import _check_replicated
 
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -91,9 +96,8 @@ def test_a_mesh_without_workers_or_with_unsharded_weights_is_one_clear_error():
         lowcomm.LowComm(
             model, opt, mesh=_FakeMesh((2, 2), ("replicate", "shard")), process_group=object()
         )
-    with pytest.raises(lowcomm.ConfigError, match="2 ranks in each worker .* not sharded"):
-        _check_sharded(_FakeMesh((2, 2), ("replicate", "shard")), list(model.parameters()))
-    _check_sharded(_FakeMesh((2, 1), ("replicate", "shard")), list(model.parameters()))  # fine
+    with pytest.raises(lowcomm.ConfigError, match="2 ranks in each worker .* neither sharded"):
+        _check_replicated(model, 2)
 
 
 def _node(port: int, out, *args: str) -> subprocess.Popen:
@@ -141,17 +145,21 @@ def test_two_nodes_of_two_ranks_train_and_resume_after_one_is_killed(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("strategy", ["diloco", "ddp"])
-def test_trainer_with_two_ranks_per_worker_trains_as_one_rank_per_worker(tmp_path, strategy):
-    """`lowcomm train --ranks-per-worker 2`: FSDP2 inside each worker (HSDP for ddp) gives the
-    model of one rank per worker, the same bytes between workers, and meters FSDP2's own."""
+@pytest.mark.parametrize(
+    "strategy, inner", [("diloco", "fsdp"), ("ddp", "fsdp"), ("diloco", "ddp")]
+)
+def test_trainer_with_two_ranks_per_worker_trains_as_one_rank_per_worker(tmp_path, strategy, inner):
+    """`lowcomm train --ranks-per-worker 2`: FSDP2 inside each worker (HSDP for ddp) or DDP
+    gives the model of one rank per worker, the same bytes between workers, and meters the
+    traffic inside a worker apart."""
     from test_cli import TINY, _run
 
     runs = {}
     for n in (1, 2):
         out = tmp_path / f"n{n}"
         args = ["train", "--strategy", strategy, "--workers", "2", "--ranks-per-worker", str(n)]
-        proc = _run(args + TINY + ["--steps", "20", "--out", str(out), "sync_every=5"])
+        extra = ["sync_every=5", f"inner_parallel={inner}"]
+        proc = _run(args + TINY + ["--steps", "20", "--out", str(out), *extra])
         assert proc.returncode == 0, proc.stderr[-2000:]
         runs[n] = (json.loads((out / "summary.json").read_text()), torch.load(out / "model.pt"))
     (one, m1), (two, m2) = runs[1], runs[2]
@@ -162,8 +170,8 @@ def test_trainer_with_two_ranks_per_worker_trains_as_one_rank_per_worker(tmp_pat
     assert abs(2 * two["bytes_sent_per_rank"] - two["bytes_sent_per_worker"]) <= 2
     assert abs(two["bytes_sent_per_worker"] - one["bytes_sent_per_worker"]) <= 64  # headers
     assert one["inner_bytes_sent_per_worker"] == 0
-    # each step FSDP2 gathers the weights at least once and reduce-scatters the gradients:
-    # at least (N - 1)/N x 2 x the FP32 model per rank, N ranks per worker
+    # each step FSDP2 gathers the weights at least once and reduce-scatters the gradients
+    # (DDP all-reduces them): at least (N - 1)/N x 2 x the FP32 model per rank, N = 2 ranks
     assert two["inner_bytes_sent_per_worker"] >= 20 * 2 * 4 * two["params"]
 
 

@@ -32,6 +32,7 @@ LocoQuantizer = Literal["ours", "authors"]
 Shard = Literal["striped", "contiguous"]
 DdpHook = Literal["allreduce", "bf16", "powersgd"]
 LogTo = Literal["none", "tensorboard"]
+InnerParallel = Literal["fsdp", "ddp"]
 
 CODECS: tuple[str, ...] = get_args(Codec)
 DENSE_CODECS = ("fp32", "bf16", "fp16")
@@ -287,6 +288,7 @@ _LITERALS = {
     "Shard": Shard,
     "DdpHook": DdpHook,
     "LogTo": LogTo,
+    "InnerParallel": InnerParallel,
 }
 
 
@@ -358,6 +360,12 @@ class TrainConfig:
         "Ranks that train one worker's replica together with FSDP2 "
         "(a worker is a site); lowcomm's outer loop runs between workers. "
         "batch_size stays per worker: each rank takes batch_size / N rows.",
+    )
+    inner_parallel: InnerParallel = knob(
+        "fsdp",
+        "With ranks_per_worker > 1: fsdp (FSDP2 shards the model over the worker's ranks; "
+        "ddp becomes HSDP) or ddp (each rank holds the whole model; DDP inside the worker, "
+        "each rank syncs 1/N of every weight between workers; ddp is DDP over all ranks).",
     )
     seq_len: int = knob(128, "Tokens per sequence.")
     inner_lr: float = knob(3e-3, "Peak AdamW learning rate of the inner optimizer.")

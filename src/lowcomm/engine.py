@@ -78,6 +78,7 @@ class _Fragment:
     buckets: list[list[int]]
     unsent: int = 0  # inner steps since this fragment was last sent
     snapshot: torch.Tensor | None = None  # continue merge: local weights at the last send
+    part: tuple[int, int] | None = None  # DDP inside a worker: (this rank's part, parts)
 
     @property
     def key(self) -> str:
@@ -85,11 +86,12 @@ class _Fragment:
 
     @property
     def params(self) -> list[torch.Tensor]:
-        """This rank's part of each parameter: the local shard under FSDP2, else the parameter.
+        """This rank's part of each parameter: the local shard under FSDP2, its slice of rows
+        with DDP inside a worker, else the parameter.
 
         Looked up each time: FSDP2 may re-point a sharded parameter's storage at lazy init.
         """
-        return [_local(p) for p in self.raw]
+        return [_local(p, self.part) for p in self.raw]
 
 
 @dataclass
@@ -194,6 +196,8 @@ class LowComm:
         self._frozen = [p for p in model.parameters() if not p.requires_grad]
         self._process_group = process_group
         self._mesh = mesh
+        self._part: tuple[int, int] | None = None  # DDP inside a worker (see _share_parts)
+        self._inner: Transport | None = None  # the ranks of this worker, for _share_parts
         self._timeout_s = float(timeout_s)
         self._comm_delay_s = comm_delay_s
         self._frags: list[_Fragment] = []
@@ -275,7 +279,7 @@ class LowComm:
         state_device = self._state_device()
         with torch.no_grad():
             for i, names in enumerate(self.fragment_names):
-                params = [_local(self._by_name[n]) for n in names]
+                params = [_local(self._by_name[n], self._part) for n in names]
                 flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
                 # every worker starts from rank 0's parameters (control traffic, not training)
                 self.transport.broadcast(flat, src=0, control=True)
@@ -287,11 +291,13 @@ class LowComm:
                     flat,
                     _views(flat, params),
                     _buckets(params, bucket_numel),
+                    part=self._part,
                 )
                 if self._continues():
                     frag.snapshot = flat.clone()
                 self._frags.append(frag)
                 self._load_global(frag)
+            self._share_parts(self._frags)
             self._broadcast_constants(floating=True)
         if self._loaded is not None:
             sd, self._loaded = self._loaded, None
@@ -304,13 +310,39 @@ class LowComm:
         if self._process_group is not None:
             return self._process_group
         if self._mesh is not None:
-            _check_sharded(self._mesh, list(self._by_name.values()))
-            return _replica_groups(self._mesh, self._timeout_s)
+            return self._join_mesh()
         # A group of its own, so engine traffic (possibly on the comm thread) never
         # interleaves with the training loop's own collectives on the default group.
         return dist.new_group(
             backend=dist.get_backend(), timeout=timedelta(seconds=self._timeout_s)
         )
+
+    def _join_mesh(self) -> dist.ProcessGroup:
+        """The outer group of this rank's position; with DDP inside a worker, also the part
+        of every parameter this rank syncs and the worker's own group to share the parts."""
+        params = list(self._by_name.values())
+        outer, inner = _replica_groups(self._mesh, self._timeout_s)
+        n = dist.get_world_size(inner)
+        if n > 1 and not any(isinstance(p, DTensor) for p in params):
+            _check_replicated(self.model, n)
+            self._part = (dist.get_rank(inner), n)
+            self._inner = Transport(inner)
+        return outer
+
+    def _share_parts(self, frags: list[_Fragment]) -> None:
+        """DDP inside a worker: each rank wrote only its part of these fragments' parameters;
+        every part is broadcast from its rank to the worker's other ranks (a fast local link)."""
+        if self._part is None:
+            return
+        n = self._part[1]
+        with torch.no_grad():
+            for f in frags:
+                for owner in range(n):
+                    pieces = [_local(p, (owner, n)) for p in f.raw]
+                    flat = torch.cat([x.reshape(-1) for x in pieces])
+                    self._inner.broadcast(flat, src=owner, control=False)
+                    for x, v in zip(pieces, _views(flat, pieces)):
+                        x.copy_(v)
 
     def _reenter(self) -> None:
         """Second and later blocks: the model must still hold what leaving published.
@@ -321,7 +353,7 @@ class LowComm:
         if self._kept_local is None:
             return
         if self._published is not None:
-            current = {n: _local(p) for n, p in self.model.named_parameters()}
+            current = {n: _local(p, self._part) for n, p in self.model.named_parameters()}
             changed = [
                 n
                 for n, v in self._published.items()
@@ -333,7 +365,8 @@ class LowComm:
                     f"{changed[0]}): to continue from a checkpoint load it with "
                     f"sync.load_state_dict(...) instead of model.load_state_dict(...)"
                 )
-        _load_named(self.model, self._kept_local)
+        _load_named(self.model, self._kept_local, self._part)
+        self._share_parts(self._frags)
         self._kept_local = None
 
     def finish(self) -> None:
@@ -612,6 +645,7 @@ class LowComm:
                 self.inner_optimizer.state.pop(param, None)
         else:
             self._merge(frag)
+        self._share_parts([frag])
         if event.buffers is not None and not final:
             _buffers.load_float_flat(self.model, event.buffers)
 
@@ -731,6 +765,7 @@ class LowComm:
         with torch.no_grad():
             for frag in self._frags:
                 self._load_global(frag)
+        self._share_parts(self._frags)
         self._published = {
             n: v.detach().clone() for f in self._frags for n, v in zip(f.names, f.global_views)
         }
@@ -738,7 +773,7 @@ class LowComm:
     def _keep_run_state(self) -> dict[str, Any]:
         """What leaving must not change: local weights and buffers, global copies, outer state."""
         kept = {
-            "local": _named_state(self.model),
+            "local": _named_state(self.model, self._part),
             "global": [f.global_flat.clone() for f in self._frags],
             "snapshot": [None if f.snapshot is None else f.snapshot.clone() for f in self._frags],
             "unsent": [f.unsent for f in self._frags],
@@ -817,7 +852,11 @@ class LowComm:
             raise ConfigError("state_dict() needs a started run: enter the with block first")
         self._collect_replica_check()
         self._update_stats()
-        local = self._kept_local if self._kept_local is not None else _named_state(self.model)
+        local = (
+            self._kept_local
+            if self._kept_local is not None
+            else _named_state(self.model, self._part)
+        )
         return {
             "step": self.step,
             "fragments": [list(f.names) for f in self._frags],
@@ -900,9 +939,10 @@ class LowComm:
             with torch.no_grad():
                 for f in self._frags:
                     self._load_global(f)
-            local = _named_state(self.model)
+            local = _named_state(self.model, self._part)
         if now:
-            _load_named(self.model, local)
+            _load_named(self.model, local, self._part)
+            self._share_parts(self._frags)
         else:  # between blocks: the next start() restores these instead of the kept ones
             self._kept_local, self._published = dict(local), None
 
@@ -931,12 +971,14 @@ class LowComm:
         with torch.no_grad():
             for f in self._frags:
                 self._load_global(f)
+        self._share_parts(self._frags)
         try:
             yield self.model
         finally:
             with torch.no_grad():
                 for p, s in zip((p for f in self._frags for p in f.params), saved):
                     p.copy_(s)
+            self._share_parts(self._frags)
 
     def global_state(self) -> dict[str, torch.Tensor]:
         """The global parameters by name: the run's global copy inside the block, the
@@ -966,6 +1008,8 @@ class LowComm:
             m.control_received_bytes,
         )
         s.blocked_s = m.blocked_s
+        if self._inner is not None:  # DDP inside a worker: parts shared with its ranks
+            s.extra["inner_bytes_sent"] = self._inner.meter.sent_bytes
         if self._buffer_transport is not None:
             bm = self._buffer_transport.meter
             s.buffer_bytes_sent, s.buffer_bytes_received = bm.sent_bytes, bm.received_bytes
@@ -1053,14 +1097,14 @@ def _check_mesh(mesh: Any, process_group: Any) -> None:
         )
 
 
-def _check_sharded(mesh: Any, params: list[nn.Parameter]) -> None:
-    """Several ranks per worker need the model sharded over them (FSDP2), said before any sync."""
-    per_worker = mesh.size() // _workers_of(mesh)
-    if per_worker > 1 and not any(isinstance(p, DTensor) for p in params):
+def _check_replicated(model: nn.Module, per_worker: int) -> None:
+    """Several ranks per worker with unsharded weights must be DDP inside the worker."""
+    if not any(isinstance(m, nn.parallel.DistributedDataParallel) for m in model.modules()):
         raise ConfigError(
-            f"mesh= puts {per_worker} ranks in each worker but the model's parameters are not "
-            f"sharded: wrap it with FSDP2 (fully_shard(model, mesh=mesh['shard'])) before "
-            f"building the optimizer, or give one rank per worker"
+            f"mesh= puts {per_worker} ranks in each worker but the model is neither sharded "
+            f"with FSDP2 (fully_shard(model, mesh=mesh['shard'])) nor wrapped in "
+            f"DistributedDataParallel over the worker's ranks: wrap it, and pass the wrapped "
+            f"model, or give one rank per worker"
         )
 
 
@@ -1070,24 +1114,21 @@ def _workers_of(mesh: Any) -> int:
     return mesh.size(mesh.mesh_dim_names.index("replicate"))
 
 
-def _replica_groups(mesh: Any, timeout_s: float) -> dist.ProcessGroup:
-    """This rank's outer group: the ranks at its own position in every worker.
+def _replica_groups(mesh: Any, timeout_s: float) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's outer group (the ranks at its own position in every worker) and its
+    worker's group (the ranks of its worker).
 
     Groups of our own (every rank creates all of them, in one order), so engine traffic never
     interleaves with the user's own collectives on the mesh's groups.
     """
     ranks = mesh.mesh
     if ranks.ndim > 1:
-        dim = mesh.mesh_dim_names.index("replicate")
-        ranks = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim])
-    else:
-        ranks = ranks.reshape(1, -1)
-    group, _ = dist.new_subgroups_by_enumeration(
-        [row.tolist() for row in ranks],
-        backend=dist.get_backend(),
-        timeout=timedelta(seconds=timeout_s),
-    )
-    return group
+        ranks = ranks.movedim(mesh.mesh_dim_names.index("replicate"), 0)
+    ranks = ranks.reshape(ranks.shape[0], -1)  # [worker, position]
+    kw = {"backend": dist.get_backend(), "timeout": timedelta(seconds=timeout_s)}
+    outer, _ = dist.new_subgroups_by_enumeration([c.tolist() for c in ranks.T], **kw)
+    inner, _ = dist.new_subgroups_by_enumeration([r.tolist() for r in ranks], **kw)
+    return outer, inner
 
 
 def _check_optimizer_holds(opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
@@ -1109,27 +1150,36 @@ def _pending_from(p: int, d: dict[str, Any]) -> _Pending:
     return _Pending(fut, int(d["sent_at"]), int(d["apply_at"]), d.get("own"))
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t``: a DTensor's local shard (same storage), else ``t`` itself."""
-    if not isinstance(t, DTensor):
+def _local(t: torch.Tensor, part: tuple[int, int] | None = None) -> torch.Tensor:
+    """This rank's part of ``t`` (same storage): a DTensor's local shard; with DDP inside a
+    worker (``part`` = (i, n)) the i-th of n slices of its rows; else ``t`` itself."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():  # a plain view of the shard, outside autograd
+            return t.to_local()
+    if part is None:
         return t
-    with torch.no_grad():  # a plain view of the shard, outside autograd
-        return t.to_local()
+    flat = t.detach()
+    flat = flat.reshape(1) if flat.dim() == 0 else flat
+    return flat.tensor_split(part[1], dim=0)[part[0]]
 
 
 def _flat_of(params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).to(device, torch.float32) for p in params])
 
 
-def _named_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Clones of the trainable parameters and persistent buffers, by name."""
-    out = {n: _local(p).detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+def _named_state(model: nn.Module, part: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+    """Clones of (this rank's part of) the trainable parameters and persistent buffers."""
+    out = {
+        n: _local(p, part).detach().clone() for n, p in model.named_parameters() if p.requires_grad
+    }
     out.update({n: b.detach().clone() for n, b in _buffers.named_persistent(model)})
     return out
 
 
-def _load_named(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
-    targets = {n: _local(p) for n, p in model.named_parameters()}
+def _load_named(
+    model: nn.Module, values: dict[str, torch.Tensor], part: tuple[int, int] | None
+) -> None:
+    targets = {n: _local(p, part) for n, p in model.named_parameters()}
     targets.update(dict(_buffers.named_persistent(model)))
     with torch.no_grad():
         for name, value in values.items():

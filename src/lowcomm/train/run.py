@@ -205,7 +205,7 @@ def set_up(
     vocab = max(corpus.vocab_size, 1)
     model = build_model(cfg.model, vocab_size=vocab, max_seq_len=max(cfg.seq_len, 1)).to(device)
     inner_meter = ByteMeter()
-    hsdp_meter = _shard_for_site(model, site, strategy, device, inner_meter)
+    hsdp_meter = _shard_for_site(model, site, strategy, device, inner_meter, cfg.inner_parallel)
     opt = torch.optim.AdamW(
         model.parameters(),
         lr=cfg.inner_lr,
@@ -249,12 +249,20 @@ def set_up(
 
 
 def _shard_for_site(
-    model: nn.Module, site: Site, strategy: str, device: torch.device, meter: ByteMeter
+    model: nn.Module,
+    site: Site,
+    strategy: str,
+    device: torch.device,
+    meter: ByteMeter,
+    inner: str,
 ) -> ByteMeter | None:
-    """FSDP2 inside a multi-rank worker (HSDP for per-step DDP); the HSDP meter, if any."""
+    """FSDP2 inside a multi-rank worker (HSDP for per-step DDP); the HSDP meter, if any.
+    With DDP inside, only the mesh: the model is wrapped in wrap_for_strategy."""
     if not site.sharded:
         return None
     build_mesh(site, device)
+    if inner == "ddp":
+        return None
     hsdp = strategy in PER_STEP_STRATEGIES
     between = ByteMeter() if hsdp else meter
     shard_model(model, site, hsdp=hsdp, meter=meter, between=between)
@@ -281,7 +289,7 @@ def wrap_for_strategy(run: Run) -> None:
             )
         else:
             run.engine = LowComm(
-                run.model,
+                _ddp_inside(run),
                 run.opt,
                 sync_cfg,
                 mesh=run.site.mesh,
@@ -289,8 +297,8 @@ def wrap_for_strategy(run: Run) -> None:
                 comm_delay_s=comm_delay_for_tests(),
             )
         return
-    if run.site.sharded:  # HSDP: FSDP2 reduces inside a worker and all-reduces between them
-        run.train_model = run.model
+    if run.site.sharded and cfg.inner_parallel == "fsdp":
+        run.train_model = run.model  # HSDP: FSDP2 reduces inside a worker, all-reduces between
         return
     grad_transport = Transport(
         dist.new_group(backend=dist.get_backend()), delay_s=comm_delay_for_tests()
@@ -310,6 +318,23 @@ def wrap_for_strategy(run: Run) -> None:
     )
     run.hook_state, hook = _ddp_hook(run, grad_transport)
     run.train_model.register_comm_hook(run.hook_state, hook)
+
+
+def _ddp_inside(run: Run) -> nn.Module:
+    """The model the engine syncs: with DDP inside a multi-rank worker, the model wrapped in DDP
+    over the worker's ranks (also what trains); else the bare model."""
+    if not (run.site.sharded and run.cfg.inner_parallel == "ddp"):
+        return run.model
+    group = run.site.mesh["shard"].get_group()
+    run.train_model = nn.parallel.DistributedDataParallel(
+        run.model,
+        device_ids=[run.device.index] if run.device.type == "cuda" else None,
+        process_group=group,
+    )
+    # the gradient all-reduce inside the worker, metered apart (not waiting on the slow link)
+    inner = GradReduceState(Transport(group, meter=run.inner_meter))
+    run.train_model.register_comm_hook(inner, allreduce_hook)
+    return run.train_model
 
 
 def _ddp_hook(run: Run, transport: Transport) -> tuple[GradReduceState, Callable[..., Any]]:
