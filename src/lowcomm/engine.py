@@ -161,9 +161,9 @@ class LowComm:
 
     A worker can be a whole site: give ``mesh``, a 2-D DeviceMesh with a ``"replicate"``
     dimension (one entry per worker) and the model sharded with FSDP2 ``fully_shard`` over the
-    other. Each rank then syncs its own shard only with the ranks that hold the same shard in
-    the other workers; traffic inside a worker stays the user's FSDP2. (``process_group`` gives
-    that outer group directly.)
+    other, or wrapped in DDP over it. Each rank then syncs its own shard (under DDP: its slice
+    of every weight's rows, shared inside the worker after each sync) only with the ranks at the
+    same position in the other workers. (``process_group`` gives that outer group directly.)
     """
 
     def __init__(
