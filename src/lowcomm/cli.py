@@ -448,8 +448,9 @@ def _add_model_and_steps(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="ranks training one worker's replica with FSDP2 (default 1; same as "
-        "ranks_per_worker=N): --workers M starts M x N processes",
+        help="ranks training one worker's replica together (default 1; same as "
+        "ranks_per_worker=N; FSDP2 inside, or inner_parallel=ddp): --workers M starts M x N "
+        "processes",
     )
 
 
