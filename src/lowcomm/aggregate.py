@@ -26,8 +26,10 @@ The math lives here; the bytes move through :class:`~lowcomm.transport.Transport
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -38,6 +40,7 @@ if TYPE_CHECKING:  # the math never calls the transport's module, only the objec
     from .compensation import Compensation
     from .transport import Transport
 
+T = TypeVar("T")
 _DENSE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -86,6 +89,8 @@ class Aggregator:
         self.dense_dtype = dense_dtype
         # only the two-phase reduce quantises twice; elsewhere there is nothing to compensate
         self.reduce_compensation = reduce_compensation if method == "two-phase" else None
+        # seconds inside the collectives of exchange(): the rest of it is decoding and summing
+        self.collective_s = 0.0
 
     # -- encode (compute thread) -----------------------------------------------------------------
     def encode(
@@ -160,11 +165,11 @@ class Aggregator:
         """Run the collectives and return the flat FP32 average over the valid workers."""
         if self.method == "allreduce":
             buf = enc.payload.clone()
-            transport.all_reduce(buf)
+            self._timed(transport.all_reduce, buf)
             count = int(round(float(buf[-1])))
             return Reduced(buf[:-1].float().div_(max(count, 1)), count)
         if self.method == "gather":
-            gathered = transport.all_gather(enc.payload)
+            gathered = self._timed(transport.all_gather, enc.payload)
             return self._sum_gathered(gathered, enc.shapes, enc.numel)
         return self._two_phase(enc, transport)
 
@@ -174,7 +179,7 @@ class Aggregator:
         The shard's length is ``enc.shard_numel``; FSDP's reduce-scatter is exactly this.
         """
         assert self.codec is not None and self.method == "two-phase"
-        received = transport.all_to_all(list(enc.payload.unbind(0)))
+        received = self._timed(transport.all_to_all, list(enc.payload.unbind(0)))
         shape = torch.Size([enc.shard_numel])
         mine = torch.zeros(shape, dtype=torch.float32, device=enc.payload.device)
         valid = 0
@@ -183,6 +188,14 @@ class Aggregator:
                 mine += self.codec.decode(p[:-1], shape, f"shard {transport.rank} from worker {w}")
                 valid += 1
         return Reduced(mine.div_(max(valid, 1)), valid)
+
+    def _timed(self, collective: Callable[[Any], T], arg: Any) -> T:
+        """Run one of the transport's collectives, adding its time to ``collective_s``."""
+        t0 = time.perf_counter()
+        try:
+            return collective(arg)
+        finally:
+            self.collective_s += time.perf_counter() - t0
 
     def step(self) -> None:
         """Count one optimizer step for the reduce-side buffers (their periodic reset).
@@ -238,7 +251,7 @@ class Aggregator:
         payload = self.codec.encode(h)
         if key is not None:
             comp.after_send(key, h, self.codec.decode(payload, h.shape, "own averaged shard"))
-        gathered = transport.all_gather(payload)
+        gathered = self._timed(transport.all_gather, payload)
         shape = mine.shape
         out = torch.cat(
             [self.codec.decode(p, shape, f"averaged shard {w}") for w, p in enumerate(gathered)]
