@@ -547,11 +547,10 @@ class LowComm:
         peers average without it and its error buffer is not polluted.
         """
         assert self.aggregator is not None
-        local = _flat_of(frag.params, frag.global_flat.device)
         reference = frag.snapshot if frag.snapshot is not None else frag.global_flat
-        pseudo_grad = reference - local
+        pseudo_grad = _minus_params(reference, frag.params)
         contributes = frag.unsent > 0
-        nonfinite = contributes and not bool(torch.isfinite(pseudo_grad).all())
+        nonfinite = contributes and not _all_finite(pseudo_grad)
         if nonfinite:
             self._left_out.add(frag.index)
             self.stats.left_out_here += 1
@@ -566,12 +565,13 @@ class LowComm:
         encoded = self._encode_buckets(frag, pseudo_grad, valid, need_own=frag.snapshot is not None)
         own = None
         if frag.snapshot is not None:
-            own = (
+            own = (  # cat copies: own never aliases a payload
                 torch.cat([e.local for e in encoded])
                 if valid  # type: ignore[misc]
-                else torch.zeros_like(local)
-            ).clone()
-            frag.snapshot.copy_(local)
+                else torch.zeros_like(pseudo_grad)
+            )
+            for s, p in zip(_views(frag.snapshot, frag.params), frag.params):
+                s.copy_(p.detach())  # the local weights, in FP32
         frag.unsent = 0
         return encoded, own, nonfinite
 
@@ -735,12 +735,12 @@ class LowComm:
         theta_{r+1} - delta_r; a drain at the end gives theta - (the partial round so far).
         """
         assert frag.snapshot is not None
-        local = _flat_of(frag.params, frag.global_flat.device)
-        progress = frag.snapshot - local
+        # the same arithmetic as snapshot - local etc., written into two buffers, not five
+        progress = _minus_params(frag.snapshot, frag.params)
         pend = self._pending.get(frag.index)
         in_flight = pend.own if pend is not None and pend.own is not None else 0.0
-        new_local = frag.global_flat - in_flight - progress
-        frag.snapshot.copy_(new_local + progress)
+        new_local = torch.sub(frag.global_flat, in_flight).sub_(progress)
+        torch.add(new_local, progress, out=frag.snapshot)
         for p, v in zip(frag.params, _views(new_local, frag.params)):
             p.copy_(v)
 
@@ -1206,8 +1206,24 @@ def _local(t: torch.Tensor, part: tuple[int, int] | None = None) -> torch.Tensor
     return flat.tensor_split(part[1], dim=0)[part[0]]
 
 
-def _flat_of(params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).to(device, torch.float32) for p in params])
+def _minus_params(reference: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    """``reference`` minus the params (flat, FP32, on its device) in one pass, without first
+    copying the params into a flat buffer."""
+    out = torch.empty_like(reference)
+    for o, r, p in zip(_views(out, params), _views(reference, params), params):
+        torch.sub(r, p.detach().to(reference.device, torch.float32), out=o)
+    return out
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every element is finite: exactly when its min and max are (NaN propagates).
+
+    One read pass; ``isfinite(t).all()`` writes a model-sized mask first (5x a copy on a CPU).
+    """
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def _named_state(model: nn.Module, part: tuple[int, int] | None) -> dict[str, torch.Tensor]:
