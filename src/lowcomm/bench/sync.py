@@ -9,14 +9,15 @@ engine's hook, so the schedule, the pseudo-gradients (the real steps' progress) 
 are those of a real run while a round of a large model stays short. The real steps are the
 inner-step reference, interleaved with the syncs so that machine noise hits both alike.
 
-Stages come from ``engine.sync_times`` (deltas over a round, rank 0): encode (pseudo-gradient,
-error compensation, codec encode), collective (the wire exchange, with its control flags and
-module buffers), decode_sum (decoding the peers' payloads and averaging), outer (outer step
-on the global copy) and merge (the result into the local weights). Strategies that overlap
-(streaming, CO2) run the exchange on the engine's comm thread; the bench waits for that thread
-after every step, so an exchange never runs under a timed inner step, and its stages are
-timed on the comm thread. The total is the work of the round's syncs on both threads
-(``SyncTimes.total``); ratio = total / (H x median inner step).
+Stages come from ``engine.sync_times`` (deltas over a round, averaged over the ranks): encode
+(pseudo-gradient, error compensation, codec encode), collective (the wire exchange, with its
+control flags and module buffers, and a rank's wait for the slowest peer), decode_sum
+(decoding the peers' payloads and averaging), outer (outer step on the global copy) and merge
+(the result into the local weights). Strategies that overlap (streaming, CO2) run the
+exchange on the engine's comm thread; the bench waits for that thread after every step, so an
+exchange never runs under a timed inner step, and its stages are timed on the comm thread.
+The total is the work of the round's syncs on both threads (``SyncTimes.total``);
+ratio = total / (H x median inner step).
 
 Memory: the bytes of the tensors the engine holds (its ``state_dict()`` less the local
 weights), as multiples of the model's FP32 size, and the peak RSS of the worker process with
@@ -179,6 +180,22 @@ def _round(engine: Any, st: Stepper, clock: HookClock, args: argparse.Namespace)
     return {k: after[k] - before[k] for k in after}, inner
 
 
+def _across_ranks(rounds: list[dict], inner: list[float], peak: int) -> tuple:
+    """Every rank's records: rounds averaged over ranks (a rank's collective holds its wait
+    for the slowest peer), every rank's inner steps, each rank's round totals, the largest
+    peak RSS."""
+    import torch.distributed as dist
+
+    got: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(got, (rounds, inner, peak))
+    mean = [
+        {k: statistics.fmean(g[0][i][k] for g in got) for k in rounds[i]}
+        for i in range(len(rounds))
+    ]
+    by_rank = [[r["total"] for r in g[0]] for g in got]
+    return mean, [t for g in got for t in g[1]], by_rank, max(g[2] for g in got)
+
+
 def run_strategy(
     strategy: str, st: Stepper, args: argparse.Namespace, world: int, plain_peak: int
 ) -> dict[str, Any]:
@@ -202,6 +219,7 @@ def run_strategy(
         peak = peak_rss_bytes()
         held = engine_buffers(engine)
     clock.remove()
+    rounds, inner, by_rank, peak = _across_ranks(rounds, inner, peak)
     model_bytes = 4 * st.params
     median_round = sorted(rounds, key=lambda d: d["total"])[(len(rounds) - 1) // 2]
     inner_s = statistics.median(inner)
@@ -213,6 +231,7 @@ def run_strategy(
         "stages_s": {s: median_round[s] for s in STAGES},
         "total_s": median_round["total"],
         "rounds": rounds,
+        "total_s_by_rank": by_rank,
         "inner_step_median_s": inner_s,
         "inner_steps_measured": len(inner),
         "round_s": args.sync_every * inner_s,
