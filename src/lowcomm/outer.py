@@ -76,8 +76,9 @@ class OuterCO2(OuterOptimizer):
     Lambda is :func:`gap_aware_penalty` of the last outer update against C, the cumulative
     mean of |outer update| per element (Lambda = 1 at the first step, and when the penalty is off).
     Clipping: element-wise to +-phi (``clip_mode="element"``) or the whole momentum's L2 norm to
-    phi (``"norm"``); phi = 0 turns it off. Four model-sized buffers per fragment: m, C, the last
-    update's magnitude, plus the engine's global copy; they live on ``state_device`` (CPU by default).
+    phi (``"norm"``); phi = 0 turns it off. Four model-sized buffers per fragment: m, C, the
+    last update's magnitude, plus the engine's global copy; they live on ``state_device`` (CPU
+    by default).
     """
 
     def __init__(
