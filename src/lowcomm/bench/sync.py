@@ -7,7 +7,9 @@ rounds of H inner steps. Only the first ``--inner-steps`` steps of a round compu
 the others call ``optimizer.step()`` with no gradients, which moves nothing but still runs the
 engine's hook, so the schedule, the pseudo-gradients (the real steps' progress) and every sync
 are those of a real run while a round of a large model stays short. The real steps are the
-inner-step reference, interleaved with the syncs so that machine noise hits both alike.
+inner-step reference, interleaved with the syncs so that machine noise hits both alike; the
+ranks meet at a barrier after them, so that their noise does not reach the sync as one rank
+waiting for another.
 
 Stages come from ``engine.sync_times`` (deltas over a round, averaged over the ranks): encode
 (pseudo-gradient, error compensation, codec encode), collective (the wire exchange, with its
@@ -167,6 +169,8 @@ def _drain(engine: Any) -> None:
 
 def _round(engine: Any, st: Stepper, clock: HookClock, args: argparse.Namespace) -> tuple:
     """H inner steps (the first few real); returns (stage deltas, the real steps' times)."""
+    import torch.distributed as dist
+
     before, inner = _times(engine), []
     for s in range(args.sync_every):
         if s < args.inner_steps:
@@ -174,6 +178,9 @@ def _round(engine: Any, st: Stepper, clock: HookClock, args: argparse.Namespace)
             dt = st.real_step()
             inner.append(dt - clock.last)  # less any sync work the engine did in this step
         else:
+            if s == args.inner_steps:
+                # the real steps' noise must not reach the sync as one rank waiting for another
+                dist.barrier()
             st.idle_step()
         _drain(engine)
     after = _times(engine)
