@@ -26,8 +26,10 @@ The math lives here; the bytes move through :class:`~lowcomm.transport.Transport
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -38,6 +40,7 @@ if TYPE_CHECKING:  # the math never calls the transport's module, only the objec
     from .compensation import Compensation
     from .transport import Transport
 
+T = TypeVar("T")
 _DENSE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -86,6 +89,8 @@ class Aggregator:
         self.dense_dtype = dense_dtype
         # only the two-phase reduce quantises twice; elsewhere there is nothing to compensate
         self.reduce_compensation = reduce_compensation if method == "two-phase" else None
+        # seconds inside the collectives of exchange(): the rest of it is decoding and summing
+        self.collective_s = 0.0
 
     # -- encode (compute thread) -----------------------------------------------------------------
     def encode(
@@ -106,8 +111,10 @@ class Aggregator:
         shapes = [t.shape for t in tensors]
         numel = sum(t.numel() for t in tensors)
         if self.method == "allreduce":
-            flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
-            payload = torch.cat([flat, flat.new_full((1,), float(valid))]).to(self.dense_dtype)
+            like = tensors[0] if tensors else torch.empty(0)
+            flag = like.new_full((1,), float(valid))
+            # one copy: the tensors and the flag straight into the payload
+            payload = torch.cat([t.reshape(-1) for t in tensors] + [flag]).to(self.dense_dtype)
             local = payload[:-1].float() if need_local else None
             return Encoded(payload, shapes, numel, local, key)
         assert self.codec is not None
@@ -157,14 +164,18 @@ class Aggregator:
 
     # -- exchange (may run on the comm thread) ---------------------------------------------------
     def exchange(self, enc: Encoded, transport: Transport) -> Reduced:
-        """Run the collectives and return the flat FP32 average over the valid workers."""
+        """Run the collectives and return the flat FP32 average over the valid workers.
+
+        The all-reduce sums ``enc.payload`` in place (a model-sized copy saved) unless
+        ``enc.local`` was asked for, which may share its memory.
+        """
         if self.method == "allreduce":
-            buf = enc.payload.clone()
-            transport.all_reduce(buf)
+            buf = enc.payload.clone() if enc.local is not None else enc.payload
+            self._timed(transport.all_reduce, buf)
             count = int(round(float(buf[-1])))
             return Reduced(buf[:-1].float().div_(max(count, 1)), count)
         if self.method == "gather":
-            gathered = transport.all_gather(enc.payload)
+            gathered = self._timed(transport.all_gather, enc.payload)
             return self._sum_gathered(gathered, enc.shapes, enc.numel)
         return self._two_phase(enc, transport)
 
@@ -174,7 +185,7 @@ class Aggregator:
         The shard's length is ``enc.shard_numel``; FSDP's reduce-scatter is exactly this.
         """
         assert self.codec is not None and self.method == "two-phase"
-        received = transport.all_to_all(list(enc.payload.unbind(0)))
+        received = self._timed(transport.all_to_all, list(enc.payload.unbind(0)))
         shape = torch.Size([enc.shard_numel])
         mine = torch.zeros(shape, dtype=torch.float32, device=enc.payload.device)
         valid = 0
@@ -183,6 +194,14 @@ class Aggregator:
                 mine += self.codec.decode(p[:-1], shape, f"shard {transport.rank} from worker {w}")
                 valid += 1
         return Reduced(mine.div_(max(valid, 1)), valid)
+
+    def _timed(self, collective: Callable[[Any], T], arg: Any) -> T:
+        """Run one of the transport's collectives, adding its time to ``collective_s``."""
+        t0 = time.perf_counter()
+        try:
+            return collective(arg)
+        finally:
+            self.collective_s += time.perf_counter() - t0
 
     def step(self) -> None:
         """Count one optimizer step for the reduce-side buffers (their periodic reset).
@@ -199,7 +218,10 @@ class Aggregator:
         dev = gathered[0].device if gathered else None
         total = torch.zeros(numel, dtype=torch.float32, device=dev)
         if self.aggregation == "selected-mean":
-            counts = torch.zeros(numel, dtype=torch.float32, device=dev)
+            # counts are small integers, exact in any dtype: int16 halves the model-sized buffer
+            small = len(gathered) < 2**15
+            counts = torch.zeros(numel, dtype=torch.int16 if small else torch.int32, device=dev)
+            touched: list[torch.Tensor] = []  # where some worker sent a value
         valid = 0
         for w, payload in enumerate(gathered):
             offset_b, offset_e = 0, 0
@@ -216,14 +238,21 @@ class Aggregator:
                     sparse = self.codec.decode_sparse  # type: ignore[attr-defined]
                     idx, vals = sparse(piece, shape, name)
                     total[offset_e : offset_e + n].index_add_(0, idx, vals)
-                    counts[offset_e : offset_e + n].index_add_(0, idx, torch.ones_like(vals))
+                    ones = torch.ones_like(idx, dtype=counts.dtype)
+                    counts[offset_e : offset_e + n].index_add_(0, idx, ones)
+                    touched.append(idx + offset_e)
                 else:
                     dec = self.codec.decode(piece, shape, name)
                     total[offset_e : offset_e + n] += dec.reshape(-1)
                 offset_b += nb
                 offset_e += n
         if self.aggregation == "selected-mean":
-            return Reduced(total.div_(counts.clamp_(min=1.0)), valid)
+            # divide only where something was sent: elsewhere the total is 0, and 0 / 1 = 0
+            # (repeated positions write the same quotient)
+            if touched:
+                at = torch.cat(touched)
+                total.index_copy_(0, at, total[at] / counts[at])
+            return Reduced(total, valid)
         return Reduced(total.div_(max(valid, 1)), valid)
 
     def _two_phase(self, enc: Encoded, transport: Transport) -> Reduced:
@@ -238,7 +267,7 @@ class Aggregator:
         payload = self.codec.encode(h)
         if key is not None:
             comp.after_send(key, h, self.codec.decode(payload, h.shape, "own averaged shard"))
-        gathered = transport.all_gather(payload)
+        gathered = self._timed(transport.all_gather, payload)
         shape = mine.shape
         out = torch.cat(
             [self.codec.decode(p, shape, f"averaged shard {w}") for w, p in enumerate(gathered)]
@@ -263,12 +292,19 @@ class Aggregator:
         self, payload: torch.Tensor, shapes: list[torch.Size], numel: int
     ) -> torch.Tensor:
         assert self.codec is not None
-        out = torch.empty(numel, dtype=torch.float32, device=payload.device)
+        sparse = getattr(self.codec, "decode_sparse", None)
+        # a sparse codec's decode is zeros + scatter: scatter straight into one zeroed buffer
+        alloc = torch.zeros if sparse is not None else torch.empty
+        out = alloc(numel, dtype=torch.float32, device=payload.device)
         ob = oe = 0
         for i, shape in enumerate(shapes):
             nb, n = self.codec.nbytes(shape), _numel(shape)
-            dec = self.codec.decode(payload[ob : ob + nb], shape, f"tensor {i}")
-            out[oe : oe + n] = dec.reshape(-1)
+            if sparse is not None:
+                idx, vals = sparse(payload[ob : ob + nb], shape, f"tensor {i}")
+                out[oe : oe + n].index_copy_(0, idx, vals)
+            else:
+                dec = self.codec.decode(payload[ob : ob + nb], shape, f"tensor {i}")
+                out[oe : oe + n] = dec.reshape(-1)
             ob += nb
             oe += n
         return out

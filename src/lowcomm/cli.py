@@ -332,7 +332,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from .bench.overhead import main as bench_overhead
 
         return bench_overhead(args.rest)
-    raise ConfigError(f"unknown benchmark '{args.what}': choose codecs or overhead")
+    if args.what == "sync":
+        from .bench.sync import main as bench_sync
+
+        return bench_sync(args.rest)
+    raise ConfigError(f"unknown benchmark '{args.what}': choose codecs, overhead or sync")
 
 
 def _command() -> str:
@@ -374,8 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:
         pass
     s.set_defaults(func=cmd_simulate)
-    b = sub.add_parser("bench", help="microbenchmarks: codecs, overhead")
-    b.add_argument("what", help="codecs or overhead")
+    b = sub.add_parser("bench", help="microbenchmarks: codecs, overhead, sync")
+    b.add_argument("what", help="codecs, overhead or sync")
     b.add_argument(
         "rest", nargs=argparse.REMAINDER, help="arguments of the benchmark (e.g. --json)"
     )

@@ -28,9 +28,9 @@ each one on the device of the tensors it compensates, e.g. FSDP's gradients) in 
 ``e ~ q * scale / 127`` with round-to-nearest; LoCo's memory-saving option). Arithmetic is
 always FP32 on the device of the incoming tensor; the buffer is rounded to the storage dtype
 when written back. Between ``accumulate`` and ``subtract`` the FP32 ``e`` that was returned is
-kept (with FP32 storage on the same device it *is* the stored buffer: the caller must not
-modify it), so the residual ``e - D(C(e))`` is computed
-from exactly what was encoded rather than from its rounded copy.
+kept (with FP32 storage on the same device it *is* the stored buffer, updated in place by
+both calls: the caller must not modify it, nor keep it past ``subtract``), so the residual
+``e - D(C(e))`` is computed from exactly what was encoded rather than from its rounded copy.
 
 ``state_dict()`` holds only tensors, strings and numbers, so it loads with
 ``torch.load(weights_only=True)``.
@@ -122,6 +122,15 @@ class _BufferStore:
         if self.dtype == torch.int8:
             out.mul_(self.scales[key].to(like.device))
         return out
+
+    def get_for_update(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        """As ``get``, but the stored buffer itself when it already is FP32 on ``like``'s
+        device: the caller updates it in place and puts it back, with no model-sized copy."""
+        buf = self.buffers.get(key)
+        if buf is not None and buf.dtype == torch.float32 and buf.device == like.device:
+            if buf.shape == like.shape:
+                return buf
+        return self.get(key, like)
 
     def put(self, key: str, value: torch.Tensor) -> None:
         """Store an FP32 value, rounding it to the storage dtype."""
@@ -225,7 +234,7 @@ class ErrorFeedback(_Compensation):
 
     def accumulate(self, key: str, x: torch.Tensor) -> torch.Tensor:
         """``e <- beta e + x``; returns ``e`` in FP32 on ``x``'s device (encode this)."""
-        e = self._store.get(key, x)
+        e = self._store.get_for_update(key, x)
         e.mul_(self.beta).add_(x.detach().to(torch.float32))
         self._store.put(key, e)
         self._pending[key] = e
@@ -251,7 +260,8 @@ class ErrorFeedback(_Compensation):
                 f"decoded tensor for {key!r} has shape {tuple(sent_decoded.shape)}, "
                 f"error buffer has {tuple(e.shape)}"
             )
-        self._store.put(key, e - sent_decoded.to(device=e.device, dtype=torch.float32))
+        # in place: e is the stored buffer or a copy of it, and nobody reads it after the send
+        self._store.put(key, e.sub_(sent_decoded.to(device=e.device, dtype=torch.float32)))
 
     def reset(self) -> None:
         """Zero every buffer."""

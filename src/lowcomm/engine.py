@@ -144,6 +144,30 @@ class SyncStats:
         return dataclasses.asdict(self)
 
 
+@dataclass
+class SyncTimes:
+    """Seconds spent in each stage of the syncs so far (``engine.sync_times``).
+
+    Encode, outer and merge run on the caller's thread; collective and decode_sum wherever the
+    exchange runs (the comm thread when overlapped). ``caller`` is the caller's time in syncs
+    outside waits on an exchange and ``exchange`` the exchanges' own time: their sum is the
+    work of the syncs, which the stages never exceed.
+    """
+
+    encode: float = 0.0  # pseudo-gradient, error compensation, codec encode
+    collective: float = 0.0  # the wire exchange, control flags and buffers included
+    decode_sum: float = 0.0  # decode the peers' payloads and average them
+    outer: float = 0.0  # outer optimizer step on the global copy
+    merge: float = 0.0  # the result into the local weights
+    caller: float = 0.0
+    exchange: float = 0.0
+
+    @property
+    def total(self) -> float:
+        """The work of the syncs, on whichever thread it ran."""
+        return self.caller + self.exchange
+
+
 class LowComm:
     """Low-communication training around an existing (model, inner optimizer) pair.
 
@@ -206,6 +230,7 @@ class LowComm:
         self.step = 0
         self.last_sync_step = -1  # the last step at which anything was sent or applied
         self.stats = SyncStats()
+        self.sync_times = SyncTimes()  # always on: a few perf_counter calls per sync
         self.transport: Transport | None = None
         self._buffer_transport: Transport | None = None
         self.aggregator: Aggregator | None = None
@@ -451,9 +476,9 @@ class LowComm:
         self.last_sync_step = step
         if sends:
             self._count_sync(len(sends))
-        self.stats.outer_s += (time.perf_counter() - t0) - (
-            self.transport.meter.blocked_s - blocked0
-        )
+        spent = (time.perf_counter() - t0) - (self.transport.meter.blocked_s - blocked0)
+        self.stats.outer_s += spent
+        self.sync_times.caller += spent
         self._update_stats()
         return None
 
@@ -472,9 +497,11 @@ class LowComm:
     ) -> None:
         """Encode the fragments due and start (or run) their exchange."""
         encoded, owns, nonfinite = {}, {}, False
+        t0 = time.perf_counter()
         for p in sends:
             encoded[p], owns[p], bad = self._encode(self._frags[p])
             nonfinite |= bad
+        self.sync_times.encode += time.perf_counter() - t0
         mine = None if flags is not None else self._flags(step, done=False, nonfinite=nonfinite)
         job = self._event_job(encoded, mine, flags)
         if self.schedule.overlap == 0:
@@ -520,11 +547,10 @@ class LowComm:
         peers average without it and its error buffer is not polluted.
         """
         assert self.aggregator is not None
-        local = _flat_of(frag.params, frag.global_flat.device)
         reference = frag.snapshot if frag.snapshot is not None else frag.global_flat
-        pseudo_grad = reference - local
+        pseudo_grad = _minus_params(reference, frag.params)
         contributes = frag.unsent > 0
-        nonfinite = contributes and not bool(torch.isfinite(pseudo_grad).all())
+        nonfinite = contributes and not _all_finite(pseudo_grad)
         if nonfinite:
             self._left_out.add(frag.index)
             self.stats.left_out_here += 1
@@ -539,12 +565,13 @@ class LowComm:
         encoded = self._encode_buckets(frag, pseudo_grad, valid, need_own=frag.snapshot is not None)
         own = None
         if frag.snapshot is not None:
-            own = (
+            own = (  # cat copies: own never aliases a payload
                 torch.cat([e.local for e in encoded])
                 if valid  # type: ignore[misc]
-                else torch.zeros_like(local)
-            ).clone()
-            frag.snapshot.copy_(local)
+                else torch.zeros_like(pseudo_grad)
+            )
+            for s, p in zip(_views(frag.snapshot, frag.params), frag.params):
+                s.copy_(p.detach())  # the local weights, in FP32
         frag.unsent = 0
         return encoded, own, nonfinite
 
@@ -580,11 +607,12 @@ class LowComm:
     ) -> Callable[[], _Event]:
         """The collectives of one sync: control flags (unless given), each fragment's exchange,
         then the floating buffers."""
-        aggregator, transport, stats, events = (
+        aggregator, transport, stats, events, times = (
             self.aggregator,
             self.transport,
             self.stats,
             self.events,
+            self.sync_times,
         )
         assert aggregator is not None and transport is not None
         buffers = None
@@ -592,13 +620,16 @@ class LowComm:
             buffers = _buffers.float_flat(self.model)
 
         def job() -> _Event:
+            t0, collective0, exchanging = time.perf_counter(), aggregator.collective_s, 0.0
             gathered = (
                 flags if mine is None else torch.stack(transport.all_gather(mine, control=True))
             )
             sent0 = transport.meter.sent_bytes
             reduced = {}
             for p, parts in encoded.items():
+                t1 = time.perf_counter()
                 out = [aggregator.exchange(e, transport) for e in parts]
+                exchanging += time.perf_counter() - t1
                 reduced[p] = (
                     out[0]
                     if len(out) == 1
@@ -610,7 +641,14 @@ class LowComm:
             stats.peak_bytes_per_sync = max(
                 stats.peak_bytes_per_sync, transport.meter.sent_bytes - sent0
             )
-            return _Event(gathered, reduced, self._exchange_buffers(buffers))
+            event = _Event(gathered, reduced, self._exchange_buffers(buffers))
+            # what exchange() spent outside its collectives is decoding and summing
+            decoding = exchanging - (aggregator.collective_s - collective0)
+            elapsed = time.perf_counter() - t0
+            times.decode_sum += decoding
+            times.collective += elapsed - decoding
+            times.exchange += elapsed
+            return event
 
         return job
 
@@ -632,8 +670,11 @@ class LowComm:
         frag = self._frags[p]
         if not final:
             self._track_nonfinite(p, event)
+        t0 = time.perf_counter()
         if reduced.valid_workers > 0:
             self.outer.step(frag.key, frag.global_flat, reduced.mean.to(frag.global_flat.device))
+        t1 = time.perf_counter()
+        self.sync_times.outer += t1 - t0
         if p in self._left_out and not final:
             # this worker diverged: restart the fragment from the global copy, with fresh
             # inner optimizer state (its moments may hold the same NaN/Inf)
@@ -648,6 +689,7 @@ class LowComm:
         self._share_parts([frag])
         if event.buffers is not None and not final:
             _buffers.load_float_flat(self.model, event.buffers)
+        self.sync_times.merge += time.perf_counter() - t1
 
     def _track_nonfinite(self, p: int, event: _Event) -> None:
         bad = event.nonfinite_workers
@@ -693,12 +735,12 @@ class LowComm:
         theta_{r+1} - delta_r; a drain at the end gives theta - (the partial round so far).
         """
         assert frag.snapshot is not None
-        local = _flat_of(frag.params, frag.global_flat.device)
-        progress = frag.snapshot - local
+        # the same arithmetic as snapshot - local etc., written into two buffers, not five
+        progress = _minus_params(frag.snapshot, frag.params)
         pend = self._pending.get(frag.index)
         in_flight = pend.own if pend is not None and pend.own is not None else 0.0
-        new_local = frag.global_flat - in_flight - progress
-        frag.snapshot.copy_(new_local + progress)
+        new_local = torch.sub(frag.global_flat, in_flight).sub_(progress)
+        torch.add(new_local, progress, out=frag.snapshot)
         for p, v in zip(frag.params, _views(new_local, frag.params)):
             p.copy_(v)
 
@@ -1008,6 +1050,7 @@ class LowComm:
             m.control_received_bytes,
         )
         s.blocked_s = m.blocked_s
+        s.extra["sync_times_s"] = dataclasses.asdict(self.sync_times)
         if self._inner is not None:  # DDP inside a worker: parts shared with its ranks
             s.extra["inner_bytes_sent"] = self._inner.meter.sent_bytes
         if self._buffer_transport is not None:
@@ -1163,8 +1206,24 @@ def _local(t: torch.Tensor, part: tuple[int, int] | None = None) -> torch.Tensor
     return flat.tensor_split(part[1], dim=0)[part[0]]
 
 
-def _flat_of(params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).to(device, torch.float32) for p in params])
+def _minus_params(reference: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    """``reference`` minus the params (flat, FP32, on its device) in one pass, without first
+    copying the params into a flat buffer."""
+    out = torch.empty_like(reference)
+    for o, r, p in zip(_views(out, params), _views(reference, params), params):
+        torch.sub(r, p.detach().to(reference.device, torch.float32), out=o)
+    return out
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every element is finite: exactly when its min and max are (NaN propagates).
+
+    One read pass; ``isfinite(t).all()`` writes a model-sized mask first (5x a copy on a CPU).
+    """
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def _named_state(model: nn.Module, part: tuple[int, int] | None) -> dict[str, torch.Tensor]:

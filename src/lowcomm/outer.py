@@ -76,8 +76,9 @@ class OuterCO2(OuterOptimizer):
     Lambda is :func:`gap_aware_penalty` of the last outer update against C, the cumulative
     mean of |outer update| per element (Lambda = 1 at the first step, and when the penalty is off).
     Clipping: element-wise to +-phi (``clip_mode="element"``) or the whole momentum's L2 norm to
-    phi (``"norm"``); phi = 0 turns it off. Four model-sized buffers per fragment: m, C, the last
-    update, plus the engine's global copy; they live on ``state_device`` (CPU by default).
+    phi (``"norm"``); phi = 0 turns it off. Four model-sized buffers per fragment: m, C, the
+    last update's magnitude, plus the engine's global copy; they live on ``state_device`` (CPU
+    by default).
     """
 
     def __init__(
@@ -127,7 +128,10 @@ class OuterCO2(OuterOptimizer):
         global_params.sub_(last)
         st["steps"] += 1
         n = int(st["steps"])
-        C.mul_((n - 1) / n).add_(last.abs(), alpha=1.0 / n)  # cumulative mean of |update|
+        # from here on only |last update| is read (C, the next penalty's gap): keep that, in
+        # place, rather than a model-sized abs() temporary at every step
+        last.abs_()
+        C.mul_((n - 1) / n).add_(last, alpha=1.0 / n)  # cumulative mean of |update|
 
 
 def make_outer(cfg: SyncConfig) -> OuterOptimizer:

@@ -178,23 +178,26 @@ class TopKCodec(Codec):
         nti = g.R // g.tr
         row_elems = g.tr * g.C  # one row of tiles
         band = max(1, chunk_elems(dev) // row_elems)
-        size = min(band, nti) * row_elems
-        signed = torch.empty(size, dtype=torch.float32, device=dev)
-        mag = torch.empty(size, dtype=torch.float32, device=dev)
+        mag = torch.empty(min(band, nti) * row_elems, dtype=torch.float32, device=dev)
         x2 = flat.view(g.R, g.C)
+        t = torch.arange(min(band, nti) * g.ntj, device=dev)
+        tile_at = (t // g.ntj) * row_elems + (t % g.ntj) * g.tc  # each tile's offset in a band
         group = _group_size(g.L, g.k) if dev.type == "cpu" else 1
         for b0 in range(0, nti, band):
             nb = min(band, nti - b0)
             rows = nb * g.ntj
-            src = x2[b0 * g.tr : (b0 + nb) * g.tr].view(nb, g.tr, g.ntj, g.tc).permute(0, 2, 1, 3)
-            st = signed[: nb * row_elems].view(rows, g.L)
-            st.view(nb, g.ntj, g.tr, g.tc).copy_(src)  # gather the tiles (one pass over x)
+            xb = x2[b0 * g.tr : (b0 + nb) * g.tr]
+            src = xb.view(nb, g.tr, g.ntj, g.tc).permute(0, 2, 1, 3)
             mt = mag[: nb * row_elems].view(rows, g.L)
-            torch.abs(st, out=mt)
+            # the tiles' magnitudes, gathered in one pass over x (no signed copy of the tiles)
+            torch.abs(src, out=mt.view(nb, g.ntj, g.tr, g.tc))
             li = _topk_indices(mt, g.k, group)
             li = li.sort(dim=1).values  # canonical order (k is small)
             local[b0 * g.ntj : b0 * g.ntj + rows] = li
-            torch.gather(st, 1, li, out=values[b0 * g.ntj : b0 * g.ntj + rows])
+            r = torch.div(li, g.tc, rounding_mode="floor")
+            at = tile_at[:rows, None] + r * g.C + (li - r * g.tc)  # the kept entries in the band
+            out = values[b0 * g.ntj : b0 * g.ntj + rows].view(-1)
+            torch.index_select(xb.reshape(-1), 0, at.view(-1), out=out)
         return local, values
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
