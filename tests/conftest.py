@@ -26,11 +26,13 @@ def _target(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    from lowcomm.transport import shutdown
+
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        shutdown()  # frees groups held by garbage cycles (a DDP hook's state) first
 
 
 def run_workers(fn, world: int, *args, tmp_path: Path) -> list:

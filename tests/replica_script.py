@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import lowcomm
+from lowcomm.transport import shutdown
 
 DIM, BLOCKS, STEPS, BATCH = 32, 4, 24, 8
 STRATEGIES = {
@@ -154,7 +155,7 @@ def main(mode: str, out: Path) -> None:
             "inner_bytes_sent": sync.stats.extra.get("inner_bytes_sent", 0),
         }
     torch.save(result, out / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -422,3 +422,23 @@ def test_a_user_error_in_every_worker_is_reported_once(tmp_path):
     err = launch._worker_failure(SimpleNamespace(get_first_failure=lambda: (1, failure)), tmp_path)
     assert err.exitcode == 2 and str(err) == "seq_len=9999 is longer than the corpus"
     assert not list(tmp_path.glob(".error-rank*"))
+
+
+def test_a_vanished_peer_under_torchrun_is_one_line_with_the_resume_hint(tmp_path, monkeypatch):
+    from lowcomm.train.launch import peer_lost_message
+
+    gloo = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:38535. This is typically caused by a remote worker crashing. GLHF!"
+    )
+    monkeypatch.delenv("LOWCOMM_LAUNCHED", raising=False)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    said = peer_lost_message(gloo, tmp_path)
+    assert said is not None and "\n" not in said
+    assert said.startswith("rank 3: a collective failed because another worker is gone")
+    assert "(Connection closed by peer [127.0.0.1]:38535)" in said
+    assert "No checkpoint was written" in said and "GLHF" not in said
+    assert peer_lost_message(RuntimeError("shape mismatch"), tmp_path) is None  # a real bug
+    monkeypatch.delenv("RANK")
+    assert peer_lost_message(gloo, tmp_path) is None  # our own launcher names the lost worker

@@ -8,12 +8,14 @@ and co2.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,6 +116,31 @@ def _node(port: int, out, *args: str) -> subprocess.Popen:
     )
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc: torchrun starts each worker in a session
+    of its own, so killing the launcher's process group leaves its workers running)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _lose_machine(pid: int) -> None:
+    """SIGKILL a node's launcher and every worker under it at once, as a lost machine."""
+    for p in [pid, *_descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
 def test_two_nodes_of_two_ranks_train_and_resume_after_one_is_killed(tmp_path):
     """Two sites, each a torchrun of 2 ranks with FSDP2 inside; one is killed after a sharded
     checkpoint; both restart with --resume and finish as an uninterrupted run does."""
@@ -132,9 +159,11 @@ def test_two_nodes_of_two_ranks_train_and_resume_after_one_is_killed(tmp_path):
     deadline = time.time() + 300
     while not first.exists() and time.time() < deadline:
         time.sleep(0.02)
-    os.killpg(nodes[1].pid, signal.SIGKILL)  # one site lost, mid-run
+    _lose_machine(nodes[1].pid)  # one site lost, mid-run
     codes = [n.wait(timeout=300) for n in nodes]
     assert codes[0] != 0 and codes[1] != 0, codes  # the other site stopped too, with an error
+    said = (cut / f"node-{port}-0.log").read_text()
+    assert "another worker is gone" in said and "Last checkpoint:" in said, said[-3000:]
     assert not (cut / "run" / "model.pt").exists()  # it did not finish
     assert (cut / "run" / "checkpoints" / "step-000000040" / "sharded" / "worker1").is_dir()
     port = _free_port()

@@ -11,6 +11,7 @@ import dataclasses
 import re
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +61,9 @@ def _check_out_dir(path: str | Path) -> Path:
     out = Path(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".lowcomm-write-test"
-        probe.write_text("")
-        probe.unlink()
+        # a probe of this process's own: the workers of one run check the same folder at once
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".lowcomm-write-test-"):
+            pass
     except OSError as e:
         raise ConfigError(
             f"cannot write to output folder {out}: {e.strerror}; choose a writable --out"
@@ -524,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     # key=value overrides may sit anywhere among the options (argparse cannot interleave them)
     overrides = [a for a in argv if _OVERRIDE.match(a)]
     rest = [a for a in argv if not _OVERRIDE.match(a)]
+    args: argparse.Namespace | None = None
     try:
         args = parser.parse_args(rest)
         if hasattr(args, "overrides"):
@@ -541,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # a worker died or the run failed: one line, non-zero status
-        from .train.launch import Interrupted, LaunchError
+        from .train.launch import Interrupted, LaunchError, peer_lost_message
 
         if isinstance(e, Interrupted):
             print(str(e), file=sys.stderr)
@@ -549,7 +551,18 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, LaunchError):
             print(f"error: {e}", file=sys.stderr)
             return e.exitcode
+        lost = peer_lost_message(e, _run_dir(args))
+        if lost is not None:
+            print(f"error: {lost}", file=sys.stderr)
+            return 1
         raise
+
+
+def _run_dir(args: argparse.Namespace | None) -> str | None:
+    """The run folder a train command writes to (its --resume folder when resuming)."""
+    if args is None or getattr(args, "command", None) != "train":
+        return None
+    return getattr(args, "resume", None) or getattr(args, "out", None)
 
 
 if __name__ == "__main__":

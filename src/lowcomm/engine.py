@@ -24,10 +24,8 @@ entering the block again continues the same run as if it had never been left.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
-import gc
 import hashlib
 import logging
 import time
@@ -58,7 +56,7 @@ from .schedule import (
     expand_fragment_modules,
     find_blocks,
 )
-from .transport import Transport
+from .transport import Transport, shutdown_at_exit
 
 log = logging.getLogger("lowcomm")
 
@@ -331,7 +329,7 @@ class LowComm:
     def _join_group(self) -> dist.ProcessGroup:
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError(_NO_GROUP_MESSAGE)
-        _destroy_groups_at_exit()
+        shutdown_at_exit()
         if self._process_group is not None:
             return self._process_group
         if self._mesh is not None:
@@ -1061,36 +1059,6 @@ class LowComm:
         if self.config.state_device == "model":
             return next(iter(self._by_name.values())).device
         return torch.device(self.config.state_device)
-
-
-_EXIT_HOOKED = False
-
-
-def _destroy_groups_at_exit() -> None:
-    """Tear torch.distributed down before the interpreter does, if the script did not.
-
-    Left to interpreter exit, gloo's threads can be destroyed while still joinable and abort
-    the process (SIGABRT, "terminate called without an active exception") after a run that
-    otherwise succeeded. So at exit: stop our comm threads, drop our references to the process
-    groups, destroy them, and collect, so that their C++ destructors run while Python is whole.
-    Scripts that call destroy_process_group() themselves only get the first two.
-    """
-    global _EXIT_HOOKED
-    if _EXIT_HOOKED:
-        return
-    _EXIT_HOOKED = True
-
-    def cleanup() -> None:
-        from .transport import release_all
-
-        with contextlib.suppress(Exception):
-            release_all()
-        if dist.is_available() and dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-        gc.collect()
-
-    atexit.register(cleanup)
 
 
 _NO_GROUP_MESSAGE = (

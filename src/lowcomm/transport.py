@@ -19,6 +19,9 @@ Gloo releases the GIL while it waits, so the compute thread really runs meanwhil
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import gc
 import threading
 import time
 import weakref
@@ -109,6 +112,7 @@ class Transport:
             )
         self.group = group
         _LIVE.add(self)
+        shutdown_at_exit()
         self.meter = meter if meter is not None else ByteMeter()
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -249,3 +253,47 @@ def release_all() -> None:
     """Release every live transport's process group."""
     for t in list(_LIVE):
         t.release()
+
+
+def shutdown() -> None:
+    """Tear torch.distributed down in the one order that exits cleanly with gloo.
+
+    A process group must be freed on the main thread while its own threads are idle. Freed by
+    the garbage collector running in one of gloo's threads (a future's callback allocates,
+    collection starts there and reaches a comm hook's state holding the group), the thread
+    joins itself and the process aborts ("Resource deadlock avoided"); left to interpreter
+    exit, a still-joinable thread aborts it ("terminate called without an active exception").
+    So: no automatic collection meanwhile; hold every group; stop our comm threads; collect;
+    destroy; give gloo's threads a moment to drop the work they just finished; let go of the
+    groups here, on this thread.
+    """
+    initialized = dist.is_available() and dist.is_initialized()
+    held = list(getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", {}))
+    automatic = gc.isenabled()
+    gc.disable()
+    try:
+        with contextlib.suppress(Exception):
+            release_all()
+        gc.collect()
+        if initialized:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        gc.collect()
+        if held:
+            time.sleep(0.05)
+        del held
+        gc.collect()
+    finally:
+        if automatic:
+            gc.enable()
+
+
+_EXIT_HOOKED = False
+
+
+def shutdown_at_exit() -> None:
+    """Run :func:`shutdown` at interpreter exit (once), for scripts that never tear down."""
+    global _EXIT_HOOKED
+    if not _EXIT_HOOKED:
+        _EXIT_HOOKED = True
+        atexit.register(shutdown)

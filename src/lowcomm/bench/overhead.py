@@ -29,6 +29,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     from ..presets import preset_config
     from ..train.data import Batches, load_corpus
     from ..train.model import build_model
+    from ..transport import shutdown
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(args.threads)
@@ -61,7 +62,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
                     times["engine_sync" if synced else "engine"].append(dt)
     if rank == 0:
         Path(out).write_text(json.dumps(times))
-    dist.destroy_process_group()
+    shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -254,6 +254,8 @@ def run_strategy(
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
     import torch.distributed as dist
 
+    from ..transport import shutdown
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
@@ -287,7 +289,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         }
         Path(out).write_text(json.dumps(res))
     dist.barrier()
-    dist.destroy_process_group()
+    shutdown()
 
 
 def _parser() -> argparse.ArgumentParser:

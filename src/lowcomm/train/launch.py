@@ -309,6 +309,28 @@ def _last_logged_step(out: Path) -> int:
     return step
 
 
+# what gloo and NCCL say when a collective's peer process is gone
+_PEER_GONE = ("closed by peer", "reset by peer", "Broken pipe", "timed out", "Timed out")
+
+
+def peer_lost_message(e: BaseException, out_dir: str | Path | None) -> str | None:
+    """Under torchrun, one line for a run stopped because another worker vanished (else None).
+
+    The launcher of `lowcomm train --workers M` names the lost worker itself; under torchrun each
+    surviving rank sees only its failed collective, raised as a backend error with a traceback.
+    """
+    text = str(e).strip()
+    if not under_torchrun() or out_dir is None or not any(s in text for s in _PEER_GONE):
+        return None
+    first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0])  # gloo's source location
+    first = first.split(". ")[0]  # its first sentence: the rest is advice about logs
+    return (
+        f"rank {os.environ['RANK']}: a collective failed because another worker is gone "
+        f"({first[:120]}); this run stopped. {_last_checkpoint_hint(out_dir)} "
+        f"Under torchrun, restart every node with --resume."
+    )
+
+
 def _last_checkpoint_hint(out_dir: str | Path) -> str:
     from .. import checkpoint as ckpt
 

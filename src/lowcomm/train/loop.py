@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import SyncConfig, TrainConfig
-from ..transport import ring_all_reduce_bytes
+from ..transport import ring_all_reduce_bytes, shutdown
 from .log import RunLog
 from .model import count_params
 from .resume import load_state, restore, save_checkpoint
@@ -274,10 +274,9 @@ def _tear_down(run: Run) -> None:
             (run.out / "workers.json").unlink()
     dist.barrier()
     if run.owns_group:
-        # Tear gloo down while the interpreter is whole: left to interpreter exit, its worker
-        # threads can still hold finished work and abort the process (SIGABRT, "terminate called
-        # without an active exception"), seen on shaped links after the summary was written.
-        dist.destroy_process_group()
+        # Tear gloo down while the interpreter is whole (see transport.shutdown): left to exit,
+        # its threads can abort the process after the summary was written.
+        shutdown()
 
 
 def _write_workers_json(run: Run) -> None:
