@@ -11,15 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
+
+from .spawn import run_workers_json
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
@@ -78,21 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "times.json")
-        mp.start_processes(
-            _worker,
-            args=(args.workers, port, args, out),
-            nprocs=args.workers,
-            join=True,
-            start_method="spawn",
-        )
-        times = json.loads(Path(out).read_text())
+    times = run_workers_json(_worker, args.workers, args)
     plain = statistics.median(times["plain"])
     eng = statistics.median(times["engine"])
     sync = statistics.median(times["engine_sync"]) if times["engine_sync"] else float("nan")

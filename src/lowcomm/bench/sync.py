@@ -35,16 +35,16 @@ import gc
 import json
 import os
 import resource
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .spawn import run_workers_json
 
 STAGES = ("encode", "collective", "decode_sum", "outer", "merge")
 DEFAULT_STRATEGIES = "diloco,streaming,sparseloco,co2"
@@ -347,21 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--workers, --sync-every, --repeats, --inner-steps must be >= 1, --warmup >= 0")
     if args.inner_steps > args.sync_every:
         p.error("--inner-steps cannot exceed --sync-every")
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "sync.json")
-        mp.start_processes(
-            _worker,
-            args=(args.workers, port, args, out),
-            nprocs=args.workers,
-            join=True,
-            start_method="spawn",
-        )
-        res = json.loads(Path(out).read_text())
+    res = run_workers_json(_worker, args.workers, args)
     print(json.dumps(res, indent=1) if args.json else _table(res))
     return 0
 
