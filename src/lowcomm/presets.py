@@ -62,8 +62,12 @@ PER_STEP_CONFIGS: dict[str, dict[str, Any]] = {
 }
 PER_STEP_STRATEGIES = tuple(PER_STEP_CONFIGS)
 # Peers: other libraries' implementations run by our trainer on the same model, data and link
-# (optional extras; see lowcomm.peers.torchft). Same knobs as our DiLoCo.
-PEER_CONFIGS: dict[str, dict[str, Any]] = {"torchft-diloco": dict(STRATEGY_CONFIGS["diloco"])}
+# (optional extras; see lowcomm.peers.torchft). Same knobs as our DiLoCo and Streaming DiLoCo;
+# torchft's streaming sends FP32 (its low-bit path needs CUDA).
+PEER_CONFIGS: dict[str, dict[str, Any]] = {
+    "torchft-diloco": dict(STRATEGY_CONFIGS["diloco"]),
+    "torchft-streaming": {**STRATEGY_CONFIGS["streaming"], "codec": "fp32"},
+}
 STRATEGIES = PER_STEP_STRATEGIES + tuple(STRATEGY_CONFIGS) + tuple(PEER_CONFIGS)
 
 

@@ -157,7 +157,7 @@ def _plan(
             sync_cfg, train_cfg = build_configs(
                 values, sync=preset_config(e.strategy, workers=workers)
             )
-            if e.strategy == torchft_peer.STRATEGY:
+            if torchft_peer.is_peer(e.strategy):
                 torchft_peer.check_config(sync_cfg, train_cfg.checkpoint_every, None)
             plans.append((e, seed, values, sync_cfg, train_cfg))
     return plans

@@ -1,9 +1,19 @@
-"""The `torchft-diloco` compare entry: PyTorch's torchft DiLoCo run by our trainer, as a peer.
+"""The `torchft-diloco` and `torchft-streaming` compare entries: torchft run by our trainer.
 
 torchft (PyPI ``torchft-nightly``, an optional extra) is fault-tolerant training from the PyTorch
-team; its ``DiLoCo`` is the implementation users most often compare us with. This module runs it
-inside :func:`lowcomm.train.loop.run_worker` with the same model, data, inner optimizer, schedule,
-H, outer optimizer and (shaped) network as our own DiLoCo, so the two are measured side by side.
+team; its ``DiLoCo`` (which is also its Streaming DiLoCo, given several model fragments) is the
+implementation users most often compare us with. This module runs it inside
+:func:`lowcomm.train.loop.run_worker` with the same model, data, inner optimizer, H, outer
+optimizer and (shaped) network as our own DiLoCo or Streaming DiLoCo, so they are measured side
+by side. ``torchft-streaming`` gets our fragments (the same parameters in each), torchft's
+overlap ``fragment_sync_delay`` = our ``overlap`` and its ``fragment_update_alpha`` = our
+``alpha``; it sends FP32 (torchft's low-bit path needs CUDA and Triton).
+
+Schedules: torchft syncs one fragment every H/P steps, fragment i first after (i+1)·H/P steps,
+sending it ``overlap`` steps before that; ours sends fragment p after p·H/P steps (+ k·H) and
+applies it ``overlap`` steps later. With overlap 0 the two coincide once torchft's fragment list
+is ours rotated by one (its first fragment is our second); with overlap > 0 torchft's sends come
+``overlap`` steps earlier in the round than ours, the same rule at another phase.
 
 Each of our workers is one torchft replica group of size 1: it owns a TCPStore and a Manager;
 rank 0 also runs the lighthouse (torchft's quorum server) in-process. torchft's traffic goes
@@ -38,6 +48,13 @@ from ..engine import SyncStats
 from ..transport import ByteMeter, ring_all_reduce_bytes
 
 STRATEGY = "torchft-diloco"
+STREAMING = "torchft-streaming"
+STRATEGIES = (STRATEGY, STREAMING)
+
+
+def is_peer(strategy: str) -> bool:
+    """Whether ``strategy`` names one of torchft's methods run as a peer."""
+    return strategy in STRATEGIES
 
 
 def _import_torchft() -> Any:
@@ -54,7 +71,7 @@ def _import_torchft() -> Any:
         from torchft.process_group import ProcessGroupGloo
     except ImportError as e:
         raise ConfigError(
-            f"the '{STRATEGY}' entry needs torchft: pip install 'lowcomm[torchft]' "
+            f"the {' and '.join(STRATEGIES)} entries need torchft: pip install 'lowcomm[torchft]' "
             f"(or pip install torchft-nightly) ({e})"
         ) from None
     return SimpleNamespace(
@@ -70,18 +87,54 @@ def check_config(sync_cfg: SyncConfig, checkpoint_every: int, resume: str | None
     _import_torchft()
     if sync_cfg.outer_optimizer != "nesterov":
         raise ConfigError(
-            f"{STRATEGY} runs torchft's DiLoCo with a Nesterov SGD outer optimizer; "
+            "torchft's DiLoCo runs a Nesterov SGD outer optimizer; "
             f"outer_optimizer={sync_cfg.outer_optimizer!r} is not supported"
         )
     if sync_cfg.codec not in ("none", "fp32"):
         raise ConfigError(
-            f"{STRATEGY} sends FP32 pseudo-gradients; codec={sync_cfg.codec!r} is not supported"
+            f"torchft's DiLoCo sends FP32 on CPU; codec={sync_cfg.codec!r} is not supported"
         )
     if checkpoint_every or resume:
         raise ConfigError(
-            f"{STRATEGY} is a benchmark peer: checkpoints and resume are not supported "
+            "the torchft entries are benchmark peers: checkpoints and resume are not supported "
             "(set checkpoint_every=0)"
         )
+    if sync_cfg.merge != "alpha" or sync_cfg.reduce not in ("auto", "allreduce"):
+        raise ConfigError(
+            "torchft's DiLoCo all-reduces FP32 and merges by alpha: "
+            f"merge={sync_cfg.merge!r}, reduce={sync_cfg.reduce!r} are not supported"
+        )
+
+
+def _torchft_fragments(model: nn.Module, sync_cfg: SyncConfig) -> list[nn.Module]:
+    """Our fragments as the modules torchft's DiLoCo takes, in the order it syncs them."""
+    from ..schedule import build_fragments, find_blocks
+
+    params = dict(model.named_parameters())
+    names = [n for n, p in params.items() if p.requires_grad]
+    ours = build_fragments(
+        names,
+        find_blocks(model),
+        sync_cfg.fragments,
+        sync_cfg.blocks_per_fragment,
+        sync_cfg.fragment_pattern,
+    )
+    H, P, tau = sync_cfg.sync_every, len(ours), sync_cfg.tau
+    if H % P or tau >= H // P:
+        raise ConfigError(
+            f"torchft's Streaming DiLoCo needs sync_every divisible by the {P} fragments and "
+            f"overlap < sync_every/fragments: sync_every={H}, overlap={tau} do not fit"
+        )
+    return [_Shared([(n, params[n]) for n in ours[(i + 1) % P]]) for i in range(P)]
+
+
+class _Shared(nn.Module):
+    """Some of a model's parameters as a module of their own (the same tensors, not copies)."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        super().__init__()
+        for name, p in named:
+            self.register_parameter(name.replace(".", "__"), p)
 
 
 def _own_address() -> str:
@@ -90,7 +143,10 @@ def _own_address() -> str:
 
 
 class TorchftDiLoCo:
-    """torchft's DiLoCo behind the slice of the LowComm interface that the trainer uses."""
+    """torchft's DiLoCo behind the slice of the LowComm interface that the trainer uses.
+
+    ``streaming=True`` hands it our fragments (torchft's Streaming DiLoCo); else the whole model.
+    """
 
     def __init__(
         self,
@@ -98,6 +154,7 @@ class TorchftDiLoCo:
         inner_optimizer: torch.optim.Optimizer,
         sync_cfg: SyncConfig,
         timeout_s: float = 300.0,
+        streaming: bool = False,
     ) -> None:
         ft = _import_torchft()
         self.model = model
@@ -152,19 +209,29 @@ class TorchftDiLoCo:
             connect_timeout=timeout,
         )
         self._meter_allreduce()
-        outer = torch.optim.SGD(
-            model.parameters(),
-            lr=sync_cfg.outer_lr,
-            momentum=sync_cfg.outer_momentum,
-            nesterov=sync_cfg.outer_momentum > 0,
-        )
+        fragments = _torchft_fragments(model, sync_cfg) if streaming else [model]
+        # one outer optimizer per fragment, as torchft's own streaming tests do: a shared one
+        # would also step the other fragments' parameters by the inner gradients still on them
+        outer = [
+            torch.optim.SGD(
+                f.parameters(),
+                lr=sync_cfg.outer_lr,
+                momentum=sync_cfg.outer_momentum,
+                nesterov=sync_cfg.outer_momentum > 0,
+            )
+            for f in fragments
+        ]
+        tau = sync_cfg.tau if streaming else 0
         self.diloco = ft.DiLoCo(
             self.manager,
-            [model],
+            fragments,
             inner_optimizer,
             outer,
             sync_every=sync_cfg.sync_every,
             backup_device=next(model.parameters()).device,
+            fragment_sync_delay=tau,
+            # ours mixes only when a result arrives late (tau > 0), as the paper does
+            fragment_update_alpha=sync_cfg.alpha if tau > 0 else 0.0,
         )
         self._time_hook()
 
@@ -192,22 +259,27 @@ class TorchftDiLoCo:
         self.manager.allreduce = allreduce
 
     def _time_hook(self) -> None:
-        """Time DiLoCo's optimizer post-hook: on a sync step it is quorum + all-reduce +
-        outer step."""
+        """Time DiLoCo's optimizer post-hook: on a send step it is the quorum and the start of
+        the all-reduce; on an apply step the wait for it and the outer step (the same step when
+        nothing overlaps)."""
         orig = self.diloco._step_post_hook
         meter = self.transport.meter
+        every = self.diloco._sync_every  # steps between two fragment syncs (H / P)
+        send_at = every - self.diloco._fragment_sync_delay
 
         def hook(*args: Any, **kwargs: Any) -> None:
             self._step += 1
+            due = self.diloco._local_step + 1
             before = self.stats.bytes_sent
             t0 = time.perf_counter()
             orig(*args, **kwargs)
-            if self.stats.bytes_sent != before:  # this step synced
+            if due in (send_at, every):
                 meter.add_blocked(time.perf_counter() - t0)
+            self.stats.peak_bytes_per_sync = max(
+                self.stats.peak_bytes_per_sync, self.stats.bytes_sent - before
+            )
+            if due == every:  # a fragment's outer step was applied
                 self.stats.syncs += 1
-                self.stats.peak_bytes_per_sync = max(
-                    self.stats.peak_bytes_per_sync, self.stats.bytes_sent - before
-                )
                 self.last_sync_step = self._step
 
         self.diloco._step_post_hook = hook  # registered by DiLoCo.__enter__, so patch before it
@@ -226,23 +298,29 @@ class TorchftDiLoCo:
 
     @contextlib.contextmanager
     def global_parameters(self) -> Iterator[None]:
-        """Swap in torchft's global copy (its backup of the last synced parameters) for
-        evaluation."""
-        frag = self.diloco._fragments[0]
-        params = dict(self.model.named_parameters())
-        local = {n: p.detach().clone() for n, p in params.items()}
+        """Swap in torchft's global copy (its backup of the last synced parameters, per
+        fragment) for evaluation."""
+        pairs = [
+            (p, frag.original_parameters[n])
+            for frag in self.diloco._fragments
+            for n, p in frag._model_fragment.named_parameters()
+        ]
+        local = [p.detach().clone() for p, _ in pairs]
         with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(frag.original_parameters[n])
+            for p, g in pairs:
+                p.copy_(g)
         try:
             yield
         finally:
             with torch.no_grad():
-                for n, p in params.items():
-                    p.copy_(local[n])
+                for (p, _), saved in zip(pairs, local):
+                    p.copy_(saved)
 
     def finish(self) -> None:
-        """Nothing in flight: torchft's DiLoCo (fragment_sync_delay 0) waits within the sync
-        step."""
+        """Wait for an all-reduce still in flight (a fragment sent within ``overlap`` steps of
+        the end; torchft never applies it, and neither do we)."""
+        for frag in self.diloco._fragments:
+            for work in frag._allreduce_work:
+                work.wait()
         self.stats.inner_steps = self._step
         self.stats.blocked_s = self.transport.meter.blocked_s

@@ -164,7 +164,7 @@ def _check_schedule(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, vocab
     from ..presets import PER_STEP_STRATEGIES
     from .model import build_model
 
-    if strategy in PER_STEP_STRATEGIES or strategy == torchft_peer.STRATEGY:
+    if strategy in PER_STEP_STRATEGIES or torchft_peer.is_peer(strategy):
         return
     try:
         with torch.device("meta"):
@@ -194,7 +194,7 @@ def launch(
     device, model, schedule and data errors are raised here, before any worker starts;
     ``on_checked`` runs once they have passed, just before the workers start.
     """
-    if strategy == torchft_peer.STRATEGY:
+    if torchft_peer.is_peer(strategy):
         torchft_peer.check_config(sync_cfg, cfg.checkpoint_every, resume)
     if under_torchrun():
         from .loop import run_worker

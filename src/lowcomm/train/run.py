@@ -283,9 +283,13 @@ def wrap_for_strategy(run: Run) -> None:
     cfg, sync_cfg = run.cfg, run.sync_cfg
     if not run.per_step:
         run.train_model = run.model
-        if run.strategy == torchft.STRATEGY:  # its settings were checked by launch()
+        if torchft.is_peer(run.strategy):  # its settings were checked by launch()
             run.engine = torchft.TorchftDiLoCo(
-                run.model, run.opt, sync_cfg, timeout_s=cfg.timeout_s
+                run.model,
+                run.opt,
+                sync_cfg,
+                timeout_s=cfg.timeout_s,
+                streaming=run.strategy == torchft.STREAMING,
             )
         else:
             run.engine = LowComm(
