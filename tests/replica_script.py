@@ -32,6 +32,9 @@ DIM, BLOCKS, STEPS, BATCH = 32, 4, 24, 8
 STRATEGIES = {
     "diloco": lambda m, o: lowcomm.DiLoCo(m, o, sync_every=6, **MESH),
     "streaming": lambda m, o: lowcomm.StreamingDiLoCo(m, o, sync_every=6, fragments=2, **MESH),
+    "streaming_fp32": lambda m, o: lowcomm.StreamingDiLoCo(
+        m, o, sync_every=6, fragments=2, codec="fp32", **MESH
+    ),
     "sparseloco": lambda m, o: lowcomm.SparseLoCo(m, o, sync_every=6, **MESH),
     "co2": lambda m, o: lowcomm.CO2(m, o, sync_every=6, **MESH),
 }

@@ -21,7 +21,7 @@ import pytest
 import torch
 from test_own_loop import HERE, torchrun
 
-STRATEGIES = ["diloco", "streaming", "sparseloco", "co2"]
+STRATEGIES = ["diloco", "streaming", "streaming_fp32", "sparseloco", "co2"]
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +60,15 @@ def test_replicas_of_two_ranks_train_as_one_rank_replicas(runs, strategy, inner)
         # shard both are the shard's own, so the exact reference holds each weight as the same
         # two halves; against whole weights the run differs (other entries kept)
         _assert_models_close(final, split[0][strategy]["model"], rtol=1e-5)
+    elif strategy == "streaming":
+        # FP4 (scales per 128 entries, which shard boundaries do not cut) rounds each entry to a
+        # power of two: a rank computing on half of its worker's rows sums its gradients in
+        # another order, and a difference of 1e-7 can carry an entry across a rounding boundary
+        # (seen on some CPUs, not others). So FP4 agrees to a few code flips, and the same run
+        # in FP32 (streaming_fp32) shows the sharded math itself exact to 1e-5.
+        _assert_models_close(final, plain[0][strategy]["model"], rtol=5e-3)
     else:
-        # element-wise math, and FP4 scales per 128 entries that shard boundaries do not cut
-        _assert_models_close(final, plain[0][strategy]["model"], rtol=1e-5)
+        _assert_models_close(final, plain[0][strategy]["model"], rtol=1e-5)  # element-wise
     # each rank sends its shard between replicas: half the 1-rank replica's payload (streaming:
     # plus a header per tensor)
     ratio = sites[0][strategy]["payload_bytes"] / plain[0][strategy]["payload_bytes"]

@@ -209,6 +209,12 @@ class TorchftDiLoCo:
             connect_timeout=timeout,
         )
         self._meter_allreduce()
+        self.diloco = self._make_diloco(ft, sync_cfg, streaming)
+        self._time_hook()
+
+    def _make_diloco(self, ft: Any, sync_cfg: SyncConfig, streaming: bool) -> Any:
+        """torchft's DiLoCo over our fragments (streaming) or the whole model."""
+        model = self.model
         fragments = _torchft_fragments(model, sync_cfg) if streaming else [model]
         # one outer optimizer per fragment, as torchft's own streaming tests do: a shared one
         # would also step the other fragments' parameters by the inner gradients still on them
@@ -222,10 +228,10 @@ class TorchftDiLoCo:
             for f in fragments
         ]
         tau = sync_cfg.tau if streaming else 0
-        self.diloco = ft.DiLoCo(
+        return ft.DiLoCo(
             self.manager,
             fragments,
-            inner_optimizer,
+            self.opt,
             outer,
             sync_every=sync_cfg.sync_every,
             backup_device=next(model.parameters()).device,
@@ -233,7 +239,6 @@ class TorchftDiLoCo:
             # ours mixes only when a result arrives late (tau > 0), as the paper does
             fragment_update_alpha=sync_cfg.alpha if tau > 0 else 0.0,
         )
-        self._time_hook()
 
     # -- state for torchft's healing of a replica that joins late (not used when all start together)
     def _state(self) -> dict[str, Any]:
