@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -261,13 +262,24 @@ def test_teardown_when_body_raises_and_leftover_workers_are_stopped(net_env: Non
         signal.signal(signal.SIGINT, original)
 
 
+def _netns_pids(ns: str) -> str:
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+    return out.stdout.strip()
+
+
 def _teardown_when_body_raises() -> None:
     handler = signal.getsignal(signal.SIGINT)
     with pytest.raises(ZeroDivisionError):
         with ShapedNetwork(
             "20mbit", "per-worker", workers=2, name_prefix=PREFIX, check=False
         ) as net:
-            sleeper = subprocess.Popen(net.command(1, ["sleep", "60"]))
+            cmd = net.command(1, ["sleep", "60"])  # ip netns exec NS sleep 60
+            sleeper = subprocess.Popen(cmd)
+            # raise only once it is inside its namespace (under load, `ip netns exec` can take a
+            # moment; teardown stops what the namespace holds when it runs)
+            deadline = time.time() + 30
+            while time.time() < deadline and not _netns_pids(cmd[3]):
+                time.sleep(0.01)
             assert len(_ours()) == 3
             assert signal.getsignal(signal.SIGINT) != handler  # ours while the network is up
             _ = 1 / 0  # the body raises ZeroDivisionError inside the network

@@ -102,3 +102,13 @@ def test_torchft_streaming_with_overlap_trains_and_meters(tmp_path) -> None:
     assert theirs["syncs"] == 9 and 0 < theirs["blocked_s"] < theirs["wall_s"]
     assert theirs["bytes_sent_per_worker"] > 4 * ours["bytes_sent_per_worker"]  # FP32 vs FP4
     assert max(theirs["final_val_loss"], ours["final_val_loss"]) < 4.5  # both trained (from 5.5)
+
+
+def test_torchft_streaming_limits_are_checked_on_the_model_before_workers_start() -> None:
+    """torchft syncs one fragment every H/P steps: H must divide by P, and tau < H/P."""
+    model = build_model("tiny")  # 2 blocks: 3 fragments with blocks_per_fragment=0
+    cfg = dict(fragments=3, blocks_per_fragment=0)
+    torchft_peer.check_fragments(model, preset_config("torchft-streaming", sync_every=12, **cfg))
+    for bad in (dict(sync_every=10), dict(sync_every=12, overlap=4)):
+        with pytest.raises(ConfigError, match="divisible by the 3 fragments"):
+            torchft_peer.check_fragments(model, preset_config("torchft-streaming", **cfg, **bad))

@@ -106,6 +106,12 @@ def check_config(sync_cfg: SyncConfig, checkpoint_every: int, resume: str | None
         )
 
 
+def check_fragments(model: nn.Module, sync_cfg: SyncConfig) -> None:
+    """ConfigError if torchft's Streaming DiLoCo cannot run our fragments of ``model`` (meta
+    tensors do: only names and shapes are read)."""
+    _torchft_fragments(model, sync_cfg)
+
+
 def _torchft_fragments(model: nn.Module, sync_cfg: SyncConfig) -> list[nn.Module]:
     """Our fragments as the modules torchft's DiLoCo takes, in the order it syncs them."""
     from ..schedule import build_fragments, find_blocks

@@ -164,7 +164,7 @@ def _check_schedule(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, vocab
     from ..presets import PER_STEP_STRATEGIES
     from .model import build_model
 
-    if strategy in PER_STEP_STRATEGIES or torchft_peer.is_peer(strategy):
+    if strategy in PER_STEP_STRATEGIES or strategy == torchft_peer.STRATEGY:
         return
     try:
         with torch.device("meta"):
@@ -172,6 +172,9 @@ def _check_schedule(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, vocab
     except LowCommError:
         raise
     except Exception:  # a model that cannot be built without memory: the workers check it
+        return
+    if strategy == torchft_peer.STREAMING:  # torchft's own limits on H, P and tau
+        torchft_peer.check_fragments(model, sync_cfg)
         return
     # the constructor checks the config and the fragments; nothing is sent before start()
     LowComm(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_cfg)
