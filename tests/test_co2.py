@@ -94,13 +94,15 @@ def test_co2_reset_ablation_matches_plain_torch(workers, penalty, clip):
         torch.testing.assert_close(r["global"], expected, atol=1e-6, rtol=0)
 
 
-def reference_co2_continue(world: int, penalty: bool, clip: float, extra: int) -> torch.Tensor:
+def reference_co2_continue(
+    world: int, penalty: bool, clip: float, extra: int, own: float = 1.0
+) -> torch.Tensor:
     """The continue rule written out in plain torch, step by step as the method describes it.
 
     Each worker keeps s, its weights at the start of its round. After a round: delta = s - theta;
-    the outer step uses the one-round-stale average; then theta <- theta_global - delta and
-    s <- theta. At the end: drain the stale average, then average the partial round's progress
-    and take one more outer step (what leaving the block does).
+    the outer step uses the one-round-stale average; then theta <- theta_global - own * delta and
+    s <- theta (own = 1: continue; own = 1/M: eager). At the end: drain the stale average, then
+    average the partial round's progress and take one more outer step (what leaving does).
     """
     init = tiny_model(seed=0)
     models = [copy.deepcopy(init) for _ in range(world)]
@@ -141,8 +143,8 @@ def reference_co2_continue(world: int, penalty: bool, clip: float, extra: int) -
         if stale is not None:
             outer(stale)
         for i, (model, delta) in enumerate(zip(models, deltas)):
-            torch.nn.utils.vector_to_parameters(theta - delta, model.parameters())
-            starts[i] = theta - delta
+            starts[i] = theta - own * delta
+            torch.nn.utils.vector_to_parameters(starts[i].clone(), model.parameters())
         stale = torch.stack(deltas).mean(0)
     for model, o, d in zip(models, opts, data):
         local_steps(model, o, d, extra)
@@ -152,12 +154,17 @@ def reference_co2_continue(world: int, penalty: bool, clip: float, extra: int) -
     return theta
 
 
-@pytest.mark.parametrize("penalty,clip,extra", [(False, 0.0, 0), (True, CLIP, 2)])
-def test_co2_continue_matches_plain_torch(workers, penalty, clip, extra):
-    """The default rule, also when the run ends mid-round (the partial round is not lost)."""
-    res = workers(_co2_worker, 2, penalty, clip, "continue", extra)
+@pytest.mark.parametrize(
+    "world,penalty,clip,extra,merge",
+    [(2, False, 0.0, 0, "continue"), (2, True, CLIP, 2, "continue"), (3, False, 0.0, 2, "eager")],
+)
+def test_co2_continue_matches_plain_torch(workers, world, penalty, clip, extra, merge):
+    """The continue and eager rules, also when the run ends mid-round (the partial round is not
+    lost); eager on 3 workers, so its 1/M weight is not 1/2."""
+    res = workers(_co2_worker, world, penalty, clip, merge, extra)
     torch.set_num_threads(1)
-    expected = reference_co2_continue(2, penalty, clip, extra)
+    own = 1.0 if merge == "continue" else 1.0 / world
+    expected = reference_co2_continue(world, penalty, clip, extra, own)
     for r in res:
         torch.testing.assert_close(r["global"], expected, atol=1e-6, rtol=0)
         assert torch.equal(r["model"], r["global"])  # leaving loads the consolidated model

@@ -25,7 +25,7 @@ Compensation = Literal["none", "ef", "loco"]
 OuterKind = Literal["nesterov", "sgd", "co2"]
 ClipMode = Literal["element", "norm"]
 Merge = Literal["alpha", "continue"]
-CO2Merge = Literal["continue", "reset"]
+CO2Merge = Literal["continue", "eager", "reset"]
 Buffers = Literal["average", "broadcast", "local"]
 StateDevice = Literal["cpu", "model"]
 LocoQuantizer = Literal["ours", "authors"]
@@ -123,9 +123,10 @@ class SyncConfig:
     co2_merge: CO2Merge = knob(
         "continue",
         "CO2: continue (each worker keeps its own progress of the "
-        "round in flight on top of the newest global model) or reset "
-        "(restart every round from the one-round-stale global model; "
-        "the earlier rule, kept as an ablation).",
+        "round in flight on top of the newest global model), eager (keeps "
+        "1/M of it, the eager-updates rule) or reset (restart every round "
+        "from the one-round-stale global model; the earlier rule, kept as "
+        "an ablation).",
     )
     momentum_clip: float = knob(0.0, "CO2: clip the outer momentum at phi (0 = off).")
     momentum_clip_mode: ClipMode = knob(

@@ -514,11 +514,14 @@ class LowComm:
             self.events.append(("sent", p, time.perf_counter()))
 
     def _after_sends(self, sends: list[int], results: dict) -> None:
-        if not (self.schedule.is_round_overlap() and self.config.co2_merge == "reset"):
+        """CO2's round 0 has no stale average to apply (theta_1 = theta_0), but its merge rule
+        runs all the same: reset restarts from theta_0, eager keeps 1/M of what it sent."""
+        if not self.schedule.is_round_overlap():
             return
-        for p in sends:
-            if p not in results:  # CO2 reset, round 0: no stale average yet, theta_1 = theta_0
-                self._load_global(self._frags[p])
+        first = [self._frags[p] for p in sends if p not in results]
+        for frag in first:
+            self._merge(frag)
+        self._share_parts(first)
 
     def _count_sync(self, n_fragments: int) -> None:
         self.stats.syncs += 1
@@ -737,7 +740,7 @@ class LowComm:
         progress = _minus_params(frag.snapshot, frag.params)
         pend = self._pending.get(frag.index)
         in_flight = pend.own if pend is not None and pend.own is not None else 0.0
-        new_local = torch.sub(frag.global_flat, in_flight).sub_(progress)
+        new_local = torch.sub(frag.global_flat, in_flight, alpha=self._own_weight()).sub_(progress)
         torch.add(new_local, progress, out=frag.snapshot)
         for p, v in zip(frag.params, _views(new_local, frag.params)):
             p.copy_(v)
@@ -991,10 +994,16 @@ class LowComm:
         for p, g in zip(frag.params, frag.global_views):
             p.copy_(g)
 
+    def _own_weight(self) -> float:
+        """How much of its own in-flight send a worker keeps: 1, or 1/M for CO2's eager rule."""
+        if self.schedule.is_round_overlap() and self.config.co2_merge == "eager":
+            return 1.0 / self.transport.world_size
+        return 1.0
+
     def _continues(self) -> bool:
         """Whether results merge by the continue rule (needs a snapshot per fragment)."""
         if self.schedule.is_round_overlap():
-            return self.config.co2_merge == "continue"
+            return self.config.co2_merge != "reset"
         return self.schedule.overlap > 0 and self.config.merge == "continue"
 
     # -- inspection ------------------------------------------------------------------------------
