@@ -16,7 +16,13 @@ H, ROUNDS, LR, BETA, CLIP = 3, 4, 1.0, 0.5, 0.004
 
 
 def _co2_worker(
-    rank: int, world: int, penalty: bool, clip: float, merge: str = "reset", extra: int = 0
+    rank: int,
+    world: int,
+    penalty: bool,
+    clip: float,
+    merge: str = "reset",
+    extra: int = 0,
+    keep: float = 1.0,
 ) -> dict:
     model = tiny_model(seed=0)
     opt = adamw(model)
@@ -30,6 +36,7 @@ def _co2_worker(
         staleness_penalty=penalty,
         momentum_clip=clip,
         co2_merge=merge,
+        co2_keep=keep,
     )
     with sync:
         for _ in range(H * ROUNDS + extra):
@@ -101,8 +108,9 @@ def reference_co2_continue(
 
     Each worker keeps s, its weights at the start of its round. After a round: delta = s - theta;
     the outer step uses the one-round-stale average; then theta <- theta_global - own * delta and
-    s <- theta (own = 1: continue; own = 1/M: eager). At the end: drain the stale average, then
-    average the partial round's progress and take one more outer step (what leaving does).
+    s <- theta (own = co2_keep: 1 keeps all, 1/M is eager updates). At the end: drain the stale
+    average, then average the partial round's progress and take one more outer step (what
+    leaving does).
     """
     init = tiny_model(seed=0)
     models = [copy.deepcopy(init) for _ in range(world)]
@@ -155,19 +163,32 @@ def reference_co2_continue(
 
 
 @pytest.mark.parametrize(
-    "world,penalty,clip,extra,merge",
-    [(2, False, 0.0, 0, "continue"), (2, True, CLIP, 2, "continue"), (3, False, 0.0, 2, "eager")],
+    "world,penalty,clip,extra,keep",
+    [(2, False, 0.0, 0, 1.0), (2, True, CLIP, 2, 1.0), (3, False, 0.0, 2, 0.3)],
 )
-def test_co2_continue_matches_plain_torch(workers, world, penalty, clip, extra, merge):
-    """The continue and eager rules, also when the run ends mid-round (the partial round is not
-    lost); eager on 3 workers, so its 1/M weight is not 1/2."""
-    res = workers(_co2_worker, world, penalty, clip, merge, extra)
+def test_co2_continue_matches_plain_torch(workers, world, penalty, clip, extra, keep):
+    """The continue rule keeping all or part (co2_keep) of the own round in flight, also when
+    the run ends mid-round (the partial round is not lost)."""
+    res = workers(_co2_worker, world, penalty, clip, "continue", extra, keep)
     torch.set_num_threads(1)
-    own = 1.0 if merge == "continue" else 1.0 / world
-    expected = reference_co2_continue(world, penalty, clip, extra, own)
+    expected = reference_co2_continue(world, penalty, clip, extra, keep)
     for r in res:
         torch.testing.assert_close(r["global"], expected, atol=1e-6, rtol=0)
         assert torch.equal(r["model"], r["global"])  # leaving loads the consolidated model
+
+
+def test_keeping_none_of_the_round_is_the_restart_rule(workers):
+    """co2_keep = 0 under the continue merge gives the reset rule's global model."""
+    res = workers(_co2_worker, 2, False, 0.0, "continue", 0, 0.0)
+    torch.set_num_threads(1)
+    expected = reference_co2(2, False, 0.0)
+    for r in res:
+        torch.testing.assert_close(r["global"], expected, atol=1e-6, rtol=0)
+
+
+def test_co2_keep_outside_zero_one_is_refused():
+    with pytest.raises(lowcomm.ConfigError, match="co2_keep must be in"):
+        lowcomm.SyncConfig(co2_keep=1.5)
 
 
 def test_clipping_changes_momentum_exactly_when_exceeded():

@@ -25,7 +25,7 @@ Compensation = Literal["none", "ef", "loco"]
 OuterKind = Literal["nesterov", "sgd", "co2"]
 ClipMode = Literal["element", "norm"]
 Merge = Literal["alpha", "continue"]
-CO2Merge = Literal["continue", "eager", "reset"]
+CO2Merge = Literal["continue", "reset"]
 Buffers = Literal["average", "broadcast", "local"]
 StateDevice = Literal["cpu", "model"]
 LocoQuantizer = Literal["ours", "authors"]
@@ -122,11 +122,16 @@ class SyncConfig:
     )
     co2_merge: CO2Merge = knob(
         "continue",
-        "CO2: continue (each worker keeps its own progress of the "
-        "round in flight on top of the newest global model), eager (keeps "
-        "1/M of it, the eager-updates rule) or reset (restart every round "
-        "from the one-round-stale global model; the earlier rule, kept as "
-        "an ablation).",
+        "CO2: continue (each worker keeps co2_keep of its own progress of "
+        "the round in flight on top of the newest global model) or reset "
+        "(restart every round from the one-round-stale global model; the "
+        "earlier rule, kept as an ablation).",
+    )
+    co2_keep: float = knob(
+        0.5,
+        "CO2 continue: the fraction of its own round in flight a worker "
+        "keeps until the round's average lands (1: all of it; 1/M: the "
+        "eager-updates rule; 0: same as reset).",
     )
     momentum_clip: float = knob(0.0, "CO2: clip the outer momentum at phi (0 = off).")
     momentum_clip_mode: ClipMode = knob(
@@ -216,6 +221,8 @@ class SyncConfig:
             raise ConfigError(f"loco_bits must be 2, 4 or 8, got {self.loco_bits}")
         if self.outer_lr <= 0:
             raise ConfigError(f"outer_lr must be > 0, got {self.outer_lr}")
+        if not 0.0 <= self.co2_keep <= 1.0:
+            raise ConfigError(f"co2_keep must be in [0, 1], got {self.co2_keep}")
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if self.momentum_clip < 0:

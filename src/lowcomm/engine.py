@@ -515,7 +515,7 @@ class LowComm:
 
     def _after_sends(self, sends: list[int], results: dict) -> None:
         """CO2's round 0 has no stale average to apply (theta_1 = theta_0), but its merge rule
-        runs all the same: reset restarts from theta_0, eager keeps 1/M of what it sent."""
+        runs all the same: reset restarts from theta_0, continue keeps co2_keep of what it sent."""
         if not self.schedule.is_round_overlap():
             return
         first = [self._frags[p] for p in sends if p not in results]
@@ -995,10 +995,8 @@ class LowComm:
             p.copy_(g)
 
     def _own_weight(self) -> float:
-        """How much of its own in-flight send a worker keeps: 1, or 1/M for CO2's eager rule."""
-        if self.schedule.is_round_overlap() and self.config.co2_merge == "eager":
-            return 1.0 / self.transport.world_size
-        return 1.0
+        """How much of its own in-flight send a worker keeps: CO2's co2_keep, else all of it."""
+        return self.config.co2_keep if self.schedule.is_round_overlap() else 1.0
 
     def _continues(self) -> bool:
         """Whether results merge by the continue rule (needs a snapshot per fragment)."""

@@ -43,7 +43,8 @@ STRATEGY_CONFIGS: dict[str, dict[str, Any]] = {
         outer_optimizer="sgd",
         outer_lr=1.0,
     ),
-    # continue merge, penalty off until measured under it, momentum by worker count (set at build)
+    # continue merge keeping half of the own round in flight (benchmarks/quality.md), penalty
+    # off (measured no better), momentum by worker count (set at build)
     "co2": dict(
         sync_every=48,
         overlap=-1,
@@ -53,6 +54,7 @@ STRATEGY_CONFIGS: dict[str, dict[str, Any]] = {
         staleness_penalty=False,
         momentum_clip=0.0,
         co2_merge="continue",
+        co2_keep=0.5,
     ),
 }
 # Per-step strategies: no outer loop; only the gradient-compression knobs of SyncConfig apply.

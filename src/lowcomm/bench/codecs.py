@@ -4,9 +4,10 @@ For every codec, on one large FP32 tensor (``--numel``, default 16M elements, sh
 ``numel/4096 x 4096`` when it divides, so top-k sees 64x64 tiles) and on a realistic mix (the
 parameter shapes of a small Llama-style transformer, about 16.8M elements in 30 tensors):
 
-- encode and decode throughput in GB/s of FP32 input (best of ``--repeats``), each also as a
-  ratio to ``dst.copy_(src)`` of the same tensors timed right before it (machines here are
-  shared and noisy: only the side-by-side ratios mean much);
+- encode and decode throughput in GB/s of FP32 input (best of ``--repeats``), each also as the
+  median over ``--repeats`` interleaved pairs of its ratio to ``dst.copy_(src)`` of the same
+  tensors timed right before it (machines here are shared and noisy: only the side-by-side
+  ratios mean much);
 - bits per parameter on the wire, from the real payload sizes, and the format's formula;
 - relative L2 error ``||x - D(C(x))|| / ||x||`` on Gaussian data.
 
@@ -26,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -70,14 +72,27 @@ def transformer_shapes(
     return shapes
 
 
-def _best(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up (allocator, lazily built tables)
-    best = math.inf
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _against_copy(
+    copy: Callable[[], object], fn: Callable[[], object], repeats: int
+) -> tuple[float, float, float]:
+    """(median of copy/fn time ratios over ``repeats`` interleaved pairs, best copy s, best fn s).
+
+    Interleaving pairs each reading with a copy taken moments before it, so the load of a shared
+    machine drifts out of the ratio; the median discards the odd disturbed pair.
+    """
+    copy(), fn()  # warm-up (allocator, lazily built tables)
+    ratios, best_copy, best_fn = [], math.inf, math.inf
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        c, f = _timed(copy), _timed(fn)
+        ratios.append(c / f)
+        best_copy, best_fn = min(best_copy, c), min(best_fn, f)
+    return statistics.median(ratios), best_copy, best_fn
 
 
 def measure(label: str, codec: Codec, tensors: list[torch.Tensor], repeats: int) -> dict:
@@ -97,10 +112,9 @@ def measure(label: str, codec: Codec, tensors: list[torch.Tensor], repeats: int)
         for p, t in zip(payloads, tensors):
             codec.decode(p, t.shape)
 
-    t_copy = _best(copy, repeats)
-    t_enc = _best(encode, repeats)
-    t_dec = _best(decode, repeats)
-    t_copy = min(t_copy, _best(copy, repeats))  # bracket the codec: less drift in the ratio
+    enc_ratio, t_copy, t_enc = _against_copy(copy, encode, repeats)
+    dec_ratio, t_copy2, t_dec = _against_copy(copy, decode, repeats)
+    t_copy = min(t_copy, t_copy2)
     err2 = ref2 = 0.0
     wire = formula = 0.0
     for p, t in zip(payloads, tensors):
@@ -116,8 +130,8 @@ def measure(label: str, codec: Codec, tensors: list[torch.Tensor], repeats: int)
         "encode_gbps": gb / t_enc,
         "decode_gbps": gb / t_dec,
         "copy_gbps": gb / t_copy,
-        "encode_vs_copy": t_copy / t_enc,
-        "decode_vs_copy": t_copy / t_dec,
+        "encode_vs_copy": enc_ratio,
+        "decode_vs_copy": dec_ratio,
         "wire_bits_per_param": wire / numel,
         "formula_bits_per_param": formula / numel,
         "rel_l2_error": math.sqrt(err2 / ref2) if ref2 else 0.0,
@@ -144,7 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="lowcomm bench codecs", description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print a JSON list of result rows")
     ap.add_argument("--numel", type=int, default=1 << 24, help="elements of the large tensor")
-    ap.add_argument("--repeats", type=int, default=3, help="timed repeats (best is kept)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="interleaved (copy, codec) timing pairs; ratios are their median",
+    )
     ap.add_argument(
         "--codecs",
         default=None,
