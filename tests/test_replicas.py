@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -122,6 +123,18 @@ def _node(port: int, out, *args: str) -> subprocess.Popen:
     )
 
 
+def _two_nodes(port: int, out, *args: str) -> list[subprocess.Popen]:
+    """Node 0, then (once node 0 holds the rendezvous store) node 1: a lost node 1 is a lost
+    site, not a lost coordinator (losing the store's host stops every torchrun, by design)."""
+    first = _node(port, out, *args)
+    deadline = time.time() + 120
+    while time.time() < deadline and first.poll() is None:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            break
+        time.sleep(0.05)
+    return [first, _node(port, out, *args)]
+
+
 def _descendants(pid: int) -> list[int]:
     """Every live process below ``pid`` (from /proc: torchrun starts each worker in a session
     of its own, so killing the launcher's process group leaves its workers running)."""
@@ -160,7 +173,7 @@ def test_two_nodes_of_two_ranks_train_and_resume_after_one_is_killed(tmp_path):
     nodes = [_node(port, whole, *args, "--out", str(whole / "run")) for _ in range(2)]
     assert [n.wait(timeout=300) for n in nodes] == [0, 0]
     port = _free_port()
-    nodes = [_node(port, cut, *args, "--out", str(cut / "run")) for _ in range(2)]
+    nodes = _two_nodes(port, cut, *args, "--out", str(cut / "run"))
     first = cut / "run" / "checkpoints" / "step-000000040" / "meta.json"
     deadline = time.time() + 300
     while not first.exists() and time.time() < deadline:

@@ -128,7 +128,7 @@ class SyncConfig:
         "earlier rule, kept as an ablation).",
     )
     co2_keep: float = knob(
-        0.5,
+        0.75,
         "CO2 continue: the fraction of its own round in flight a worker "
         "keeps until the round's average lands (1: all of it; 1/M: the "
         "eager-updates rule; 0: same as reset).",

@@ -322,6 +322,10 @@ class LowComm:
                 self._load_global(frag)
             self._share_parts(self._frags)
             self._broadcast_constants(floating=True)
+            # rank 0's broadcast returns once its bytes are queued; on a slow link a receiver
+            # holds the model seconds later. Meet here, so that skew is not waited out (and
+            # counted) at the first sync.
+            self.transport.all_gather(torch.zeros(1), control=True)
         if self._loaded is not None:
             sd, self._loaded = self._loaded, None
             self._load_run_state(sd)
@@ -729,11 +733,12 @@ class LowComm:
             p.mul_(alpha).add_(g.to(p.device, p.dtype), alpha=1.0 - alpha)
 
     def _merge_continue(self, frag: _Fragment) -> None:
-        """theta <- global - (own sends still in flight) - (progress since the last send).
+        """theta <- global - kappa * (own send in flight) - (progress since the last send).
 
         The invariant: a worker's weights are the global copy minus its own progress that the
-        global copy does not hold yet. CO2 (tau = H): right after round r is sent this is
-        theta_{r+1} - delta_r; a drain at the end gives theta - (the partial round so far).
+        global copy does not hold yet (the part of its send in flight it keeps: kappa, CO2's
+        co2_keep, else 1). CO2 (tau = H): right after round r is sent this is
+        theta_{r+1} - kappa * delta_r; a drain at the end gives theta - (the partial round).
         """
         assert frag.snapshot is not None
         # the same arithmetic as snapshot - local etc., written into two buffers, not five

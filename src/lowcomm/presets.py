@@ -43,7 +43,7 @@ STRATEGY_CONFIGS: dict[str, dict[str, Any]] = {
         outer_optimizer="sgd",
         outer_lr=1.0,
     ),
-    # continue merge keeping half of the own round in flight (benchmarks/quality.md), penalty
+    # continue merge keeping 3/4 of the own round in flight (benchmarks/quality.md), penalty
     # off (measured no better), momentum by worker count (set at build)
     "co2": dict(
         sync_every=48,
@@ -54,7 +54,7 @@ STRATEGY_CONFIGS: dict[str, dict[str, Any]] = {
         staleness_penalty=False,
         momentum_clip=0.0,
         co2_merge="continue",
-        co2_keep=0.5,
+        co2_keep=0.75,
     ),
 }
 # Per-step strategies: no outer loop; only the gradient-compression knobs of SyncConfig apply.

@@ -86,7 +86,8 @@ def _against_copy(
     Interleaving pairs each reading with a copy taken moments before it, so the load of a shared
     machine drifts out of the ratio; the median discards the odd disturbed pair.
     """
-    copy(), fn()  # warm-up (allocator, lazily built tables)
+    copy()  # warm-up (allocator, lazily built tables)
+    fn()
     ratios, best_copy, best_fn = [], math.inf, math.inf
     for _ in range(repeats):
         c, f = _timed(copy), _timed(fn)
