@@ -1006,7 +1006,7 @@ class LowComm:
     def _continues(self) -> bool:
         """Whether results merge by the continue rule (needs a snapshot per fragment)."""
         if self.schedule.is_round_overlap():
-            return self.config.co2_merge != "reset"
+            return self.config.co2_merge == "continue"
         return self.schedule.overlap > 0 and self.config.merge == "continue"
 
     # -- inspection ------------------------------------------------------------------------------
