@@ -76,9 +76,9 @@ class OuterCO2(OuterOptimizer):
     Lambda is :func:`gap_aware_penalty` of the last outer update against C, the cumulative
     mean of |outer update| per element (Lambda = 1 at the first step, and when the penalty is off).
     Clipping: element-wise to +-phi (``clip_mode="element"``) or the whole momentum's L2 norm to
-    phi (``"norm"``); phi = 0 turns it off. Four model-sized buffers per fragment: m, C, the
-    last update's magnitude, plus the engine's global copy; they live on ``state_device`` (CPU
-    by default).
+    phi (``"norm"``); phi = 0 turns it off. Model-sized buffers per fragment, on ``state_device``
+    (CPU by default): m only with momentum or clipping, C and the last update's magnitude only
+    with the penalty; the preset (no momentum up to 16 workers, no penalty, no clip) keeps none.
     """
 
     def __init__(
@@ -99,14 +99,9 @@ class OuterCO2(OuterOptimizer):
         self.penalized_elements = 0  # entries damped by the penalty (Lambda < 1)
 
     def step(self, key: str, global_params: torch.Tensor, pseudo_grad: torch.Tensor) -> None:
-        st = self.state.setdefault(key, {})
-        if "momentum" not in st:
-            st["momentum"] = torch.zeros_like(global_params)
-            st["mean_abs_update"] = torch.zeros_like(global_params)
-            st["last_update"] = torch.zeros_like(global_params)
-            st["steps"] = torch.zeros((), dtype=torch.int64)
-        m, C, last = st["momentum"], st["mean_abs_update"], st["last_update"]
+        st = self._state(key, global_params)
         g = pseudo_grad
+        C, last = st.get("mean_abs_update"), st.get("last_update")
         if self.penalty and int(st["steps"]) > 0:
             lam = gap_aware_penalty(last.abs(), C)
             self.penalized_elements += int((lam < 1).sum())
@@ -114,24 +109,48 @@ class OuterCO2(OuterOptimizer):
             self.last_penalty = lam
         else:
             self.last_penalty = None
-        m.mul_(self.momentum).add_(g)
-        if self.clip > 0:
-            if self.clip_mode == "element":
-                self.clipped_elements += int((m.abs() > self.clip).sum())
-                m.clamp_(-self.clip, self.clip)  # in place: the public CO2 code dropped the result
-            else:
-                norm = float(m.norm())
-                if norm > self.clip:
-                    self.clipped_elements += m.numel()
-                    m.mul_(self.clip / norm)
-        last.copy_(m).mul_(self.lr)
-        global_params.sub_(last)
+        m = st.get("momentum")
+        if m is None:  # no momentum, no clip: the update is the (damped) average itself
+            m = g
+        else:
+            m.mul_(self.momentum).add_(g)
+            self._clip(m)
+        if last is None:
+            global_params.sub_(m if self.lr == 1.0 else m * self.lr)
+        else:
+            last.copy_(m).mul_(self.lr)
+            global_params.sub_(last)
         st["steps"] += 1
-        n = int(st["steps"])
-        # from here on only |last update| is read (C, the next penalty's gap): keep that, in
-        # place, rather than a model-sized abs() temporary at every step
-        last.abs_()
-        C.mul_((n - 1) / n).add_(last, alpha=1.0 / n)  # cumulative mean of |update|
+        if C is not None:
+            n = int(st["steps"])
+            # from here on only |last update| is read (C, the next penalty's gap): keep that,
+            # in place, rather than a model-sized abs() temporary at every step
+            last.abs_()
+            C.mul_((n - 1) / n).add_(last, alpha=1.0 / n)  # cumulative mean of |update|
+
+    def _state(self, key: str, like: torch.Tensor) -> dict:
+        """This fragment's state, with only the buffers the settings read: the momentum with
+        momentum or clipping, C and the last update with the penalty (none for the preset)."""
+        st = self.state.setdefault(key, {})
+        st.setdefault("steps", torch.zeros((), dtype=torch.int64))
+        if (self.momentum > 0 or self.clip > 0) and "momentum" not in st:
+            st["momentum"] = torch.zeros_like(like)
+        if self.penalty and "mean_abs_update" not in st:
+            st["mean_abs_update"] = torch.zeros_like(like)
+            st["last_update"] = torch.zeros_like(like)
+        return st
+
+    def _clip(self, m: torch.Tensor) -> None:
+        if self.clip <= 0:
+            return
+        if self.clip_mode == "element":
+            self.clipped_elements += int((m.abs() > self.clip).sum())
+            m.clamp_(-self.clip, self.clip)  # in place: the public CO2 code dropped the result
+            return
+        norm = float(m.norm())
+        if norm > self.clip:
+            self.clipped_elements += m.numel()
+            m.mul_(self.clip / norm)
 
 
 def make_outer(cfg: SyncConfig) -> OuterOptimizer:
