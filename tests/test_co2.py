@@ -208,6 +208,26 @@ def test_clipping_changes_momentum_exactly_when_exceeded():
     torch.testing.assert_close(norm.state["f"]["momentum"].norm(), torch.tensor(1.0))
 
 
+def test_outer_state_holds_only_what_the_settings_read():
+    """The preset (no momentum, penalty or clip) keeps no model-sized state; each setting adds
+    exactly its buffers, and the update is theta - lr * g either way at momentum 0."""
+    g, cases = (
+        torch.tensor([0.5, -2.0, 1.0]),
+        [
+            (dict(momentum=0.0, penalty=False), set()),
+            (dict(momentum=0.5, penalty=False), {"momentum"}),
+            (dict(momentum=0.0, penalty=False, clip=10.0), {"momentum"}),
+            (dict(momentum=0.0, penalty=True), {"mean_abs_update", "last_update"}),
+        ],
+    )
+    for kwargs, buffers in cases:
+        opt = OuterCO2(lr=0.5, **kwargs)
+        theta = torch.zeros(3)
+        opt.step("f", theta, g)
+        assert set(opt.state["f"]) - {"steps"} == buffers, kwargs
+        assert torch.equal(theta, -0.5 * g), kwargs
+
+
 def test_penalty_scales_by_documented_factor():
     opt = OuterCO2(lr=1.0, momentum=0.0, penalty=True)
     theta = torch.zeros(3)
