@@ -86,10 +86,12 @@ class LutCodec(Codec):
         y.add_(L // 2).round_().clamp_(0, L - 1)
         codes = y.to(torch.uint8)
         idx = codes.to(torch.int64)
-        sums = torch.zeros(L, dtype=torch.float32, device=dev).index_add_(0, idx, centred)
-        counts = torch.bincount(idx, minlength=L).to(torch.float32)
+        # bin sums in float64: index_add_ adds one value after another, and over 10^4 values
+        # in one bin a float32 running sum drifts by 1e-4 of the mean (found by test_codecs)
+        sums = torch.zeros(L, dtype=torch.float64, device=dev).index_add_(0, idx, centred.double())
+        counts = torch.bincount(idx, minlength=L).to(torch.float64)
         centres = (torch.arange(L, dtype=torch.float32, device=dev) - L // 2) * width
-        lut = torch.where(counts > 0, sums / counts.clamp(min=1), centres)
+        lut = torch.where(counts > 0, (sums / counts.clamp(min=1)).float(), centres)
         stats[0] = shift
         stats[1:] = lut
         payload[self._codes_at() :] = pack_bits(codes, self.bits)
