@@ -197,7 +197,7 @@ RESUME_MAY_CHANGE = frozenset(
 
 def _resume(args: argparse.Namespace) -> int:
     """`lowcomm train --resume DIR`: continue the newest complete checkpoint of DIR."""
-    from .config import SyncConfig, TrainConfig, config_fields
+    from .config import SAVED_BEFORE, SyncConfig, TrainConfig, config_fields
     from .train.launch import find_resume, launch
 
     last, meta = find_resume(args.resume)
@@ -209,7 +209,8 @@ def _resume(args: argparse.Namespace) -> int:
             f"it, or start a new run with another --out"
         )
     known = config_fields()
-    saved = {k: v for k, v in {**run["sync"], **run["train"]}.items() if k in known}
+    saved = {**SAVED_BEFORE, **run["sync"], **run["train"]}
+    saved = {k: v for k, v in saved.items() if k in known}
     given = _values(args)
     sync_cfg, train_cfg = build_configs({**saved, **given}, sync=SyncConfig(), train=TrainConfig())
     now = {**dataclasses.asdict(sync_cfg), **dataclasses.asdict(train_cfg)}

@@ -416,6 +416,11 @@ class TrainConfig:
     )
 
 
+SAVED_BEFORE: dict[str, Any] = {"co2_keep": 1.0}
+"""Knobs added after runs were saved, each with the value that reproduces such a run: a
+checkpoint that lacks one resumes with the behaviour it was trained with, not today's default."""
+
+
 def config_fields() -> dict[str, tuple[type, dataclasses.Field]]:
     """Every config key -> (owning dataclass, field): the one namespace of `key=value`."""
     out: dict[str, tuple[type, dataclasses.Field]] = {}

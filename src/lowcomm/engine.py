@@ -12,7 +12,8 @@ step and, in this order:
    each worker's flags (has it left its loop, its step, was its update finite, unsent steps);
 3. applies each result: outer step on the fragment's global copy, then merge into the local
    weights: replace (tau = 0, or CO2's ``reset``), the alpha-mix, or *continue*: the new
-   global copy minus this worker's own progress that the global copy does not hold yet.
+   global copy minus this worker's own progress that the global copy does not hold yet (of
+   its round still in flight, CO2 keeps only the share ``co2_keep``).
 
 Leaving the ``with`` block (``finish``) follows the own-loop contract of docs/api.md: a worker
 that is done takes part in its peers' remaining syncs (contributing its unsent progress once),
