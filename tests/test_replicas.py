@@ -95,7 +95,7 @@ class _FakeMesh:
 
 def test_a_mesh_without_workers_or_with_unsharded_weights_is_one_clear_error():
     import lowcomm
-    from lowcomm.engine import _check_replicated
+    from lowcomm.engine.placement import check_replicated as _check_replicated
 
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -107,10 +107,10 @@ def _worker_count(group: Any, mesh: Any) -> int | None:
     """How many workers sync: the mesh's replicate size, else the group's size (None before
     torch.distributed starts)."""
     if mesh is not None:
-        from .engine import _check_mesh, _workers_of
+        from .engine.placement import check_mesh, workers_of
 
-        _check_mesh(mesh, group)
-        return _workers_of(mesh)
+        check_mesh(mesh, group)
+        return workers_of(mesh)
     return dist.get_world_size(group) if dist.is_initialized() else None
 
 

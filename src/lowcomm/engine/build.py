@@ -1,0 +1,170 @@
+"""Building an engine: the checks on a user's arguments (one line each, before anything is
+built), the fragments resolved from the model, and their global copies from rank 0."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..aggregate import Aggregator
+from ..config import ConfigError, SyncConfig
+from ..outer import OuterOptimizer
+from ..schedule import build_fragments as fragment_names
+from ..schedule import check_fragments, expand_fragment_modules, find_blocks
+from ..transport import Transport
+from .fragment import Fragment
+from .merge import Merge
+from .placement import Placement
+from .state import RunState, StatePart
+from .tensors import buckets, local, views
+
+
+def check_arguments(model: Any, opt: Any, config: Any, timeout_s: Any, overrides: dict) -> None:
+    """One-line ConfigErrors for arguments of the wrong kind, before anything is built."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ConfigError(
+            f"inner_optimizer must be a torch.optim.Optimizer, got {type(opt).__name__}"
+        )
+    if config is not None and not isinstance(config, SyncConfig):
+        raise ConfigError(f"config must be a lowcomm.SyncConfig, got {type(config).__name__}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+        raise ConfigError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+    known = {f.name for f in dataclasses.fields(SyncConfig)}
+    bad = [k for k in overrides if k not in known]
+    if bad:
+        raise ConfigError(
+            f"unknown sync option(s) {', '.join(bad)}: see lowcomm.SyncConfig for the knobs"
+        )
+    if "fragments" in overrides and not isinstance(overrides["fragments"], int):
+        raise ConfigError(
+            "fragments is a count of fragments; give explicit lists of module names "
+            "as fragment_modules=[[...], ...]"
+        )
+
+
+def check_optimizer_holds(opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
+    """The inner optimizer must hold some of the model's trainable parameters."""
+    held = {id(p) for group in opt.param_groups for p in group["params"]}
+    if not any(id(p) in held for p in params):
+        raise ConfigError(
+            "the inner optimizer holds none of the model's trainable parameters: "
+            "build it from this model's parameters (e.g. AdamW(model.parameters()))"
+        )
+
+
+def resolve_fragments(
+    model: nn.Module, cfg: SyncConfig, modules: list[list[str]] | None
+) -> list[list[str]]:
+    """Parameter names per fragment: from ``fragment_modules`` if given, else the model's
+    blocks split by the config; checked to cover every trainable parameter once."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    if modules is not None:
+        if not isinstance(modules, (list, tuple)) or not modules:
+            raise ConfigError(
+                "fragment_modules must be a non-empty list of lists of module "
+                "or parameter names, e.g. [['embed', 'head'], ['layers.0']]"
+            )
+        fragments = expand_fragment_modules(list(modules), names)
+    else:
+        fragments = fragment_names(
+            names, find_blocks(model), cfg.fragments, cfg.blocks_per_fragment, cfg.fragment_pattern
+        )
+    check_fragments(fragments, names)
+    cfg.check_schedule(len(fragments))
+    return fragments
+
+
+def build_fragments(
+    names: list[list[str]],
+    by_name: dict[str, nn.Parameter],
+    cfg: SyncConfig,
+    placement: Placement,
+    transport: Transport,
+    merge: Merge,
+) -> list[Fragment]:
+    """Every fragment's global copy from rank 0's parameters, loaded into every worker."""
+    bucket_numel = max(1, int(cfg.bucket_mb * 2**20 / 4))
+    state_device = _state_device(cfg, by_name)
+    frags = []
+    with torch.no_grad():
+        for i, group in enumerate(names):
+            params = [local(by_name[n], placement.part) for n in group]
+            flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
+            # every worker starts from rank 0's parameters (control traffic, not training)
+            transport.broadcast(flat, src=0, control=True)
+            flat = flat.to(state_device)
+            frag = Fragment(
+                i,
+                list(group),
+                [by_name[n] for n in group],
+                flat,
+                views(flat, params),
+                buckets(params, bucket_numel),
+                part=placement.part,
+            )
+            if merge.needs_snapshot:
+                frag.snapshot = flat.clone()
+            frags.append(frag)
+            frag.load_global()
+        placement.share_parts(frags)
+        placement.broadcast_constants(transport, cfg.buffers, floating=True)
+        # rank 0's broadcast returns once its bytes are queued; on a slow link a receiver
+        # holds the model seconds later. Meet here, so that skew is not waited out (and
+        # counted) at the first sync.
+        transport.all_gather(torch.zeros(1), control=True)
+    return frags
+
+
+def _state_device(cfg: SyncConfig, by_name: dict[str, nn.Parameter]) -> torch.device:
+    if cfg.state_device == "model":
+        return next(iter(by_name.values())).device
+    return torch.device(cfg.state_device)
+
+
+def make_compensation(cfg: SyncConfig) -> Any:
+    """The engine's error compensation (its buffers on the state device, CPU for ``model``)."""
+    if cfg.compensation == "none":
+        return None
+    from ..compensation import ErrorFeedback, MovingAverageCompensation
+
+    device = cfg.state_device if cfg.state_device != "model" else "cpu"
+    if cfg.compensation == "ef":
+        return ErrorFeedback(cfg.error_decay, device=device)
+    return MovingAverageCompensation(cfg.loco_beta, device=device, reset_every=cfg.loco_reset_every)
+
+
+def register_optimizer_state(
+    state: RunState,
+    outer: OuterOptimizer,
+    compensation: Any,
+    aggregator: Aggregator,
+    transport: Transport,
+) -> None:
+    """Declare the state of the math parts, which know nothing of the run state: the outer
+    optimizer (shared), the error compensation and the two-phase reduce's own (per site)."""
+    state.register("outer", StatePart(outer.state_dict, outer.load_state_dict, shared=True))
+    state.register(
+        "compensation",
+        StatePart(
+            lambda: compensation.state_dict() if compensation is not None else {},
+            lambda v: compensation.load_state_dict(v) if compensation is not None and v else None,
+        ),
+    )
+    reduce_comp = aggregator.reduce_compensation
+
+    def save_reduce() -> dict[str, Any]:
+        if reduce_comp is None:
+            return {}
+        transport.wait(transport.submit(lambda: None))  # it updates on the comm thread
+        return reduce_comp.state_dict()
+
+    def load_reduce(saved: dict[str, Any] | None) -> None:
+        if reduce_comp is not None and saved:
+            reduce_comp.load_state_dict(saved)
+
+    state.register("reduce_compensation", StatePart(save_reduce, load_reduce))

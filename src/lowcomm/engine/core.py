@@ -1,0 +1,348 @@
+"""``LowComm``: the front class. It hooks the inner optimizer and, after every inner step, runs
+what the schedule says is due as named calls on the engine's parts (see the package doc)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..aggregate import Aggregator, Encoded, make_aggregator
+from ..config import ConfigError, SyncConfig
+from ..outer import OuterOptimizer, make_outer
+from ..schedule import Schedule
+from ..transport import Transport
+from .apply import Apply
+from .build import (
+    build_fragments,
+    check_arguments,
+    check_optimizer_holds,
+    make_compensation,
+    register_optimizer_state,
+    resolve_fragments,
+)
+from .encode import Encoder
+from .exchange import Exchange, flags_row
+from .fragment import Fragment, register_fragment_state
+from .guards import NonFiniteGuard, ReplicaCheck
+from .inflight import InFlight, Result
+from .leave import Leave
+from .local import LocalWeights
+from .merge import make_merge
+from .placement import Placement
+from .state import RunState, StatePart
+from .stats import SyncStats, SyncTimes, Unblocked, register_counters
+
+
+class LowComm:
+    """Low-communication training around an existing (model, inner optimizer) pair.
+
+    Use as a context manager; it hooks ``inner_optimizer.step()`` so the training loop stays
+    unchanged::
+
+        sync = lowcomm.DiLoCo(model, opt, sync_every=50)
+        with sync:
+            for x, y in batches:
+                model(x, y).backward(); opt.step(); opt.zero_grad()
+        print(sync.stats)
+
+    ``config.fragments`` is a count (the blocks are found in the model); explicit lists of
+    module or parameter names go in ``fragment_modules``.
+
+    A worker can be a whole site: give ``mesh``, a 2-D DeviceMesh with a ``"replicate"``
+    dimension (one entry per worker) and the model sharded with FSDP2 ``fully_shard`` over the
+    other, or wrapped in DDP over it. Each rank then syncs its own shard (under DDP: its slice
+    of every weight's rows, shared inside the worker after each sync) only with the ranks at the
+    same position in the other workers. (``process_group`` gives that outer group directly.)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        config: SyncConfig | None = None,
+        *,
+        fragment_modules: list[list[str]] | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        mesh: Any = None,
+        timeout_s: float = 300.0,
+        comm_delay_s: float = 0.0,
+        **overrides: Any,
+    ) -> None:
+        check_arguments(model, inner_optimizer, config, timeout_s, overrides)
+        self._placement = Placement(model, process_group, mesh, float(timeout_s))
+        self.config = dataclasses.replace(config or SyncConfig(), **overrides)
+        self.model, self.inner_optimizer = model, inner_optimizer
+        self._by_name = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        if not self._by_name:
+            raise ConfigError(
+                "the model has no trainable parameters: unfreeze some (requires_grad)"
+            )
+        check_optimizer_holds(inner_optimizer, list(self._by_name.values()))
+        self.fragment_names = resolve_fragments(model, self.config, fragment_modules)
+        self.schedule = Schedule(self.config.sync_every, len(self.fragment_names), self.config.tau)
+        self._merge = make_merge(self.config, self.schedule)
+        self._comm_delay_s = comm_delay_s
+        self.fragments: list[Fragment] = []
+        self._hook: Any = None
+        self.step = 0
+        self.last_sync_step = -1  # the last step at which anything was sent or applied
+        self.stats = SyncStats()
+        self.sync_times = SyncTimes()  # always on: a few perf_counter calls per sync
+        self.transport: Transport | None = None
+        self.aggregator: Aggregator | None = None
+        self.outer: OuterOptimizer = make_outer(self.config)
+        self.compensation: Any = None
+        # (what, fragment, time) for sent / completed / applied: lets tests and users see overlap
+        self.events: list[tuple[str, int, float]] = []
+        self.state = RunState()
+        self._started = False
+        self._loaded: dict[str, Any] | None = None  # a state_dict loaded before start()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def __enter__(self) -> LowComm:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.close()
+
+    def start(self) -> None:
+        """Join the workers (same initial model everywhere) and hook the inner optimizer.
+
+        Entering again after leaving continues the same run from the kept local weights.
+        """
+        if self._started:
+            return
+        if not self.fragments:
+            self._first_start()
+        else:
+            self._local.reenter()
+        self._local.started = True
+        self._hook = self.inner_optimizer.register_step_post_hook(self._after_inner_step)
+        self._started = True
+
+    def _first_start(self) -> None:
+        """Build the parts on the joined group from rank 0's parameters; each part declares
+        its own state, in load order."""
+        cfg, placement, state = self.config, self._placement, self.state
+        group = placement.join()
+        self.transport = transport = Transport(group, delay_s=self._comm_delay_s)
+        self._buffer_transport = Transport(group)  # its own meter: buffer bytes apart
+        self.aggregator = make_aggregator(cfg, transport.world_size)
+        self.compensation = make_compensation(cfg)
+        self.fragments = frags = build_fragments(
+            self.fragment_names, self._by_name, cfg, placement, transport, self._merge
+        )
+        register_fragment_state(state, frags)
+        register_optimizer_state(state, self.outer, self.compensation, self.aggregator, transport)
+        state.register(
+            "step", StatePart(lambda: self.step, self._set_step, kept=False, shared=True)
+        )
+        self._inflight = InFlight(transport, self.events, state)
+        self._nonfinite = NonFiniteGuard(cfg.nonfinite_patience, self.stats, state)
+        register_counters(state, self.stats, transport.meter)
+        self._local = LocalWeights(self.model, frags, placement, state)
+        self._encoder = Encoder(self.aggregator, self.compensation)
+        self._exchange = Exchange(
+            self.model, cfg.buffers, self.aggregator, transport, self._buffer_transport,
+            self.stats, self.sync_times, self.events,
+        )  # fmt: skip
+        self._replica = ReplicaCheck(transport, self.stats)
+        self._apply = Apply(
+            self.model, self.inner_optimizer, frags, self.outer, self._merge,
+            self.schedule.is_round_overlap(), self._inflight, self._nonfinite, placement,
+            self.sync_times,
+        )  # fmt: skip
+        self._leave = Leave(
+            self.model, frags, placement, transport, self._exchange, self._inflight, self.outer,
+            self.events,
+        )  # fmt: skip
+        if self._loaded is not None:
+            sd, self._loaded = self._loaded, None
+            state.load_state_dict(sd)
+
+    def _set_step(self, step: int) -> None:
+        self.step = int(step)
+
+    def finish(self) -> None:
+        """Leave the block: wait for every worker, then load the consolidated model
+        (see the package doc)."""
+        if not self._started:
+            return
+        self._remove_hook()
+        meter = self.transport.meter
+        with Unblocked(meter) as spent:
+            unsent = self._leave.join_peers(self.step, self.run_due)
+            self._replica.collect()
+            kept = self.state.keep()
+            sent0 = meter.sent_bytes
+            self._leave.drain(self._apply.one)
+            self._leave.final_outer_step(unsent, self.step, self._encode)
+            self._leave.sync_buffers()
+            self.stats.final_syncs += 1
+            self.stats.final_sync_bytes_sent += meter.sent_bytes - sent0
+            self._local.publish()
+            self.state.restore(kept)
+        self.stats.outer_s += spent.seconds
+        self.close()
+
+    def close(self) -> None:
+        """Remove the optimizer hook and stop the comm thread (no final sync: after an error)."""
+        self._remove_hook()
+        if self.transport is not None:
+            self.transport.close()
+            self._update_stats()
+            self._local.started = False
+        self._started = False
+
+    def _remove_hook(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    # -- the outer loop --------------------------------------------------------------------------
+    def _after_inner_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.step += 1
+        self.stats.inner_steps = self.step
+        for frag in self.fragments:
+            frag.unsent += 1
+        self._encoder.count_step(self.transport)
+        self.run_due(self.step)
+
+    def run_due(self, step: int, joining: bool = False) -> torch.Tensor | None:
+        """Do what the schedule says is due after inner step ``step``: take the results due,
+        encode and submit the fragments due, apply the results.
+
+        ``joining``: this worker has left its loop and only mirrors its peers' syncs. Returns
+        the control flags when that showed every worker has left (nothing was exchanged).
+        """
+        sends = self.schedule.sends_at(step)
+        due = self._inflight.due(step, sends)
+        if not sends and (joining or not due):
+            # a worker that has left mirrors collectives only: results due are applied by the
+            # next sync or the drain, so a run that re-enters applies them at the same step
+            return None
+        with Unblocked(self.transport.meter) as spent:
+            self._replica.collect()
+            flags = None
+            if sends and joining:
+                flags = self._exchange.gather_flags(self._flags(step, done=True))
+                if self._leave.everyone_left(flags):
+                    return flags  # every worker has left: stop before exchanging anything
+            results = {p: self._inflight.take(p) for p in due}
+            if sends:
+                self._send(sends, step, flags, results)
+            self._apply.results(sends, results, self.transport.world_size, step)
+            self.last_sync_step = step
+            if sends:
+                self._count_sync(len(sends))
+        self.stats.outer_s += spent.seconds
+        self.sync_times.caller += spent.seconds
+        self._update_stats()
+        return None
+
+    def _send(
+        self, sends: list[int], step: int, flags: torch.Tensor | None, results: dict[int, Result]
+    ) -> None:
+        """Encode the fragments due and start (or, without overlap, run) their exchange."""
+        encoded: dict[int, list[Encoded]] = {}
+        owns: dict[int, torch.Tensor | None] = {}
+        nonfinite = False
+        with self.sync_times.stage("encode"):
+            for p in sends:
+                encoded[p], owns[p], bad = self._encode(self.fragments[p])
+                nonfinite |= bad
+        mine = None if flags is not None else self._flags(step, done=False, nonfinite=nonfinite)
+        job = self._exchange.job(encoded, mine, flags)
+        if self.schedule.overlap == 0:
+            event = self.transport.blocking(job)
+            results.update({p: (event.reduced[p], owns[p], event) for p in sends})
+        else:
+            self._inflight.submit(job, step, self.schedule.apply_step(step), owns)
+        for p in sends:
+            self.events.append(("sent", p, time.perf_counter()))
+
+    def _encode(self, frag: Fragment) -> tuple[list[Encoded], torch.Tensor | None, bool]:
+        encoded, own, nonfinite = self._encoder.encode(frag)
+        if nonfinite:
+            self._nonfinite.leave_out(frag, self.transport.rank, self.step)
+        return encoded, own, nonfinite
+
+    def _count_sync(self, n_fragments: int) -> None:
+        self.stats.syncs += 1
+        self.stats.fragment_syncs += n_fragments
+        every = self.config.replica_check_every
+        if every and self.stats.syncs % every == 0:
+            self._replica.start(self.fragments)
+
+    def _flags(self, step: int, done: bool, nonfinite: bool = False) -> torch.Tensor:
+        return flags_row(step, done, nonfinite, [f.unsent for f in self.fragments])
+
+    # -- the run state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything this worker needs to continue identically: save it on every rank.
+
+        Tensors and plain types only. Local weights are included; results still in flight are
+        awaited and stored as pending, not applied early, so a resumed run applies them at the
+        same step as an uninterrupted one would.
+        """
+        if not self.fragments:
+            raise ConfigError("state_dict() needs a started run: enter the with block first")
+        self._replica.collect()
+        self._update_stats()
+        return self.state.state_dict()
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Continue a run saved with ``state_dict()`` (this rank's file).
+
+        Before the block: applied when it starts (after the start-up broadcast). Inside or
+        between blocks: applied now. ``local=None`` (a resume on another number of workers)
+        starts every worker from the global copy.
+        """
+        if not self.fragments:
+            self._loaded = sd
+            return
+        self.state.load_state_dict(sd)
+
+    # -- inspection ------------------------------------------------------------------------------
+    def global_parameters(self) -> contextlib.AbstractContextManager[nn.Module]:
+        """Temporarily load the global parameters into the model (e.g. to evaluate theta_global).
+
+        Outside the block the model already holds the published (consolidated) model.
+        """
+        if not self._started:
+            return contextlib.nullcontext(self.model)
+        return self._local.global_loaded()
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        """The global parameters by name: the run's global copy inside the block, the
+        consolidated model that leaving loaded into every worker outside it."""
+        published = self._local.published if self.fragments else None
+        if not self._started and published is not None:
+            return dict(published)
+        return {n: v for f in self.fragments for n, v in zip(f.names, f.global_views)}
+
+    def global_flat(self) -> torch.Tensor:
+        """All global parameters (as :meth:`global_state`) as one flat FP32 tensor,
+        fragment order."""
+        state = self.global_state()
+        return torch.cat([state[n].reshape(-1).float() for f in self.fragments for n in f.names])
+
+    def _update_stats(self) -> None:
+        if self.transport is None:
+            return
+        self.stats.read_meters(
+            self.transport.meter,
+            self._buffer_transport.meter,
+            self._placement.inner,
+            self.sync_times,
+        )

@@ -1,0 +1,128 @@
+"""The collectives of one sync: every worker's control flags, each fragment's exchange through
+the aggregator, then the module's floating buffers — built as one job that runs blocking or on
+the transport's comm thread."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .. import _buffers
+from ..aggregate import Aggregator, Encoded, Reduced
+from ..transport import Transport
+from .stats import SyncStats, SyncTimes
+
+# Columns of the per-exchange control flags (one int64 row per worker).
+DONE, STEP, NONFINITE, UNSENT = 0, 1, 2, 3
+
+Events = list[tuple[str, int, float]]  # (sent | completed | applied, fragment, time)
+
+
+@dataclass
+class Event:
+    """What one exchange (all fragments sent at one step) brought back."""
+
+    flags: torch.Tensor  # [M, 3 + P] int64, every worker's control flags
+    reduced: dict[int, Reduced]  # fragment -> averaged pseudo-gradient
+    buffers: torch.Tensor | None = None  # averaged / broadcast floating buffers, flat FP32
+
+    @property
+    def nonfinite_workers(self) -> int:
+        """How many workers' updates were non-finite (left out of this exchange)."""
+        return int(self.flags[:, NONFINITE].sum())
+
+
+def flags_row(step: int, done: bool, nonfinite: bool, unsent: list[int]) -> torch.Tensor:
+    """This worker's control flags: has it left its loop, its step, was its update finite,
+    unsent inner steps per fragment."""
+    return torch.tensor([int(done), step, int(nonfinite)] + unsent, dtype=torch.int64)
+
+
+class Exchange:
+    """Builds the job of one sync on the engine's transports, aggregator and counters."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        buffers: str,
+        aggregator: Aggregator,
+        transport: Transport,
+        buffer_transport: Transport,
+        stats: SyncStats,
+        times: SyncTimes,
+        events: Events,
+    ) -> None:
+        self.model, self.buffers = model, buffers
+        self.aggregator, self.transport, self.buffer_transport = (
+            aggregator,
+            transport,
+            buffer_transport,
+        )
+        self.stats, self.times, self.events = stats, times, events
+
+    def gather_flags(self, mine: torch.Tensor) -> torch.Tensor:
+        """Every worker's flags, blocking (a worker that has left only mirrors this)."""
+        transport = self.transport
+        return transport.blocking(lambda: torch.stack(transport.all_gather(mine, control=True)))
+
+    def job(
+        self,
+        encoded: dict[int, list[Encoded]],
+        mine: torch.Tensor | None,
+        flags: torch.Tensor | None,
+        with_buffers: bool = True,
+    ) -> Callable[[], Event]:
+        """The collectives of one sync: control flags (unless given), each fragment's exchange,
+        then the floating buffers (read now, on the caller's thread)."""
+        buffers = None
+        if with_buffers and self.buffers != "local":
+            buffers = _buffers.float_flat(self.model)
+        return lambda: self._run(encoded, mine, flags, buffers)
+
+    def _run(
+        self,
+        encoded: dict[int, list[Encoded]],
+        mine: torch.Tensor | None,
+        flags: torch.Tensor | None,
+        buffers: torch.Tensor | None,
+    ) -> Event:
+        aggregator, transport, times = self.aggregator, self.transport, self.times
+        t0, collective0, exchanging = time.perf_counter(), aggregator.collective_s, 0.0
+        gathered = flags if mine is None else torch.stack(transport.all_gather(mine, control=True))
+        sent0 = transport.meter.sent_bytes
+        reduced = {}
+        for p, parts in encoded.items():
+            t1 = time.perf_counter()
+            out = [aggregator.exchange(e, transport) for e in parts]
+            exchanging += time.perf_counter() - t1
+            reduced[p] = (
+                out[0]
+                if len(out) == 1
+                else Reduced(torch.cat([r.mean for r in out]), min(r.valid_workers for r in out))
+            )
+            self.events.append(("completed", p, time.perf_counter()))
+        self.stats.peak_bytes_per_sync = max(
+            self.stats.peak_bytes_per_sync, transport.meter.sent_bytes - sent0
+        )
+        assert gathered is not None
+        event = Event(gathered, reduced, self.exchange_buffers(buffers))
+        # what exchange() spent outside its collectives is decoding and summing
+        decoding = exchanging - (aggregator.collective_s - collective0)
+        elapsed = time.perf_counter() - t0
+        times.decode_sum += decoding
+        times.collective += elapsed - decoding
+        times.exchange += elapsed
+        return event
+
+    def exchange_buffers(self, flat: torch.Tensor | None) -> torch.Tensor | None:
+        """Floating buffers averaged in FP32 (``average``) or rank 0's (``broadcast``)."""
+        if flat is None or flat.numel() == 0:
+            return None
+        bt = self.buffer_transport
+        if self.buffers == "broadcast":
+            return bt.broadcast(flat, src=0, control=False)
+        return bt.all_reduce(flat).div_(bt.world_size)

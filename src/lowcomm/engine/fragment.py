@@ -1,0 +1,124 @@
+"""A fragment: one group of parameters synced together, owning its global copy and its state.
+
+Its global copy is one flat FP32 buffer (the parameters as views of it); its pseudo-gradient is
+``reference - local`` where the reference is the global copy, or with the continue merge the
+local weights at its last send (``snapshot``). ``unsent`` counts inner steps since its last send.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..config import ConfigError
+from .state import RunState, StatePart
+from .tensors import Part, local, minus_params, views
+
+
+@dataclass
+class Fragment:
+    """One group of parameters synced together, with its global copy as one flat FP32 buffer."""
+
+    index: int
+    names: list[str]
+    raw: list[nn.Parameter]  # the model's parameters (DTensors under FSDP2)
+    global_flat: torch.Tensor
+    global_views: list[torch.Tensor]
+    buckets: list[list[int]]
+    unsent: int = 0  # inner steps since this fragment was last sent
+    snapshot: torch.Tensor | None = None  # continue merge: local weights at the last send
+    part: Part | None = None  # DDP inside a worker: (this rank's part, parts)
+
+    @property
+    def key(self) -> str:
+        """Its name in the outer optimizer's state and in checkpoints."""
+        return f"fragment{self.index}"
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """This rank's part of each parameter: the local shard under FSDP2, its slice of rows
+        with DDP inside a worker, else the parameter.
+
+        Looked up each time: FSDP2 may re-point a sharded parameter's storage at lazy init.
+        """
+        return [local(p, self.part) for p in self.raw]
+
+    def load_global(self) -> None:
+        """The global copy into the local parameters."""
+        for p, g in zip(self.params, self.global_views):
+            p.copy_(g)
+
+    def pseudo_grad(self) -> torch.Tensor:
+        """``reference - local`` (flat FP32): the reference is the snapshot when there is one."""
+        reference = self.snapshot if self.snapshot is not None else self.global_flat
+        return minus_params(reference, self.params)
+
+    def take_snapshot(self) -> None:
+        """Remember the local weights (in FP32) as the continue merge's reference."""
+        assert self.snapshot is not None
+        for s, p in zip(views(self.snapshot, self.params), self.params):
+            s.copy_(p.detach())
+
+
+def register_fragment_state(state: RunState, frags: list[Fragment]) -> None:
+    """Declare the fragments' state: their names (checked on load), global copies, snapshots
+    and unsent counts."""
+    state.register(
+        "fragments",
+        StatePart(
+            lambda: [list(f.names) for f in frags], lambda v: _check_names(frags, v), kept=False
+        ),
+    )
+    state.register(
+        "global",
+        StatePart(
+            lambda: {f.key: f.global_flat.clone() for f in frags},
+            lambda v: _load_global(frags, v),
+            shared=True,
+        ),
+    )
+    state.register(
+        "snapshot",
+        StatePart(
+            lambda: {f.key: f.snapshot.clone() for f in frags if f.snapshot is not None},
+            lambda v: _load_snapshots(frags, v or {}),
+        ),
+    )
+    state.register(
+        "unsent",
+        StatePart(
+            lambda: [f.unsent for f in frags],
+            lambda v: _load_unsent(frags, v or [0] * len(frags)),
+            shared=True,
+        ),
+    )
+
+
+def _check_names(frags: list[Fragment], names: Any) -> None:
+    if names != [list(f.names) for f in frags]:
+        raise ConfigError(
+            "the checkpoint's fragments differ from this run's: resume with the "
+            "same model and fragment settings"
+        )
+
+
+def _load_global(frags: list[Fragment], saved: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for f in frags:
+            f.global_flat.copy_(saved[f.key])
+
+
+def _load_snapshots(frags: list[Fragment], saved: dict[str, torch.Tensor]) -> None:
+    """A checkpoint without a fragment's snapshot starts it at the global copy (loaded first)."""
+    with torch.no_grad():
+        for f in frags:
+            if f.snapshot is not None:
+                f.snapshot.copy_(saved.get(f.key, f.global_flat))
+
+
+def _load_unsent(frags: list[Fragment], unsent: list[int]) -> None:
+    for f, n in zip(frags, unsent):
+        f.unsent = int(n)

@@ -1,0 +1,118 @@
+"""Guards on the run's health: non-finite pseudo-gradients (a worker left out of a sync, a
+streak of them stops the run) and the replica check (every worker's global copy hashed and
+compared, on the comm thread)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from concurrent.futures import Future
+
+import torch
+
+from ..errors import NonFiniteError, ReplicaMismatchError
+from ..transport import Transport
+from .exchange import Event
+from .fragment import Fragment
+from .state import RunState, StatePart
+from .stats import SyncStats
+
+log = logging.getLogger("lowcomm")
+
+
+class NonFiniteGuard:
+    """Fragments this worker left out (its update was non-finite) and the run's streak."""
+
+    def __init__(self, patience: int, stats: SyncStats, state: RunState) -> None:
+        self.patience, self.stats = patience, stats
+        self.left_out: set[int] = set()  # fragments whose last pseudo-gradient here was bad
+        self.streak = 0
+        state.register(
+            "left_out",
+            StatePart(lambda: sorted(self.left_out), lambda v: self._load_left_out(v)),
+        )
+        state.register(
+            "nonfinite_streak",
+            StatePart(lambda: self.streak, lambda v: setattr(self, "streak", int(v)), kept=False),
+        )
+
+    def _load_left_out(self, value: list[int] | set[int]) -> None:
+        self.left_out = set(value)
+
+    def leave_out(self, frag: Fragment, rank: int, step: int) -> None:
+        """This worker's update of ``frag`` was non-finite: peers average without it."""
+        self.left_out.add(frag.index)
+        self.stats.left_out_here += 1
+        log.warning(
+            "rank %d: non-finite pseudo-gradient in fragment %d at step %d; left out "
+            "of this sync, restarting from the global parameters",
+            rank,
+            frag.index,
+            step,
+        )
+
+    def track(self, p: int, event: Event, workers: int, step: int) -> None:
+        """Count syncs in which some worker was left out; too many in a row stop the run."""
+        bad = event.nonfinite_workers
+        if bad == 0:
+            self.streak = 0
+            return
+        self.stats.left_out_syncs += 1
+        self.streak += 1
+        log.warning(
+            "step %d: %d of %d workers left out of fragment %d's sync (non-finite "
+            "pseudo-gradient); %d such syncs in a row",
+            step,
+            bad,
+            workers,
+            p,
+            self.streak,
+        )
+        if self.streak >= self.patience:
+            raise NonFiniteError(
+                f"{self.streak} syncs in a row had non-finite pseudo-gradients "
+                f"(last at inner step {step}): lower inner_lr, check the data, or resume "
+                f"from the last checkpoint; nonfinite_patience={self.patience}"
+            )
+
+
+class ReplicaCheck:
+    """Hash the global copies after a sync, compare every worker's hash later."""
+
+    def __init__(self, transport: Transport, stats: SyncStats) -> None:
+        self.transport, self.stats = transport, stats
+        self._gathered: Future | None = None
+
+    def start(self, frags: list[Fragment]) -> None:
+        """Hash the global copy now; gather every worker's hash on the comm thread."""
+        digest = hashlib.sha256()
+        for f in frags:
+            digest.update(f.global_flat.detach().cpu().contiguous().numpy().tobytes())
+        mine = torch.tensor([int.from_bytes(digest.digest()[:8], "little", signed=True)])
+        transport = self.transport
+        # queued behind any exchange in flight, so it never stalls the overlap
+        self._gathered = transport.submit(lambda: transport.all_gather(mine, control=True))
+
+    def collect(self) -> None:
+        """Compare the hashes of the last check, if one is in flight."""
+        if self._gathered is None:
+            return
+        hashes = [int(h) for h in self.transport.wait(self._gathered)]
+        self._gathered = None
+        self.stats.replica_checks += 1
+        bad = [r for r, h in enumerate(hashes) if h != hashes[0]]
+        if bad:
+            raise ReplicaMismatchError(
+                f"global parameters differ between workers (ranks {bad} disagree with rank 0 after "
+                f"sync {self.stats.syncs}): the replicas diverged; resume from the last checkpoint"
+            )
+
+
+def restart(frag: Fragment, optimizer: torch.optim.Optimizer) -> None:
+    """A worker whose update of ``frag`` diverged restarts it from the global copy, with fresh
+    inner optimizer state (its moments may hold the same NaN/Inf)."""
+    frag.load_global()
+    if frag.snapshot is not None:
+        frag.snapshot.copy_(frag.global_flat)
+    for param in frag.raw:
+        optimizer.state.pop(param, None)

@@ -1,0 +1,103 @@
+"""Results in flight: exchanges started and not yet applied, by fragment, with the step each
+is due at. At most one exchange per fragment is in flight (the schedule guarantees a result
+lands before its fragment is sent again)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..aggregate import Reduced
+from ..transport import Transport
+from .exchange import UNSENT, Event, Events
+from .state import RunState, StatePart
+
+Result = tuple[Reduced, "torch.Tensor | None", Event]  # (average, own send decoded, its event)
+
+
+@dataclass
+class Pending:
+    """One fragment's exchange in flight."""
+
+    future: Future  # of an Event
+    sent_at: int
+    apply_at: int
+    own: torch.Tensor | None = None  # continue merge: what this worker sent, decoded
+
+
+class InFlight:
+    """The pending table: submit an exchange, find what is due, take or drain results."""
+
+    def __init__(self, transport: Transport, events: Events, state: RunState) -> None:
+        self.transport, self.events = transport, events
+        self.pending: dict[int, Pending] = {}
+        state.register("pending", StatePart(self.save, self.load))
+
+    def due(self, step: int, sends: list[int]) -> list[int]:
+        """Fragments whose result must be applied now: due at ``step``, or sent again now."""
+        return sorted(p for p, pend in self.pending.items() if pend.apply_at <= step or p in sends)
+
+    def submit(
+        self,
+        job: Callable[[], Event],
+        step: int,
+        apply_at: int,
+        owns: dict[int, torch.Tensor | None],
+    ) -> None:
+        """Start ``job`` on the comm thread; its fragments are applied after ``apply_at``."""
+        future = self.transport.submit(job)
+        for p, own in owns.items():
+            self.pending[p] = Pending(future, step, apply_at, own)
+
+    def own(self, p: int) -> torch.Tensor | None:
+        """What this worker sent of fragment ``p`` and has not had back yet (decoded)."""
+        pend = self.pending.get(p)
+        return pend.own if pend is not None else None
+
+    def take(self, p: int) -> Result:
+        """Wait for fragment ``p``'s result and remove it from the table."""
+        pend = self.pending.pop(p)
+        event = self.transport.wait(pend.future)
+        self.events.append(("applied", p, time.perf_counter()))
+        return event.reduced[p], pend.own, event
+
+    def save(self) -> dict[str, Any]:
+        """Every result in flight, awaited (not applied early) and stored as tensors."""
+        out = {}
+        for p in sorted(self.pending):
+            pend = self.pending[p]
+            event = self.transport.wait(pend.future)
+            done: Future = Future()
+            done.set_result(event)
+            self.pending[p] = dataclasses.replace(pend, future=done)
+            red = event.reduced[p]
+            out[str(p)] = {
+                "mean": red.mean.clone(),
+                "valid_workers": red.valid_workers,
+                "flags": event.flags.clone(),
+                "buffers": event.buffers,
+                "own": pend.own,
+                "sent_at": pend.sent_at,
+                "apply_at": pend.apply_at,
+            }
+        return out
+
+    def load(self, saved: dict[str, Any]) -> None:
+        """Replace the table with the results of :meth:`save`."""
+        self.pending = {int(p): _pending_from(int(p), d) for p, d in saved.items()}
+
+
+def _pending_from(p: int, d: dict[str, Any]) -> Pending:
+    fut: Future = Future()
+    flags = d.get("flags")
+    if flags is None:  # checkpoints written before the control flags existed
+        flags = torch.zeros((1, UNSENT), dtype=torch.int64)
+    reduced = Reduced(d["mean"], int(d["valid_workers"]))
+    fut.set_result(Event(flags, {p: reduced}, d.get("buffers")))
+    return Pending(fut, int(d["sent_at"]), int(d["apply_at"]), d.get("own"))

@@ -1,0 +1,98 @@
+"""Leaving the ``with`` block (the own-loop contract of docs/api.md): wait until every worker
+has left, drain what is in flight, one more blocking outer step per fragment with unsent inner
+steps, and average the buffers: the consolidated model that leaving publishes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .. import _buffers
+from ..outer import OuterOptimizer
+from ..transport import Transport
+from .exchange import DONE, UNSENT, Events, Exchange, flags_row
+from .fragment import Fragment
+from .inflight import InFlight
+from .placement import Placement
+
+
+class Leave:
+    """The exit path: join the peers, drain, the final outer step, the buffers."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        frags: list[Fragment],
+        placement: Placement,
+        transport: Transport,
+        exchange: Exchange,
+        inflight: InFlight,
+        outer: OuterOptimizer,
+        events: Events,
+    ) -> None:
+        self.model, self.frags, self.placement = model, frags, placement
+        self.transport, self.exchange, self.inflight = transport, exchange, inflight
+        self.outer, self.events = outer, events
+
+    def join_peers(
+        self, step: int, run_due: Callable[[int, bool], torch.Tensor | None]
+    ) -> list[int]:
+        """Mirror the peers' remaining syncs until every worker has left; the most unsent
+        inner steps of any worker, per fragment.
+
+        A worker that is done contributes its unsent progress at the next sync of each fragment
+        and then takes part without contributing, so uneven step counts never hang.
+        """
+        while True:
+            step += 1
+            flags = run_due(step, True)
+            if flags is not None:
+                return flags[:, UNSENT:].max(dim=0).values.tolist()
+
+    def everyone_left(self, flags: torch.Tensor) -> bool:
+        """Whether the gathered flags say every worker has left its loop."""
+        return bool((flags[:, DONE] == 1).all())
+
+    def drain(self, apply: Callable[..., None]) -> None:
+        """Apply every result still in flight (with the fragment's usual merge)."""
+        for p in sorted(self.inflight.pending):
+            reduced, own, event = self.inflight.take(p)
+            with torch.no_grad():
+                apply(p, reduced, own, event, final=True)
+
+    def final_outer_step(
+        self, unsent: list[int], step: int, encode: Callable[[Fragment], Any]
+    ) -> None:
+        """One blocking outer step for each fragment some worker has unsent inner steps in."""
+        todo = [p for p, n in enumerate(unsent) if n > 0]
+        if not todo:
+            return
+        encoded = {}
+        for p in todo:
+            encoded[p], _, _ = encode(self.frags[p])
+            self.events.append(("sent", p, time.perf_counter()))
+        mine = flags_row(step, True, False, [f.unsent for f in self.frags])
+        flags = mine.unsqueeze(0)  # everyone is here: no gather
+        event = self.transport.blocking(self.exchange.job(encoded, None, flags, with_buffers=False))
+        with torch.no_grad():
+            for p in todo:
+                reduced = event.reduced[p]
+                if reduced.valid_workers > 0:
+                    frag = self.frags[p]
+                    self.outer.step(
+                        frag.key, frag.global_flat, reduced.mean.to(frag.global_flat.device)
+                    )
+                self.events.append(("applied", p, time.perf_counter()))
+
+    def sync_buffers(self) -> None:
+        """Floating buffers averaged (or rank 0's), integer ones and frozen weights rank 0's."""
+        buffers = self.exchange.buffers
+        self.placement.broadcast_constants(self.transport, buffers, floating=buffers == "broadcast")
+        if buffers == "average":
+            flat = self.exchange.exchange_buffers(_buffers.float_flat(self.model))
+            if flat is not None:
+                _buffers.load_float_flat(self.model, flat)

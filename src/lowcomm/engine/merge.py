@@ -1,0 +1,86 @@
+"""Merge rules: how a fragment's new global copy enters this worker's local weights.
+
+One rule is chosen at construction from the config (:func:`make_merge`):
+
+- :class:`Replace`: the local weights become the global copy (tau = 0, CO2's ``reset``);
+- :class:`AlphaMix`: ``theta <- alpha * theta + (1 - alpha) * global`` (Streaming, tau >= 1);
+- :class:`Continue`: ``theta <- global - kappa * (own send in flight) - (progress since it)``,
+  keeping the steps taken while the result was in flight (``merge=continue``; CO2's default,
+  whose kappa is ``co2_keep``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import SyncConfig
+from ..schedule import Schedule
+from .fragment import Fragment
+from .tensors import minus_params, views
+
+
+class Merge:
+    """A merge rule; ``needs_snapshot`` when fragments must remember their last send."""
+
+    needs_snapshot = False
+
+    def merge(self, frag: Fragment, in_flight: torch.Tensor | None) -> None:
+        """Merge ``frag``'s global copy into its local weights; ``in_flight`` is what this
+        worker sent and has not had back yet (decoded), if anything."""
+        raise NotImplementedError
+
+
+class Replace(Merge):
+    """The local weights become the global copy."""
+
+    def merge(self, frag: Fragment, in_flight: torch.Tensor | None) -> None:
+        frag.load_global()
+
+
+class AlphaMix(Merge):
+    """``theta <- alpha * theta + (1 - alpha) * global`` (Streaming DiLoCo's merge)."""
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+
+    def merge(self, frag: Fragment, in_flight: torch.Tensor | None) -> None:
+        for p, g in zip(frag.params, frag.global_views):
+            p.mul_(self.alpha).add_(g.to(p.device, p.dtype), alpha=1.0 - self.alpha)
+
+
+class Continue(Merge):
+    """theta <- global - kappa * (own send in flight) - (progress since the last send).
+
+    The invariant: a worker's weights are the global copy minus its own progress that the
+    global copy does not hold yet (the part of its send in flight it keeps: kappa, CO2's
+    co2_keep, else 1). CO2 (tau = H): right after round r is sent this is
+    theta_{r+1} - kappa * delta_r; a drain at the end gives theta - (the partial round).
+    """
+
+    needs_snapshot = True
+
+    def __init__(self, keep: float) -> None:
+        self.keep = keep
+
+    def merge(self, frag: Fragment, in_flight: torch.Tensor | None) -> None:
+        assert frag.snapshot is not None
+        # the same arithmetic as snapshot - local etc., written into two buffers, not five
+        progress = minus_params(frag.snapshot, frag.params)
+        own = in_flight if in_flight is not None else 0.0
+        new_local = torch.sub(frag.global_flat, own, alpha=self.keep).sub_(progress)
+        torch.add(new_local, progress, out=frag.snapshot)
+        for p, v in zip(frag.params, views(new_local, frag.params)):
+            p.copy_(v)
+
+
+def make_merge(cfg: SyncConfig, schedule: Schedule) -> Merge:
+    """The merge rule of a config: CO2's whole-round overlap continues by ``co2_merge``
+    (keeping ``co2_keep`` of its own round in flight), other overlaps by ``merge``; otherwise
+    the alpha-mix (replace at alpha 0, and always without overlap)."""
+    if schedule.is_round_overlap():
+        if cfg.co2_merge == "continue":
+            return Continue(cfg.co2_keep)
+    elif schedule.overlap > 0 and cfg.merge == "continue":
+        return Continue(1.0)
+    alpha = cfg.alpha if schedule.overlap > 0 else 0.0
+    return Replace() if alpha == 0.0 else AlphaMix(alpha)

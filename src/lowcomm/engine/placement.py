@@ -1,0 +1,147 @@
+"""Where a worker sits: its outer process group (or mesh position), the parts of each weight
+its ranks sync with DDP inside a worker, and the broadcasts that keep a worker one model.
+
+A *worker* may be a whole site: a 2-D DeviceMesh ("replicate", "shard") puts several ranks in
+it. Each rank then syncs its own shard (FSDP2) or slice of rows (DDP) with the ranks at the same
+position in the other workers; with DDP the slices are shared inside the worker after a sync.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .. import _buffers
+from ..config import ConfigError
+from ..transport import Transport, shutdown_at_exit
+from .fragment import Fragment
+from .tensors import DTensor, Part, local, views
+
+NO_GROUP_MESSAGE = (
+    "lowcomm needs a torch.distributed process group: call "
+    "torch.distributed.init_process_group('gloo') (or 'nccl' on GPUs) before entering the block; "
+    "torchrun only sets the environment it reads"
+)
+
+
+class Placement:
+    """This rank's groups and, with DDP inside a worker, the part of every weight it syncs."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        process_group: dist.ProcessGroup | None,
+        mesh: Any,
+        timeout_s: float,
+    ) -> None:
+        check_mesh(mesh, process_group)
+        self.model = model
+        self.process_group = process_group
+        self.mesh = mesh
+        self.timeout_s = timeout_s
+        self.part: Part | None = None  # DDP inside a worker: (this rank's part, parts)
+        self.inner: Transport | None = None  # the ranks of this worker, to share the parts
+
+    def join(self) -> dist.ProcessGroup:
+        """The outer group this rank syncs on (created here unless given)."""
+        if not dist.is_available() or not dist.is_initialized():
+            raise ConfigError(NO_GROUP_MESSAGE)
+        shutdown_at_exit()
+        if self.process_group is not None:
+            return self.process_group
+        if self.mesh is not None:
+            return self._join_mesh()
+        # A group of its own, so engine traffic (possibly on the comm thread) never
+        # interleaves with the training loop's own collectives on the default group.
+        return dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=self.timeout_s))
+
+    def _join_mesh(self) -> dist.ProcessGroup:
+        """The outer group of this rank's position; with DDP inside a worker, also the part
+        of every parameter this rank syncs and the worker's own group to share the parts."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        outer, inner = replica_groups(self.mesh, self.timeout_s)
+        n = dist.get_world_size(inner)
+        if n > 1 and not any(isinstance(p, DTensor) for p in params):
+            check_replicated(self.model, n)
+            self.part = (dist.get_rank(inner), n)
+            self.inner = Transport(inner)
+        return outer
+
+    def share_parts(self, frags: list[Fragment]) -> None:
+        """DDP inside a worker: each rank wrote only its part of these fragments' parameters;
+        every part is broadcast from its rank to the worker's other ranks (a fast local link)."""
+        if self.part is None:
+            return
+        assert self.inner is not None
+        n = self.part[1]
+        with torch.no_grad():
+            for f in frags:
+                for owner in range(n):
+                    pieces = [local(p, (owner, n)) for p in f.raw]
+                    flat = torch.cat([x.reshape(-1) for x in pieces])
+                    self.inner.broadcast(flat, src=owner, control=False)
+                    for x, v in zip(pieces, views(flat, pieces)):
+                        x.copy_(v)
+
+    def broadcast_constants(self, transport: Transport, buffers: str, floating: bool) -> None:
+        """Frozen parameters and integer buffers (floating ones too if asked) from rank 0."""
+        tensors = [p for p in self.model.parameters() if not p.requires_grad]
+        if buffers != "local":
+            tensors += _buffers.persistent(self.model, floating=None if floating else False)
+        with torch.no_grad():
+            for t in tensors:
+                transport.broadcast(local(t).data, src=0, control=True)
+
+
+def check_mesh(mesh: Any, process_group: Any) -> None:
+    """A DeviceMesh whose workers lie along a "replicate" dimension, or one clear error."""
+    if mesh is None:
+        return
+    if process_group is not None:
+        raise ConfigError("give either mesh= or process_group=, not both")
+    names = getattr(mesh, "mesh_dim_names", None)
+    if not hasattr(mesh, "mesh") or (mesh.ndim > 1 and "replicate" not in (names or ())):
+        raise ConfigError(
+            "mesh must be a torch DeviceMesh whose workers lie along a dimension named "
+            "'replicate', e.g. init_device_mesh('cpu', (workers, ranks_per_worker), "
+            "mesh_dim_names=('replicate', 'shard'))"
+        )
+
+
+def check_replicated(model: nn.Module, per_worker: int) -> None:
+    """Several ranks per worker with unsharded weights must be DDP inside the worker."""
+    if not any(isinstance(m, nn.parallel.DistributedDataParallel) for m in model.modules()):
+        raise ConfigError(
+            f"mesh= puts {per_worker} ranks in each worker but the model is neither sharded "
+            f"with FSDP2 (fully_shard(model, mesh=mesh['shard'])) nor wrapped in "
+            f"DistributedDataParallel over the worker's ranks: wrap it, and pass the wrapped "
+            f"model, or give one rank per worker"
+        )
+
+
+def workers_of(mesh: Any) -> int:
+    """How many workers a mesh holds: the size of its "replicate" dimension."""
+    if mesh.ndim == 1:
+        return mesh.size()
+    return mesh.size(mesh.mesh_dim_names.index("replicate"))
+
+
+def replica_groups(mesh: Any, timeout_s: float) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's outer group (the ranks at its own position in every worker) and its
+    worker's group (the ranks of its worker).
+
+    Groups of our own (every rank creates all of them, in one order), so engine traffic never
+    interleaves with the user's own collectives on the mesh's groups.
+    """
+    ranks = mesh.mesh
+    if ranks.ndim > 1:
+        ranks = ranks.movedim(mesh.mesh_dim_names.index("replicate"), 0)
+    ranks = ranks.reshape(ranks.shape[0], -1)  # [worker, position]
+    kw = {"backend": dist.get_backend(), "timeout": timedelta(seconds=timeout_s)}
+    outer, _ = dist.new_subgroups_by_enumeration([c.tolist() for c in ranks.T], **kw)
+    inner, _ = dist.new_subgroups_by_enumeration([r.tolist() for r in ranks], **kw)
+    return outer, inner

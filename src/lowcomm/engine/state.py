@@ -1,0 +1,59 @@
+"""The run state, declared once: each owner registers its pieces, everything else is derived.
+
+``state_dict`` (a checkpoint), ``load_state_dict`` (a resume), ``keep`` and ``restore`` (what
+leaving the block must not change) all walk the one list of :class:`StatePart`, so a new piece
+of state is one ``register`` call beside the code that owns it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StatePart:
+    """One named piece of the run state and how to copy it out and back in."""
+
+    save: Callable[[], Any]  # a copy (tensors and plain types) safe to keep or write to disk
+    load: Callable[[Any], None]  # from what ``save`` returned; None when a checkpoint lacks it
+    kept: bool = True  # restored after leaving the block (False: counters that go on)
+    shared: bool = False  # identical on every live site, so any healthy peer can hand it over
+    restore: Callable[[Any], None] | None = None  # how a kept copy goes back, when not ``load``
+
+
+class RunState:
+    """The ordered list of state parts; loading follows the order of registration."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, StatePart] = {}
+
+    def register(self, name: str, part: StatePart) -> None:
+        """Declare one piece of state under a unique ``name`` (its key in checkpoints)."""
+        if name in self._parts:
+            raise ValueError(f"state part {name!r} registered twice")
+        self._parts[name] = part
+
+    def names(self, shared: bool | None = None) -> list[str]:
+        """The registered names, in load order; ``shared`` keeps only shared or per-site ones."""
+        return [n for n, p in self._parts.items() if shared is None or p.shared == shared]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every part's saved copy, by name."""
+        return {name: part.save() for name, part in self._parts.items()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Load every part from ``sd`` in registration order (a missing key loads None)."""
+        for name, part in self._parts.items():
+            part.load(sd.get(name))
+
+    def keep(self) -> dict[str, Any]:
+        """Copies of the parts that leaving the block must leave as they were."""
+        return {name: part.save() for name, part in self._parts.items() if part.kept}
+
+    def restore(self, kept: dict[str, Any]) -> None:
+        """Put back what :meth:`keep` copied."""
+        for name, value in kept.items():
+            part = self._parts[name]
+            (part.restore or part.load)(value)
