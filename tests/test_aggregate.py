@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowcomm.aggregate import Aggregator
+from lowcomm.aggregate import TwoPhaseAggregator, aggregator_for
 from lowcomm.codecs import make_codec
 from lowcomm.transport import Transport
 
@@ -19,7 +19,7 @@ def _inputs(rank: int) -> list[torch.Tensor]:
 
 def _agg_worker(rank: int, world: int, method: str, codec_name: str, aggregation: str) -> dict:
     codec = make_codec(codec_name, block_size=32, density=1 / 8)
-    agg = Aggregator(method, codec, world, aggregation=aggregation)
+    agg = aggregator_for(method, codec, world, aggregation=aggregation)
     t = Transport()
     enc = agg.encode(_inputs(rank), need_local=True)
     red = agg.exchange(enc, t)
@@ -93,8 +93,8 @@ def _compensated_worker(rank: int, world: int, key: str | None) -> list[torch.Te
     from lowcomm.compensation import MovingAverageCompensation
 
     comp = MovingAverageCompensation(0.8)
-    agg = Aggregator(
-        "two-phase", make_codec("int4-authors", block_size=32), world, reduce_compensation=comp
+    agg = TwoPhaseAggregator(
+        make_codec("int4-authors", block_size=32), world, reduce_compensation=comp
     )
     t = Transport()
     out = []

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "lowcomm"
-MATH_MODULES = ["codecs", "compensation.py", "outer.py", "schedule.py", "aggregate.py"]
+MATH_MODULES = ["codecs", "compensation.py", "outer.py", "schedule.py", "aggregate"]
 
 
 def _functions(path: Path):

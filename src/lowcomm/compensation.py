@@ -32,15 +32,21 @@ kept (with FP32 storage on the same device it *is* the stored buffer, updated in
 both calls: the caller must not modify it, nor keep it past ``subtract``), so the residual
 ``e - D(C(e))`` is computed from exactly what was encoded rather than from its rounded copy.
 
+:func:`make_compensation` builds the one a :class:`~lowcomm.config.SyncConfig` asks for (the
+engine's buffers and the two-phase reduce's second ones alike).
+
 ``state_dict()`` holds only tensors, strings and numbers, so it loads with
 ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:  # annotations only: config must not be needed to import the math
+    from .config import SyncConfig
 
 #: the LoCo authors' reset period, in optimizer steps
 DEFAULT_RESET_EVERY = 1024
@@ -349,3 +355,21 @@ class MovingAverageCompensation(_Compensation):
         self.reset_every = int(state["reset_every"])
         self.steps = int(state["steps"])
         self._store.load(state)
+
+
+def make_compensation(
+    cfg: SyncConfig, device: torch.device | str | None
+) -> ErrorFeedback | MovingAverageCompensation | None:
+    """The compensation ``cfg.compensation`` names (None for "none"), its buffers on ``device``.
+
+    ``device=None`` keeps each buffer on the device of the tensors it compensates.
+    """
+    if cfg.compensation == "none":
+        return None
+    if cfg.compensation == "ef":
+        return ErrorFeedback(cfg.error_decay, device=device)
+    if cfg.compensation == "loco":
+        return MovingAverageCompensation(
+            cfg.loco_beta, device=device, reset_every=cfg.loco_reset_every
+        )
+    raise ValueError(f"unknown compensation {cfg.compensation!r}: none, ef or loco")

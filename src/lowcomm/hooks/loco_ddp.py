@@ -1,7 +1,7 @@
 """LoCo as a DDP communication hook: compensated low-bit gradient reduction every step.
 
 Per bucket, its tensors are split into parts, each one collective through an
-:class:`~lowcomm.aggregate.Aggregator`:
+:class:`~lowcomm.aggregate.Aggregator` (:func:`~lowcomm.aggregate.aggregator_for` picks it):
 
 - 1-D tensors (biases, norm weights) go as FP32, uncompressed (the LoCo authors' choice; they are
   few elements and sensitive), unless ``compress_1d``; their bytes are counted like the rest;
@@ -27,7 +27,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..aggregate import Aggregator, Encoded, encode_compensated
+from ..aggregate import (
+    Aggregator,
+    AllReduceAggregator,
+    Encoded,
+    aggregator_for,
+    encode_compensated,
+)
 from ..compensation import DEFAULT_RESET_EVERY, MovingAverageCompensation
 from ..errors import ConfigError
 from ..transport import Transport
@@ -92,7 +98,7 @@ class LoCoState(GradReduceState):
         # the second quantisation's buffers: only this worker's averaged shards
         self.reduce_compensation = make() if compensate and self.method == "two-phase" else None
         self.loss_scale = LossScale(self.compensation, self.reduce_compensation)
-        self._dense = Aggregator("allreduce", None, m)
+        self._dense = AllReduceAggregator(m)
         self._by_group: dict[int, Aggregator] = {}
         self._plans: dict[tuple[str, ...], list[_Part]] = {}
         self.scaler = scaler
@@ -109,7 +115,7 @@ class LoCoState(GradReduceState):
         agg = self._by_group.get(group)
         if agg is None:
             codec = loco_codec(self.quantizer, self.bits, group)
-            agg = self._by_group[group] = Aggregator(
+            agg = self._by_group[group] = aggregator_for(
                 self.method,
                 codec,
                 self.transport.world_size,

@@ -2,14 +2,14 @@
 
 FSDP hands over one flat input, the concatenation of every rank's shard (rank-major), and
 wants this rank's shard back. That is the first half of the two-phase reduce, so it runs
-through :meth:`~lowcomm.aggregate.Aggregator.reduce_scatter` with the compensation interface:
-``h = input + e``; each destination's shard is quantised and sent by all-to-all; the received
-shards are decoded and summed in FP32 and divided by M (so the gradient divide factor is set to
-1.0); ``e <- beta e + (1 - beta)(h - D(Q(h)))``. Only one quantisation, so one buffer per FSDP
-module, kept on the gradient's device and reset every ``reset_every`` calls, i.e. optimizer
-steps (one reduce-scatter per module per step). The flat input mixes a module's matrices and
-vectors: the elements of 1-D parameters (found from FSDP2's layout) are reduce-scattered as
-FP32, the rest quantised in flat groups of ``group_size`` (either quantiser).
+through :meth:`~lowcomm.aggregate.TwoPhaseAggregator.reduce_scatter` with the compensation
+interface: ``h = input + e``; each destination's shard is quantised and sent by all-to-all; the
+received shards are decoded and summed in FP32 and divided by M (so the gradient divide factor
+is set to 1.0); ``e <- beta e + (1 - beta)(h - D(Q(h)))``. Only one quantisation, so one buffer
+per FSDP module, kept on the gradient's device and reset every ``reset_every`` calls, i.e.
+optimizer steps (one reduce-scatter per module per step). The flat input mixes a module's
+matrices and vectors: the elements of 1-D parameters (found from FSDP2's layout) are
+reduce-scattered as FP32, the rest quantised in flat groups of ``group_size`` (either quantiser).
 With fp16 and a ``GradScaler`` passed as ``scaler=``, the buffer follows the loss scale (dropped
 when it backs off after an overflow, rescaled when it grows); a non-finite input on any worker
 returns NaN everywhere, so the scaler skips that step.
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..aggregate import Aggregator, Reduced
+from ..aggregate import Reduced, TwoPhaseAggregator
 from ..codecs import make_codec
 from ..compensation import DEFAULT_RESET_EVERY, Compensation, MovingAverageCompensation
 from ..errors import ConfigError
@@ -138,7 +138,7 @@ class LoCoReduceScatter(_ReduceScatterBase or object):  # type: ignore[misc]
             else:
                 red = self._quantised(x[:, ~mask], valid, transport)
                 dense = _reduce(
-                    Aggregator("two-phase", make_codec("fp32"), m),
+                    TwoPhaseAggregator(make_codec("fp32"), m),
                     x[:, mask],
                     None,
                     None,
@@ -156,12 +156,12 @@ class LoCoReduceScatter(_ReduceScatterBase or object):  # type: ignore[misc]
         return None
 
     def _quantised(self, x: torch.Tensor, valid: bool, transport: Transport) -> Reduced:
-        agg = Aggregator("two-phase", self.codec, transport.world_size)
+        agg = TwoPhaseAggregator(self.codec, transport.world_size)
         return _reduce(agg, x, self.compensation, self.key, valid, transport)
 
 
 def _reduce(
-    agg: Aggregator,
+    agg: TwoPhaseAggregator,
     x: torch.Tensor,
     comp: Compensation | None,
     key: str | None,

@@ -1,0 +1,58 @@
+"""The all-reduce exchange: a dense codec (fp32/bf16/fp16) casts the flat buffer and
+all-reduces it, the validity flag riding along as one more element."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .base import Aggregator, Encoded, Reduced, numel
+
+if TYPE_CHECKING:
+    from ..transport import Transport
+
+
+class AllReduceAggregator(Aggregator):
+    """Averages by casting to ``dense_dtype`` and summing with one all-reduce (no codec)."""
+
+    method = "allreduce"
+
+    def __init__(self, world_size: int, dense_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(None, world_size)
+        self.dense_dtype = dense_dtype
+
+    def encode(
+        self,
+        tensors: list[torch.Tensor],
+        need_local: bool = False,
+        valid: bool = True,
+        key: str | None = None,
+    ) -> Encoded:
+        """The tensors and the flag, cast, in one flat payload (see :meth:`Aggregator.encode`)."""
+        if not valid:
+            tensors = [torch.zeros_like(t) for t in tensors]
+        shapes = [t.shape for t in tensors]
+        n = sum(t.numel() for t in tensors)
+        like = tensors[0] if tensors else torch.empty(0)
+        flag = like.new_full((1,), float(valid))
+        # one copy: the tensors and the flag straight into the payload
+        payload = torch.cat([t.reshape(-1) for t in tensors] + [flag]).to(self.dense_dtype)
+        local = payload[:-1].float() if need_local else None
+        return Encoded(payload, shapes, n, local, key)
+
+    def exchange(self, enc: Encoded, transport: Transport) -> Reduced:
+        """All-reduce and divide by the summed flags.
+
+        The all-reduce sums ``enc.payload`` in place (a model-sized copy saved) unless
+        ``enc.local`` was asked for, which may share its memory.
+        """
+        buf = enc.payload.clone() if enc.local is not None else enc.payload
+        self._timed(transport.all_reduce, buf)
+        count = int(round(float(buf[-1])))
+        return Reduced(buf[:-1].float().div_(max(count, 1)), count)
+
+    def payload_nbytes(self, shapes: list[torch.Size]) -> int:
+        """``(numel + 1)`` elements of ``dense_dtype``."""
+        total = sum(numel(s) for s in shapes)
+        return (total + 1) * torch.tensor([], dtype=self.dense_dtype).element_size()

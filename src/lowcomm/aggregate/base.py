@@ -1,0 +1,147 @@
+"""What every exchange shares: the Encoded/Reduced records, the abstract Aggregator, and
+``encode_compensated`` (compensate, encode, record the loss) that works with any of them."""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from ..codecs.base import Codec, PayloadError
+
+if TYPE_CHECKING:  # the math never calls the transport's module, only the object handed in
+    from ..compensation import Compensation
+    from ..transport import Transport
+
+T = TypeVar("T")
+
+
+@dataclass
+class Encoded:
+    """What one worker contributes to one exchange."""
+
+    payload: torch.Tensor  # what the first collective gets (flag included)
+    shapes: list[torch.Size]  # the shapes of the tensors it encodes, in order
+    numel: int  # total elements
+    local: torch.Tensor | None  # flat FP32 of what peers will decode from us (for compensation)
+    key: str | None = None  # names the reduce-side compensation buffer (two-phase)
+    shard_numel: int = 0  # two-phase: elements per worker's shard
+
+
+@dataclass
+class Reduced:
+    """The result of one exchange."""
+
+    mean: torch.Tensor  # flat FP32 average over the valid workers
+    valid_workers: int  # how many workers contributed
+
+
+class Aggregator(ABC):
+    """Averages flat groups of tensors across workers through one codec and one exchange.
+
+    Subclasses are the exchanges (all-reduce, gather, two-phase); ``method`` names which.
+    """
+
+    method: str  # "allreduce", "gather" or "two-phase": for callers that report or branch on it
+
+    def __init__(self, codec: Codec | None, world_size: int) -> None:
+        self.codec, self.world_size = codec, world_size
+        # only the two-phase reduce quantises twice; elsewhere there is nothing to compensate
+        self.reduce_compensation: Compensation | None = None
+        # seconds inside the collectives of exchange(): the rest of it is decoding and summing
+        self.collective_s = 0.0
+
+    @abstractmethod
+    def encode(
+        self,
+        tensors: list[torch.Tensor],
+        need_local: bool = False,
+        valid: bool = True,
+        key: str | None = None,
+    ) -> Encoded:
+        """Encode ``tensors`` (FP32, any shapes); ``need_local`` also returns our decoded view.
+
+        ``valid=False`` sends zeros flagged as "left out": peers average without this worker.
+        ``key`` names this group's reduce-side compensation buffer (the same key for the same
+        tensors every step); without one the second quantisation is not compensated.
+        Runs on the compute thread.
+        """
+
+    @abstractmethod
+    def exchange(self, enc: Encoded, transport: Transport) -> Reduced:
+        """Run the collectives and return the flat FP32 average over the valid workers.
+
+        The blocking part: it may run on the transport's comm thread.
+        """
+
+    @abstractmethod
+    def payload_nbytes(self, shapes: list[torch.Size]) -> int:
+        """Bytes this worker hands to the first collective for tensors of ``shapes`` (with flag)."""
+
+    def step(self) -> None:
+        """Count one optimizer step for the reduce-side buffers (their periodic reset).
+
+        Call it when no exchange is in flight, or queue it on the comm thread after them.
+        """
+        if self.reduce_compensation is not None:
+            self.reduce_compensation.step()
+
+    def _timed(self, collective: Callable[[Any], T], arg: Any) -> T:
+        """Run one of the transport's collectives, adding its time to ``collective_s``."""
+        t0 = time.perf_counter()
+        try:
+            return collective(arg)
+        finally:
+            self.collective_s += time.perf_counter() - t0
+
+
+def check_selected_mean(codec: Codec | None, aggregation: str) -> None:
+    """Raise ValueError if ``aggregation`` is selected-mean and ``codec`` is not sparse."""
+    if aggregation == "selected-mean" and not hasattr(codec, "decode_sparse"):
+        raise ValueError("aggregation=selected-mean needs a sparse codec (codec=topk)")
+
+
+def flag(byte: torch.Tensor, who: str) -> bool:
+    """The validity flag of ``who``'s payload: True if it contributed (PayloadError if not 0/1)."""
+    v = int(byte)
+    if v not in (0, 1):
+        raise PayloadError(f"payload from {who} has validity flag {v}, expected 0 or 1")
+    return v == 1
+
+
+def numel(shape: torch.Size) -> int:
+    """Elements of ``shape`` (as a Python int)."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def encode_compensated(
+    aggregator: Aggregator,
+    compensation: Compensation | None,
+    names: list[str],
+    tensors: list[torch.Tensor],
+    valid: bool = True,
+    key: str | None = None,
+) -> Encoded:
+    """Compensate, encode and record the loss of one group of named tensors (one collective).
+
+    Per tensor: ``x' = before_send(name, x)``; the group is encoded; then ``after_send(name, x',
+    what peers decode of x')``. A group that is not ``valid`` goes out flagged as left out and
+    leaves the buffers alone (a non-finite gradient must not pollute them).
+    """
+    comp = compensation if valid else None
+    to_send = [comp.before_send(n, t) for n, t in zip(names, tensors)] if comp else list(tensors)
+    enc = aggregator.encode(to_send, need_local=comp is not None, valid=valid, key=key)
+    if comp is not None:
+        assert enc.local is not None
+        offset = 0
+        for n, h in zip(names, to_send):
+            comp.after_send(n, h, enc.local[offset : offset + h.numel()].view_as(h))
+            offset += h.numel()
+    return enc

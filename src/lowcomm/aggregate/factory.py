@@ -1,0 +1,72 @@
+"""Choose the aggregator once: by method name (:func:`aggregator_for`) or from a SyncConfig
+(:func:`make_aggregator`, which also resolves reduce=auto and builds the codec)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..config import DENSE_CODECS, SyncConfig
+from .allreduce import AllReduceAggregator
+from .base import Aggregator, check_selected_mean
+from .gather import GatherAggregator
+from .two_phase import TwoPhaseAggregator, check_elementwise
+
+if TYPE_CHECKING:
+    from ..codecs.base import Codec
+    from ..compensation import Compensation
+
+METHODS = ("allreduce", "gather", "two-phase")
+_DENSE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def aggregator_for(
+    method: str,
+    codec: Codec | None,
+    world_size: int,
+    aggregation: str = "mean",
+    dense_dtype: torch.dtype = torch.float32,
+    reduce_compensation: Compensation | None = None,
+) -> Aggregator:
+    """The aggregator for ``method`` ("allreduce", "gather" or "two-phase"); ValueError if the
+    settings do not fit it. Settings the chosen exchange does not use are ignored."""
+    if method not in METHODS:
+        raise ValueError(f"unknown reduce method {method}")
+    if method != "allreduce" and codec is None:
+        raise ValueError(f"reduce={method} needs a codec")
+    # the checks in the order they always ran, so a config that breaks two rules names the same
+    if method == "two-phase" and codec is not None:
+        check_elementwise(codec)
+    check_selected_mean(codec, aggregation)
+    if method == "allreduce":
+        return AllReduceAggregator(world_size, dense_dtype=dense_dtype)
+    assert codec is not None
+    if method == "gather":
+        return GatherAggregator(codec, world_size, aggregation=aggregation)
+    return TwoPhaseAggregator(codec, world_size, reduce_compensation=reduce_compensation)
+
+
+def make_aggregator(cfg: SyncConfig, world_size: int) -> Aggregator:
+    """The aggregator for a config: resolves reduce=auto and builds the codec."""
+    method = cfg.reduce
+    if method == "auto":
+        method = "allreduce" if cfg.codec in DENSE_CODECS else "gather"
+    if method == "allreduce":
+        return aggregator_for("allreduce", None, world_size, dense_dtype=_DENSE_DTYPES[cfg.codec])
+    from ..codecs import make_codec  # the codec registry
+    from ..compensation import make_compensation
+
+    codec = make_codec(
+        cfg.codec, block_size=cfg.codec_block, density=cfg.density, value_bits=cfg.value_bits
+    )
+    # the second quantisation is compensated by the same rule as the first (its own buffers,
+    # each on the device of the shard it compensates)
+    reduce_comp = make_compensation(cfg, device=None) if method == "two-phase" else None
+    return aggregator_for(
+        method,
+        codec,
+        world_size,
+        aggregation=cfg.resolved_aggregation,
+        reduce_compensation=reduce_comp,
+    )
