@@ -21,8 +21,9 @@ from helpers import tokens  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from lowcomm.errors import ConfigError  # noqa: E402
+from lowcomm.train.build import build_model  # noqa: E402
 from lowcomm.train.data import load_corpus, val_batches  # noqa: E402
-from lowcomm.train.model import PRESETS, build_model, count_params  # noqa: E402
+from lowcomm.train.model import PRESETS, count_params  # noqa: E402
 
 LOWCOMM = [sys.executable, "-m", "lowcomm.cli"]
 WORDS = (

@@ -25,7 +25,7 @@ stops a run whose gradients are identical on every worker (all-reduced: DDP). Se
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .config import SyncConfig
+from .config import split_sync_kwargs
 from .errors import ConfigError
 
 try:  # an optional extra: pip install 'lowcomm[hf]'
@@ -54,7 +54,10 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 
 __all__ = [
     "HFCausalLM",
+    "HFShape",
     "hf_config",
+    "parse_spec",
+    "load_hf_model",
     "build_hf_model",
     "make_engine",
     "LowCommCallback",
@@ -129,31 +132,33 @@ class HFCausalLM(nn.Module):
             PreTrainedTokenizerFast(tokenizer_file=tokenizer_file).save_pretrained(str(path))
 
 
-def _preset_shape(preset: str) -> dict[str, int]:
-    """Width, depth, heads and MLP width of one of the built-in decoder's presets."""
-    from .train.model import PRESETS
+@dataclass(frozen=True)
+class HFShape:
+    """The size of a model built from a config, as plain numbers (the caller picks them: the
+    trainer resolves ``hf:ARCH:PRESET`` from its decoder's presets)."""
 
-    if preset not in PRESETS:
-        raise ConfigError(
-            f"unknown size preset '{preset}' in hf:ARCH:PRESET: choose one of {', '.join(PRESETS)}"
-        )
-    p = PRESETS[preset]
-    return {"dim": p.dim, "n_layers": p.n_layers, "n_heads": p.n_heads, "hidden": p.hidden}
+    dim: int
+    """Width of the residual stream (``hidden_size``)."""
+    n_layers: int
+    """Number of transformer blocks."""
+    n_heads: int
+    """Attention heads (also the key/value heads: plain multi-head attention)."""
+    hidden: int
+    """MLP width (``intermediate_size``), where the architecture has one."""
+    max_seq_len: int
+    """Positions, unless the caller asks for another ``max_seq_len``."""
 
 
 def hf_config(
-    arch: str, preset: str = "tiny", vocab_size: int = 256, max_seq_len: int | None = None
+    arch: str, shape: HFShape, vocab_size: int = 256, max_seq_len: int | None = None
 ) -> PretrainedConfig:
-    """An HF config of model type ``arch`` at our size ``preset`` (width, depth, heads)."""
-    shape = _preset_shape(preset)
-    from .train.model import PRESETS
-
+    """An HF config of model type ``arch`` at ``shape`` (width, depth, heads, MLP width)."""
     kw: dict[str, Any] = dict(
-        hidden_size=shape["dim"],
-        num_hidden_layers=shape["n_layers"],
-        num_attention_heads=shape["n_heads"],
+        hidden_size=shape.dim,
+        num_hidden_layers=shape.n_layers,
+        num_attention_heads=shape.n_heads,
         vocab_size=vocab_size,
-        max_position_embeddings=max_seq_len or PRESETS[preset].max_seq_len,
+        max_position_embeddings=max_seq_len or shape.max_seq_len,
     )
     if arch not in CONFIG_MAPPING:
         raise ConfigError(
@@ -169,15 +174,15 @@ def hf_config(
             kw[key] = None
     cfg = config_cls(**kw)
     if hasattr(cfg, "intermediate_size"):
-        cfg.intermediate_size = shape["hidden"]  # SwiGLU width, as in our decoder
+        cfg.intermediate_size = shape.hidden  # SwiGLU width, as in our decoder
     if hasattr(cfg, "num_key_value_heads"):
-        cfg.num_key_value_heads = shape["n_heads"]  # plain multi-head attention
+        cfg.num_key_value_heads = shape.n_heads  # plain multi-head attention
     # no dropout, as in our decoder: runs are short, and losses stay comparable and reproducible
     for key, value in cfg.to_dict().items():
         if isinstance(value, float) and ("dropout" in key or key.endswith("pdrop")):
             setattr(cfg, key, 0.0)
     if getattr(cfg, "head_dim", None) is not None:
-        cfg.head_dim = shape["dim"] // shape["n_heads"]
+        cfg.head_dim = shape.dim // shape.n_heads
     return cfg
 
 
@@ -203,10 +208,11 @@ def _from_folder(path: Path, vocab_size: int | None, max_seq_len: int | None) ->
     return model
 
 
-def build_hf_model(
-    spec: str, vocab_size: int | None = None, max_seq_len: int | None = None
-) -> HFCausalLM:
-    """The model named by ``spec`` (what follows ``hf:``): ``ARCH[:PRESET]`` or a local folder."""
+def parse_spec(spec: str) -> Path | tuple[str, str]:
+    """What follows ``hf:``: a model folder, or ``(ARCH, PRESET)`` (PRESET ``tiny`` if not given).
+
+    The preset is a name only: the caller turns it into an :class:`HFShape`.
+    """
     if not spec:
         raise ConfigError(
             "empty model=hf: name: use hf:ARCH[:PRESET] (e.g. hf:llama:tiny) or hf:PATH"
@@ -220,14 +226,28 @@ def build_hf_model(
                 f"model folder {path} has no config.json: give a folder written by "
                 f"save_pretrained, or hf:ARCH[:PRESET]"
             )
-        return HFCausalLM(_from_folder(path, vocab_size, max_seq_len))
+        return path
     if looks_like_path:
         raise ConfigError(
             f"model folder {spec} does not exist: give an existing folder or "
             f"hf:ARCH[:PRESET] (models are built from configs, never downloaded)"
         )
     arch, _, preset = spec.partition(":")
-    cfg = hf_config(arch, preset or "tiny", vocab_size or 256, max_seq_len)
+    return arch, preset or "tiny"
+
+
+def load_hf_model(
+    path: Path, vocab_size: int | None = None, max_seq_len: int | None = None
+) -> HFCausalLM:
+    """The model of a folder from :func:`parse_spec` (a checkpoint, or a config alone)."""
+    return HFCausalLM(_from_folder(path, vocab_size, max_seq_len))
+
+
+def build_hf_model(
+    arch: str, shape: HFShape, vocab_size: int = 256, max_seq_len: int | None = None
+) -> HFCausalLM:
+    """A fresh model of type ``arch`` at ``shape`` (no download)."""
+    cfg = hf_config(arch, shape, vocab_size, max_seq_len)
     return HFCausalLM(AutoModelForCausalLM.from_config(cfg))
 
 
@@ -246,9 +266,7 @@ def make_engine(
             f"strategy '{strategy}' is per-step gradient reduction: with the HF "
             f"Trainer use plain DDP (transformers.Trainer) instead of lowcomm"
         )
-    known = {f.name for f in dataclasses.fields(SyncConfig)}
-    sync_kw = {k: v for k, v in kwargs.items() if k in known}
-    other = {k: v for k, v in kwargs.items() if k not in known}
+    sync_kw, other = split_sync_kwargs(kwargs)
     return LowComm(model, optimizer, preset_config(strategy, **sync_kw), **other)
 
 

@@ -6,14 +6,13 @@ overridden by keyword, e.g. ``SparseLoCo(model, opt, sync_every=30, density=1/32
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .config import ConfigError, SyncConfig
+from .config import ConfigError, SyncConfig, split_sync_kwargs
 from .engine import LowComm
 
 # Strategy name -> the SyncConfig fields that differ from the defaults. `ddp` and `loco` are
@@ -120,14 +119,7 @@ class _Preset(LowComm):
     def __init__(
         self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, **overrides: Any
     ) -> None:
-        known = {f.name for f in dataclasses.fields(SyncConfig)}
-        sync_kw = {k: v for k, v in overrides.items() if k in known}
-        other = {k: v for k, v in overrides.items() if k not in known}
-        if "fragments" in sync_kw and not isinstance(sync_kw["fragments"], int):
-            raise ConfigError(
-                "fragments is a count of fragments; give explicit lists of module "
-                "names as fragment_modules=[[...], ...]"
-            )
+        sync_kw, other = split_sync_kwargs(overrides)
         workers = _worker_count(other.get("process_group"), other.get("mesh"))
         config = preset_config(self.strategy, workers=workers, **sync_kw)
         super().__init__(model, inner_optimizer, config, **other)

@@ -27,8 +27,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
 
     from ..engine import LowComm
     from ..presets import preset_config
+    from ..train.build import build_model
     from ..train.data import Batches, load_corpus
-    from ..train.model import build_model
     from ..transport import shutdown
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -130,7 +130,7 @@ class Stepper:
     """One worker's model, optimizer and data: real inner steps and gradient-free ones."""
 
     def __init__(self, args: argparse.Namespace, rank: int) -> None:
-        from ..train.model import build_model
+        from ..train.build import build_model
 
         torch.manual_seed(0)
         self.model = build_model(args.model, max_seq_len=args.seq_len)

@@ -81,6 +81,9 @@ def make_codec(name: str, **opts) -> Codec:
         return AuthorsInt4Codec(**opts)
     if name == "fp4":
         return FP4Codec(**opts)
+    if isinstance(opts.get("value_codec"), str):
+        # a codec name is resolved here, by the registry: topk.py cannot import it (a cycle)
+        opts["value_codec"] = make_codec(opts["value_codec"])
     return TopKCodec(**opts)
 
 

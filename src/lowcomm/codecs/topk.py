@@ -127,17 +127,18 @@ class TopKCodec(Codec):
         self,
         density: float = 1 / 64,
         value_bits: int = 2,
-        value_codec: Codec | str | None = None,
+        value_codec: Codec | None = None,
     ) -> None:
         if not (isinstance(density, (int, float)) and 0 < density <= 1):
             raise ValueError(f"top-k density must be in (0, 1], got {density!r}")
         self.density = float(density)
         if value_codec is None:
             value_codec = LutCodec(value_bits)
-        elif isinstance(value_codec, str):
-            from . import make_codec  # registry imports this module
-
-            value_codec = make_codec(value_codec)
+        elif isinstance(value_codec, str):  # names are make_codec's job: the registry is above
+            raise ValueError(
+                f"top-k values need a codec, got the name {value_codec!r}: pass "
+                f"make_codec({value_codec!r}), or value_codec={value_codec!r} to make_codec('topk')"
+            )
         if not isinstance(value_codec, Codec) or not value_codec.elementwise:
             raise ValueError(f"top-k values need an element-wise codec, got {value_codec!r}")
         self.value_codec = value_codec

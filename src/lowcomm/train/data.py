@@ -15,6 +15,7 @@ Specs accepted by `load_corpus`:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -24,11 +25,15 @@ import sys
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from .tokenizer import BPETokens
 
 __all__ = [
     "Corpus",
@@ -88,6 +93,23 @@ class Corpus:
             "description": self.description,
         }
         (Path(out_dir) / "corpus.json").write_text(json.dumps(record, indent=2) + "\n")
+
+    def retokenized(self, tokens: BPETokens) -> Corpus:
+        """This byte corpus as the BPE ``tokens`` (from lowcomm.train.tokenizer) re-encode it."""
+        desc = (
+            f"{self.description}; re-tokenized with a byte-level BPE of {tokens.vocab_size} "
+            f"tokens trained on the train split: {len(tokens.train)} train / {len(tokens.val)} "
+            f"val tokens ({tokens.bytes_per_token:.2f} bytes per token); "
+            f"tokenizer {tokens.tokenizer_file}"
+        )
+        return dataclasses.replace(
+            self,
+            train=tokens.train,
+            val=tokens.val,
+            vocab_size=tokens.vocab_size,
+            description=desc,
+            tokenizer_file=tokens.tokenizer_file,
+        )
 
 
 def load_corpus(

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError
-from .model import build_model
+from .build import build_model
 from .summary import RunSummary
 
 

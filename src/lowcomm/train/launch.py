@@ -162,7 +162,7 @@ def _check_schedule(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, vocab
 
     from ..engine import LowComm
     from ..presets import PER_STEP_STRATEGIES
-    from .model import build_model
+    from .build import build_model
 
     if strategy in PER_STEP_STRATEGIES or strategy == torchft_peer.STRATEGY:
         return

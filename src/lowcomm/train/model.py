@@ -207,20 +207,8 @@ class Decoder(nn.Module):
 def build_model(preset: str | ModelConfig, **overrides: object) -> nn.Module:
     """Build a Decoder from a preset name or config, with field overrides (e.g. vocab_size=50257).
 
-    ``hf:ARCH[:PRESET]`` or ``hf:PATH`` builds a Hugging Face model instead (lowcomm.hf; only the
-    overrides vocab_size and max_seq_len apply).
+    ``hf:`` models are built by :func:`lowcomm.train.build.build_model`, which also takes these.
     """
-    if isinstance(preset, str) and preset.startswith("hf:"):
-        try:
-            from ..hf import build_hf_model  # optional extra: imported only when asked for
-        except ImportError:
-            from ..errors import ConfigError
-
-            raise ConfigError(
-                f"model={preset} needs Hugging Face transformers: pip install 'lowcomm[hf]'"
-            ) from None
-
-        return build_hf_model(preset[3:], overrides.get("vocab_size"), overrides.get("max_seq_len"))
     if isinstance(preset, ModelConfig):
         cfg = preset
     elif preset in PRESETS:

@@ -29,8 +29,8 @@ from ..peers import torchft
 from ..presets import PER_STEP_STRATEGIES
 from ..protocols import SyncEngine
 from ..transport import ByteMeter, Transport
+from .build import build_model
 from .data import Batches, load_corpus, val_batches
-from .model import build_model
 from .sites import Site, build_mesh, shard_model, site_of
 
 

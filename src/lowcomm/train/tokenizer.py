@@ -10,20 +10,28 @@ hash of the corpus tokens and N; workers of one machine share one training throu
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import hashlib
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..errors import ConfigError
-from .data import Corpus
 
-__all__ = ["parse_tokenizer", "cache_root", "bpe_corpus", "apply_tokenizer", "BYTES"]
+__all__ = [
+    "parse_tokenizer",
+    "cache_root",
+    "BPETokens",
+    "bpe_encode",
+    "bpe_corpus",
+    "apply_tokenizer",
+    "BYTES",
+]
 
 BYTES = "bytes"
 """The default tokenizer: one token per byte (vocab 256), nothing to train."""
@@ -53,8 +61,37 @@ def cache_root() -> Path:
     return Path(os.environ.get("LOWCOMM_CACHE") or Path.home() / ".cache" / "lowcomm")
 
 
-def apply_tokenizer(corpus: Corpus, spec: str, cache: Path | None = None) -> Corpus:
-    """The corpus re-tokenized as ``spec`` says (unchanged for ``bytes``)."""
+@dataclass(frozen=True)
+class BPETokens:
+    """Both splits of a byte corpus encoded with one byte-level BPE (memory-mapped, cached)."""
+
+    train: np.ndarray
+    val: np.ndarray
+    vocab_size: int
+    """Tokens of the trained tokenizer (at most the N asked for)."""
+    bytes_per_token: float
+    """Train bytes per train token: how much the merges shorten the text."""
+    tokenizer_file: str
+    """The ``tokenizers`` JSON file (``tokenizers.Tokenizer.from_file`` loads it)."""
+
+
+class _Retokenizable(Protocol):
+    """What :func:`apply_tokenizer` needs of a corpus (lowcomm.train.data.Corpus has it)."""
+
+    train: np.ndarray
+    val: np.ndarray
+    vocab_size: int
+    name: str
+
+    def retokenized(self, tokens: BPETokens) -> Any: ...
+
+
+def apply_tokenizer(corpus: _Retokenizable, spec: str, cache: Path | None = None) -> Any:
+    """The corpus re-tokenized as ``spec`` says (unchanged for ``bytes``).
+
+    ``corpus`` is a :class:`lowcomm.train.data.Corpus`; the corpus builds its re-tokenized self
+    from the :class:`BPETokens` (so this module never imports the data module).
+    """
     n = parse_tokenizer(spec)
     if n is None:
         return corpus
@@ -66,9 +103,15 @@ def apply_tokenizer(corpus: Corpus, spec: str, cache: Path | None = None) -> Cor
     return bpe_corpus(corpus, n, cache)
 
 
-def _corpus_hash(corpus: Corpus) -> str:
+def bpe_corpus(corpus: _Retokenizable, vocab_size: int, cache: Path | None = None) -> Any:
+    """The byte corpus encoded with a byte-level BPE of ``vocab_size`` tokens (trained, or
+    read from the cache)."""
+    return corpus.retokenized(bpe_encode(corpus.train, corpus.val, vocab_size, corpus.name, cache))
+
+
+def _corpus_hash(train: np.ndarray, val: np.ndarray) -> str:
     h = hashlib.sha256(f"v{_VERSION}".encode())
-    for part in (corpus.train, corpus.val):
+    for part in (train, val):
         h.update(len(part).to_bytes(8, "little"))
         h.update(np.ascontiguousarray(part, dtype=np.uint8).data)
     return h.hexdigest()[:16]
@@ -86,8 +129,8 @@ def _pieces(tokens: np.ndarray) -> Iterator[str]:
         start = end
 
 
-def _train(corpus: Corpus, vocab_size: int) -> object:
-    """A byte-level BPE tokenizer of vocab_size tokens trained on the corpus's train split."""
+def _train(train: np.ndarray, vocab_size: int) -> object:
+    """A byte-level BPE tokenizer of vocab_size tokens trained on the byte tokens ``train``."""
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     except ImportError as err:
@@ -103,7 +146,7 @@ def _train(corpus: Corpus, vocab_size: int) -> object:
         special_tokens=[],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(_pieces(corpus.train), trainer)
+    tok.train_from_iterator(_pieces(train), trainer)
     return tok
 
 
@@ -112,44 +155,39 @@ def _encode(tok: object, tokens: np.ndarray, dtype: str) -> np.ndarray:
     return np.concatenate(ids) if ids else np.zeros(0, dtype=dtype)
 
 
-def bpe_corpus(corpus: Corpus, vocab_size: int, cache: Path | None = None) -> Corpus:
-    """The byte corpus encoded with a byte-level BPE of ``vocab_size`` tokens (trained, or
-    read from the cache)."""
-    key = f"{_corpus_hash(corpus)}-{vocab_size}"
+def bpe_encode(
+    train: np.ndarray, val: np.ndarray, vocab_size: int, source: str, cache: Path | None = None
+) -> BPETokens:
+    """Byte tokens ``train`` and ``val`` encoded with a byte-level BPE of ``vocab_size`` tokens
+    trained on ``train`` (or read from the cache; ``source`` names the corpus in its meta.json)."""
+    key = f"{_corpus_hash(train, val)}-{vocab_size}"
     folder = (cache or cache_root()) / "bpe" / key
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.parent / f"{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one worker trains; the others wait, then read the cache
         if not (folder / "meta.json").exists():
-            _build_cache(corpus, vocab_size, folder)
+            _build_cache(train, val, source, vocab_size, folder)
     meta = json.loads((folder / "meta.json").read_text())
-    train = np.memmap(folder / "train.bin", dtype=meta["dtype"], mode="r")
-    val = np.memmap(folder / "val.bin", dtype=meta["dtype"], mode="r")
-    desc = (
-        f"{corpus.description}; re-tokenized with a byte-level BPE of {meta['vocab_size']} "
-        f"tokens trained on the train split: {len(train)} train / {len(val)} val tokens "
-        f"({meta['bytes_per_token']:.2f} bytes per token); "
-        f"tokenizer {folder / 'tokenizer.json'}"
-    )
-    return dataclasses.replace(
-        corpus,
-        train=train,
-        val=val,
+    return BPETokens(
+        train=np.memmap(folder / "train.bin", dtype=meta["dtype"], mode="r"),
+        val=np.memmap(folder / "val.bin", dtype=meta["dtype"], mode="r"),
         vocab_size=meta["vocab_size"],
-        description=desc,
+        bytes_per_token=meta["bytes_per_token"],
         tokenizer_file=str(folder / "tokenizer.json"),
     )
 
 
-def _build_cache(corpus: Corpus, vocab_size: int, folder: Path) -> None:
+def _build_cache(
+    byte_train: np.ndarray, byte_val: np.ndarray, source: str, vocab_size: int, folder: Path
+) -> None:
     """Train, encode both splits, and write them to ``folder`` (meta.json last: it marks done)."""
-    tok = _train(corpus, vocab_size)
+    tok = _train(byte_train, vocab_size)
     vocab = tok.get_vocab_size()
     dtype = "uint16" if vocab <= 2**16 else "uint32"
     tmp = folder.with_name(folder.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     tok.save(str(tmp / "tokenizer.json"))
-    train, val = _encode(tok, corpus.train, dtype), _encode(tok, corpus.val, dtype)
+    train, val = _encode(tok, byte_train, dtype), _encode(tok, byte_val, dtype)
     train.tofile(tmp / "train.bin")
     val.tofile(tmp / "val.bin")
     meta = {
@@ -157,8 +195,8 @@ def _build_cache(corpus: Corpus, vocab_size: int, folder: Path) -> None:
         "dtype": dtype,
         "train_tokens": len(train),
         "val_tokens": len(val),
-        "bytes_per_token": (len(corpus.train) / max(len(train), 1)),
-        "source": corpus.name,
+        "bytes_per_token": (len(byte_train) / max(len(train), 1)),
+        "source": source,
     }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     if folder.exists():  # a half-written folder from a killed run

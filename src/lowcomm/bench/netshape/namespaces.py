@@ -13,6 +13,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterable
 
 from .errors import NetworkUnavailable
 from .units import TBF_LATENCY
@@ -95,6 +96,17 @@ def delete_namespace(ns: str, kill_leftovers: bool = True) -> None:
     except CommandFailed:
         if ns in list_namespaces():
             raise
+
+
+def delete_namespaces(names: Iterable[str], kill_leftovers: bool = True) -> list[str]:
+    """Delete each namespace in turn, going on past failures; what failed, one line each."""
+    errors = []
+    for ns in names:
+        try:
+            delete_namespace(ns, kill_leftovers=kill_leftovers)
+        except (CommandFailed, NetworkUnavailable) as e:
+            errors.append(str(e))
+    return errors
 
 
 def require_root_and_iproute2() -> None:

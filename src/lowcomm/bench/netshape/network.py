@@ -1,7 +1,8 @@
 """:class:`ShapedNetwork`: the namespaces and shaped links of one run, as a context manager.
 
 Set-up creates every interface inside a namespace made here (never in the host's), shapes it
-with tbf, and measures the link; teardown deletes the namespaces, which takes the veth pairs
+with tbf (the building is :class:`~lowcomm.bench.netshape.links.LinkBuilder`'s), and measures
+the link; teardown deletes the namespaces, which takes the veth pairs
 and the bridge with them, on normal exit, on an exception, on SIGINT/SIGTERM and at exit.
 """
 
@@ -10,26 +11,19 @@ from __future__ import annotations
 import atexit
 import os
 import re
-import subprocess
 import sys
 import threading
 from typing import Literal
 
-from .errors import LinkCheckFailed, NetworkUnavailable
+from .errors import LinkCheckFailed
+from .links import SUBNET, SWITCH_HOST, WORKER_IFNAME, LinkBuilder
 from .measure import measure_ns
-from .namespaces import CommandFailed, delete_namespace, require_root_and_iproute2, run
+from .namespaces import delete_namespaces, require_root_and_iproute2
 from .teardown import SignalTeardown, signals_held
-from .units import ETH_HEADER, LO_MTU, TBF_LATENCY, default_burst, parse_rate, parse_size
+from .units import ETH_HEADER, LO_MTU, default_burst, parse_rate, parse_size
 
 Topology = Literal["shared", "per-worker"]
 
-#: Private /24 whose addresses are assigned only to interfaces inside namespaces made here.
-SUBNET = "10.213.0"
-#: Interface name of every worker's uplink in the per-worker topology (same for all ranks, so
-#: ``GLOO_SOCKET_IFNAME`` is the same everywhere).
-WORKER_IFNAME = "eth0"
-#: The bridge's own address inside the switch namespace (a measuring endpoint for 1 worker).
-SWITCH_HOST = 254
 #: Port workers use for the torch.distributed rendezvous; namespaces are private, so no clash.
 DEFAULT_MASTER_PORT = 29500
 
@@ -229,7 +223,7 @@ class ShapedNetwork:
         """
         if not self._entered or self._closed:
             raise RuntimeError("measure() needs an active network: use it inside `with`")
-        src, dst, addr = self._path(rank_a, rank_b)
+        src, dst, addr = _path(self, rank_a, rank_b)
         # The first `burst` bytes cross at once (the bucket starts full); time what follows,
         # after a further 10% for TCP start-up.
         if nbytes is None:
@@ -240,23 +234,6 @@ class ShapedNetwork:
             raise ValueError(f"nbytes must be positive, got {nbytes}")
         warmup = min(self.burst_bytes + (nbytes - self.burst_bytes) // 10, nbytes // 2)
         return measure_ns(src, dst, addr, self.rate_bps, nbytes, warmup) / 1e6
-
-    def _path(self, rank_a: int, rank_b: int | None) -> tuple[str, str, str]:
-        """(source namespace, destination namespace, destination address) of a measurement."""
-        self._check_rank(rank_a)
-        src = self.namespace(rank_a)
-        if self.topology == "shared":
-            if rank_b is not None:
-                self._check_rank(rank_b)
-            return src, src, "127.0.0.1"
-        if rank_b is None and self.workers == 1:
-            assert self._switch_ns is not None
-            return src, self._switch_ns, f"{SUBNET}.{SWITCH_HOST}"
-        rank_b = (1 if rank_a == 0 else 0) if rank_b is None else rank_b
-        self._check_rank(rank_b)
-        if rank_b == rank_a:
-            raise ValueError("rank_a and rank_b share a namespace: that path is not shaped")
-        return src, self.namespace(rank_b), self.address(rank_b)
 
     # ---- set-up --------------------------------------------------------------------------
 
@@ -269,10 +246,13 @@ class ShapedNetwork:
             self._signals.install()
             atexit.register(self.close)
         try:
+            links = LinkBuilder(self.rate_bps, self.burst_bytes, self.mtu, self._record, self._torn)
             if self.topology == "shared":
-                self._setup_shared()
+                links.shared(self._worker_ns[0])
             else:
-                self._setup_per_worker()
+                assert self._switch_ns is not None
+                addresses = [self.address(r) for r in range(self.workers)]
+                links.per_worker(self._switch_ns, list(zip(self._worker_ns, addresses)))
             if self.check:
                 self._check_link()
         except BaseException:
@@ -283,105 +263,14 @@ class ShapedNetwork:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _ip(self, *args: str) -> None:
-        if self._closed:  # a signal tore us down while setting up: create nothing more
-            raise RuntimeError("ShapedNetwork was torn down during set-up")
-        try:
-            run(list(args))
-        except CommandFailed as e:
-            raise NetworkUnavailable(
-                f"setting up the shaped network failed: {e}. Is this a kernel with namespaces, "
-                "veth, bridge and sch_tbf? check_prerequisites() tells what is missing"
-            ) from e
-
-    def _add_namespace(self, ns: str) -> None:
+    def _record(self, ns: str) -> None:
+        """Note namespace ``ns`` as ours, before it is created: teardown then removes it even if
+        a signal arrives in between."""
         with self._lock:
-            self._created.append(ns)  # before creating: a signal in between still removes it
-        self._ip("ip", "netns", "add", ns)
-        self._ip("ip", "-n", ns, "link", "set", "lo", "up")
+            self._created.append(ns)
 
-    def _tbf(self, ns: str, dev: str) -> None:
-        self._ip(
-            "tc",
-            "-n",
-            ns,
-            "qdisc",
-            "add",
-            "dev",
-            dev,
-            "root",
-            "tbf",
-            "rate",
-            f"{self.rate_bps}bit",
-            "burst",
-            str(self.burst_bytes),
-            "latency",
-            TBF_LATENCY,
-        )
-
-    def _setup_shared(self) -> None:
-        ns = self._worker_ns[0]
-        self._add_namespace(ns)
-        if self.mtu != LO_MTU:
-            self._ip("ip", "-n", ns, "link", "set", "lo", "mtu", str(self.mtu))
-        self._tbf(ns, "lo")
-
-    def _setup_per_worker(self) -> None:
-        sw = self._switch_ns
-        assert sw is not None
-        self._add_namespace(sw)
-        self._ip("ip", "-n", sw, "link", "add", "br0", "type", "bridge")
-        self._ip("ip", "-n", sw, "addr", "add", f"{SUBNET}.{SWITCH_HOST}/24", "dev", "br0")
-        self._ip("ip", "-n", sw, "link", "set", "br0", "up")
-        for rank, ns in enumerate(self._worker_ns):
-            self._add_worker(rank, ns, sw)
-
-    def _add_worker(self, rank: int, ns: str, sw: str) -> None:
-        """Namespace ``ns`` for ``rank``, linked to the switch ``sw`` and shaped both ways."""
-        port = f"p{rank}"
-        self._add_namespace(ns)
-        # Silence IPv6 (router solicitations, DAD) on the shaped links; best effort.
-        subprocess.run(
-            [
-                "ip",
-                "netns",
-                "exec",
-                ns,
-                "sysctl",
-                "-q",
-                "-w",
-                "net.ipv6.conf.all.disable_ipv6=1",
-                "net.ipv6.conf.default.disable_ipv6=1",
-            ],
-            capture_output=True,
-        )
-        # Created inside the switch namespace with its peer moved straight into the
-        # worker's: no interface ever exists in the host's namespace.
-        self._ip(
-            "ip",
-            "-n",
-            sw,
-            "link",
-            "add",
-            port,
-            "mtu",
-            str(self.mtu),
-            "type",
-            "veth",
-            "peer",
-            "name",
-            WORKER_IFNAME,
-            "mtu",
-            str(self.mtu),
-            "netns",
-            ns,
-        )
-        self._ip("ip", "-n", sw, "link", "set", port, "master", "br0")
-        self._ip("ip", "-n", sw, "link", "set", port, "up")
-        self._ip("ip", "-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", WORKER_IFNAME)
-        self._ip("ip", "-n", ns, "link", "set", WORKER_IFNAME, "up")
-        self._tbf(ns, WORKER_IFNAME)  # uplink: worker -> switch
-        self._tbf(sw, port)  # downlink: switch -> worker
+    def _torn(self) -> bool:
+        return self._closed
 
     def _check_link(self) -> None:
         if self.topology == "shared":
@@ -407,12 +296,7 @@ class ShapedNetwork:
             if self._closed:
                 return
             self._closed = True
-            errors = []
-            for ns in reversed(self._created):
-                try:
-                    delete_namespace(ns, kill_leftovers=self.kill_leftovers)
-                except (CommandFailed, NetworkUnavailable) as e:
-                    errors.append(str(e))
+            errors = delete_namespaces(reversed(self._created), self.kill_leftovers)
             self._created.clear()
             self._signals.restore()
             atexit.unregister(self.close)
@@ -429,3 +313,21 @@ class ShapedNetwork:
             f"ShapedNetwork(rate={self.rate!r}, topology={self.topology!r}, "
             f"workers={self.workers}, burst={self.burst_bytes}, {state})"
         )
+
+
+def _path(net: ShapedNetwork, rank_a: int, rank_b: int | None) -> tuple[str, str, str]:
+    """(source namespace, destination namespace, destination address) of a measurement."""
+    net._check_rank(rank_a)
+    src = net.namespace(rank_a)
+    if net.topology == "shared":
+        if rank_b is not None:
+            net._check_rank(rank_b)
+        return src, src, "127.0.0.1"
+    if rank_b is None and net.workers == 1:
+        assert net._switch_ns is not None
+        return src, net._switch_ns, f"{SUBNET}.{SWITCH_HOST}"
+    rank_b = (1 if rank_a == 0 else 0) if rank_b is None else rank_b
+    net._check_rank(rank_b)
+    if rank_b == rank_a:
+        raise ValueError("rank_a and rank_b share a namespace: that path is not shaped")
+    return src, net.namespace(rank_b), net.address(rank_b)

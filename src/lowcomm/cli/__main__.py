@@ -1,0 +1,7 @@
+"""``python -m lowcomm.cli``: the ``lowcomm`` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

@@ -1,0 +1,199 @@
+"""``lowcomm train``: one run of one strategy, or ``--resume DIR`` to continue one."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError, build_configs, help_text
+from .common import (
+    UsageError,
+    _add_config_port_overrides,
+    _add_model_and_steps,
+    _check_data,
+    _check_model,
+    _check_out_dir,
+    _existing_run,
+    _Help,
+    _remove,
+    _values,
+)
+
+
+def _print_summary(summary: dict[str, Any] | None, out: Path) -> None:
+    if summary is None:  # not rank 0 under torchrun
+        return
+    from ..bench.report import results_table
+    from ..train.summary import RunSummary
+
+    print(results_table([RunSummary.from_dict(summary)]))
+    print(f"summary: {out / 'summary.json'}")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """`lowcomm train`: one run of one strategy (or `--resume DIR` to continue one)."""
+    from ..presets import STRATEGIES, preset_config
+    from ..train.launch import launch
+
+    if args.resume:
+        return _resume(args)
+    if args.strategy is None:
+        raise UsageError("lowcomm train: --strategy is required (or --resume DIR)")
+    if args.strategy not in STRATEGIES:
+        raise ConfigError(
+            f"unknown strategy '{args.strategy}': choose one of {', '.join(STRATEGIES)}"
+        )
+    args.workers = 2 if args.workers_given is None else args.workers_given
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+    sync_cfg, train_cfg = build_configs(
+        _values(args), sync=preset_config(args.strategy, workers=args.workers)
+    )
+    _check_model(train_cfg.model)
+    _check_data(train_cfg.data)
+    old = _existing_run(args.out, args.overwrite)
+    out = _check_out_dir(args.out)
+    # the old run goes only once the new one's settings, model and data have passed their checks
+    summary = launch(
+        args.strategy,
+        sync_cfg,
+        train_cfg,
+        out,
+        args.workers,
+        args.port,
+        on_checked=lambda: _remove(old),
+    )
+    _print_summary(summary, out)
+    return 0
+
+
+# settings a resumed run may change: how it is run and observed, and how long it goes on
+RESUME_MAY_CHANGE = frozenset(
+    {
+        "steps",
+        "checkpoint_every",
+        "eval_every",
+        "eval_batches",
+        "log_every",
+        "progress",
+        "log",
+        "timeout_s",
+        "threads",
+        "device",
+    }
+)
+
+
+def _resume(args: argparse.Namespace) -> int:
+    """`lowcomm train --resume DIR`: continue the newest complete checkpoint of DIR."""
+    from ..config import SAVED_BEFORE, SyncConfig, TrainConfig, config_fields
+    from ..train.launch import find_resume, launch
+
+    last, meta = find_resume(args.resume)
+    run = meta["run"]
+    if args.strategy is not None and args.strategy != run["strategy"]:
+        raise ConfigError(
+            f"--resume {args.resume}: the run was trained with --strategy "
+            f"{run['strategy']}, not {args.strategy}; drop --strategy to continue "
+            f"it, or start a new run with another --out"
+        )
+    known = config_fields()
+    saved = {**SAVED_BEFORE, **run["sync"], **run["train"]}
+    saved = {k: v for k, v in saved.items() if k in known}
+    given = _values(args)
+    sync_cfg, train_cfg = build_configs({**saved, **given}, sync=SyncConfig(), train=TrainConfig())
+    now = {**dataclasses.asdict(sync_cfg), **dataclasses.asdict(train_cfg)}
+    changed = sorted(k for k in given if k in saved and now[k] != saved[k])
+    conflicts = [k for k in changed if k not in RESUME_MAY_CHANGE]
+    if conflicts:
+        listed = ", ".join(f"{k} (saved {saved[k]!r}, given {now[k]!r})" for k in conflicts)
+        raise ConfigError(
+            f"--resume {args.resume}: {listed} differ from the saved run; a resumed "
+            f"run keeps its settings: start a new run with another --out to change "
+            f"them"
+        )
+    if changed:
+        print(
+            f"warning: resuming with changed settings {changed}: the run will not match an "
+            f"uninterrupted one",
+            file=sys.stderr,
+        )
+    # meta counts ranks; a worker may hold several (ranks_per_worker)
+    saved_workers = meta["world_size"] // train_cfg.ranks_per_worker
+    workers = args.workers_given if args.workers_given is not None else saved_workers
+    if train_cfg.ranks_per_worker > 1 and workers != saved_workers:
+        raise ConfigError(
+            f"--resume {args.resume}: a run with ranks_per_worker={train_cfg.ranks_per_worker} "
+            f"resumes on its {saved_workers} workers, not {workers}: drop --workers"
+        )
+    print(
+        f"resuming {run['strategy']} from {last} (step {meta['step']}) on {workers} workers",
+        flush=True,
+    )
+    out = Path(args.resume)
+    _print_summary(
+        launch(
+            run["strategy"],
+            sync_cfg,
+            train_cfg,
+            out,
+            workers,
+            args.port,
+            name=run.get("name"),
+            resume=str(last),
+        ),
+        out,
+    )
+    return 0
+
+
+def _add_train(sub: Any) -> None:
+    t = sub.add_parser(
+        "train",
+        help="train one strategy",
+        formatter_class=_Help,
+        usage="lowcomm train --strategy NAME [options] [key=value ...]\n"
+        "       lowcomm train --resume DIR [options] [key=value ...]",
+        epilog="config keys (key=value or in --config FILE.toml), with their defaults:\n"
+        + help_text(),
+    )
+    need = t.add_argument_group("required (unless --resume DIR)")
+    need.add_argument(
+        "--strategy",
+        default=None,
+        metavar="NAME",
+        help="ddp, loco, diloco, streaming, sparseloco or co2",
+    )
+    t.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        dest="workers_given",
+        metavar="M",
+        help="local worker processes (default: 2, or the saved run's with --resume; "
+        "ignored under torchrun)",
+    )
+    t.add_argument(
+        "--resume",
+        default=None,
+        metavar="DIR",
+        help="continue the run saved in DIR from its newest complete checkpoint "
+        "(default: start a new run)",
+    )
+    _add_model_and_steps(t)
+    t.add_argument(
+        "--out",
+        default="runs/train",
+        metavar="DIR",
+        help="output folder; refused if it holds a run, unless --overwrite",
+    )
+    t.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run already in --out (its checkpoints and model included)",
+    )
+    _add_config_port_overrides(t)
+    t.set_defaults(func=cmd_train)

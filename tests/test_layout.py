@@ -1,0 +1,188 @@
+"""The shape of the source tree: imports point one way, modules and classes stay small, each
+module says what it is for.
+
+Import graph. Nodes are lowcomm's modules (``lowcomm/x/__init__.py`` is the node ``lowcomm.x``).
+An edge A -> B is an explicit import statement in A that names B, wherever it is: at module level,
+inside a function, or under ``if TYPE_CHECKING:`` (lazy and typing-only imports count: they are
+the same dependency, only deferred). Relative imports are resolved against A's package.
+
+- ``import lowcomm.a.b`` and ``from lowcomm.a import b`` (b a submodule) are edges to
+  ``lowcomm.a.b`` only. Python also initialises the parent packages on the way, but that implicit
+  step is not an edge: otherwise a package ``__init__`` that re-exports its submodules would form
+  a cycle with each of them, which is the normal shape of a package.
+- ``from lowcomm.a import name`` (name not a submodule) and ``from . import name`` are edges to the
+  package ``lowcomm.a`` itself: a submodule that reads names from its own package's ``__init__``
+  while that ``__init__`` imports the submodule is a real cycle, and is reported.
+- ``importlib.import_module`` with a computed name (lowcomm/__init__'s lazy attributes) is not
+  seen.
+
+The graph must have no cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+PACKAGE = "lowcomm"
+
+MAX_MODULE_LINES = 600
+MAX_CLASS_LINES = 300
+SIZE_EXEMPT = {
+    "src/lowcomm/engine.py",  # being split
+}
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the package."""
+    out = {}
+    for path in sorted((SRC / PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_package(path: Path) -> bool:
+    return path.name == "__init__.py"
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The lowcomm modules that ``name`` (at ``path``) imports, by the rules in the docstring."""
+    here = name if _is_package(path) else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                stem = ".".join(base + ([node.module] if node.module else []))
+            else:
+                stem = node.module or ""
+            targets = []
+            for alias in node.names:
+                sub = f"{stem}.{alias.name}"
+                targets.append(sub if sub in modules else stem)
+        else:
+            continue
+        for target in targets:
+            # `import lowcomm.a.b.name`-like forms: the longest prefix that is a module
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """lowcomm's module import graph (see the module docstring for what counts as an edge)."""
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one node (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def _src_files() -> list[Path]:
+    return sorted(SRC.rglob("*.py"))
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(SRC.parent).as_posix()
+
+
+def test_the_graph_sees_lazy_relative_and_typing_imports(tmp_path):
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "from . import sib\n"  # a sibling module
+        "from .. import name\n"  # a name of the parent package's __init__
+        "if TYPE_CHECKING:\n"
+        "    from ..q.r import T\n"
+        "def f():\n"
+        "    import p.q\n"
+        "    from p.q import s\n"
+    )
+    (tmp_path / "mod.py").write_text(source)
+    modules = {m: tmp_path for m in ("p", "p.q", "p.q.r", "p.q.s", "p.a", "p.a.sib", "p.a.mod")}
+    found = _imports("p.a.mod", tmp_path / "mod.py", modules)
+    assert found == {"p.a.sib", "p", "p.q.r", "p.q", "p.q.s"}
+    graph = import_graph()
+    assert "lowcomm.train.tokenizer" in graph["lowcomm.train.data"]  # lazy, in load_corpus
+    assert "lowcomm.sim.cli" in graph["lowcomm.sim.__main__"]
+    # the rule for packages: a package's own re-exports do not make it a cycle
+    assert find_cycles({"p": {"p.a"}, "p.a": {"p.b"}, "p.b": set()}) == []
+    assert find_cycles({"p": {"p.a"}, "p.a": {"p"}}) == [["p", "p.a"]]
+
+
+def test_no_import_cycles():
+    cycles = find_cycles(import_graph())
+    assert not cycles, "import cycles among lowcomm's modules: " + "; ".join(
+        " <-> ".join(c) for c in cycles
+    )
+
+
+def test_the_trainer_does_not_reach_up_into_hf():
+    graph = import_graph()
+    into_hf = sorted(m for m, deps in graph.items() if "lowcomm.hf" in deps)
+    # one composing function builds `model=hf:...` models for the trainer: lowcomm.train.build
+    assert [m for m in into_hf if m.startswith("lowcomm.train")] == ["lowcomm.train.build"]
+    assert not any(d.startswith("lowcomm.train") for d in graph["lowcomm.hf"])
+
+
+def test_modules_and_classes_stay_small():
+    too_big = []
+    for path in _src_files():
+        rel = _rel(path)
+        if rel in SIZE_EXEMPT:
+            continue
+        text = path.read_text()
+        lines = text.count("\n")
+        if lines > MAX_MODULE_LINES:
+            too_big.append(f"{rel}: {lines} lines (at most {MAX_MODULE_LINES})")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                size = node.end_lineno - node.lineno + 1
+                if size > MAX_CLASS_LINES:
+                    too_big.append(f"{rel}: class {node.name} is {size} lines")
+    assert not too_big, "\n".join(too_big)
+
+
+def test_every_module_opens_with_a_docstring():
+    missing = [_rel(p) for p in _src_files() if ast.get_docstring(ast.parse(p.read_text())) is None]
+    assert not missing, f"modules without a docstring: {missing}"
