@@ -91,7 +91,9 @@ def _replica_worker(rank: int, world: int) -> dict:
                 opt.zero_grad()
                 if step == 2 and rank == 1:
                     with torch.no_grad():
-                        sync.fragments[0].global_flat[0] += 1.0  # a silent divergence of one replica
+                        sync.fragments[0].global_flat[0] += (
+                            1.0  # a silent divergence of one replica
+                        )
     except ReplicaMismatchError as e:
         error = str(e)
     return {"error": error, "checks": sync.stats.replica_checks}

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .config import ConfigError
+from .errors import ConfigError
 
 
 def find_blocks(model: Any) -> list[str]:
@@ -174,6 +174,20 @@ class Schedule:
     sync_every: int
     n_fragments: int = 1
     overlap: int = 0
+
+    def __post_init__(self) -> None:
+        """The overlap rule: a fragment's result lands before the next fragment is sent, except
+        CO2's whole-round overlap (tau = H, one fragment)."""
+        H, tau, P = self.sync_every, self.overlap, self.n_fragments
+        if tau == 0 or self.is_round_overlap():
+            return
+        if tau * P >= H:
+            raise ConfigError(
+                f"overlap (tau={tau}) must be < H/P = {H}/{P}: "
+                f"a fragment's result must land before the next fragment is sent; "
+                f"lower overlap, raise sync_every or use fewer "
+                f"fragments (or overlap=sync_every with fragments=1 for CO2's whole-round overlap)"
+            )
 
     def offset(self, p: int) -> int:
         """t_p: the step offset of fragment p."""

@@ -9,7 +9,7 @@ with its help text), ``checks`` (validation, run from ``__post_init__``) and ``p
 from __future__ import annotations
 
 from ..errors import ConfigError
-from .checks import _LITERALS, _choice, check_schedule, check_types, validate_sync, validate_train
+from .checks import _LITERALS, _choice, check_types, validate_sync, validate_train
 from .choices import (
     CODECS,
     DENSE_CODECS,
@@ -69,7 +69,6 @@ __all__ = [
     "_choice",
     "_coerce",
     "build_configs",
-    "check_schedule",
     "check_types",
     "config_fields",
     "help_text",

@@ -145,22 +145,6 @@ def validate_sync(cfg: Any) -> None:
         )
 
 
-def check_schedule(cfg: Any, n_fragments: int) -> None:
-    """Overlap constraints of a SyncConfig that depend on the resolved number of fragments."""
-    H, tau = cfg.sync_every, cfg.tau
-    if tau == 0:
-        return
-    if tau == H and n_fragments == 1:
-        return  # CO2: the whole round overlaps the next one
-    if tau * n_fragments >= H:
-        raise ConfigError(
-            f"overlap (tau={tau}) must be < H/P = {H}/{n_fragments}: "
-            f"a fragment's result must land before the next fragment is sent; "
-            f"lower overlap, raise sync_every or use fewer "
-            f"fragments (or overlap=sync_every with fragments=1 for CO2's whole-round overlap)"
-        )
-
-
 def validate_train(t: Any) -> None:
     """Raise ConfigError for trainer settings that cannot work."""
     check_types(t)

@@ -199,8 +199,10 @@ class SyncConfig:
         return self.sync_every if self.overlap == -1 else self.overlap
 
     def check_schedule(self, n_fragments: int) -> None:
-        """Overlap constraints that depend on the resolved number of fragments."""
-        checks.check_schedule(self, n_fragments)
+        """The schedule's overlap rule for ``n_fragments`` resolved fragments (ConfigError)."""
+        from ..schedule import Schedule  # the rule lives with the schedule it protects
+
+        Schedule(self.sync_every, n_fragments, self.tau)
 
 
 @dataclass

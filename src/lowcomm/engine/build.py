@@ -3,14 +3,13 @@ built), the fragments resolved from the model, and their global copies from rank
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from ..aggregate import Aggregator
-from ..config import ConfigError, SyncConfig
+from ..config import ConfigError, SyncConfig, split_sync_kwargs
 from ..outer import OuterOptimizer
 from ..schedule import build_fragments as fragment_names
 from ..schedule import check_fragments, expand_fragment_modules, find_blocks
@@ -34,27 +33,25 @@ def check_arguments(model: Any, opt: Any, config: Any, timeout_s: Any, overrides
         raise ConfigError(f"config must be a lowcomm.SyncConfig, got {type(config).__name__}")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
         raise ConfigError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
-    known = {f.name for f in dataclasses.fields(SyncConfig)}
-    bad = [k for k in overrides if k not in known]
-    if bad:
+    sync, other = split_sync_kwargs(overrides)
+    if other:
         raise ConfigError(
-            f"unknown sync option(s) {', '.join(bad)}: see lowcomm.SyncConfig for the knobs"
-        )
-    if "fragments" in overrides and not isinstance(overrides["fragments"], int):
-        raise ConfigError(
-            "fragments is a count of fragments; give explicit lists of module names "
-            "as fragment_modules=[[...], ...]"
+            f"unknown sync option(s) {', '.join(other)}: see lowcomm.SyncConfig for the knobs"
         )
 
 
-def check_optimizer_holds(opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
-    """The inner optimizer must hold some of the model's trainable parameters."""
+def trainable_params(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, nn.Parameter]:
+    """The model's trainable parameters by name; some must be held by the inner optimizer."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if not params:
+        raise ConfigError("the model has no trainable parameters: unfreeze some (requires_grad)")
     held = {id(p) for group in opt.param_groups for p in group["params"]}
-    if not any(id(p) in held for p in params):
+    if not any(id(p) in held for p in params.values()):
         raise ConfigError(
             "the inner optimizer holds none of the model's trainable parameters: "
             "build it from this model's parameters (e.g. AdamW(model.parameters()))"
         )
+    return params
 
 
 def resolve_fragments(
@@ -124,18 +121,6 @@ def _state_device(cfg: SyncConfig, by_name: dict[str, nn.Parameter]) -> torch.de
     if cfg.state_device == "model":
         return next(iter(by_name.values())).device
     return torch.device(cfg.state_device)
-
-
-def make_compensation(cfg: SyncConfig) -> Any:
-    """The engine's error compensation (its buffers on the state device, CPU for ``model``)."""
-    if cfg.compensation == "none":
-        return None
-    from ..compensation import ErrorFeedback, MovingAverageCompensation
-
-    device = cfg.state_device if cfg.state_device != "model" else "cpu"
-    if cfg.compensation == "ef":
-        return ErrorFeedback(cfg.error_decay, device=device)
-    return MovingAverageCompensation(cfg.loco_beta, device=device, reset_every=cfg.loco_reset_every)
 
 
 def register_optimizer_state(

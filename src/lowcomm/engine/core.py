@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..aggregate import Aggregator, Encoded, make_aggregator
+from ..compensation import make_compensation
 from ..config import ConfigError, SyncConfig
 from ..outer import OuterOptimizer, make_outer
 from ..schedule import Schedule
@@ -21,13 +22,12 @@ from .apply import Apply
 from .build import (
     build_fragments,
     check_arguments,
-    check_optimizer_holds,
-    make_compensation,
     register_optimizer_state,
     resolve_fragments,
+    trainable_params,
 )
 from .encode import Encoder
-from .exchange import Exchange, flags_row
+from .exchange import Exchange
 from .fragment import Fragment, register_fragment_state
 from .guards import NonFiniteGuard, ReplicaCheck
 from .inflight import InFlight, Result
@@ -78,12 +78,7 @@ class LowComm:
         self._placement = Placement(model, process_group, mesh, float(timeout_s))
         self.config = dataclasses.replace(config or SyncConfig(), **overrides)
         self.model, self.inner_optimizer = model, inner_optimizer
-        self._by_name = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        if not self._by_name:
-            raise ConfigError(
-                "the model has no trainable parameters: unfreeze some (requires_grad)"
-            )
-        check_optimizer_holds(inner_optimizer, list(self._by_name.values()))
+        self._by_name = trainable_params(model, inner_optimizer)
         self.fragment_names = resolve_fragments(model, self.config, fragment_modules)
         self.schedule = Schedule(self.config.sync_every, len(self.fragment_names), self.config.tau)
         self._merge = make_merge(self.config, self.schedule)
@@ -138,22 +133,25 @@ class LowComm:
         self.transport = transport = Transport(group, delay_s=self._comm_delay_s)
         self._buffer_transport = Transport(group)  # its own meter: buffer bytes apart
         self.aggregator = make_aggregator(cfg, transport.world_size)
-        self.compensation = make_compensation(cfg)
+        self.compensation = make_compensation(cfg, _compensation_device(cfg))
         self.fragments = frags = build_fragments(
             self.fragment_names, self._by_name, cfg, placement, transport, self._merge
         )
         register_fragment_state(state, frags)
         register_optimizer_state(state, self.outer, self.compensation, self.aggregator, transport)
         state.register(
-            "step", StatePart(lambda: self.step, self._set_step, kept=False, shared=True)
+            "step",
+            StatePart(
+                lambda: self.step, lambda v: setattr(self, "step", int(v)), kept=False, shared=True
+            ),
         )
         self._inflight = InFlight(transport, self.events, state)
         self._nonfinite = NonFiniteGuard(cfg.nonfinite_patience, self.stats, state)
         register_counters(state, self.stats, transport.meter)
         self._local = LocalWeights(self.model, frags, placement, state)
-        self._encoder = Encoder(self.aggregator, self.compensation)
+        self._encoder = Encoder(self.aggregator, self.compensation, self._nonfinite, transport.rank)
         self._exchange = Exchange(
-            self.model, cfg.buffers, self.aggregator, transport, self._buffer_transport,
+            self.model, frags, cfg.buffers, self.aggregator, transport, self._buffer_transport,
             self.stats, self.sync_times, self.events,
         )  # fmt: skip
         self._replica = ReplicaCheck(transport, self.stats)
@@ -170,9 +168,6 @@ class LowComm:
             sd, self._loaded = self._loaded, None
             state.load_state_dict(sd)
 
-    def _set_step(self, step: int) -> None:
-        self.step = int(step)
-
     def finish(self) -> None:
         """Leave the block: wait for every worker, then load the consolidated model
         (see the package doc)."""
@@ -186,7 +181,7 @@ class LowComm:
             kept = self.state.keep()
             sent0 = meter.sent_bytes
             self._leave.drain(self._apply.one)
-            self._leave.final_outer_step(unsent, self.step, self._encode)
+            self._leave.final_outer_step(unsent, self.step, self._encoder.encode)
             self._leave.sync_buffers()
             self.stats.final_syncs += 1
             self.stats.final_sync_bytes_sent += meter.sent_bytes - sent0
@@ -235,7 +230,7 @@ class LowComm:
             self._replica.collect()
             flags = None
             if sends and joining:
-                flags = self._exchange.gather_flags(self._flags(step, done=True))
+                flags = self._exchange.gather_flags(self._exchange.flags(step, done=True))
                 if self._leave.everyone_left(flags):
                     return flags  # every worker has left: stop before exchanging anything
             results = {p: self._inflight.take(p) for p in due}
@@ -259,9 +254,9 @@ class LowComm:
         nonfinite = False
         with self.sync_times.stage("encode"):
             for p in sends:
-                encoded[p], owns[p], bad = self._encode(self.fragments[p])
+                encoded[p], owns[p], bad = self._encoder.encode(self.fragments[p], step)
                 nonfinite |= bad
-        mine = None if flags is not None else self._flags(step, done=False, nonfinite=nonfinite)
+        mine = None if flags is not None else self._exchange.flags(step, False, nonfinite)
         job = self._exchange.job(encoded, mine, flags)
         if self.schedule.overlap == 0:
             event = self.transport.blocking(job)
@@ -271,21 +266,12 @@ class LowComm:
         for p in sends:
             self.events.append(("sent", p, time.perf_counter()))
 
-    def _encode(self, frag: Fragment) -> tuple[list[Encoded], torch.Tensor | None, bool]:
-        encoded, own, nonfinite = self._encoder.encode(frag)
-        if nonfinite:
-            self._nonfinite.leave_out(frag, self.transport.rank, self.step)
-        return encoded, own, nonfinite
-
     def _count_sync(self, n_fragments: int) -> None:
         self.stats.syncs += 1
         self.stats.fragment_syncs += n_fragments
         every = self.config.replica_check_every
         if every and self.stats.syncs % every == 0:
             self._replica.start(self.fragments)
-
-    def _flags(self, step: int, done: bool, nonfinite: bool = False) -> torch.Tensor:
-        return flags_row(step, done, nonfinite, [f.unsent for f in self.fragments])
 
     # -- the run state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -346,3 +332,8 @@ class LowComm:
             self._placement.inner,
             self.sync_times,
         )
+
+
+def _compensation_device(cfg: SyncConfig) -> str:
+    """Error buffers live on the state device (the CPU when that is the model's)."""
+    return cfg.state_device if cfg.state_device != "model" else "cpu"

@@ -10,14 +10,18 @@ import torch
 from ..aggregate import Aggregator, Encoded, encode_compensated
 from ..transport import Transport
 from .fragment import Fragment
+from .guards import NonFiniteGuard
 from .tensors import all_finite, views
 
 
 class Encoder:
-    """Turns fragments into payloads; keeps nothing but the aggregator and compensation."""
+    """Turns fragments into payloads (a non-finite one is reported to the guard)."""
 
-    def __init__(self, aggregator: Aggregator, compensation: Any) -> None:
+    def __init__(
+        self, aggregator: Aggregator, compensation: Any, guard: NonFiniteGuard, rank: int
+    ) -> None:
         self.aggregator, self.compensation = aggregator, compensation
+        self.guard, self.rank = guard, rank
 
     def count_step(self, transport: Transport) -> None:
         """Count one inner optimizer step for the error buffers' periodic resets (the
@@ -27,7 +31,7 @@ class Encoder:
         if self.aggregator.reduce_compensation is not None:
             transport.submit(self.aggregator.step)
 
-    def encode(self, frag: Fragment) -> tuple[list[Encoded], torch.Tensor | None, bool]:
+    def encode(self, frag: Fragment, step: int) -> tuple[list[Encoded], torch.Tensor | None, bool]:
         """One fragment's pseudo-gradient, compensated and encoded per bucket.
 
         Returns the payloads, what this worker sent decoded (for the continue merge) and
@@ -38,6 +42,8 @@ class Encoder:
         pseudo_grad = frag.pseudo_grad()
         contributes = frag.unsent > 0
         nonfinite = contributes and not all_finite(pseudo_grad)
+        if nonfinite:
+            self.guard.leave_out(frag, self.rank, step)
         valid = contributes and not nonfinite
         need_own = frag.snapshot is not None
         encoded = self._buckets(frag, pseudo_grad, valid, need_own)

@@ -14,6 +14,7 @@ import torch.nn as nn
 from .. import _buffers
 from ..aggregate import Aggregator, Encoded, Reduced
 from ..transport import Transport
+from .fragment import Fragment
 from .stats import SyncStats, SyncTimes
 
 # Columns of the per-exchange control flags (one int64 row per worker).
@@ -48,6 +49,7 @@ class Exchange:
     def __init__(
         self,
         model: nn.Module,
+        frags: list[Fragment],
         buffers: str,
         aggregator: Aggregator,
         transport: Transport,
@@ -56,13 +58,17 @@ class Exchange:
         times: SyncTimes,
         events: Events,
     ) -> None:
-        self.model, self.buffers = model, buffers
+        self.model, self.frags, self.buffers = model, frags, buffers
         self.aggregator, self.transport, self.buffer_transport = (
             aggregator,
             transport,
             buffer_transport,
         )
         self.stats, self.times, self.events = stats, times, events
+
+    def flags(self, step: int, done: bool, nonfinite: bool = False) -> torch.Tensor:
+        """This worker's flags now (see :func:`flags_row`)."""
+        return flags_row(step, done, nonfinite, [f.unsent for f in self.frags])
 
     def gather_flags(self, mine: torch.Tensor) -> torch.Tensor:
         """Every worker's flags, blocking (a worker that has left only mirrors this)."""

@@ -14,7 +14,7 @@ import torch.nn as nn
 from .. import _buffers
 from ..outer import OuterOptimizer
 from ..transport import Transport
-from .exchange import DONE, UNSENT, Events, Exchange, flags_row
+from .exchange import DONE, UNSENT, Events, Exchange
 from .fragment import Fragment
 from .inflight import InFlight
 from .placement import Placement
@@ -65,7 +65,7 @@ class Leave:
                 apply(p, reduced, own, event, final=True)
 
     def final_outer_step(
-        self, unsent: list[int], step: int, encode: Callable[[Fragment], Any]
+        self, unsent: list[int], step: int, encode: Callable[[Fragment, int], Any]
     ) -> None:
         """One blocking outer step for each fragment some worker has unsent inner steps in."""
         todo = [p for p, n in enumerate(unsent) if n > 0]
@@ -73,10 +73,9 @@ class Leave:
             return
         encoded = {}
         for p in todo:
-            encoded[p], _, _ = encode(self.frags[p])
+            encoded[p], _, _ = encode(self.frags[p], step)
             self.events.append(("sent", p, time.perf_counter()))
-        mine = flags_row(step, True, False, [f.unsent for f in self.frags])
-        flags = mine.unsqueeze(0)  # everyone is here: no gather
+        flags = self.exchange.flags(step, done=True).unsqueeze(0)  # everyone is here: no gather
         event = self.transport.blocking(self.exchange.job(encoded, None, flags, with_buffers=False))
         with torch.no_grad():
             for p in todo:
