@@ -56,11 +56,13 @@ def test_streaming_p1_tau0_fp32_is_diloco_exactly(workers):
         assert torch.equal(r["diloco"], r["streaming"])
 
 
-def _streaming_worker(rank: int, world: int, H: int, P: int, tau: int, alpha: float) -> dict:
+def _streaming_worker(
+    rank: int, world: int, H: int, P: int, tau: int, alpha: float, steps: int = STEPS
+) -> dict:
     model, sync = _train(
         rank,
         world,
-        STEPS,
+        steps,
         lambda m, o: lowcomm.StreamingDiLoCo(
             m,
             o,
@@ -80,9 +82,14 @@ def _streaming_worker(rank: int, world: int, H: int, P: int, tau: int, alpha: fl
     }
 
 
-def reference_streaming(world, H, P, tau, alpha):
+def reference_streaming(world, H, P, tau, alpha, steps=STEPS):
     """docs/algorithms.md §2 in plain torch: M model copies stepped in lockstep,
-    one SGD per fragment."""
+    one SGD per fragment.
+
+    At the end: results in flight are applied, then one more outer step for each fragment that
+    trained after both its last send and its last applied result (a result applied at or after
+    the last inner step leaves nothing for another step: the merge took the steps in flight).
+    """
     init = tiny_model(seed=0)
     names = [n for n, _ in init.named_parameters()]
     blocks = len(init.blocks)
@@ -103,6 +110,8 @@ def reference_streaming(world, H, P, tau, alpha):
         torch.optim.SGD([glob[n] for n in f], lr=0.7, momentum=0.9, nesterov=True) for f in frags
     ]
     pending = {}
+    last_sent = [0] * P
+    last_applied = [0] * P
 
     def apply(p, avg):
         for n in frags[p]:
@@ -114,7 +123,7 @@ def reference_streaming(world, H, P, tau, alpha):
                     a = alpha if tau > 0 else 0.0
                     params[w][n].copy_(a * params[w][n] + (1 - a) * glob[n])
 
-    for t in range(1, STEPS + 1):
+    for t in range(1, steps + 1):
         for m, o, d in zip(models, opts, data):
             x, y = d.next()
             m(x, y).backward()
@@ -122,6 +131,7 @@ def reference_streaming(world, H, P, tau, alpha):
             o.zero_grad()
         for p in range(P):
             if (t - (p * H) // P) % H == 0:
+                last_sent[p] = t
                 avg = {
                     n: torch.stack([glob[n] - params[w][n].detach() for w in range(world)]).mean(0)
                     for n in frags[p]
@@ -132,10 +142,12 @@ def reference_streaming(world, H, P, tau, alpha):
             if at == t:
                 del pending[p]
                 apply(p, avg)
-    for p in sorted(pending):  # the end: apply what is in flight
+                last_applied[p] = t
+    for p in sorted(pending):  # the end: apply what is in flight, after the last step
         apply(p, pending.pop(p)[0])
-    for p in range(P):  # then one outer step for each fragment with inner steps not yet sent
-        if (STEPS - (p * H) // P) % H != 0:
+        last_applied[p] = steps
+    for p in range(P):
+        if last_sent[p] < steps and last_applied[p] < steps:
             apply(
                 p,
                 {
@@ -146,11 +158,22 @@ def reference_streaming(world, H, P, tau, alpha):
     return glob, frags
 
 
-@pytest.mark.parametrize("H,P,tau,alpha", [(6, 3, 1, 0.5), (6, 2, 2, 0.0), (4, 3, 0, 0.0)])
-def test_streaming_matches_plain_torch(workers, H, P, tau, alpha):
-    res = workers(_streaming_worker, 2, H, P, tau, alpha)
+@pytest.mark.parametrize(
+    "H,P,tau,alpha,steps",
+    [
+        (6, 3, 1, 0.5, STEPS),
+        # fragment 0's last result lands on the last step (14): no outer step after it
+        (6, 2, 2, 0.0, STEPS),
+        (4, 3, 0, 0.0, STEPS),
+        # the send at step 24 lands after the end (drained): no outer step after it, any alpha
+        (8, 2, 2, 0.0, 25),
+        (8, 2, 2, 0.5, 25),
+    ],
+)
+def test_streaming_matches_plain_torch(workers, H, P, tau, alpha, steps):
+    res = workers(_streaming_worker, 2, H, P, tau, alpha, steps)
     torch.set_num_threads(1)
-    glob, frags = reference_streaming(2, H, P, tau, alpha)
+    glob, frags = reference_streaming(2, H, P, tau, alpha, steps)
     assert res[0]["fragments"] == frags
     for r in res:
         for n, v in glob.items():

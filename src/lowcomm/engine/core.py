@@ -162,7 +162,7 @@ class LowComm:
         )  # fmt: skip
         self._leave = Leave(
             self.model, frags, placement, transport, self._exchange, self._inflight, self.outer,
-            self.events,
+            self.events, 0 if self._merge.needs_snapshot else self.schedule.overlap,
         )  # fmt: skip
         if self._loaded is not None:
             sd, self._loaded = self._loaded, None

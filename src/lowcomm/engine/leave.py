@@ -33,10 +33,14 @@ class Leave:
         inflight: InFlight,
         outer: OuterOptimizer,
         events: Events,
+        consumed: int,
     ) -> None:
         self.model, self.frags, self.placement = model, frags, placement
         self.transport, self.exchange, self.inflight = transport, exchange, inflight
         self.outer, self.events = outer, events
+        # inner steps after a send that its result's merge consumes: tau under replace or the
+        # alpha-mix (the steps in flight), 0 under continue (sent with the next send)
+        self.consumed = consumed
 
     def join_peers(
         self, step: int, run_due: Callable[[int, bool], torch.Tensor | None]
@@ -67,8 +71,16 @@ class Leave:
     def final_outer_step(
         self, unsent: list[int], step: int, encode: Callable[[Fragment, int], Any]
     ) -> None:
-        """One blocking outer step for each fragment some worker has unsent inner steps in."""
-        todo = [p for p, n in enumerate(unsent) if n > 0]
+        """One blocking outer step for each fragment some worker has inner steps in that no
+        result holds: steps after its last send that its last merge did not consume.
+
+        ``unsent`` is the most inner steps any worker took since the fragment's last send (the
+        gathered flags, so every worker decides alike). At most ``consumed`` of them means its
+        last result was applied after the last inner step (it landed then, or was drained):
+        the merge already took them, and another outer step would move the global copy by
+        its momentum alone.
+        """
+        todo = [p for p, n in enumerate(unsent) if n > self.consumed]
         if not todo:
             return
         encoded = {}

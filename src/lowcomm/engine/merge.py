@@ -20,7 +20,12 @@ from .tensors import minus_params, views
 
 
 class Merge:
-    """A merge rule; ``needs_snapshot`` when fragments must remember their last send."""
+    """A merge rule; ``needs_snapshot`` when fragments must remember their last send.
+
+    Replace and the alpha-mix consume the inner steps taken while a result was in flight (they
+    are discarded, or mixed into the local weights): a fragment's steps count as unsent only
+    after its last result landed. Continue keeps them, to be sent with the next send.
+    """
 
     needs_snapshot = False
 
