@@ -1,5 +1,6 @@
-# Fresh machine: `make demo` or `make test`; both create .venv and install first. The hf extra
-# (about 1.5 minutes from PyPI) is part of it, so the Hugging Face tests run in CI too.
+# Fresh machine: `make demo` or `make test`; both create .venv and install first. The hf and
+# torchft extras (about 1.5 minutes from PyPI) are part of it, so the Hugging Face and torchft
+# peer tests run in CI too.
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,7 +13,7 @@ $(BIN)/activate: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[test,hf]'
+	$(BIN)/pip install -q -e '.[test,hf,torchft]'
 	touch $(BIN)/activate
 
 install: $(BIN)/activate

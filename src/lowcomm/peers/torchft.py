@@ -65,14 +65,14 @@ def _import_torchft() -> Any:
         logging.getLogger("torchft").setLevel(logging.WARNING)
     try:
         import torchft  # noqa: F401
-        from torchft._torchft import LighthouseServer
+        from torchft.coordination import LighthouseServer
         from torchft.local_sgd import DiLoCo
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
     except ImportError as e:
         raise ConfigError(
             f"the {' and '.join(STRATEGIES)} entries need torchft: pip install 'lowcomm[torchft]' "
-            f"(or pip install torchft-nightly) ({e})"
+            f"(or pip install torchft-nightly==2026.10.26) ({e})"
         ) from None
     return SimpleNamespace(
         LighthouseServer=LighthouseServer,
