@@ -19,6 +19,7 @@ from .errors import (  # noqa: E402  (torch-free)
     CheckpointError,
     ConfigError,
     LowCommError,
+    MembershipError,
     NonFiniteError,
     PayloadError,
     ReplicaMismatchError,
@@ -28,6 +29,7 @@ from .errors import (  # noqa: E402  (torch-free)
 _LAZY = {
     "LowComm": "engine",
     "SyncStats": "engine",
+    "Elastic": "elastic",
     "SyncConfig": "config",
     "TrainConfig": "config",
     "DiLoCo": "presets",
@@ -53,6 +55,7 @@ __all__ = [
     "ReplicaMismatchError",
     "PayloadError",
     "CheckpointError",
+    "MembershipError",
 ]
 __version__ = "0.1.0"
 

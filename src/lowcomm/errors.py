@@ -28,3 +28,7 @@ class PayloadError(LowCommError, ValueError):
 
 class CheckpointError(LowCommError, RuntimeError):
     """A checkpoint (or one of its files) is missing, incomplete or corrupt."""
+
+
+class MembershipError(LowCommError, RuntimeError):
+    """This site cannot go on with the run: it was left out, or too few sites remain."""

@@ -105,7 +105,9 @@ class Transport:
     ) -> None:
         """``delay_s`` adds a sleep before each collective: a test-only slow network, never a
         default."""
-        if not dist.is_available() or not dist.is_initialized():
+        # a group built from a store (an elastic quorum's) is not in torch's default world
+        self._detached = group is not None and not _registered(group)
+        if not self._detached and (not dist.is_available() or not dist.is_initialized()):
             raise RuntimeError(
                 "lowcomm needs torch.distributed initialised: launch with `torchrun` or "
                 "`lowcomm train --workers M`, or call torch.distributed.init_process_group first"
@@ -114,13 +116,17 @@ class Transport:
         _LIVE.add(self)
         shutdown_at_exit()
         self.meter = meter if meter is not None else ByteMeter()
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        if self._detached:
+            assert group is not None
+            self.rank, self.world_size = group.rank(), group.size()
+        else:
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
         self.delay_s = delay_s
         self._pool: ThreadPoolExecutor | None = None
         # NCCL moves only CUDA tensors: payloads built on the CPU (the global copy may live
         # there) are staged through this device and handed back where they came from.
-        backend = dist.get_backend(group)
+        backend = group.name() if self._detached else dist.get_backend(group)
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if backend == "nccl"
@@ -187,7 +193,10 @@ class Transport:
         n = _nbytes(t)
         buf = t.to(self.device)
         # torch's src is a global rank; in a replica group rank 0 is not global rank 0
-        dist.broadcast(buf, src=self._global_rank(src), group=self.group)
+        if self._detached:
+            dist.broadcast(buf, group=self.group, group_src=src)
+        else:
+            dist.broadcast(buf, src=self._global_rank(src), group=self.group)
         if buf is not t:
             t.copy_(buf)
         wire = (m - 1) / m * n
@@ -247,6 +256,12 @@ class Transport:
 # Every transport, so that interpreter exit can let go of their process groups (see
 # release_all): a group must be destroyed while Python is still whole.
 _LIVE: weakref.WeakSet[Transport] = weakref.WeakSet()
+
+
+def _registered(group: dist.ProcessGroup) -> bool:
+    """Whether torch's default world knows ``group`` (made by new_group / init_process_group)."""
+    pg_map = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", {})
+    return group in pg_map or group is dist.GroupMember.WORLD
 
 
 def release_all() -> None:

@@ -104,7 +104,7 @@ def _values(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "config", None):
         values.update(load_toml(args.config))
     values.update(parse_overrides(args.overrides or []))
-    for key in ("model", "steps", "ranks_per_worker"):
+    for key in ("model", "steps", "ranks_per_worker", "faults", "replay"):
         v = getattr(args, key, None)
         if v is not None:
             values[key] = v

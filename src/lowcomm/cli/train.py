@@ -195,5 +195,19 @@ def _add_train(sub: Any) -> None:
         action="store_true",
         help="replace the run already in --out (its checkpoints and model included)",
     )
+    t.add_argument(
+        "--faults",
+        default=None,
+        metavar="SPEC",
+        help="faults on purpose, KIND:SITE@STEP comma-separated (kill:2@35, hang:1@50); "
+        "same as faults=SPEC",
+    )
+    t.add_argument(
+        "--replay",
+        default=None,
+        metavar="FILE",
+        help="with elastic=true: re-enact the membership.jsonl of a run (each site leaves at "
+        "the sync it left then, no real fault); same as replay=FILE",
+    )
     _add_config_port_overrides(t)
     t.set_defaults(func=cmd_train)

@@ -169,6 +169,12 @@ def validate_train(t: Any) -> None:
         )
     if t.inner_lr <= 0:
         raise ConfigError(f"inner_lr must be > 0, got {t.inner_lr}")
+    if t.min_workers < 1:
+        raise ConfigError(f"min_workers must be >= 1, got {t.min_workers}")
+    if t.heartbeat_timeout_s <= 0:
+        raise ConfigError(f"heartbeat_timeout_s must be > 0, got {t.heartbeat_timeout_s}")
+    if t.replay and not t.elastic:
+        raise ConfigError("replay= re-enacts an elastic run: add elastic=true")
     if t.timeout_s <= 0:
         raise ConfigError(f"timeout_s must be > 0, got {t.timeout_s}")
     if t.device not in ("auto", "cpu", "cuda") and not t.device.startswith("cuda:"):

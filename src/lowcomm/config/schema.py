@@ -288,3 +288,26 @@ class TrainConfig:
         "Also log to: none or tensorboard (DIR/tensorboard/; needs "
         "pip install 'lowcomm[tensorboard]').",
     )
+    elastic: bool = knob(
+        False,
+        "Sites come and go: a lost site leaves the run and the others go on (membership on "
+        "torchft's lighthouse, one quorum per outer sync). Outer-loop strategies, one rank "
+        "per worker.",
+    )
+    min_workers: int = knob(1, "With elastic: fewer live sites than this stop the run.")
+    lighthouse: str = knob(
+        "", "With elastic: HOST:PORT of a running torchft lighthouse ('' = start one here)."
+    )
+    heartbeat_timeout_s: float = knob(
+        2.0, "With elastic: a site silent this long is left out of the next sync."
+    )
+    faults: str = knob(
+        "",
+        "Faults on purpose, KIND:SITE@STEP comma-separated, sites 0-based: kill:2@35 "
+        "(SIGKILL before step 35), hang:2@55 (SIGSTOP). Also --faults.",
+    )
+    replay: str = knob(
+        "",
+        "With elastic: a membership.jsonl to re-enact: each site leaves at the sync it left "
+        "in that run, with no real fault. Also --replay.",
+    )

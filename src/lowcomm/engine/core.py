@@ -15,6 +15,7 @@ import torch.nn as nn
 from ..aggregate import Aggregator, Encoded, make_aggregator
 from ..compensation import make_compensation
 from ..config import ConfigError, SyncConfig
+from ..elastic import Elastic
 from ..outer import OuterOptimizer, make_outer
 from ..schedule import Schedule
 from ..transport import Transport
@@ -72,10 +73,11 @@ class LowComm:
         mesh: Any = None,
         timeout_s: float = 300.0,
         comm_delay_s: float = 0.0,
+        elastic: Elastic | None = None,
         **overrides: Any,
     ) -> None:
         check_arguments(model, inner_optimizer, config, timeout_s, overrides)
-        self._placement = Placement(model, process_group, mesh, float(timeout_s))
+        self._placement = Placement(model, process_group, mesh, float(timeout_s), elastic)
         self.config = dataclasses.replace(config or SyncConfig(), **overrides)
         self.model, self.inner_optimizer = model, inner_optimizer
         self._by_name = trainable_params(model, inner_optimizer)
@@ -133,6 +135,8 @@ class LowComm:
         self.transport = transport = Transport(group, delay_s=self._comm_delay_s)
         self._buffer_transport = Transport(group)  # its own meter: buffer bytes apart
         self.aggregator = make_aggregator(cfg, transport.world_size)
+        if placement.elastic is not None and self.aggregator.method == "two-phase":
+            raise ConfigError("reduce=two-phase is not elastic yet: use reduce=gather or auto")
         self.compensation = make_compensation(cfg, _compensation_device(cfg))
         self.fragments = frags = build_fragments(
             self.fragment_names, self._by_name, cfg, placement, transport, self._merge
@@ -150,11 +154,12 @@ class LowComm:
         register_counters(state, self.stats, transport.meter)
         self._local = LocalWeights(self.model, frags, placement, state)
         self._encoder = Encoder(self.aggregator, self.compensation, self._nonfinite, transport.rank)
+        self.membership = placement.runner(transport, self._buffer_transport, self._comm_delay_s)
         self._exchange = Exchange(
             self.model, frags, cfg.buffers, self.aggregator, transport, self._buffer_transport,
-            self.stats, self.sync_times, self.events,
+            self.stats, self.sync_times, self.events, self.membership,
         )  # fmt: skip
-        self._replica = ReplicaCheck(transport, self.stats)
+        self._replica = ReplicaCheck(transport, self._exchange.on_group, self.stats)
         self._apply = Apply(
             self.model, self.inner_optimizer, frags, self.outer, self._merge,
             self.schedule.is_round_overlap(), self._inflight, self._nonfinite, placement,
@@ -176,13 +181,13 @@ class LowComm:
         self._remove_hook()
         meter = self.transport.meter
         with Unblocked(meter) as spent:
-            unsent = self._leave.join_peers(self.step, self.run_due)
+            unsent, last = self._leave.join_peers(self.step, self.run_due)
             self._replica.collect()
             kept = self.state.keep()
             sent0 = meter.sent_bytes
             self._leave.drain(self._apply.one)
-            self._leave.final_outer_step(unsent, self.step, self._encoder.encode)
-            self._leave.sync_buffers()
+            self._leave.final_outer_step(unsent, last, self._encoder.encode)
+            self._leave.sync_buffers(last)
             self.stats.final_syncs += 1
             self.stats.final_sync_bytes_sent += meter.sent_bytes - sent0
             self._local.publish()
@@ -230,7 +235,9 @@ class LowComm:
             self._replica.collect()
             flags = None
             if sends and joining:
-                flags = self._exchange.gather_flags(self._exchange.flags(step, done=True))
+                flags = self._exchange.gather_flags(
+                    self._exchange.flags(step, done=True), f"flags@{step}"
+                )
                 if self._leave.everyone_left(flags):
                     return flags  # every worker has left: stop before exchanging anything
             results = {p: self._inflight.take(p) for p in due}
@@ -239,7 +246,7 @@ class LowComm:
             self._apply.results(sends, results, self.transport.world_size, step)
             self.last_sync_step = step
             if sends:
-                self._count_sync(len(sends))
+                self._count_sync(len(sends), step)
         self.stats.outer_s += spent.seconds
         self.sync_times.caller += spent.seconds
         self._update_stats()
@@ -257,7 +264,7 @@ class LowComm:
                 encoded[p], owns[p], bad = self._encoder.encode(self.fragments[p], step)
                 nonfinite |= bad
         mine = None if flags is not None else self._exchange.flags(step, False, nonfinite)
-        job = self._exchange.job(encoded, mine, flags)
+        job = self._exchange.job(encoded, mine, flags, f"sync@{step}")
         if self.schedule.overlap == 0:
             event = self.transport.blocking(job)
             results.update({p: (event.reduced[p], owns[p], event) for p in sends})
@@ -266,12 +273,12 @@ class LowComm:
         for p in sends:
             self.events.append(("sent", p, time.perf_counter()))
 
-    def _count_sync(self, n_fragments: int) -> None:
+    def _count_sync(self, n_fragments: int, step: int) -> None:
         self.stats.syncs += 1
         self.stats.fragment_syncs += n_fragments
         every = self.config.replica_check_every
         if every and self.stats.syncs % every == 0:
-            self._replica.start(self.fragments)
+            self._replica.start(self.fragments, f"check@{step}")
 
     # -- the run state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

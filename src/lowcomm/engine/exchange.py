@@ -4,9 +4,11 @@ the transport's comm thread."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.nn as nn
@@ -16,6 +18,11 @@ from ..aggregate import Aggregator, Encoded, Reduced
 from ..transport import Transport
 from .fragment import Fragment
 from .stats import SyncStats, SyncTimes
+
+if TYPE_CHECKING:
+    from ..elastic import Runner
+
+T = TypeVar("T")
 
 # Columns of the per-exchange control flags (one int64 row per worker).
 DONE, STEP, NONFINITE, UNSENT = 0, 1, 2, 3
@@ -57,6 +64,7 @@ class Exchange:
         stats: SyncStats,
         times: SyncTimes,
         events: Events,
+        runner: Runner | None = None,
     ) -> None:
         self.model, self.frags, self.buffers = model, frags, buffers
         self.aggregator, self.transport, self.buffer_transport = (
@@ -65,21 +73,32 @@ class Exchange:
             buffer_transport,
         )
         self.stats, self.times, self.events = stats, times, events
+        self.runner = runner  # elastic: collectives on the live quorum, settled and retried
+
+    def on_group(self, tag: str, collectives: Callable[[Transport, Transport], T]) -> T:
+        """Run ``collectives`` on the run's transports (training, buffers); with membership,
+        on the live quorum's, retried among the survivors until committed (``tag`` names the
+        sync, the same on every site)."""
+        if self.runner is None:
+            return collectives(self.transport, self.buffer_transport)
+        return self.runner.run(tag, collectives)
 
     def flags(self, step: int, done: bool, nonfinite: bool = False) -> torch.Tensor:
         """This worker's flags now (see :func:`flags_row`)."""
         return flags_row(step, done, nonfinite, [f.unsent for f in self.frags])
 
-    def gather_flags(self, mine: torch.Tensor) -> torch.Tensor:
+    def gather_flags(self, mine: torch.Tensor, tag: str) -> torch.Tensor:
         """Every worker's flags, blocking (a worker that has left only mirrors this)."""
-        transport = self.transport
-        return transport.blocking(lambda: torch.stack(transport.all_gather(mine, control=True)))
+        return self.transport.blocking(
+            lambda: self.on_group(tag, lambda t, _: torch.stack(t.all_gather(mine, control=True)))
+        )
 
     def job(
         self,
         encoded: dict[int, list[Encoded]],
         mine: torch.Tensor | None,
         flags: torch.Tensor | None,
+        tag: str,
         with_buffers: bool = True,
     ) -> Callable[[], Event]:
         """The collectives of one sync: control flags (unless given), each fragment's exchange,
@@ -87,21 +106,27 @@ class Exchange:
         buffers = None
         if with_buffers and self.buffers != "local":
             buffers = _buffers.float_flat(self.model)
-        return lambda: self._run(encoded, mine, flags, buffers)
+        return lambda: self.on_group(
+            tag, lambda t, bt: self._run(t, bt, encoded, mine, flags, buffers)
+        )
 
     def _run(
         self,
+        transport: Transport,
+        buffer_transport: Transport,
         encoded: dict[int, list[Encoded]],
         mine: torch.Tensor | None,
         flags: torch.Tensor | None,
         buffers: torch.Tensor | None,
     ) -> Event:
-        aggregator, transport, times = self.aggregator, self.transport, self.times
+        aggregator, times = self.aggregator, self.times
         t0, collective0, exchanging = time.perf_counter(), aggregator.collective_s, 0.0
         gathered = flags if mine is None else torch.stack(transport.all_gather(mine, control=True))
         sent0 = transport.meter.sent_bytes
         reduced = {}
         for p, parts in encoded.items():
+            if self.runner is not None:  # an attempt may fail half-way: keep the bytes intact
+                parts = [dataclasses.replace(e, payload=e.payload.clone()) for e in parts]
             t1 = time.perf_counter()
             out = [aggregator.exchange(e, transport) for e in parts]
             exchanging += time.perf_counter() - t1
@@ -115,7 +140,9 @@ class Exchange:
             self.stats.peak_bytes_per_sync, transport.meter.sent_bytes - sent0
         )
         assert gathered is not None
-        event = Event(gathered, reduced, self.exchange_buffers(buffers))
+        if buffers is not None and self.runner is not None:
+            buffers = buffers.clone()  # reduced in place
+        event = Event(gathered, reduced, self.exchange_buffers(buffers, buffer_transport))
         # what exchange() spent outside its collectives is decoding and summing
         decoding = exchanging - (aggregator.collective_s - collective0)
         elapsed = time.perf_counter() - t0
@@ -124,11 +151,10 @@ class Exchange:
         times.exchange += elapsed
         return event
 
-    def exchange_buffers(self, flat: torch.Tensor | None) -> torch.Tensor | None:
+    def exchange_buffers(self, flat: torch.Tensor | None, bt: Transport) -> torch.Tensor | None:
         """Floating buffers averaged in FP32 (``average``) or rank 0's (``broadcast``)."""
         if flat is None or flat.numel() == 0:
             return None
-        bt = self.buffer_transport
         if self.buffers == "broadcast":
             return bt.broadcast(flat, src=0, control=False)
         return bt.all_reduce(flat).div_(bt.world_size)

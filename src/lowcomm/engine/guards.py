@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -79,19 +81,22 @@ class NonFiniteGuard:
 class ReplicaCheck:
     """Hash the global copies after a sync, compare every worker's hash later."""
 
-    def __init__(self, transport: Transport, stats: SyncStats) -> None:
-        self.transport, self.stats = transport, stats
+    def __init__(
+        self, transport: Transport, on_group: Callable[..., Any], stats: SyncStats
+    ) -> None:
+        self.transport, self.on_group, self.stats = transport, on_group, stats
         self._gathered: Future | None = None
 
-    def start(self, frags: list[Fragment]) -> None:
+    def start(self, frags: list[Fragment], tag: str) -> None:
         """Hash the global copy now; gather every worker's hash on the comm thread."""
         digest = hashlib.sha256()
         for f in frags:
             digest.update(f.global_flat.detach().cpu().contiguous().numpy().tobytes())
         mine = torch.tensor([int.from_bytes(digest.digest()[:8], "little", signed=True)])
-        transport = self.transport
         # queued behind any exchange in flight, so it never stalls the overlap
-        self._gathered = transport.submit(lambda: transport.all_gather(mine, control=True))
+        self._gathered = self.transport.submit(
+            lambda: self.on_group(tag, lambda t, _: t.all_gather(mine, control=True))
+        )
 
     def collect(self) -> None:
         """Compare the hashes of the last check, if one is in flight."""

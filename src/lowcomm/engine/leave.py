@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch import Tensor
 
 from .. import _buffers
 from ..outer import OuterOptimizer
@@ -44,9 +45,9 @@ class Leave:
 
     def join_peers(
         self, step: int, run_due: Callable[[int, bool], torch.Tensor | None]
-    ) -> list[int]:
+    ) -> tuple[list[int], int]:
         """Mirror the peers' remaining syncs until every worker has left; the most unsent
-        inner steps of any worker, per fragment.
+        inner steps of any worker, per fragment, and the (mirrored) step at which all had left.
 
         A worker that is done contributes its unsent progress at the next sync of each fragment
         and then takes part without contributing, so uneven step counts never hang.
@@ -55,7 +56,7 @@ class Leave:
             step += 1
             flags = run_due(step, True)
             if flags is not None:
-                return flags[:, UNSENT:].max(dim=0).values.tolist()
+                return flags[:, UNSENT:].max(dim=0).values.tolist(), step
 
     def everyone_left(self, flags: torch.Tensor) -> bool:
         """Whether the gathered flags say every worker has left its loop."""
@@ -88,7 +89,8 @@ class Leave:
             encoded[p], _, _ = encode(self.frags[p], step)
             self.events.append(("sent", p, time.perf_counter()))
         flags = self.exchange.flags(step, done=True).unsqueeze(0)  # everyone is here: no gather
-        event = self.transport.blocking(self.exchange.job(encoded, None, flags, with_buffers=False))
+        job = self.exchange.job(encoded, None, flags, f"final@{step}", with_buffers=False)
+        event = self.transport.blocking(job)
         with torch.no_grad():
             for p in todo:
                 reduced = event.reduced[p]
@@ -99,11 +101,20 @@ class Leave:
                     )
                 self.events.append(("applied", p, time.perf_counter()))
 
-    def sync_buffers(self) -> None:
+    def sync_buffers(self, step: int) -> None:
         """Floating buffers averaged (or rank 0's), integer ones and frozen weights rank 0's."""
         buffers = self.exchange.buffers
-        self.placement.broadcast_constants(self.transport, buffers, floating=buffers == "broadcast")
-        if buffers == "average":
-            flat = self.exchange.exchange_buffers(_buffers.float_flat(self.model))
-            if flat is not None:
-                _buffers.load_float_flat(self.model, flat)
+        flat = _buffers.float_flat(self.model) if buffers == "average" else None
+
+        def collectives(transport: Transport, buffer_transport: Transport) -> Tensor | None:
+            self.placement.broadcast_constants(transport, buffers, buffers == "broadcast")
+            return self.exchange.exchange_buffers(
+                None if flat is None else flat.clone(),
+                buffer_transport,  # reduced in place
+            )
+
+        averaged = self.transport.blocking(
+            lambda: self.exchange.on_group(f"buffers@{step}", collectives)
+        )
+        if averaged is not None:
+            _buffers.load_float_flat(self.model, averaged)

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from .. import _buffers
 from ..config import ConfigError
+from ..elastic import Elastic, Membership
 from ..transport import Transport, shutdown_at_exit
 from .fragment import Fragment
 from .tensors import DTensor, Part, local, views
@@ -37,8 +38,18 @@ class Placement:
         process_group: dist.ProcessGroup | None,
         mesh: Any,
         timeout_s: float,
+        elastic: Elastic | None = None,
     ) -> None:
         check_mesh(mesh, process_group)
+        if elastic is not None and not isinstance(elastic, Elastic):
+            raise ConfigError(f"elastic must be a lowcomm.Elastic, got {type(elastic).__name__}")
+        if elastic is not None and (process_group is not None or mesh is not None):
+            raise ConfigError(
+                "elastic= decides the group itself: give neither process_group= nor mesh= "
+                "(several ranks per site are not elastic yet)"
+            )
+        self.elastic = elastic
+        self.membership: Membership | None = None
         self.model = model
         self.process_group = process_group
         self.mesh = mesh
@@ -47,7 +58,14 @@ class Placement:
         self.inner: Transport | None = None  # the ranks of this worker, to share the parts
 
     def join(self) -> dist.ProcessGroup:
-        """The outer group this rank syncs on (created here unless given)."""
+        """The outer group this rank syncs on (created here unless given); with membership,
+        the group of the first quorum that holds every starting site."""
+        if self.elastic is not None:
+            self.membership = Membership(self.elastic)
+            view = self.membership.quorum("start")
+            while len(view.members) < self.elastic.sites:
+                view = self.membership.quorum("start")
+            return self.membership.group(view)
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError(NO_GROUP_MESSAGE)
         shutdown_at_exit()
@@ -70,6 +88,14 @@ class Placement:
             self.part = (dist.get_rank(inner), n)
             self.inner = Transport(inner)
         return outer
+
+    def runner(self, transport: Transport, buffer_transport: Transport, delay_s: float) -> Any:
+        """With membership, what runs each sync on the live quorum (None without)."""
+        if self.membership is None:
+            return None
+        from ..elastic import Runner
+
+        return Runner(self.membership, transport.meter, buffer_transport.meter, delay_s)
 
     def share_parts(self, frags: list[Fragment]) -> None:
         """DDP inside a worker: each rank wrote only its part of these fragments' parameters;

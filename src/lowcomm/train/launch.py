@@ -20,6 +20,7 @@ from typing import Any
 from ..config import ConfigError, SyncConfig, TrainConfig
 from ..errors import LowCommError
 from ..peers import torchft as torchft_peer
+from .elastic import SitesFailed, check_elastic, run_sites
 
 
 class LaunchError(RuntimeError):
@@ -200,6 +201,11 @@ def launch(
     if torchft_peer.is_peer(strategy):
         torchft_peer.check_config(sync_cfg, cfg.checkpoint_every, resume)
     if under_torchrun():
+        if cfg.elastic:
+            raise ConfigError(
+                "elastic=true under torchrun is not supported yet: start the sites with "
+                "lowcomm train --workers M elastic=true"
+            )
         from .loop import run_worker
         from .sites import site_of
 
@@ -213,10 +219,16 @@ def launch(
         raise ConfigError(f"--workers must be >= 1, got {workers}")
     if port is not None:
         check_port(port)
+    check_elastic(strategy, cfg, workers)
     for warning in preflight(strategy, sync_cfg, cfg, workers):
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     if on_checked is not None:
         on_checked()
+    if cfg.elastic:
+        try:
+            return run_sites(strategy, sync_cfg, cfg, Path(out_dir), workers, name)
+        except SitesFailed as e:
+            raise LaunchError(str(e), e.exitcode) from None
     return _run_local(strategy, sync_cfg, cfg, Path(out_dir), workers, port, name, resume)
 
 

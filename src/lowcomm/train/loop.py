@@ -24,11 +24,13 @@ import torch
 import torch.distributed as dist
 
 from ..config import SyncConfig, TrainConfig
+from ..elastic.faults import act, parse_faults
 from ..transport import ring_all_reduce_bytes, shutdown
 from .log import RunLog
 from .model import count_params
 from .resume import load_state, restore, save_checkpoint
 from .run import Run, init_distributed, lr_lambda, resolve_device, set_up, wrap_for_strategy
+from .site_role import SiteRole, record_membership
 from .sites import full_state_dict, rows_of
 from .summary import RunSummary
 
@@ -53,15 +55,19 @@ def run_worker(
     out_dir: str | Path,
     name: str | None = None,
     resume: str | None = None,
+    role: SiteRole | None = None,
 ) -> dict[str, Any] | None:
     """Train on this process's rank; returns the summary on rank 0 (None elsewhere).
 
     ``resume`` names a checkpoint folder to continue from
-    (see :func:`lowcomm.train.resume.restore`).
+    (see :func:`lowcomm.train.resume.restore`). ``role``: this process is a site of an
+    elastic run (:mod:`lowcomm.train.elastic`).
     """
-    run = set_up(strategy, sync_cfg, cfg, out_dir, name)
-    _write_workers_json(run)
+    run = set_up(strategy, sync_cfg, cfg, out_dir, name, role)
+    if role is None:
+        _write_workers_json(run)  # an elastic run's launcher keeps it
     wrap_for_strategy(run)
+    faults = role.faults if role is not None else parse_faults(cfg.faults, run.world, cfg.steps)
     saved = load_state(run, resume) if resume is not None else None
     if saved is not None:
         run.start_step = int(saved["step"]) + 1
@@ -79,6 +85,7 @@ def run_worker(
             if saved is not None:
                 restore(run, saved)
             for step in range(run.start_step, cfg.steps + 1):
+                act(faults, run.site.replica, step)
                 train_step(run)
                 after_step(run, step, log)
             finish(run)
@@ -186,16 +193,21 @@ def summarize(run: Run, log: RunLog) -> RunSummary | None:
         ],
         dtype=torch.float64,
     )
+    vec = torch.cat([vec, torch.ones(1, dtype=torch.float64)])  # counts the ranks present
     run.control.all_reduce(vec, control=True)
-    vec /= run.world
+    vec = vec[:-1] / vec[-1]
     rss = torch.tensor(
         [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64
     )
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     state = full_state_dict(run.model)  # a collective when sharded: every rank gathers
-    if run.rank != 0:
+    if not run.writes:
         return None
     summary = _build_summary(run, val_loss, vec.tolist(), int(rss.item()))
+    if run.membership is not None:
+        per_step = run.cfg.batch_size * run.cfg.seq_len
+        events = run.membership.events
+        record_membership(events, run.world, run.cfg.steps, per_step, run.out, summary)
     save_model(run, state)
     summary.write(run.out / "summary.json")
     return summary

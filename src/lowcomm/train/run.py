@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..config import ConfigError, SyncConfig, TrainConfig
+from ..elastic import Elastic
 from ..engine import LowComm
 from ..loco import GradReduceState, LoCoState, TorchHookState, allreduce_hook, loco_hook, torch_hook
 from ..peers import torchft
@@ -31,6 +32,7 @@ from ..protocols import SyncEngine
 from ..transport import ByteMeter, Transport
 from .build import build_model
 from .data import Batches, load_corpus, val_batches
+from .site_role import QuorumControl, SiteRole
 from .sites import Site, build_mesh, shard_model, site_of
 
 
@@ -118,6 +120,21 @@ class Run:
     loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
     pending_checkpoint: bool = False
     """A checkpoint is due: taken at the next sync boundary."""
+    role: SiteRole | None = None
+    """This process's site in an elastic run (None: a fixed world)."""
+
+    @property
+    def membership(self) -> Any:
+        """The engine's membership runner in an elastic run (who is in), else None."""
+        return getattr(self.engine, "membership", None) if self.role is not None else None
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank writes the run's files: rank 0, or the lowest live site."""
+        members = self.membership.members if self.membership is not None else None
+        if self.role is not None and members:
+            return members[0] == self.role.site
+        return self.rank == 0
 
     @property
     def per_step(self) -> bool:
@@ -171,8 +188,12 @@ class Run:
         ctx = engine.global_parameters() if engine is not None else contextlib.nullcontext()
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64)
+        first, every = self.site.replica, self.site.replicas
+        members = self.membership.members if self.membership is not None else None
+        if members:  # an elastic run: the live sites share all the batches
+            first, every = members.index(self.site.replica), len(members)
         with ctx, torch.no_grad(), self.autocast():
-            for i in range(self.site.replica, len(self.val), self.site.replicas):
+            for i in range(first, len(self.val), every):
                 x, y = self.val[i]
                 total[0] += self.model(x.to(self.device), y.to(self.device)).item()
                 total[1] += 1
@@ -187,13 +208,17 @@ def set_up(
     cfg: TrainConfig,
     out_dir: str | Path,
     name: str | None = None,
+    role: SiteRole | None = None,
 ) -> Run:
-    """Join the process group and build the model, optimizer, schedule and data of this rank."""
+    """Join the process group and build the model, optimizer, schedule and data of this rank
+    (of this site, in an elastic run)."""
     device = resolve_device(cfg.device)
     if device.type == "cpu":
         torch.set_num_threads(cfg.threads)
     owns_group = init_distributed(cfg.timeout_s, device)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if role is not None:
+        rank, world = role.site, role.sites
     site = site_of(rank, world, cfg.ranks_per_worker)
     out = Path(out_dir)
     if rank == 0:
@@ -245,6 +270,7 @@ def set_up(
         site=site,
         inner_meter=inner_meter,
         hsdp_meter=hsdp_meter,
+        role=role,
     )
 
 
@@ -299,7 +325,10 @@ def wrap_for_strategy(run: Run) -> None:
                 mesh=run.site.mesh,
                 timeout_s=cfg.timeout_s,
                 comm_delay_s=comm_delay_for_tests(),
+                elastic=_elastic(run),
             )
+            if run.role is not None:
+                run.control = QuorumControl(run.engine)
         return
     if run.site.sharded and cfg.inner_parallel == "fsdp":
         run.train_model = run.model  # HSDP: FSDP2 reduces inside a worker, all-reduces between
@@ -322,6 +351,17 @@ def wrap_for_strategy(run: Run) -> None:
     )
     run.hook_state, hook = _ddp_hook(run, grad_transport)
     run.train_model.register_comm_hook(run.hook_state, hook)
+
+
+def _elastic(run: Run) -> Elastic | None:
+    """Membership settings of an elastic run's site (None in a fixed world)."""
+    role, cfg = run.role, run.cfg
+    if role is None:
+        return None
+    return Elastic(
+        lighthouse=role.lighthouse, site=role.site, sites=role.sites,
+        min_workers=cfg.min_workers, timeout_s=cfg.timeout_s, leave_after=role.leave_after,
+    )  # fmt: skip
 
 
 def _ddp_inside(run: Run) -> nn.Module:

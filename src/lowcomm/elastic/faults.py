@@ -1,0 +1,70 @@
+"""Faults on purpose: the ``--faults`` grammar, and a site acting them out on itself.
+
+``KIND:SITE[@STEP][xFACTOR]``, comma-separated, sites 0-based:
+
+- ``kill:2@35``  site 2 is SIGKILLed before its inner step 35 (as ``kill -9`` from a shell);
+- ``hang:2@55``  site 2 stops answering before step 55 (SIGSTOP: alive, silent);
+
+A fault acts on the real process, so the rest of the run meets it exactly as it would meet one
+from outside. The kinds of later work (``join``, ``add``, ``slow``, ``slowlink``) are named
+here so that a run asking for them is refused with one line instead of ignoring them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+KINDS = ("kill", "hang")
+LATER = ("join", "add", "slow", "slowlink")
+_FAULT = re.compile(r"^(?P<kind>[a-z]+):(?P<site>\d+)(@(?P<step>\d+))?(x(?P<factor>[0-9.]+))?$")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault: what happens to which site, from which inner step (and how strongly)."""
+
+    kind: str
+    site: int
+    step: int | None = None
+    factor: float | None = None
+
+    def __str__(self) -> str:
+        at = f"@{self.step}" if self.step is not None else ""
+        by = f"x{self.factor:g}" if self.factor is not None else ""
+        return f"{self.kind}:{self.site}{at}{by}"
+
+
+def parse_faults(text: str, sites: int, steps: int) -> list[Fault]:
+    """The faults of ``text`` (empty: none), checked against the run's sites and steps."""
+    out = []
+    for item in (p.strip() for p in text.split(",") if p.strip()):
+        m = _FAULT.match(item)
+        if m is None:
+            raise ConfigError(
+                f"--faults: cannot read {item!r}: write KIND:SITE[@STEP][xFACTOR], e.g. kill:2@35"
+            )
+        kind, site = m["kind"], int(m["site"])
+        if kind in LATER:
+            raise ConfigError(f"--faults: {kind} is not supported yet: use {' or '.join(KINDS)}")
+        if kind not in KINDS:
+            raise ConfigError(f"--faults: unknown kind {kind!r} in {item!r}: use kill or hang")
+        if not 0 <= site < sites:
+            raise ConfigError(f"--faults: {item!r} names site {site}, the run has 0..{sites - 1}")
+        if m["step"] is None or not 1 <= int(m["step"]) <= steps:
+            raise ConfigError(f"--faults: {item!r} needs @STEP with 1 <= STEP <= {steps}")
+        if m["factor"] is not None:
+            raise ConfigError(f"--faults: {kind} takes no xFACTOR ({item!r})")
+        out.append(Fault(kind, site, int(m["step"])))
+    return out
+
+
+def act(faults: list[Fault], site: int, step: int) -> None:
+    """Before inner step ``step`` of ``site``: carry out the faults due now, on this process."""
+    for f in faults:
+        if f.site == site and f.step == step:
+            os.kill(os.getpid(), signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)

@@ -1,0 +1,104 @@
+"""One sync's collectives on the quorum of the moment: ask who is in, run them on that quorum's
+group, settle by a commit quorum, and retry among the survivors (same encoded bytes) until the
+sync stands for every member."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from ..transport import ByteMeter, Transport
+from .membership import Membership, View
+
+log = logging.getLogger("lowcomm")
+T = TypeVar("T")
+
+Collectives = Callable[[Transport, Transport], T]  # (training transport, buffer transport)
+
+
+class Runner:
+    """Runs a sync's collectives on the live quorum; records who was in each sync."""
+
+    def __init__(
+        self, membership: Membership, meter: ByteMeter, buffer_meter: ByteMeter, delay_s: float
+    ) -> None:
+        self.membership = membership
+        self.meter, self.buffer_meter, self.delay_s = meter, buffer_meter, delay_s
+        self.members: list[int] | None = None  # who took part in the last sync that stood
+        self.events: list[dict] = []  # membership changes: step tag, who left, seconds lost
+        self._transports: tuple[int, Transport, Transport] | None = None
+        self._failed_at: float | None = None
+        self._started = 0.0
+        self._last_tag = ""  # the last sync that stood with this site in it
+        self._last_step = 0  # ... and the last inner step such a sync was at
+
+    def run(self, tag: str, collectives: Collectives[T]) -> T:
+        """Run ``collectives`` for the sync named ``tag`` until a quorum commits it."""
+        self._started = time.perf_counter()
+        if self._last_tag and self._last_tag == self.membership.elastic.leave_after:
+            self._leave(tag)
+        while True:
+            view = self.membership.quorum(tag)
+            self.membership.check(view, tag)
+            transport, buffers = self._on(view)
+            try:
+                result, ok = collectives(transport, buffers), True
+            except RuntimeError as err:  # a peer died or hung inside a collective
+                log.warning("site %d: %s failed among %s (%s); retrying", self._site, tag,
+                            view.members, str(err).splitlines()[0][:160])  # fmt: skip
+                result, ok = None, False
+                self._failed_at = self._failed_at or time.perf_counter()
+                self.membership.drop(view)
+                self._transports = None
+            commit = self.membership.quorum(tag, ok)
+            self.membership.check(commit, tag)
+            if ok and commit.members == view.members and all(d["ok"] for d in commit.data):
+                self._settled(tag, view)
+                return result  # type: ignore[return-value]
+            self._failed_at = self._failed_at or time.perf_counter()
+
+    @property
+    def _site(self) -> int:
+        return self.membership.elastic.site
+
+    def _on(self, view: View) -> tuple[Transport, Transport]:
+        """This quorum's transports (made once per quorum), metered with the run's meters."""
+        if self._transports is None or self._transports[0] != view.quorum_id:
+            group = self.membership.group(view)
+            self._transports = (
+                view.quorum_id,
+                Transport(group, meter=self.meter, delay_s=self.delay_s),
+                Transport(group, meter=self.buffer_meter),
+            )
+        return self._transports[1], self._transports[2]
+
+    def _settled(self, tag: str, view: View) -> None:
+        """Record a change of members (and how long the survivors took to sync again)."""
+        if self.members is not None and view.members != self.members:
+            gone = sorted(set(self.members) - set(view.members))
+            # from the first failure (or, for a site lost between syncs, from asking for this
+            # sync's quorum) until the survivors' sync stood
+            lost = time.perf_counter() - (self._failed_at or self._started)
+            event = {"at": tag, "after": self._last_tag, "last_step": self._last_step}
+            event["left"] = gone
+            event.update(members=list(view.members), resync_s=round(lost, 3))
+            self.events.append(event)
+            log.warning("site %d: sites %s left at %s; %d sites go on", self._site, gone, tag,
+                        len(view.members))  # fmt: skip
+        self.members = list(view.members)
+        self._failed_at = None
+        self._last_tag = tag
+        _, _, step = tag.partition("@")
+        if step.isdigit():  # a sync of the outer loop (others: flags, checks, control)
+            self._last_step = int(step)
+
+    def _leave(self, tag: str) -> None:
+        """Replay: this site left here in the recorded run; it leaves the same way, at once
+        (its heartbeat stops, so the others go on without it from the next sync)."""
+        print(f"lowcomm: replay: site {self._site} leaves before {tag}, after "
+              f"{self._last_tag}, as in the recorded run", flush=True)  # fmt: skip
+        self.membership.close()
+        os._exit(0)

@@ -1,0 +1,213 @@
+"""Elastic runs of the reference trainer: one process per site, membership on a torchft
+lighthouse (started here unless ``lighthouse=`` names one), and a dead site leaves the others
+running (torch's launcher would tear every worker down with it).
+
+Each site process has a torch.distributed world of its own (one rank); everything between
+sites goes through the engine's membership: the outer syncs, and the trainer's few collectives
+(loss logging, evaluation, the summary) on the live quorum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError, SyncConfig, TrainConfig
+from ..elastic.faults import parse_faults
+from ..errors import LowCommError, MembershipError
+from .site_role import SiteRole
+
+PER_STEP = ("ddp", "loco")
+
+
+class SitesFailed(LowCommError):
+    """No site finished the run: the message says why (one line per distinct reason)."""
+
+    def __init__(self, message: str, exitcode: int) -> None:
+        super().__init__(message)
+        self.exitcode = exitcode
+
+
+def check_elastic(strategy: str, cfg: TrainConfig, workers: int) -> None:
+    """One-line refusals of what elastic mode does not do, before any site starts."""
+    if not cfg.elastic:
+        if cfg.faults:
+            parse_faults(cfg.faults, workers, cfg.steps)
+        return
+    if strategy in PER_STEP:
+        raise ConfigError(
+            f"elastic=true needs an outer-loop strategy: {strategy} all-reduces every inner "
+            f"step and stays stop-the-world (use diloco, streaming, sparseloco or co2)"
+        )
+    if strategy.startswith("torchft"):
+        raise ConfigError(f"elastic=true runs lowcomm's own methods, not {strategy}")
+    if cfg.ranks_per_worker != 1:
+        raise ConfigError("elastic=true runs one rank per site for now: set ranks_per_worker=1")
+    if cfg.checkpoint_every:
+        raise ConfigError(
+            "elastic=true does not write checkpoints yet: drop checkpoint_every (a lost site "
+            "no longer stops the run)"
+        )
+    if cfg.min_workers > workers:
+        raise ConfigError(f"min_workers={cfg.min_workers} is more than --workers {workers}")
+    parse_faults(cfg.faults, workers, cfg.steps)
+    if cfg.replay:
+        replay_leaves(cfg.replay, workers)
+
+
+def replay_leaves(path: str, sites: int) -> dict[int, str]:
+    """From a recorded membership.jsonl: each site that left, and the sync after which it did."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ConfigError(f"replay={path}: cannot read it ({e.strerror})") from None
+    leaves: dict[int, str] = {}
+    for n, line in enumerate(lines, 1):
+        try:
+            event = json.loads(line)
+            for site in event["left"]:
+                leaves.setdefault(int(site), str(event["after"]))
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"replay={path}: line {n} is not a membership event") from None
+    bad = [s for s in leaves if not 0 <= s < sites]
+    if bad:
+        raise ConfigError(f"replay={path}: names sites {bad}, this run has 0..{sites - 1}")
+    return leaves
+
+
+def run_sites(
+    strategy: str,
+    sync_cfg: SyncConfig,
+    cfg: TrainConfig,
+    out_dir: Path,
+    workers: int,
+    name: str | None,
+) -> dict[str, Any] | None:
+    """Start the lighthouse and one process per site; wait for the survivors; their summary."""
+    server = None
+    address = cfg.lighthouse
+    if not address:
+        if not os.environ.get("LOWCOMM_DEBUG"):
+            os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse logs every quorum at INFO
+        from torchft.coordination import LighthouseServer
+
+        server = LighthouseServer(
+            bind="[::]:0",
+            min_replicas=1,  # lowcomm checks min_workers itself, with one clear line
+            join_timeout_ms=int(cfg.timeout_s * 1000),
+            quorum_tick_ms=20,
+            heartbeat_timeout_ms=int(cfg.heartbeat_timeout_s * 1000),
+        )
+        address = server.address()
+    faults = parse_faults(cfg.faults, workers, cfg.steps)
+    leaves = replay_leaves(cfg.replay, workers) if cfg.replay else {}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "summary.json").unlink(missing_ok=True)
+    ctx = mp.get_context("spawn")
+    procs = []
+    for site in range(workers):
+        role = SiteRole(site, workers, address, faults, leaves.get(site, ""))
+        p = ctx.Process(target=_site_main, args=(role, strategy, sync_cfg, cfg, str(out_dir), name))
+        p.start()
+        procs.append(p)
+    try:
+        codes = _wait(procs, out_dir)
+    finally:
+        for p in procs:  # a hung site (SIGSTOP) is ended once the others are done
+            if p.is_alive():
+                p.kill()
+        if server is not None:
+            server.shutdown()
+    return _outcome(codes, out_dir)
+
+
+def _wait(procs: list[Any], out_dir: Path) -> list[int | None]:
+    """Wait until every site has exited (or is stopped while the rest are done)."""
+    _write_workers(procs, out_dir)
+    reported: set[int] = set()
+    while True:
+        for i, p in enumerate(procs):
+            if p.exitcode is not None and i not in reported:
+                reported.add(i)
+                _write_workers(procs, out_dir)
+                if p.exitcode != 0:
+                    why = f"signal {-p.exitcode}" if p.exitcode < 0 else f"exit {p.exitcode}"
+                    others = any(q.exitcode is None for q in procs)
+                    tail = "; the others go on" if others and p.exitcode < 0 else ""
+                    print(f"lowcomm: site {i} is gone ({why}){tail}", flush=True)
+        running = [p for p in procs if p.exitcode is None and not _stopped(p.pid)]
+        if not running:
+            return [p.exitcode for p in procs]
+        time.sleep(0.2)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether a process is stopped (SIGSTOP: a hung site)."""
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    return False
+
+
+def _write_workers(procs: list[Any], out_dir: Path) -> None:
+    """DIR/workers.json: the live sites' numbers and pids."""
+    live = [{"site": i, "rank": i, "pid": p.pid} for i, p in enumerate(procs) if p.exitcode is None]
+    tmp = out_dir / "workers.json.tmp"
+    tmp.write_text(json.dumps(live, indent=2) + "\n")
+    tmp.replace(out_dir / "workers.json")
+
+
+def _outcome(codes: list[int | None], out_dir: Path) -> dict[str, Any] | None:
+    """The survivors' summary, or the one line that says why the run stopped."""
+    (out_dir / "workers.json").unlink(missing_ok=True)
+    messages = []
+    for f in sorted(out_dir.glob(".error-site*")):
+        with contextlib.suppress(OSError):
+            text = f.read_text().strip()
+            f.unlink()
+            if text and text not in messages:
+                messages.append(text)
+    summary = out_dir / "summary.json"
+    if summary.exists() and any(c == 0 for c in codes):
+        return json.loads(summary.read_text())
+    code = 2 if any(c == 2 for c in codes) else 1
+    raise SitesFailed("; ".join(messages) or f"every site failed (exit codes {codes})", code)
+
+
+def _site_main(
+    role: SiteRole,
+    strategy: str,
+    sync_cfg: SyncConfig,
+    cfg: TrainConfig,
+    out_dir: str,
+    name: str | None,
+) -> None:
+    """One site's process: a world of its own, then the trainer with membership."""
+    os.environ["LOWCOMM_LAUNCHED"] = "1"
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1,
+        timeout=timedelta(seconds=cfg.timeout_s),
+    )  # fmt: skip
+    from .loop import run_worker
+
+    try:
+        run_worker(strategy, sync_cfg, cfg, out_dir, name, None, role=role)
+    except (LowCommError, FileNotFoundError) as e:
+        try:
+            (Path(out_dir) / f".error-site{role.site}").write_text(str(e))
+        except OSError:
+            print(f"lowcomm: site {role.site}: {e}", file=sys.stderr, flush=True)
+        os._exit(1 if isinstance(e, MembershipError) else 2)
+    finally:
+        torch.distributed.destroy_process_group()

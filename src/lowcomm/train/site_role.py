@@ -1,0 +1,69 @@
+"""A site's part in an elastic run, as the trainer sees it: who it is, which faults it acts
+out, the trainer's control collectives on the live quorum, and the membership record."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..elastic.faults import Fault
+from ..transport import ByteMeter
+
+if TYPE_CHECKING:
+    from .summary import RunSummary
+
+
+@dataclass(frozen=True)
+class SiteRole:
+    """What a site process of an elastic run needs to know about its place in it."""
+
+    site: int
+    sites: int
+    lighthouse: str
+    faults: list[Fault] = field(default_factory=list)
+    leave_after: str = ""  # replay: the sync after which this site left in the recorded run
+
+
+class QuorumControl:
+    """The trainer's control collectives (loss logging, evaluation, the summary) on the live
+    quorum, through the engine's membership; every site issues them in the same order."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine  # its membership runner exists once the block was entered
+        self.meter = ByteMeter()  # their bytes are in the engine's meter, counted as control
+        self._count = 0
+
+    def all_reduce(self, t: torch.Tensor, control: bool = True) -> torch.Tensor:
+        """Sum ``t`` over the live sites, in place (retried on a new quorum if one is lost)."""
+        self._count += 1
+
+        def reduce(transport: Any, _: Any) -> torch.Tensor:
+            return transport.all_reduce(t.clone(), control=True)  # t intact if it fails
+
+        tag, runner = f"control#{self._count}", self.engine.membership
+        # on the comm thread, behind the syncs queued there: one order of quorums everywhere
+        t.copy_(self.engine.transport.blocking(lambda: runner.run(tag, reduce)))
+        return t
+
+
+def record_membership(
+    events: list[dict], sites: int, steps: int, tokens_per_site_step: int, out: Path,
+    summary: RunSummary,
+) -> None:  # fmt: skip
+    """The run's membership events into the summary and DIR/membership.jsonl; goodput and the
+    tokens actually trained (a lost site's steps count up to its last sync that stood)."""
+    useful = 0
+    for s in range(sites):
+        left = [e for e in events if s in e["left"]]
+        useful += left[0]["last_step"] if left else steps
+    summary.tokens = useful * tokens_per_site_step
+    summary.extra["membership"] = events
+    wall = summary.wall_s or 0.0
+    summary.extra["goodput"] = summary.tokens / wall if wall > 0 else 0.0
+    with open(out / "membership.jsonl", "w") as f:
+        for e in events:
+            f.write(json.dumps(e) + "\n")

@@ -1,0 +1,107 @@
+"""`lowcomm train ... elastic=true` as a user runs it: a site killed by the fault harness or by
+`kill -9` from another shell, the run going on, its replay, and the one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchft")
+
+LOWCOMM = [sys.executable, "-m", "lowcomm.cli", "train"]
+RUN = ["--strategy", "diloco", "--workers", "3", "--model", "tiny", "--steps", "90",
+       "sync_every=10", "progress=false", "eval_every=0", "batch_size=4", "seq_len=64"]  # fmt: skip
+ELASTIC = ["elastic=true", "min_workers=2", "heartbeat_timeout_s=1"]
+
+
+def _train(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(LOWCOMM + list(args), capture_output=True, text=True, timeout=timeout)
+
+
+def _model(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "model.pt", weights_only=True)
+
+
+def test_a_killed_site_leaves_the_run_going_and_its_replay_repeats_it_bit_for_bit(tmp_path):
+    live, replay, whole = tmp_path / "live", tmp_path / "replay", tmp_path / "whole"
+    done = _train(*RUN, *ELASTIC, "--faults", "kill:2@35", "--out", str(live))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "site 2 is gone (signal 9); the others go on" in done.stdout
+    summary = json.loads((live / "summary.json").read_text())
+    (event,) = summary["membership"]
+    assert event["left"] == [2] and event["members"] == [0, 1]
+    assert event["last_step"] == 30  # its last sync that stood: steps 31-34 were lost with it
+    assert summary["tokens"] == (90 + 90 + 30) * 4 * 64
+    assert summary["goodput"] > 0
+    assert (live / "membership.jsonl").read_text().strip() == json.dumps(event)
+
+    again = _train(*RUN, *ELASTIC, "--replay", str(live / "membership.jsonl"), "--out", str(replay))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "replay: site 2 leaves" in again.stdout
+    a, b = _model(live), _model(replay)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    ref = _train(*RUN, "--out", str(whole))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    lost = summary["final_val_loss"]
+    uninterrupted = json.loads((whole / "summary.json").read_text())["final_val_loss"]
+    assert abs(lost - uninterrupted) / uninterrupted < 0.03
+
+
+def test_kill_minus_9_from_another_shell_is_survived(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        LOWCOMM + [*RUN, *ELASTIC, "log_every=5", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.time() + 120
+    while True:  # once site 0 has logged step 30, kill site 2 as an operator would
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        metrics = out / "metrics.jsonl"
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        if lines and json.loads(lines[-1])["step"] >= 30:
+            break
+        time.sleep(0.05)
+    site2 = next(w for w in json.loads((out / "workers.json").read_text()) if w["site"] == 2)
+    os.kill(site2["pid"], signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 0, stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [e["left"] for e in summary["membership"]] == [[2]]
+    assert not (out / "workers.json").exists()
+
+
+def test_fewer_than_min_workers_stop_the_run_with_one_line(tmp_path):
+    done = _train(*RUN, *ELASTIC, "--faults", "kill:1@25,kill:2@35", "--out", str(tmp_path / "r"))
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert "fewer than min_workers=2" in last and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--faults", "kill:7@35"], "names site 7"),
+        (["--faults", "explode:1@3"], "unknown kind"),
+        (["--faults", "kill:1"], "needs @STEP"),
+        (["--faults", "join:1@60"], "not supported yet"),
+        (["elastic=true", "--strategy", "ddp"], "outer-loop strategy"),
+        (["elastic=true", "min_workers=5"], "min_workers=5 is more than --workers 3"),
+        (["--replay", "nowhere.jsonl"], "add elastic=true"),
+        (["elastic=true", "--replay", "nowhere.jsonl"], "cannot read it"),
+    ],
+)
+def test_bad_elastic_input_is_one_line_before_any_site_starts(tmp_path, args, message):
+    out = tmp_path / "r"
+    done = _train(*RUN, *args, "--out", str(out), timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert not (out / "metrics.jsonl").exists()
