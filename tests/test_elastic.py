@@ -1,0 +1,253 @@
+"""A lost site never stops the run: survivors go on, on torchft's lighthouse (real processes).
+
+Each site is its own process with no torch.distributed world of its own: membership comes from
+a LighthouseServer started here, the bytes from each quorum's gloo group.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import adamw, batches, tiny_model
+
+import lowcomm
+from lowcomm.presets import preset_config
+
+pytest.importorskip("torchft")
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture
+def lighthouse():
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=20_000, quorum_tick_ms=20,
+        heartbeat_timeout_ms=1_000,
+    )  # fmt: skip
+    yield server.address()
+    server.shutdown()
+
+
+def _run_sites(tmp_path, lighthouse, preset, kw, steps, kill=None, in_sync=False, sites=3):
+    procs = []
+    for i in range(sites):
+        args = dict(index=i, sites=sites, lighthouse=lighthouse, out=str(tmp_path), preset=preset,
+                    kw=kw, steps=steps, kill_at=kill[1] if kill and kill[0] == i else None,
+                    kill_in_sync=in_sync)  # fmt: skip
+        procs.append(subprocess.Popen(
+            [sys.executable, str(HERE / "elastic_site.py"), json.dumps(args)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE,
+        ))  # fmt: skip
+    t0 = time.time()
+    outs = [p.communicate(timeout=180) for p in procs]
+    return [p.returncode for p in procs], outs, time.time() - t0
+
+
+# name -> (preset, overrides, exact): exact runs are also checked against the plain-torch
+# reference of the same run (FP32 on the wire, so the math is the same up to summation order)
+CASES = {
+    "diloco": ("DiLoCo", {"sync_every": 5}, True),
+    "sparseloco": ("SparseLoCo", {"sync_every": 5}, False),
+    "streaming_tau0": (
+        "StreamingDiLoCo",
+        {"sync_every": 6, "fragments": 2, "overlap": 0, "codec": "fp32"},
+        True,
+    ),
+    "streaming_tau1": (
+        "StreamingDiLoCo",
+        {"sync_every": 6, "fragments": 2, "overlap": 1, "codec": "fp32", "alpha": 0.5},
+        True,
+    ),
+    "streaming_continue": (
+        "StreamingDiLoCo",
+        {"sync_every": 6, "fragments": 2, "overlap": 1, "codec": "fp32", "merge": "continue"},
+        True,
+    ),
+    "co2": ("CO2", {"sync_every": 5}, True),
+}
+# the longest runs (a 0.3 s delay on every collective): by hand, with -m slow
+SLOW = {("streaming_tau0", True), ("streaming_continue", True)}
+STEPS, KILLED, KILL_AT = 30, 2, 12
+
+
+def _params():
+    for name in CASES:
+        for in_sync in (False, True):
+            marks = [pytest.mark.slow] if (name, in_sync) in SLOW else []
+            where = "inside_collective" if in_sync else "between_syncs"
+            yield pytest.param(name, in_sync, marks=marks, id=f"{name}-{where}")
+
+
+@pytest.mark.parametrize("name,in_sync", list(_params()))
+def test_survivors_finish_identical_after_a_site_is_killed(tmp_path, lighthouse, name, in_sync):
+    """Survivors exit 0 with identical global parameters; where the wire is FP32, those equal
+    the plain-torch reference of the run given who took part in each sync."""
+    preset, kw, exact = CASES[name]
+    codes, outs, _ = _run_sites(tmp_path, lighthouse, preset, kw, steps=STEPS,
+                                kill=(KILLED, KILL_AT), in_sync=in_sync)  # fmt: skip
+    assert codes[KILLED] == -9
+    assert codes[:2] == [0, 0], [o[1][-2000:] for o in outs[:2]]
+    a, b = (torch.load(tmp_path / f"site{i}.pt", weights_only=True) for i in (0, 1))
+    assert torch.equal(a["global"], b["global"])
+    assert a["members"] == b["members"] == [0, 1]
+    assert [e["left"] for e in a["events"]] == [[KILLED]]
+    assert [e["at"] for e in a["events"]] == [e["at"] for e in b["events"]]
+    if not exact:
+        return
+    left = left_at(a["events"])
+    # left out at the sync it died before or inside (CO2: the round in flight), not earlier
+    assert KILL_AT - kw["sync_every"] < left[KILLED] <= KILL_AT + kw["sync_every"], a["events"]
+    cfg = preset_config(getattr(lowcomm, preset).strategy, **kw)
+    glob, frags = reference_elastic(cfg, STEPS, left)
+    assert a["fragments"] == frags
+    torch.testing.assert_close(a["global"], glob, atol=1e-6, rtol=0)
+
+
+def left_at(events: list[dict]) -> dict[int, int]:
+    """Site -> the step of the first sync it took no part in (from ``membership.events``)."""
+    out = {}
+    for e in events:
+        kind, step = e["at"].split("@")
+        assert kind == "sync", e  # the kill is mid-run: a sync, never the exit's collectives
+        for site in e["left"]:
+            out.setdefault(site, int(step))
+    return out
+
+
+def _fragments(model: torch.nn.Module, count: int) -> list[list[str]]:
+    """docs/algorithms.md's fragments: P = 1 the whole model; else everything outside the
+    blocks, then the blocks strided over the other P - 1."""
+    names = [n for n, _ in model.named_parameters()]
+    if count == 1:
+        return [names]
+    blocks = len(model.blocks)
+    frags = [[x for x in names if not x.startswith("blocks.")]]
+    for g in range(count - 1):
+        mine = [f"blocks.{b}." for b in range(g, blocks, count - 1)]
+        frags.append([x for x in names if any(x.startswith(m) for m in mine)])
+    return frags
+
+
+def reference_elastic(
+    cfg: lowcomm.SyncConfig, steps: int, left: dict[int, int], sites: int = 3
+) -> tuple[torch.Tensor, list[list[str]]]:
+    """The elastic run in plain torch, from docs/algorithms.md: ``sites`` model copies stepped in
+    lockstep (each on its own data shard), fragment p sent after step t when
+    (t - floor(p H / P)) mod H = 0, its result applied after step t + tau; the average of each
+    sync is over the sites present at it (site s is present at syncs before ``left[s]``).
+
+    Merge rules: tau = 0 replace; alpha-mix; continue: theta <- global - kappa * (own message
+    still in flight) - (progress since the last send), pseudo-gradient measured from the
+    snapshot (CO2: tau = H, P = 1, kappa = co2_keep, merged also at its first send). Outer step:
+    torch.optim.SGD per fragment (Nesterov for DiLoCo/Streaming; CO2's preset is SGD at lr 1).
+    The exit: results in flight applied, then one more outer step per fragment with more
+    unsent inner steps than its merge consumed (tau under the alpha-mix, 0 under continue).
+    """
+    H, tau = cfg.sync_every, cfg.tau
+    init = tiny_model(seed=0)
+    frags = _fragments(init, cfg.fragments)
+    P = len(frags)
+    round_overlap = tau == H and P == 1
+    if round_overlap:
+        assert cfg.outer_optimizer == "co2" and cfg.outer_momentum == 0.0
+        assert not cfg.staleness_penalty and cfg.momentum_clip == 0.0
+        rule = "continue" if cfg.co2_merge == "continue" else "alpha"  # reset: alpha 0
+        keep, alpha = cfg.co2_keep, 0.0
+        outer_kw = dict(lr=cfg.outer_lr)
+    else:
+        rule = "continue" if tau > 0 and cfg.merge == "continue" else "alpha"
+        keep, alpha = 1.0, (cfg.alpha if tau > 0 else 0.0)
+        if cfg.outer_optimizer == "nesterov":
+            outer_kw = dict(lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov)
+        else:
+            assert cfg.outer_optimizer == "sgd"
+            outer_kw = dict(lr=cfg.outer_lr)
+    consumed = 0 if rule == "continue" else tau
+
+    models = [copy.deepcopy(init) for _ in range(sites)]
+    opts = [adamw(m) for m in models]
+    data = [batches(s, sites) for s in range(sites)]
+    params = [dict(m.named_parameters()) for m in models]
+    glob = {n: p.detach().clone() for n, p in init.named_parameters()}
+    outer = [torch.optim.SGD([glob[n] for n in f], **outer_kw) for f in frags]
+    snap = [{n: glob[n].clone() for n in glob} for _ in range(sites)]  # continue's reference
+    pending: dict[int, tuple[dict, int, list]] = {}  # p -> (average, apply at, own messages)
+    last_sent = [0] * P
+
+    def present(t: int) -> list[int]:
+        return [s for s in range(sites) if t < left.get(s, steps + 10**9)]
+
+    def send(p: int, t: int) -> tuple[dict, list]:
+        """Each present site's pseudo-gradient and their mean."""
+        who = present(t)
+        ref = snap if rule == "continue" else [glob] * sites
+        own = [{n: ref[s][n] - params[s][n].detach() for n in frags[p]} for s in range(sites)]
+        if rule == "continue":
+            for s in range(sites):
+                for n in frags[p]:
+                    snap[s][n] = params[s][n].detach().clone()
+        avg = {n: torch.stack([own[s][n] for s in who]).mean(0) for n in frags[p]}
+        return avg, own
+
+    def outer_step(p: int, avg: dict) -> None:
+        for n in frags[p]:
+            glob[n].grad = avg[n]
+        outer[p].step()
+
+    def merge(p: int) -> None:
+        inflight = pending[p][2] if p in pending else None
+        for s in range(sites):
+            for n in frags[p]:
+                w = params[s][n]
+                if rule == "continue":
+                    progress = snap[s][n] - w
+                    own = inflight[s][n] if inflight is not None else 0.0
+                    new = glob[n] - keep * own - progress
+                    snap[s][n] = new + progress
+                    w.copy_(new)
+                else:
+                    w.copy_(alpha * w + (1 - alpha) * glob[n])
+
+    with torch.no_grad():
+        for t in range(1, steps + 1):
+            with torch.enable_grad():
+                for m, o, d in zip(models, opts, data):
+                    x, y = d.next()
+                    m(x, y).backward()
+                    o.step()
+                    o.zero_grad()
+            sends = [p for p in range(P) if (t - (p * H) // P) % H == 0]
+            due = sorted(p for p, (_, at, _) in pending.items() if at <= t or p in sends)
+            results = {p: pending.pop(p)[0] for p in due}
+            for p in sends:
+                avg, own = send(p, t)
+                last_sent[p] = t
+                if tau == 0:
+                    results[p] = avg
+                else:
+                    pending[p] = (avg, t + tau, own)
+            for p in sorted(results):
+                outer_step(p, results[p])
+                merge(p)
+            if round_overlap:  # CO2's first send: no average yet, its merge all the same
+                for p in sends:
+                    if p not in results:
+                        merge(p)
+        for p in sorted(pending):  # the exit: drain what is in flight
+            outer_step(p, pending.pop(p)[0])
+            merge(p)
+        for p in range(P):
+            if steps - last_sent[p] > consumed:
+                avg, _ = send(p, steps + 1)
+                outer_step(p, avg)
+    flat = torch.cat([glob[n].reshape(-1) for f in frags for n in f])
+    return flat, frags
