@@ -42,6 +42,8 @@ def test_a_killed_site_leaves_the_run_going_and_its_replay_repeats_it_bit_for_bi
     assert summary["tokens"] == (90 + 90 + 30) * 4 * 64
     assert summary["goodput"] > 0
     assert (live / "membership.jsonl").read_text().strip() == json.dumps(event)
+    records = [json.loads(x) for x in (live / "metrics.jsonl").read_text().splitlines()]
+    assert [r["membership"] for r in records if "membership" in r] == [[event]]
 
     again = _train(*RUN, *ELASTIC, "--replay", str(live / "membership.jsonl"), "--out", str(replay))
     assert again.returncode == 0, again.stderr[-3000:]
@@ -77,6 +79,30 @@ def test_kill_minus_9_from_another_shell_is_survived(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert [e["left"] for e in summary["membership"]] == [[2]]
     assert not (out / "workers.json").exists()
+
+
+@pytest.mark.parametrize(
+    "strategy,extra",
+    [
+        pytest.param(  # a fragment in flight
+            "streaming", ["sync_every=12", "fragments=2", "overlap=1"], marks=pytest.mark.slow
+        ),
+        ("co2", ["sync_every=10"]),  # a whole round in flight
+    ],
+)
+def test_a_hung_site_is_left_out_and_the_replay_repeats_the_run(tmp_path, strategy, extra):
+    """SIGSTOP: alive but silent; its heartbeat lapses, the others go on without it, and the
+    launcher ends it once they are done. The replay, with no fault, ends bit for bit the same."""
+    run = [*RUN[:1], strategy, *RUN[2:], *extra, "timeout_s=20"]
+    live, replay = tmp_path / "live", tmp_path / "replay"
+    done = _train(*run, *ELASTIC, "--faults", "hang:2@35", "--out", str(live))
+    assert done.returncode == 0, done.stderr[-3000:]
+    (event,) = json.loads((live / "summary.json").read_text())["membership"]
+    assert event["left"] == [2]
+    again = _train(*run, *ELASTIC, "--replay", str(live / "membership.jsonl"), "--out", str(replay))
+    assert again.returncode == 0, again.stderr[-3000:]
+    a, b = _model(live), _model(replay)
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_fewer_than_min_workers_stop_the_run_with_one_line(tmp_path):

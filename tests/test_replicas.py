@@ -160,6 +160,7 @@ def _lose_machine(pid: int) -> None:
             os.kill(p, signal.SIGKILL)
 
 
+@pytest.mark.slow  # 50 s: by hand (pytest -m slow); the default suite stays under 10 minutes
 def test_two_nodes_of_two_ranks_train_and_resume_after_one_is_killed(tmp_path):
     """Two sites, each a torchrun of 2 ranks with FSDP2 inside; one is killed after a sharded
     checkpoint; both restart with --resume and finish as an uninterrupted run does."""

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .base import Aggregator, Encoded, Reduced, numel
+from .base import Aggregator, Encoded, Reduced, contribution, numel
 
 if TYPE_CHECKING:
     from ..transport import Transport
@@ -30,10 +30,7 @@ class AllReduceAggregator(Aggregator):
         key: str | None = None,
     ) -> Encoded:
         """The tensors and the flag, cast, in one flat payload (see :meth:`Aggregator.encode`)."""
-        if not valid:
-            tensors = [torch.zeros_like(t) for t in tensors]
-        shapes = [t.shape for t in tensors]
-        n = sum(t.numel() for t in tensors)
+        tensors, shapes, n = contribution(tensors, valid)
         like = tensors[0] if tensors else torch.empty(0)
         flag = like.new_full((1,), float(valid))
         # one copy: the tensors and the flag straight into the payload

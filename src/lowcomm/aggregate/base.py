@@ -145,3 +145,12 @@ def encode_compensated(
             comp.after_send(n, h, enc.local[offset : offset + h.numel()].view_as(h))
             offset += h.numel()
     return enc
+
+
+def contribution(
+    tensors: list[torch.Tensor], valid: bool
+) -> tuple[list[torch.Tensor], list[torch.Size], int]:
+    """What a worker contributes (zeros when it is left out), their shapes and element count."""
+    if not valid:
+        tensors = [torch.zeros_like(t) for t in tensors]
+    return tensors, [t.shape for t in tensors], sum(t.numel() for t in tensors)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..codecs.base import Codec, PayloadError
-from .base import Aggregator, Encoded, Reduced, check_selected_mean, flag, numel
+from .base import Aggregator, Encoded, Reduced, check_selected_mean, contribution, flag, numel
 
 if TYPE_CHECKING:
     from ..transport import Transport
@@ -38,10 +38,7 @@ class GatherAggregator(Aggregator):
         key: str | None = None,
     ) -> Encoded:
         """Each tensor encoded, then one flag byte (see :meth:`Aggregator.encode`)."""
-        if not valid:
-            tensors = [torch.zeros_like(t) for t in tensors]
-        shapes = [t.shape for t in tensors]
-        n = sum(t.numel() for t in tensors)
+        tensors, shapes, n = contribution(tensors, valid)
         parts = [self.codec.encode(t) for t in tensors]
         flag_byte = torch.tensor(
             [int(valid)], dtype=torch.uint8, device=parts[0].device if parts else None

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..codecs.base import Codec
-from .base import Aggregator, Encoded, Reduced, flag, numel
+from .base import Aggregator, Encoded, Reduced, contribution, flag, numel
 
 if TYPE_CHECKING:
     from ..compensation import Compensation
@@ -55,10 +55,7 @@ class TwoPhaseAggregator(Aggregator):
     ) -> Encoded:
         """Shard the flat buffer, one payload per destination worker (see
         :meth:`Aggregator.encode`)."""
-        if not valid:
-            tensors = [torch.zeros_like(t) for t in tensors]
-        shapes = [t.shape for t in tensors]
-        n = sum(t.numel() for t in tensors)
+        tensors, shapes, n = contribution(tensors, valid)
         flat = torch.cat([t.reshape(-1).float() for t in tensors]) if tensors else torch.empty(0)
         enc = self.encode_shards(self._shards(flat), need_local, valid, key)
         enc.shapes, enc.numel = shapes, n

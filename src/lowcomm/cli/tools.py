@@ -28,7 +28,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from ..bench.sync import main as bench_sync
 
         return bench_sync(args.rest)
-    raise ConfigError(f"unknown benchmark '{args.what}': choose codecs, overhead or sync")
+    if args.what == "elastic":
+        from ..bench.elastic import main as bench_elastic
+
+        return bench_elastic(args.rest)
+    raise ConfigError(f"unknown benchmark '{args.what}': choose codecs, overhead, sync or elastic")
 
 
 def _add_simulate(sub: Any) -> None:
@@ -43,8 +47,8 @@ def _add_simulate(sub: Any) -> None:
 
 
 def _add_bench(sub: Any) -> None:
-    b = sub.add_parser("bench", help="microbenchmarks: codecs, overhead, sync")
-    b.add_argument("what", help="codecs, overhead or sync")
+    b = sub.add_parser("bench", help="benchmarks: codecs, overhead, sync, elastic")
+    b.add_argument("what", help="codecs, overhead, sync or elastic")
     b.add_argument(
         "rest", nargs=argparse.REMAINDER, help="arguments of the benchmark (e.g. --json)"
     )

@@ -83,6 +83,13 @@ RESUME_MAY_CHANGE = frozenset(
         "timeout_s",
         "threads",
         "device",
+        # faults on purpose and membership are how a run is exercised, not what it computes
+        "faults",
+        "replay",
+        "elastic",
+        "min_workers",
+        "lighthouse",
+        "heartbeat_timeout_s",
     }
 )
 

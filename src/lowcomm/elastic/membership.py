@@ -91,7 +91,7 @@ class Membership:
         self._client = LighthouseClient(elastic.lighthouse, connect_timeout=timeout)
         self._beat_client = LighthouseClient(elastic.lighthouse, connect_timeout=timeout)
         # this site hosts a store; the group of a quorum lives on its first member's store
-        host = os.environ.get("LOWCOMM_ELASTIC_HOST", "127.0.0.1")
+        host = os.environ.get("LOWCOMM_ADDR", "127.0.0.1")
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.store_address = f"{host}:{self._store.port}"
         self._groups: dict[int, dist.ProcessGroup] = {}

@@ -135,8 +135,6 @@ class LowComm:
         self.transport = transport = Transport(group, delay_s=self._comm_delay_s)
         self._buffer_transport = Transport(group)  # its own meter: buffer bytes apart
         self.aggregator = make_aggregator(cfg, transport.world_size)
-        if placement.elastic is not None and self.aggregator.method == "two-phase":
-            raise ConfigError("reduce=two-phase is not elastic yet: use reduce=gather or auto")
         self.compensation = make_compensation(cfg, _compensation_device(cfg))
         self.fragments = frags = build_fragments(
             self.fragment_names, self._by_name, cfg, placement, transport, self._merge
@@ -154,7 +152,7 @@ class LowComm:
         register_counters(state, self.stats, transport.meter)
         self._local = LocalWeights(self.model, frags, placement, state)
         self._encoder = Encoder(self.aggregator, self.compensation, self._nonfinite, transport.rank)
-        self.membership = placement.runner(transport, self._buffer_transport, self._comm_delay_s)
+        self.membership = placement.runner(self.aggregator, transport, self._buffer_transport)
         self._exchange = Exchange(
             self.model, frags, cfg.buffers, self.aggregator, transport, self._buffer_transport,
             self.stats, self.sync_times, self.events, self.membership,

@@ -89,13 +89,15 @@ class Placement:
             self.inner = Transport(inner)
         return outer
 
-    def runner(self, transport: Transport, buffer_transport: Transport, delay_s: float) -> Any:
+    def runner(self, aggregator: Any, transport: Transport, buffers: Transport) -> Any:
         """With membership, what runs each sync on the live quorum (None without)."""
         if self.membership is None:
             return None
+        if aggregator.method == "two-phase":
+            raise ConfigError("reduce=two-phase is not elastic yet: use reduce=gather or auto")
         from ..elastic import Runner
 
-        return Runner(self.membership, transport.meter, buffer_transport.meter, delay_s)
+        return Runner(self.membership, transport.meter, buffers.meter, transport.delay_s)
 
     def share_parts(self, frags: list[Fragment]) -> None:
         """DDP inside a worker: each rank wrote only its part of these fragments' parameters;

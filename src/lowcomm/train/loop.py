@@ -135,6 +135,11 @@ def after_step(run: Run, step: int, log: RunLog) -> None:
     if run.pending_checkpoint and (run.engine is None or run.engine.last_sync_step == step):
         save_checkpoint(run, step)
         run.pending_checkpoint = False
+    events = run.membership.events if run.membership is not None else []
+    if len(events) > run.events_logged:  # a site left: the record marks it
+        record = record or {"step": step, "tokens": step * run.tokens_per_step}
+        record["membership"] = events[run.events_logged :]
+        run.events_logged = len(events)
     if record is not None:
         log.record(record)
     log.step_done()

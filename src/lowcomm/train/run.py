@@ -122,6 +122,8 @@ class Run:
     """A checkpoint is due: taken at the next sync boundary."""
     role: SiteRole | None = None
     """This process's site in an elastic run (None: a fixed world)."""
+    events_logged: int = 0
+    """Membership events already marked in metrics.jsonl."""
 
     @property
     def membership(self) -> Any:

@@ -1,0 +1,192 @@
+"""``lowcomm bench elastic``: one site lost a third of the way, three ways of living with it.
+
+For each seed, behind one shaped link (a network namespace whose loopback is token-bucket
+shaped; every site, and the lighthouse, inside it), the same run three times:
+
+- ``uninterrupted``: no fault;
+- ``elastic``: ``elastic=true``, the last site SIGKILLed before step ``kill_at``; the others
+  finish the run;
+- ``checkpoint-restart``: no membership, the same kill stops the run; it is resumed at once
+  from its last checkpoint on the surviving sites (``--resume --workers M-1``).
+
+Reported per run: wall time from outside (start to exit, the restart included), the tokens
+that reached the model and goodput (their rate over that wall time), per surviving site,
+``resync_s`` (the survivors' time from the fault to their next sync, from membership.jsonl)
+and the final validation loss, beside the uninterrupted run's loss at the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+TRAIN = [sys.executable, "-m", "lowcomm.cli", "train"]
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="lowcomm bench elastic", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="small")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--kill-at", type=int, default=None, help="default: a third of --steps")
+    p.add_argument("--sync-every", type=int, default=30)
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--bandwidth", default="50mbit", help="'' for an unshaped run")
+    p.add_argument("--out", default="runs/bench-elastic")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    """Run every case for every seed; print the table (and write DIR/results.json)."""
+    a = _args(argv)
+    kill_at = a.kill_at or a.steps // 3
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    common = [
+        "--model", a.model, "--steps", str(a.steps), f"sync_every={a.sync_every}",
+        "progress=false", f"eval_every={a.sync_every}", "threads=1", "--overwrite",
+    ]  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    with _network(a.bandwidth) as wrap:
+        for seed in [int(s) for s in a.seeds.split(",")]:
+            args = [*common, f"seed={seed}"]
+            rows.append(_uninterrupted(wrap, args, a.workers, out / f"whole-{seed}"))
+            rows.append(_elastic(wrap, args, a.workers, kill_at, out / f"elastic-{seed}"))
+            rows.append(_restart(wrap, args, a.workers, kill_at, a, out / f"restart-{seed}"))
+            for r in rows[-3:]:
+                r["seed"] = seed
+            _equal_tokens(rows[-3:])
+            (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
+    print(json.dumps(rows, indent=2) if a.json else table(rows))
+    return 0
+
+
+class _network:
+    """Every command inside one shaped namespace (or as it is, unshaped)."""
+
+    def __init__(self, bandwidth: str) -> None:
+        self.bandwidth, self.net = bandwidth, None
+
+    def __enter__(self) -> _network:
+        if self.bandwidth:
+            from .netshape import ShapedNetwork
+
+            self.net = ShapedNetwork(self.bandwidth, topology="shared", workers=1)
+            self.net.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.net is not None:
+            self.net.close()
+
+    def __call__(self, argv: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+        cmd = self.net.command(0, argv) if self.net is not None else argv
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        return done, time.perf_counter() - t0
+
+
+def _uninterrupted(wrap: _network, args: list[str], m: int, out: Path) -> dict[str, Any]:
+    done, wall = wrap([*TRAIN, "--strategy", "diloco", "--workers", str(m), *args, "--out",
+                       str(out)])  # fmt: skip
+    _check(done, out)
+    s = json.loads((out / "summary.json").read_text())
+    return _row("uninterrupted", s, wall, m, out)
+
+
+def _elastic(wrap: _network, args: list[str], m: int, kill_at: int, out: Path) -> dict[str, Any]:
+    fault = ["elastic=true", "min_workers=2", "--faults", f"kill:{m - 1}@{kill_at}"]
+    done, wall = wrap([*TRAIN, "--strategy", "diloco", "--workers", str(m), *args, *fault,
+                       "--out", str(out)])  # fmt: skip
+    _check(done, out)
+    s = json.loads((out / "summary.json").read_text())
+    row = _row("elastic", s, wall, m - 1, out)
+    row["resync_s"] = max((e["resync_s"] for e in s.get("membership", [])), default=None)
+    return row
+
+
+def _restart(
+    wrap: _network, args: list[str], m: int, kill_at: int, a: argparse.Namespace, out: Path
+) -> dict[str, Any]:
+    ckpt = f"checkpoint_every={a.sync_every}"
+    first, wall1 = wrap([*TRAIN, "--strategy", "diloco", "--workers", str(m), *args, ckpt,
+                         "--faults", f"kill:{m - 1}@{kill_at}", "--out", str(out)])  # fmt: skip
+    if first.returncode == 0:
+        raise RuntimeError(f"checkpoint-restart: the killed run did not stop:\n{first.stdout}")
+    again, wall2 = wrap([*TRAIN, "--resume", str(out), "--workers", str(m - 1), "faults="])
+    _check(again, out)
+    s = json.loads((out / "summary.json").read_text())
+    saved = max(int(p.name.split("-")[1]) for p in (out / "checkpoints").iterdir())
+    resumed_at = _resumed_step(again.stdout)
+    per = s["tokens"] // a.steps // (m - 1)
+    s["tokens"] = (resumed_at * m + (a.steps - resumed_at) * (m - 1)) * per
+    row = _row("checkpoint-restart", s, wall1 + wall2, m - 1, out)
+    row.update(resumed_from=resumed_at, last_checkpoint=saved, restart_s=round(wall2, 1))
+    return row
+
+
+def _resumed_step(stdout: str) -> int:
+    """The step a resume started from, as ``lowcomm train --resume`` prints it."""
+    for line in stdout.splitlines():
+        if line.startswith("resuming") and "(step " in line:
+            return int(line.split("(step ")[1].split(")")[0])
+    raise RuntimeError(f"no 'resuming ... (step N)' line in:\n{stdout[-2000:]}")
+
+
+def _check(done: subprocess.CompletedProcess, out: Path) -> None:
+    if done.returncode != 0:
+        raise RuntimeError(f"{out.name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+
+
+def _row(case: str, s: dict[str, Any], wall: float, survivors: int, out: Path) -> dict[str, Any]:
+    tokens = int(s["tokens"])
+    return {
+        "case": case,
+        "final_val_loss": s["final_val_loss"],
+        "tokens": tokens,
+        "wall_outside_s": round(wall, 2),
+        "goodput": round(tokens / wall, 1),
+        "goodput_per_surviving_site": round(tokens / wall / survivors, 1),
+        "run_dir": str(out),
+    }
+
+
+def _equal_tokens(rows: list[dict[str, Any]]) -> None:
+    """The uninterrupted run's validation loss at each faulty run's tokens (linear between its
+    evaluations), for a loss comparison at equal tokens."""
+    whole = next(r for r in rows if r["case"] == "uninterrupted")
+    curve = []
+    for line in (Path(whole["run_dir"]) / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "val_loss" in rec:
+            curve.append((rec["tokens"], rec["val_loss"]))
+    for r in rows:
+        r["uninterrupted_loss_at_tokens"] = round(_interp(curve, r["tokens"]), 4)
+
+
+def _interp(curve: list[tuple[int, float]], x: int) -> float:
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x0 <= x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
+    return curve[-1][1] if curve else float("nan")
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a markdown table."""
+    head = ("| seed | case | final val loss | uninterrupted loss at its tokens | tokens | "
+            "wall (outside) s | goodput tok/s | per surviving site | resync s |")  # fmt: skip
+    lines = [head, "|---" * 9 + "|"]
+    for r in rows:
+        lines.append(
+            f"| {r['seed']} | {r['case']} | {r['final_val_loss']:.4f} | "
+            f"{r['uninterrupted_loss_at_tokens']:.4f} | {r['tokens']:,} | "
+            f"{r['wall_outside_s']:.1f} | {r['goodput']:,.0f} | "
+            f"{r['goodput_per_surviving_site']:,.0f} | {r.get('resync_s') or '-'} |"
+        )
+    return "\n".join(lines)
