@@ -105,11 +105,21 @@ def test_a_hung_site_is_left_out_and_the_replay_repeats_the_run(tmp_path, strate
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_fewer_than_min_workers_stop_the_run_with_one_line(tmp_path):
-    done = _train(*RUN, *ELASTIC, "--faults", "kill:1@25,kill:2@35", "--out", str(tmp_path / "r"))
+def test_fewer_than_min_workers_stop_the_run_with_one_line_and_it_resumes(tmp_path):
+    out = tmp_path / "r"
+    faults = ["--faults", "kill:1@25,kill:2@35", "checkpoint_every=10"]
+    done = _train(*RUN, *ELASTIC, *faults, "--out", str(out))
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     assert "fewer than min_workers=2" in last and "Traceback" not in done.stderr
+    # the lowest live site wrote the checkpoints; the last one (step 30, with sites 0 and 2)
+    # is complete and intact, and the run resumes from it on three sites again
+    meta = json.loads((out / "checkpoints" / "step-000000030" / "meta.json").read_text())
+    assert meta["sites"] == 3 and meta["world_size"] == 1
+    again = _train("--resume", str(out), "faults=")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "(step 30) on 3 workers" in again.stdout
+    assert json.loads((out / "summary.json").read_text())["inner_steps"] == 90
 
 
 @pytest.mark.parametrize(

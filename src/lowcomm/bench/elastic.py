@@ -122,12 +122,11 @@ def _restart(
     again, wall2 = wrap([*TRAIN, "--resume", str(out), "--workers", str(m - 1), "faults="])
     _check(again, out)
     s = json.loads((out / "summary.json").read_text())
-    saved = max(int(p.name.split("-")[1]) for p in (out / "checkpoints").iterdir())
     resumed_at = _resumed_step(again.stdout)
     per = s["tokens"] // a.steps // (m - 1)
     s["tokens"] = (resumed_at * m + (a.steps - resumed_at) * (m - 1)) * per
     row = _row("checkpoint-restart", s, wall1 + wall2, m - 1, out)
-    row.update(resumed_from=resumed_at, last_checkpoint=saved, restart_s=round(wall2, 1))
+    row.update(resumed_from=resumed_at, first_run_s=round(wall1, 1), resumed_run_s=round(wall2, 1))
     return row
 
 

@@ -129,7 +129,7 @@ def _resume(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     # meta counts ranks; a worker may hold several (ranks_per_worker)
-    saved_workers = meta["world_size"] // train_cfg.ranks_per_worker
+    saved_workers = meta.get("sites") or meta["world_size"] // train_cfg.ranks_per_worker
     workers = args.workers_given if args.workers_given is not None else saved_workers
     if train_cfg.ranks_per_worker > 1 and workers != saved_workers:
         raise ConfigError(

@@ -17,6 +17,7 @@ log = logging.getLogger("lowcomm")
 T = TypeVar("T")
 
 Collectives = Callable[[Transport, Transport], T]  # (training transport, buffer transport)
+_SAME_FAILURES = 3  # attempts among unchanged members before an error is taken as real
 
 
 class Runner:
@@ -40,13 +41,18 @@ class Runner:
         self._started = time.perf_counter()
         if self._last_tag and self._last_tag == self.membership.elastic.leave_after:
             self._leave(tag)
+        failed: list[list[int]] = []  # the members of each failed attempt
         while True:
             view = self.membership.quorum(tag)
             self.membership.check(view, tag)
-            transport, buffers = self._on(view)
-            try:
-                result, ok = collectives(transport, buffers), True
-            except RuntimeError as err:  # a peer died or hung inside a collective
+            try:  # the group too: its store's host or a peer may be gone already
+                result, ok = collectives(*self._on(view)), True
+            # a peer died or hung inside a collective (torch's collective logger turns the
+            # error of a group outside its world map into a ValueError)
+            except (RuntimeError, ValueError) as err:
+                if failed[-(_SAME_FAILURES - 1) :].count(view.members) == _SAME_FAILURES - 1:
+                    raise  # the same members failed again and again: not a lost site
+                failed.append(view.members)
                 log.warning("site %d: %s failed among %s (%s); retrying", self._site, tag,
                             view.members, str(err).splitlines()[0][:160])  # fmt: skip
                 result, ok = None, False

@@ -54,11 +54,6 @@ def check_elastic(strategy: str, cfg: TrainConfig, workers: int) -> None:
         raise ConfigError(f"elastic=true runs lowcomm's own methods, not {strategy}")
     if cfg.ranks_per_worker != 1:
         raise ConfigError("elastic=true runs one rank per site for now: set ranks_per_worker=1")
-    if cfg.checkpoint_every:
-        raise ConfigError(
-            "elastic=true does not write checkpoints yet: drop checkpoint_every (a lost site "
-            "no longer stops the run)"
-        )
     if cfg.min_workers > workers:
         raise ConfigError(f"min_workers={cfg.min_workers} is more than --workers {workers}")
     parse_faults(cfg.faults, workers, cfg.steps)
@@ -93,8 +88,11 @@ def run_sites(
     out_dir: Path,
     workers: int,
     name: str | None,
+    resume: str | None = None,
 ) -> dict[str, Any] | None:
-    """Start the lighthouse and one process per site; wait for the survivors; their summary."""
+    """Start the lighthouse and one process per site; wait for the survivors; their summary.
+
+    ``resume``: a checkpoint folder; every site continues from its global copy."""
     server = None
     address = cfg.lighthouse
     if not address:
@@ -118,7 +116,8 @@ def run_sites(
     procs = []
     for site in range(workers):
         role = SiteRole(site, workers, address, faults, leaves.get(site, ""))
-        p = ctx.Process(target=_site_main, args=(role, strategy, sync_cfg, cfg, str(out_dir), name))
+        args = (role, strategy, sync_cfg, cfg, str(out_dir), name, resume)
+        p = ctx.Process(target=_site_main, args=args)
         p.start()
         procs.append(p)
     try:
@@ -191,6 +190,7 @@ def _site_main(
     cfg: TrainConfig,
     out_dir: str,
     name: str | None,
+    resume: str | None,
 ) -> None:
     """One site's process: a world of its own, then the trainer with membership."""
     os.environ["LOWCOMM_LAUNCHED"] = "1"
@@ -202,7 +202,7 @@ def _site_main(
     from .loop import run_worker
 
     try:
-        run_worker(strategy, sync_cfg, cfg, out_dir, name, None, role=role)
+        run_worker(strategy, sync_cfg, cfg, out_dir, name, resume, role=role)
     except (LowCommError, FileNotFoundError) as e:
         try:
             (Path(out_dir) / f".error-site{role.site}").write_text(str(e))

@@ -226,7 +226,7 @@ def launch(
         on_checked()
     if cfg.elastic:
         try:
-            return run_sites(strategy, sync_cfg, cfg, Path(out_dir), workers, name)
+            return run_sites(strategy, sync_cfg, cfg, Path(out_dir), workers, name, resume)
         except SitesFailed as e:
             raise LaunchError(str(e), e.exitcode) from None
     return _run_local(strategy, sync_cfg, cfg, Path(out_dir), workers, port, name, resume)

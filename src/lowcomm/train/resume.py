@@ -37,13 +37,32 @@ def save_checkpoint(run: Run, step: int) -> Path:
     """Every rank writes its state; rank 0 marks the checkpoint complete and prunes old ones.
 
     Taken at a sync boundary: the engine's in-flight results are awaited and stored as pending.
+    An elastic run's sites come and go, so there the lowest live site alone writes its state,
+    as a checkpoint of one worker: a resume continues from its global copy and outer state
+    (the path of a resume on another number of workers).
     """
     d = ckpt.checkpoint_dir(run.out, step)
+    if run.role is not None:
+        if run.writes:
+            _save_one(run, step, d)
+        return d
+    if run.site.sharded:  # FSDP2 shards: through torch.distributed.checkpoint, beside the files
+        _save_sharded(run, d)
+    state = _rank_state(run, step)
+    sha = ckpt.save_rank_state(d, run.rank, state)
+    shas: list[Any] = [None] * run.world
+    dist.all_gather_object(shas, sha)
+    if run.rank == 0:
+        _finalize(run, step, d, shas)
+    dist.barrier()
+    return d
+
+
+def _rank_state(run: Run, step: int) -> dict[str, Any]:
+    """Everything this rank needs to continue: model, optimizer, data, RNG, engine, meters."""
     hook = run.hook_state
     sharded = run.site.sharded
-    if sharded:  # FSDP2 shards: through torch.distributed.checkpoint, beside the rank files
-        _save_sharded(run, d)
-    state = {
+    return {
         "step": step,
         "sharded": sharded,
         "model": {}
@@ -63,17 +82,19 @@ def save_checkpoint(run: Run, step: int) -> Path:
             "hsdp": run.hsdp_meter.as_dict() if run.hsdp_meter is not None else {},
         },
     }
-    sha = ckpt.save_rank_state(d, run.rank, state)
-    shas: list[Any] = [None] * run.world
-    dist.all_gather_object(shas, sha)
-    if run.rank == 0:
-        cfg = run_config(run)
-        ckpt.finalize(
-            d, step=step, world_size=run.world, checksums=shas, config=cfg, extra={"run": cfg}
-        )
-        ckpt.prune(run.out, keep=KEEP, checksums=False)
-    dist.barrier()
-    return d
+
+
+def _save_one(run: Run, step: int, d: Path) -> None:
+    """The writing site's state as the checkpoint of a one-worker run."""
+    _finalize(run, step, d, [ckpt.save_rank_state(d, 0, _rank_state(run, step))])
+
+
+def _finalize(run: Run, step: int, d: Path, shas: list[Any]) -> None:
+    """meta.json (the checkpoint is complete from here on), then the older ones pruned."""
+    cfg = run_config(run)
+    extra = {"run": cfg, "sites": run.world}  # an elastic run's file count is not its sites
+    ckpt.finalize(d, step=step, world_size=len(shas), checksums=shas, config=cfg, extra=extra)
+    ckpt.prune(run.out, keep=KEEP, checksums=False)
 
 
 def load_state(run: Run, resume: str | Path) -> dict[str, Any]:
