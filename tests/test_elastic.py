@@ -81,6 +81,7 @@ SLOW = {
     ("streaming_tau0", True),
     ("streaming_continue", True),
     ("sparseloco", True),
+    ("streaming_tau1", True),  # CO2's kill inside takes the same overlapped retry
 }
 STEPS, KILLED, KILL_AT = 30, 2, 12
 

@@ -4,8 +4,8 @@ The lighthouse (``torchft.coordination.LighthouseServer``, Rust) keeps the membe
 and forms a quorum from the sites that ask for one: every live member of the last quorum, or,
 once a member's heartbeat has lapsed, those still alive. lowcomm asks once per outer sync, not
 per inner step. The bytes never go through the lighthouse: each quorum gets a gloo group of its
-own, built on the store that its first member hosts, under a prefix naming the run and the
-quorum (``torch.distributed.PrefixStore``), so two quorums never share a connection.
+own, built on the store that its first member hosts, under a prefix naming the run, the quorum
+and the attempt (``torch.distributed.PrefixStore``), so two groups never share a connection.
 
 Every exchange is settled by a second quorum, the commit: each member reports whether its
 collectives completed; the result stands only if every member of the commit quorum completed
@@ -18,7 +18,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import socket
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -94,7 +93,7 @@ class Membership:
         host = os.environ.get("LOWCOMM_ADDR", "127.0.0.1")
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.store_address = f"{host}:{self._store.port}"
-        self._groups: dict[int, dist.ProcessGroup] = {}
+        self._groups: dict[tuple[int, int], dist.ProcessGroup] = {}
         self._stop = threading.Event()
         self._beat_client.heartbeat(elastic.replica_id)
         self._beats = threading.Thread(target=self._beat, name="lowcomm-heartbeat", daemon=True)
@@ -149,10 +148,15 @@ class Membership:
                 f"min_workers={e.min_workers}: the run stops"
             )
 
-    def group(self, view: View) -> dist.ProcessGroup:
-        """The gloo group of ``view``'s members (made once per quorum id)."""
-        if view.quorum_id in self._groups:
-            return self._groups[view.quorum_id]
+    def group(self, view: View, generation: int = 0) -> dist.ProcessGroup:
+        """The gloo group of ``view``'s members for attempt ``generation`` (made once each;
+        the groups of older quorums and attempts are aborted)."""
+        key = (view.quorum_id, generation)
+        if key in self._groups:
+            return self._groups[key]
+        for old in self._groups.values():  # done with, or broken by a failed attempt
+            old.abort()
+        self._groups = {}
         host, port = view.data[0]["store"].rsplit(":", 1)
         if view.members[0] == self.elastic.site:
             store = self._store
@@ -160,20 +164,15 @@ class Membership:
             store = dist.TCPStore(
                 host, int(port), is_master=False, timeout=timedelta(seconds=self.elastic.timeout_s)
             )
-        prefixed = dist.PrefixStore(f"{self.elastic.run_id}/q{view.quorum_id}/", store)
+        prefix = f"{self.elastic.run_id}/q{view.quorum_id}/g{generation}/"
         group = _gloo_group(
-            prefixed, view.rank_of(self.elastic.site), len(view.members), self.elastic.timeout_s
+            dist.PrefixStore(prefix, store),
+            view.rank_of(self.elastic.site),
+            len(view.members),
+            self.elastic.timeout_s,
         )
-        for old in self._groups.values():  # older quorums' groups are done with
-            old.abort()
-        self._groups = {view.quorum_id: group}
+        self._groups[key] = group
         return group
-
-    def drop(self, view: View) -> None:
-        """Abort ``view``'s group after a failed collective (its peers may be gone)."""
-        group = self._groups.pop(view.quorum_id, None)
-        if group is not None:
-            group.abort()
 
     def close(self) -> None:
         """Stop the heartbeats (the lighthouse then leaves this site out) and the groups."""
@@ -191,10 +190,3 @@ def _gloo_group(store: Any, rank: int, size: int, timeout_s: float) -> dist.Proc
     group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
     return group
-
-
-def free_port() -> int:
-    """A free TCP port on this machine (for a lighthouse started by lowcomm)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

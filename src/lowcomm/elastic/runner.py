@@ -30,9 +30,10 @@ class Runner:
         self.meter, self.buffer_meter, self.delay_s = meter, buffer_meter, delay_s
         self.members: list[int] | None = None  # who took part in the last sync that stood
         self.events: list[dict] = []  # membership changes: step tag, who left, seconds lost
-        self._transports: tuple[int, Transport, Transport] | None = None
+        self._transports: tuple[tuple[int, int], Transport, Transport] | None = None
         self._failed_at: float | None = None
         self._started = 0.0
+        self._generation = 0  # failed commits so far: names the groups of the next attempt
         self._last_tag = ""  # the last sync that stood with this site in it
         self._last_step = 0  # ... and the last inner step such a sync was at
 
@@ -56,15 +57,16 @@ class Runner:
                 log.warning("site %d: %s failed among %s (%s); retrying", self._site, tag,
                             view.members, str(err).splitlines()[0][:160])  # fmt: skip
                 result, ok = None, False
-                self._failed_at = self._failed_at or time.perf_counter()
-                self.membership.drop(view)
-                self._transports = None
             commit = self.membership.quorum(tag, ok)
             self.membership.check(commit, tag)
             if ok and commit.members == view.members and all(d["ok"] for d in commit.data):
                 self._settled(tag, view)
                 return result  # type: ignore[return-value]
+            # every member of the commit saw it fail: all start the next attempt on fresh groups
+            # (the lighthouse keeps the quorum id when the members did not change)
             self._failed_at = self._failed_at or time.perf_counter()
+            self._generation += 1
+            self._transports = None
 
     @property
     def _site(self) -> int:
@@ -72,10 +74,11 @@ class Runner:
 
     def _on(self, view: View) -> tuple[Transport, Transport]:
         """This quorum's transports (made once per quorum), metered with the run's meters."""
-        if self._transports is None or self._transports[0] != view.quorum_id:
-            group = self.membership.group(view)
+        key = (view.quorum_id, self._generation)
+        if self._transports is None or self._transports[0] != key:
+            group = self.membership.group(view, self._generation)
             self._transports = (
-                view.quorum_id,
+                key,
                 Transport(group, meter=self.meter, delay_s=self.delay_s),
                 Transport(group, meter=self.buffer_meter),
             )

@@ -111,7 +111,7 @@ def run_sites(
     faults = parse_faults(cfg.faults, workers, cfg.steps)
     leaves = replay_leaves(cfg.replay, workers) if cfg.replay else {}
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "summary.json").unlink(missing_ok=True)
+    started = time.time()
     ctx = mp.get_context("spawn")
     procs = []
     for site in range(workers):
@@ -123,12 +123,16 @@ def run_sites(
     try:
         codes = _wait(procs, out_dir)
     finally:
+        # a second Ctrl-C must not cut the clean-up short (stale workers.json, live sites)
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         for p in procs:  # a hung site (SIGSTOP) is ended once the others are done
             if p.is_alive():
                 p.kill()
+        (out_dir / "workers.json").unlink(missing_ok=True)
         if server is not None:
             server.shutdown()
-    return _outcome(codes, out_dir)
+        signal.signal(signal.SIGINT, previous)
+    return _outcome(codes, out_dir, started)
 
 
 def _wait(procs: list[Any], out_dir: Path) -> list[int | None]:
@@ -166,9 +170,8 @@ def _write_workers(procs: list[Any], out_dir: Path) -> None:
     tmp.replace(out_dir / "workers.json")
 
 
-def _outcome(codes: list[int | None], out_dir: Path) -> dict[str, Any] | None:
+def _outcome(codes: list[int | None], out_dir: Path, started: float) -> dict[str, Any] | None:
     """The survivors' summary, or the one line that says why the run stopped."""
-    (out_dir / "workers.json").unlink(missing_ok=True)
     messages = []
     for f in sorted(out_dir.glob(".error-site*")):
         with contextlib.suppress(OSError):
@@ -177,8 +180,11 @@ def _outcome(codes: list[int | None], out_dir: Path) -> dict[str, Any] | None:
             if text and text not in messages:
                 messages.append(text)
     summary = out_dir / "summary.json"
-    if summary.exists() and any(c == 0 for c in codes):
+    # this run's summary (a resumed run's folder holds the one of before)
+    if summary.exists() and summary.stat().st_mtime >= started and any(c == 0 for c in codes):
         return json.loads(summary.read_text())
+    if 130 in codes:  # the sites were interrupted (Ctrl-C): said as for any interrupted run
+        raise KeyboardInterrupt
     code = 2 if any(c == 2 for c in codes) else 1
     raise SitesFailed("; ".join(messages) or f"every site failed (exit codes {codes})", code)
 

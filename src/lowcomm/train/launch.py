@@ -229,6 +229,8 @@ def launch(
             return run_sites(strategy, sync_cfg, cfg, Path(out_dir), workers, name, resume)
         except SitesFailed as e:
             raise LaunchError(str(e), e.exitcode) from None
+        except KeyboardInterrupt:
+            raise Interrupted(interrupted_message(out_dir)) from None
     return _run_local(strategy, sync_cfg, cfg, Path(out_dir), workers, port, name, resume)
 
 

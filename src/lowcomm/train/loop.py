@@ -67,7 +67,7 @@ def run_worker(
     if role is None:
         _write_workers_json(run)  # an elastic run's launcher keeps it
     wrap_for_strategy(run)
-    faults = role.faults if role is not None else parse_faults(cfg.faults, run.world, cfg.steps)
+    faults = role.faults if role else parse_faults(cfg.faults, run.site.replicas, cfg.steps)
     saved = load_state(run, resume) if resume is not None else None
     if saved is not None:
         run.start_step = int(saved["step"]) + 1
