@@ -34,13 +34,13 @@ class Runner:
         self._failed_at: float | None = None
         self._started = 0.0
         self._generation = 0  # failed commits so far: names the groups of the next attempt
-        self._last_tag = ""  # the last sync that stood with this site in it
+        self._last_tag = "start"  # the last sync that stood with this site in it
         self._last_step = 0  # ... and the last inner step such a sync was at
 
     def run(self, tag: str, collectives: Collectives[T]) -> T:
         """Run ``collectives`` for the sync named ``tag`` until a quorum commits it."""
         self._started = time.perf_counter()
-        if self._last_tag and self._last_tag == self.membership.elastic.leave_after:
+        if self._last_tag == self.membership.elastic.leave_after:
             self._leave(tag)
         failed: list[list[int]] = []  # the members of each failed attempt
         while True:

@@ -95,6 +95,7 @@ class LowComm:
         self.aggregator: Aggregator | None = None
         self.outer: OuterOptimizer = make_outer(self.config)
         self.compensation: Any = None
+        self.membership: Any = None  # with elastic=: who is in each sync (an elastic.Runner)
         # (what, fragment, time) for sent / completed / applied: lets tests and users see overlap
         self.events: list[tuple[str, int, float]] = []
         self.state = RunState()

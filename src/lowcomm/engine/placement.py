@@ -50,6 +50,7 @@ class Placement:
             )
         self.elastic = elastic
         self.membership: Membership | None = None
+        self.start_members: list[int] = []  # the sites of the first quorum
         self.model = model
         self.process_group = process_group
         self.mesh = mesh
@@ -65,6 +66,7 @@ class Placement:
             view = self.membership.quorum("start")
             while len(view.members) < self.elastic.sites:
                 view = self.membership.quorum("start")
+            self.start_members = view.members
             return self.membership.group(view)
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError(NO_GROUP_MESSAGE)
@@ -97,7 +99,9 @@ class Placement:
             raise ConfigError("reduce=two-phase is not elastic yet: use reduce=gather or auto")
         from ..elastic import Runner
 
-        return Runner(self.membership, transport.meter, buffers.meter, transport.delay_s)
+        runner = Runner(self.membership, transport.meter, buffers.meter, transport.delay_s)
+        runner.members = list(self.start_members)  # a site lost before the first sync counts
+        return runner
 
     def share_parts(self, frags: list[Fragment]) -> None:
         """DDP inside a worker: each rank wrote only its part of these fragments' parameters;
