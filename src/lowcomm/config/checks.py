@@ -7,46 +7,17 @@ from ``__post_init__``), so the schema imports the checks and not the other way 
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
 from ..errors import ConfigError
-from .choices import (
-    DENSE_CODECS,
-    Aggregation,
-    Buffers,
-    ClipMode,
-    CO2Merge,
-    Codec,
-    Compensation,
-    DdpHook,
-    FragmentPattern,
-    InnerParallel,
-    LocoQuantizer,
-    LogTo,
-    Merge,
-    OuterKind,
-    Reduce,
-    Shard,
-    StateDevice,
-)
+from . import choices
+from .choices import DENSE_CODECS
 
+# annotation name -> its Literal: every Literal that choices.py defines
 _LITERALS = {
-    "FragmentPattern": FragmentPattern,
-    "Codec": Codec,
-    "Reduce": Reduce,
-    "Aggregation": Aggregation,
-    "Compensation": Compensation,
-    "OuterKind": OuterKind,
-    "ClipMode": ClipMode,
-    "Merge": Merge,
-    "CO2Merge": CO2Merge,
-    "Buffers": Buffers,
-    "StateDevice": StateDevice,
-    "LocoQuantizer": LocoQuantizer,
-    "Shard": Shard,
-    "DdpHook": DdpHook,
-    "LogTo": LogTo,
-    "InnerParallel": InnerParallel,
+    name: value
+    for name, value in vars(choices).items()
+    if getattr(value, "__origin__", None) is Literal
 }
 
 
