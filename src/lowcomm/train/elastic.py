@@ -14,18 +14,17 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ..config import ConfigError, SyncConfig, TrainConfig
 from ..elastic.faults import parse_faults
-from ..errors import LowCommError, MembershipError
+from ..errors import LowCommError
+from .entry import run_entry, user_errors
 from .site_role import SiteRole
 
 PER_STEP = ("ddp", "loco")
@@ -111,6 +110,8 @@ def run_sites(
     faults = parse_faults(cfg.faults, workers, cfg.steps)
     leaves = replay_leaves(cfg.replay, workers) if cfg.replay else {}
     out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob(".error-rank*"):  # left by a launcher that was killed
+        stale.unlink(missing_ok=True)
     started = time.time()
     ctx = mp.get_context("spawn")
     procs = []
@@ -172,13 +173,7 @@ def _write_workers(procs: list[Any], out_dir: Path) -> None:
 
 def _outcome(codes: list[int | None], out_dir: Path, started: float) -> dict[str, Any] | None:
     """The survivors' summary, or the one line that says why the run stopped."""
-    messages = []
-    for f in sorted(out_dir.glob(".error-site*")):
-        with contextlib.suppress(OSError):
-            text = f.read_text().strip()
-            f.unlink()
-            if text and text not in messages:
-                messages.append(text)
+    messages = user_errors(out_dir)
     summary = out_dir / "summary.json"
     # this run's summary (a resumed run's folder holds the one of before)
     if summary.exists() and summary.stat().st_mtime >= started and any(c == 0 for c in codes):
@@ -186,7 +181,7 @@ def _outcome(codes: list[int | None], out_dir: Path, started: float) -> dict[str
     if 130 in codes:  # the sites were interrupted (Ctrl-C): said as for any interrupted run
         raise KeyboardInterrupt
     code = 2 if any(c == 2 for c in codes) else 1
-    raise SitesFailed("; ".join(messages) or f"every site failed (exit codes {codes})", code)
+    raise SitesFailed(messages or f"every site failed (exit codes {codes})", code)
 
 
 def _site_main(
@@ -199,21 +194,16 @@ def _site_main(
     resume: str | None,
 ) -> None:
     """One site's process: a world of its own, then the trainer with membership."""
-    os.environ["LOWCOMM_LAUNCHED"] = "1"
-    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
-    dist.init_process_group(
-        "gloo", store=dist.HashStore(), rank=0, world_size=1,
-        timeout=timedelta(seconds=cfg.timeout_s),
-    )  # fmt: skip
     from .loop import run_worker
 
-    try:
-        run_worker(strategy, sync_cfg, cfg, out_dir, name, resume, role=role)
-    except (LowCommError, FileNotFoundError) as e:
+    def train() -> None:
+        dist.init_process_group(
+            "gloo", store=dist.HashStore(), rank=0, world_size=1,
+            timeout=timedelta(seconds=cfg.timeout_s),
+        )  # fmt: skip
         try:
-            (Path(out_dir) / f".error-site{role.site}").write_text(str(e))
-        except OSError:
-            print(f"lowcomm: site {role.site}: {e}", file=sys.stderr, flush=True)
-        os._exit(1 if isinstance(e, MembershipError) else 2)
-    finally:
-        torch.distributed.destroy_process_group()
+            run_worker(strategy, sync_cfg, cfg, out_dir, name, resume, role=role)
+        finally:
+            dist.destroy_process_group()
+
+    run_entry(out_dir, role.site, train)

@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import re
-import signal
 import socket
 import sys
 import uuid
@@ -21,6 +20,7 @@ from ..config import ConfigError, SyncConfig, TrainConfig
 from ..errors import LowCommError
 from ..peers import torchft as torchft_peer
 from .elastic import SitesFailed, check_elastic, run_sites
+from .entry import error_file, run_entry, user_errors
 
 
 class LaunchError(RuntimeError):
@@ -74,38 +74,15 @@ def _entry(
     name: str | None,
     resume: str | None,
 ) -> Any:
-    os.environ["LOWCOMM_LAUNCHED"] = "1"
-    # Ctrl-C reaches every worker (the terminal signals the whole group) and the launcher passes
-    # it on: leave at once and quietly; the launcher reports where the run stopped.
-    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
     from .loop import run_worker
 
-    try:
-        return run_worker(strategy, sync_cfg, cfg, out_dir, name, resume)
-    except (LowCommError, FileNotFoundError) as e:
-        # a user error found inside a worker: status 2, no traceback; every worker usually hits
-        # the same one, so the launcher prints each distinct message once (see _user_errors)
-        try:
-            _error_file(out_dir, os.environ.get("RANK", "0")).write_text(str(e))
-        except OSError:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    rank = os.environ.get("RANK", "0")
+    return run_entry(
+        out_dir, rank, lambda: run_worker(strategy, sync_cfg, cfg, out_dir, name, resume)
+    )
 
 
-def _error_file(out_dir: str | Path, rank: str | int) -> Path:
-    return Path(out_dir) / f".error-rank{rank}"
-
-
-def _user_errors(out_dir: Path) -> str:
-    """The distinct messages the workers left in their error files (which are then removed)."""
-    messages: list[str] = []
-    for f in sorted(out_dir.glob(".error-rank*")):
-        with contextlib.suppress(OSError):
-            text = f.read_text().strip()
-            f.unlink()
-            if text and text not in messages:
-                messages.append(text)
-    return "; ".join(messages)
+_error_file, _user_errors = error_file, user_errors  # the names tests and callers know
 
 
 def preflight(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, workers: int) -> list[str]:
