@@ -19,7 +19,8 @@ pytest.importorskip("torchft")
 LOWCOMM = [sys.executable, "-m", "lowcomm.cli", "train"]
 RUN = ["--strategy", "diloco", "--workers", "3", "--model", "tiny", "--steps", "90",
        "sync_every=10", "progress=false", "eval_every=0", "batch_size=4", "seq_len=64"]  # fmt: skip
-ELASTIC = ["elastic=true", "min_workers=2", "heartbeat_timeout_s=1"]
+# timeout_s bounds a wait on a site lost while a new quorum's group forms (default 300 s)
+ELASTIC = ["elastic=true", "min_workers=2", "heartbeat_timeout_s=1", "timeout_s=20"]
 
 
 def _train(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
