@@ -258,3 +258,29 @@ def reference_elastic(
                 outer_step(p, avg)
     flat = torch.cat([glob[n].reshape(-1) for f in frags for n in f])
     return flat, frags
+
+
+def test_a_member_that_never_reaches_the_group_fails_the_attempt_within_connect_s(lighthouse):
+    """A site lost after the quorum formed, before its group connected: the others' group()
+    raises (the runner's retry) after connect_s, not after the collective timeout."""
+    import threading
+
+    from lowcomm.elastic import Elastic, Membership
+
+    def member(site: int) -> Membership:
+        return Membership(Elastic(lighthouse=lighthouse, site=site, sites=2, timeout_s=120,
+                                  connect_s=0.5, run_id="connect"))  # fmt: skip
+
+    a, b = member(0), member(1)
+    views = {}
+    threads = [threading.Thread(target=lambda m=m: views.update({m: m.quorum("sync@5")}))
+               for m in (a, b)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert views[a].members == views[b].members == [0, 1]
+    with pytest.raises(RuntimeError, match="did not reach the group within connect_s=0.5"):
+        a.group(views[a])  # b never comes: it was lost between the quorum and the group
+    a.close()
+    b.close()

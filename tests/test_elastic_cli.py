@@ -59,6 +59,21 @@ def test_a_killed_site_leaves_the_run_going_and_its_replay_repeats_it_bit_for_bi
     assert abs(lost - uninterrupted) / uninterrupted < 0.03
 
 
+def test_torchft_diloco_goes_on_too_with_its_syncs_recorded_as_events(tmp_path):
+    """The benchmark's peer under the same fault: torchft's Managers decide its syncs (on a
+    lighthouse of their own), and the summary reads who left from torchft's quorums."""
+    out = tmp_path / "tft"
+    run = ["--strategy", "torchft-diloco", *RUN[2:]]
+    done = _train(*run, *ELASTIC, "--faults", "kill:2@35", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    (event,) = summary["membership"]
+    assert event["left"] == [2] and event["members"] == [0, 1]
+    assert (event["at"], event["last_step"], event["discarded_steps"]) == ("sync@40", 30, 0)
+    assert 0 < event["resync_s"] < 20  # the lighthouse's heartbeat timeout, at most timeout_s
+    assert summary["tokens"] == (90 + 90 + 30) * 4 * 64
+
+
 def test_kill_minus_9_from_another_shell_is_survived(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen(
@@ -132,6 +147,8 @@ def test_fewer_than_min_workers_stop_the_run_with_one_line_and_it_resumes(tmp_pa
         (["--faults", "join:1@60"], "not supported yet"),
         (["elastic=true", "--strategy", "ddp"], "outer-loop strategy"),
         (["elastic=true", "min_workers=5"], "min_workers=5 is more than --workers 3"),
+        (["elastic=true", "--strategy", "torchft-streaming"], "not torchft-streaming"),
+        (["elastic=true", "--strategy", "torchft-diloco", "--replay", "x.jsonl"], "drop it"),
         (["--replay", "nowhere.jsonl"], "add elastic=true"),
         (["elastic=true", "--replay", "nowhere.jsonl"], "cannot read it"),
     ],

@@ -7,7 +7,10 @@ shaped; every site, and the lighthouse, inside it), the same run three times:
 - ``elastic``: ``elastic=true``, the last site SIGKILLed before step ``kill_at``; the others
   finish the run;
 - ``checkpoint-restart``: no membership, the same kill stops the run; it is resumed at once
-  from its last checkpoint on the surviving sites (``--resume --workers M-1``).
+  from its last checkpoint on the surviving sites (``--resume --workers M-1``);
+- ``torchft uninterrupted`` and ``torchft elastic``: torchft's own DiLoCo (the
+  ``torchft-diloco`` peer: its Managers on a lighthouse of their own) without and with the
+  same kill, so it is judged against its own uninterrupted run.
 
 Reported per run: wall time from outside (start to exit, the restart included), the tokens
 that reached the model and goodput (their rate over that wall time), per surviving site,
@@ -22,6 +25,8 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +43,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--bandwidth", default="50mbit", help="'' for an unshaped run")
     p.add_argument("--out", default="runs/bench-elastic")
+    p.add_argument("--cases", default=",".join(CASES), help=f"some of {','.join(CASES)}")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     return p.parse_args(argv)
 
@@ -52,16 +58,20 @@ def main(argv: list[str]) -> int:
         "--model", a.model, "--steps", str(a.steps), f"sync_every={a.sync_every}",
         "progress=false", f"eval_every={a.sync_every}", "threads=1", "--overwrite",
     ]  # fmt: skip
+    cases = a.cases.split(",")
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown or "uninterrupted" not in cases:
+        raise SystemExit(f"--cases: {unknown or 'uninterrupted is needed'}; choose from {CASES}")
     rows: list[dict[str, Any]] = []
     with _network(a.bandwidth) as wrap:
         for seed in [int(s) for s in a.seeds.split(",")]:
             args = [*common, f"seed={seed}"]
-            rows.append(_uninterrupted(wrap, args, a.workers, out / f"whole-{seed}"))
-            rows.append(_elastic(wrap, args, a.workers, kill_at, out / f"elastic-{seed}"))
-            rows.append(_restart(wrap, args, a.workers, kill_at, a, out / f"restart-{seed}"))
-            for r in rows[-3:]:
+            these = [CASES[c](wrap, args, a.workers, kill_at, a, out / f"{c}-{seed}")
+                     for c in cases]  # fmt: skip
+            for r in these:
                 r["seed"] = seed
-            _equal_tokens(rows[-3:])
+            _equal_tokens(these)
+            rows += these
             (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
     print(json.dumps(rows, indent=2) if a.json else table(rows))
     return 0
@@ -92,22 +102,29 @@ class _network:
         return done, time.perf_counter() - t0
 
 
-def _uninterrupted(wrap: _network, args: list[str], m: int, out: Path) -> dict[str, Any]:
-    done, wall = wrap([*TRAIN, "--strategy", "diloco", "--workers", str(m), *args, "--out",
+def _uninterrupted(
+    wrap: _network, args: list[str], m: int, kill_at: int, a: argparse.Namespace, out: Path,
+    strategy: str = "diloco", case: str = "uninterrupted",
+) -> dict[str, Any]:  # fmt: skip
+    done, wall = wrap([*TRAIN, "--strategy", strategy, "--workers", str(m), *args, "--out",
                        str(out)])  # fmt: skip
     _check(done, out)
     s = json.loads((out / "summary.json").read_text())
-    return _row("uninterrupted", s, wall, m, out)
+    return _row(case, s, wall, m, out)
 
 
-def _elastic(wrap: _network, args: list[str], m: int, kill_at: int, out: Path) -> dict[str, Any]:
+def _elastic(
+    wrap: _network, args: list[str], m: int, kill_at: int, a: argparse.Namespace, out: Path,
+    strategy: str = "diloco", case: str = "elastic",
+) -> dict[str, Any]:  # fmt: skip
     fault = ["elastic=true", "min_workers=2", "--faults", f"kill:{m - 1}@{kill_at}"]
-    done, wall = wrap([*TRAIN, "--strategy", "diloco", "--workers", str(m), *args, *fault,
+    done, wall = wrap([*TRAIN, "--strategy", strategy, "--workers", str(m), *args, *fault,
                        "--out", str(out)])  # fmt: skip
     _check(done, out)
     s = json.loads((out / "summary.json").read_text())
-    row = _row("elastic", s, wall, m - 1, out)
+    row = _row(case, s, wall, m - 1, out)
     row["resync_s"] = max((e["resync_s"] for e in s.get("membership", [])), default=None)
+    row["discarded_steps"] = sum(e.get("discarded_steps", 0) for e in s.get("membership", []))
     return row
 
 
@@ -128,6 +145,17 @@ def _restart(
     row = _row("checkpoint-restart", s, wall1 + wall2, m - 1, out)
     row.update(resumed_from=resumed_at, first_run_s=round(wall1, 1), resumed_run_s=round(wall2, 1))
     return row
+
+
+CASES: dict[str, Callable[..., dict[str, Any]]] = {
+    "uninterrupted": _uninterrupted,
+    "elastic": _elastic,
+    "checkpoint-restart": _restart,
+    "torchft-uninterrupted": partial(
+        _uninterrupted, strategy="torchft-diloco", case="torchft-uninterrupted"
+    ),
+    "torchft-elastic": partial(_elastic, strategy="torchft-diloco", case="torchft-elastic"),
+}
 
 
 def _resumed_step(stdout: str) -> int:
@@ -159,7 +187,7 @@ def _row(case: str, s: dict[str, Any], wall: float, survivors: int, out: Path) -
 def _equal_tokens(rows: list[dict[str, Any]]) -> None:
     """The uninterrupted run's validation loss at each faulty run's tokens (linear between its
     evaluations), for a loss comparison at equal tokens."""
-    whole = next(r for r in rows if r["case"] == "uninterrupted")
+    whole = next(r for r in rows if r["case"] == "uninterrupted")  # lowcomm's, for every row
     curve = []
     for line in (Path(whole["run_dir"]) / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)

@@ -48,6 +48,7 @@ class Elastic:
     run_id: str = "lowcomm"  # names the run's stores, so two runs on a lighthouse never mix
     heartbeat_s: float = 0.2  # how often this site tells the lighthouse it is alive
     timeout_s: float = 60.0  # bound on one quorum wait and on one collective
+    connect_s: float = 10.0  # bound on every member reaching a new quorum's group
     leave_after: str = ""  # replay: leave the run once this sync (a tag) has been settled
 
     def __post_init__(self) -> None:
@@ -133,6 +134,14 @@ class Membership:
             raise MembershipError(f"site {e.site} was left out of the run at {tag}: it stops here")
         return view
 
+    def start(self) -> View:
+        """The first quorum that holds every starting site (an early one may form while a
+        site is still starting up: it is asked again)."""
+        view = self.quorum("start")
+        while len(view.members) < self.elastic.sites:
+            view = self.quorum("start")
+        return view
+
     def check(self, view: View, tag: str) -> None:
         """Stop this site, with one line, if it fell behind the others or too few remain."""
         e = self.elastic
@@ -164,13 +173,10 @@ class Membership:
             store = dist.TCPStore(
                 host, int(port), is_master=False, timeout=timedelta(seconds=self.elastic.timeout_s)
             )
-        prefix = f"{self.elastic.run_id}/q{view.quorum_id}/g{generation}/"
-        group = _gloo_group(
-            dist.PrefixStore(prefix, store),
-            view.rank_of(self.elastic.site),
-            len(view.members),
-            self.elastic.timeout_s,
-        )
+        prefix = dist.PrefixStore(f"{self.elastic.run_id}/q{view.quorum_id}/g{generation}/", store)
+        rank, size = view.rank_of(self.elastic.site), len(view.members)
+        _arrive(prefix, rank, size, self.elastic.connect_s)
+        group = _gloo_group(prefix, rank, size, self.elastic.timeout_s)
         self._groups[key] = group
         return group
 
@@ -180,6 +186,22 @@ class Membership:
         for group in self._groups.values():
             group.abort()
         self._groups.clear()
+
+
+def _arrive(store: Any, rank: int, size: int, connect_s: float) -> None:
+    """Wait at most ``connect_s`` for every member to reach this group's store; raises
+    RuntimeError (a failed attempt: the runner retries among those left) when one does not.
+
+    A member lost after the quorum formed but before it connected would otherwise hold the
+    others in gloo's own rendezvous for the whole collective timeout."""
+    store.set(f"arrived/{rank}", b"1")
+    keys = [f"arrived/{r}" for r in range(size)]
+    try:
+        store.wait(keys, timedelta(seconds=connect_s))
+    except RuntimeError as e:  # torch's DistStoreError is one
+        raise RuntimeError(
+            f"a member did not reach the group within connect_s={connect_s:g} s ({e})"
+        ) from None
 
 
 def _gloo_group(store: Any, rank: int, size: int, timeout_s: float) -> dist.ProcessGroup:

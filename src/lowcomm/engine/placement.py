@@ -63,9 +63,7 @@ class Placement:
         the group of the first quorum that holds every starting site."""
         if self.elastic is not None:
             self.membership = Membership(self.elastic)
-            view = self.membership.quorum("start")
-            while len(view.members) < self.elastic.sites:
-                view = self.membership.quorum("start")
+            view = self.membership.start()
             self.start_members = view.members
             return self.membership.group(view)
         if not dist.is_available() or not dist.is_initialized():

@@ -33,7 +33,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..config import ConfigError, SyncConfig
+from ..elastic import Elastic
 from ..engine import SyncStats
 from ..transport import ByteMeter, ring_all_reduce_bytes
 
@@ -161,12 +162,18 @@ class TorchftDiLoCo:
         sync_cfg: SyncConfig,
         timeout_s: float = 300.0,
         streaming: bool = False,
+        elastic: Elastic | None = None,
+        peer_lighthouse: str = "",
     ) -> None:
         ft = _import_torchft()
         self.model = model
         self.opt = inner_optimizer
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.transport = SimpleNamespace(meter=ByteMeter())
+        if elastic is None:
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        else:  # a site of an elastic run: a process of its own, torchft's lighthouse given
+            self.rank, self.world = elastic.site, elastic.sites
+        meter = ByteMeter()
+        self.transport = SimpleNamespace(meter=meter, blocking=lambda fn: fn())
         self.stats = SyncStats()
         self.outer = SimpleNamespace()  # no clipping or penalty counters
         self.last_sync_step = -1
@@ -176,12 +183,13 @@ class TorchftDiLoCo:
         # the lighthouse runs in rank 0's process; everyone learns its address over the
         # control group
         self._lighthouse = None
-        addr = [None]
-        if self.rank == 0:
-            self._lighthouse = ft.LighthouseServer(bind="0.0.0.0:0", min_replicas=self.world)
-            port = urlparse(self._lighthouse.address()).port
-            addr = [f"http://{_own_address()}:{port}"]
-        dist.broadcast_object_list(addr, src=0)
+        addr: list[str | None] = [peer_lighthouse]
+        if elastic is None:
+            if self.rank == 0:
+                self._lighthouse = ft.LighthouseServer(bind="0.0.0.0:0", min_replicas=self.world)
+                port = urlparse(self._lighthouse.address()).port
+                addr = [f"http://{_own_address()}:{port}"]
+            dist.broadcast_object_list(addr, src=0)
         host = _own_address()
         if os.environ.get("LOWCOMM_ADDR"):
             # torchft advertises socket.gethostname() for its process group's store; inside a
@@ -194,7 +202,8 @@ class TorchftDiLoCo:
         )
         self.manager = ft.Manager(
             pg=ft.ProcessGroupGloo(timeout=timeout),
-            min_replica_size=self.world,
+            # an elastic run goes on while min_workers replicas remain
+            min_replica_size=elastic.min_workers if elastic else self.world,
             load_state_dict=self._load_state,
             state_dict=self._state,
             # every rank builds the same seeded model, so no step-0 healing (with init_sync,
@@ -217,6 +226,11 @@ class TorchftDiLoCo:
         self._meter_allreduce()
         self.diloco = self._make_diloco(ft, sync_cfg, streaming)
         self._time_hook()
+        self.membership: PeerMembership | None = None
+        if elastic is not None:
+            step = lambda: self._step  # noqa: E731 (the inner step when a sync commits)
+            every = self.diloco._sync_every  # one round's inner steps (torchft-diloco: P = 1)
+            self.membership = PeerMembership(elastic, self.manager, meter, step, every)
 
     def _make_diloco(self, ft: Any, sync_cfg: SyncConfig, streaming: bool) -> Any:
         """torchft's DiLoCo over our fragments (streaming) or the whole model."""
@@ -296,6 +310,8 @@ class TorchftDiLoCo:
         self.diloco._step_post_hook = hook  # registered by DiLoCo.__enter__, so patch before it
 
     def __enter__(self) -> TorchftDiLoCo:
+        if self.membership is not None:
+            self.membership.start()
         self.diloco.__enter__()
         return self
 
@@ -306,6 +322,8 @@ class TorchftDiLoCo:
         self.manager.shutdown(wait=False)
         if self._lighthouse is not None:
             self._lighthouse.shutdown()
+        if self.membership is not None:
+            self.membership.close()
 
     @contextlib.contextmanager
     def global_parameters(self) -> Iterator[None]:
@@ -335,3 +353,102 @@ class TorchftDiLoCo:
                 work.wait()
         self.stats.inner_steps = self._step
         self.stats.blocked_s = self.transport.meter.blocked_s
+
+
+class PeerMembership:
+    """An elastic run of torchft's DiLoCo, seen as the trainer sees lowcomm's membership.
+
+    torchft's Manager decides who is in each of its syncs, on a lighthouse of its own (given by
+    the launcher); lowcomm's membership carries only the trainer's control collectives (loss
+    logging, evaluation, the summary). ``events`` records torchft's syncs whose members changed,
+    read from its quorums and commits: who left, the survivors' time to sync again, and the
+    inner steps torchft threw away (a failed commit restores every replica's last global copy).
+    """
+
+    def __init__(
+        self,
+        elastic: Elastic,
+        manager: Any,
+        meter: ByteMeter,
+        step: Callable[[], int],
+        every: int,
+    ) -> None:
+        from ..elastic import Membership, Runner
+
+        self._control = Runner(Membership(elastic), meter, meter, 0.0)
+        self.events: list[dict] = []
+        self._step, self._every = step, every
+        self._members: list[int] | None = None  # torchft's members at the last commit
+        self._last = ("start", 0)  # that commit's sync tag and inner step
+        self._quorum: list[int] = []  # the members of torchft's latest quorum
+        self._asked: float | None = None  # when this sync first asked for a quorum
+        self._discarded = 0  # inner steps thrown away by failed commits since the last one
+        manager._client = _QuorumSpy(manager._client, self._on_quorum)
+        commit = manager.should_commit
+
+        def should_commit(*args: Any, **kwargs: Any) -> bool:
+            ok = commit(*args, **kwargs)
+            self._on_commit(ok)
+            return ok
+
+        manager.should_commit = should_commit
+
+    @property
+    def members(self) -> list[int] | None:
+        """The sites of the last control collective (who writes, how evaluation is split)."""
+        return self._control.members
+
+    def start(self) -> None:
+        """The first control quorum: every site learns who starts the run."""
+        self._control.members = self._control.membership.start().members
+
+    def run(self, tag: str, collectives: Callable[..., Any]) -> Any:
+        """A control collective on the live sites (lowcomm's membership)."""
+        return self._control.run(tag, collectives)
+
+    def close(self) -> None:
+        """Stop this site's heartbeats to lowcomm's lighthouse."""
+        self._control.membership.close()
+
+    def _on_quorum(self, asked: float, replica_ids: list[str]) -> None:
+        if self._asked is None:
+            self._asked = asked
+        self._quorum = sorted(_site_of(r) for r in replica_ids)
+
+    def _on_commit(self, ok: bool) -> None:
+        if not ok:  # every replica restores its global copy: the round's steps are lost
+            self._discarded += self._every
+            return
+        step = self._step()
+        if self._members is not None and self._quorum != self._members:
+            self.events.append({
+                "at": f"sync@{step}", "after": self._last[0], "last_step": self._last[1],
+                "left": sorted(set(self._members) - set(self._quorum)),
+                "members": list(self._quorum),
+                "resync_s": round(time.perf_counter() - (self._asked or 0.0), 3),
+                "discarded_steps": self._discarded,
+            })  # fmt: skip
+        self._members, self._last = list(self._quorum), (f"sync@{step}", step)
+        self._asked, self._discarded = None, 0
+
+
+class _QuorumSpy:
+    """torchft's manager client, passing when each quorum was asked for and its replica ids
+    to ``seen``."""
+
+    def __init__(self, client: Any, seen: Callable[[float, list[str]], None]) -> None:
+        self._client, self._seen = client, seen
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        asked = time.perf_counter()
+        quorum = self._client._quorum(*args, **kwargs)
+        self._seen(asked, list(quorum.replica_ids))
+        return quorum
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def _site_of(replica_id: str) -> int:
+    """The site number in torchft's replica id (``lowcomm_<site>:<uuid>``)."""
+    return int(replica_id.split(":")[0].rsplit("_", 1)[1])

@@ -49,8 +49,10 @@ def check_elastic(strategy: str, cfg: TrainConfig, workers: int) -> None:
             f"elastic=true needs an outer-loop strategy: {strategy} all-reduces every inner "
             f"step and stays stop-the-world (use diloco, streaming, sparseloco or co2)"
         )
-    if strategy.startswith("torchft"):
-        raise ConfigError(f"elastic=true runs lowcomm's own methods, not {strategy}")
+    if strategy.startswith("torchft") and strategy != "torchft-diloco":
+        raise ConfigError(f"elastic=true runs torchft-diloco of torchft's methods, not {strategy}")
+    if strategy.startswith("torchft") and cfg.replay:
+        raise ConfigError("--replay re-enacts lowcomm's own membership, not torchft's: drop it")
     if cfg.ranks_per_worker != 1:
         raise ConfigError("elastic=true runs one rank per site for now: set ranks_per_worker=1")
     if cfg.min_workers > workers:
@@ -92,21 +94,15 @@ def run_sites(
     """Start the lighthouse and one process per site; wait for the survivors; their summary.
 
     ``resume``: a checkpoint folder; every site continues from its global copy."""
-    server = None
+    servers = []
     address = cfg.lighthouse
     if not address:
-        if not os.environ.get("LOWCOMM_DEBUG"):
-            os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse logs every quorum at INFO
-        from torchft.coordination import LighthouseServer
-
-        server = LighthouseServer(
-            bind="[::]:0",
-            min_replicas=1,  # lowcomm checks min_workers itself, with one clear line
-            join_timeout_ms=int(cfg.timeout_s * 1000),
-            quorum_tick_ms=20,
-            heartbeat_timeout_ms=int(cfg.heartbeat_timeout_s * 1000),
-        )
-        address = server.address()
+        servers.append(_lighthouse(cfg, min_replicas=1))  # lowcomm checks min_workers itself
+        address = servers[-1].address()
+    peer = ""
+    if strategy.startswith("torchft"):  # torchft's Managers: a lighthouse of their own
+        servers.append(_lighthouse(cfg, min_replicas=cfg.min_workers))
+        peer = servers[-1].address()
     faults = parse_faults(cfg.faults, workers, cfg.steps)
     leaves = replay_leaves(cfg.replay, workers) if cfg.replay else {}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -116,7 +112,7 @@ def run_sites(
     ctx = mp.get_context("spawn")
     procs = []
     for site in range(workers):
-        role = SiteRole(site, workers, address, faults, leaves.get(site, ""))
+        role = SiteRole(site, workers, address, faults, leaves.get(site, ""), peer)
         args = (role, strategy, sync_cfg, cfg, str(out_dir), name, resume)
         p = ctx.Process(target=_site_main, args=args)
         p.start()
@@ -130,10 +126,25 @@ def run_sites(
             if p.is_alive():
                 p.kill()
         (out_dir / "workers.json").unlink(missing_ok=True)
-        if server is not None:
+        for server in servers:
             server.shutdown()
         signal.signal(signal.SIGINT, previous)
     return _outcome(codes, out_dir, started)
+
+
+def _lighthouse(cfg: TrainConfig, min_replicas: int) -> Any:
+    """A torchft LighthouseServer in this process, with the run's timeouts."""
+    if not os.environ.get("LOWCOMM_DEBUG"):
+        os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse logs every quorum at INFO
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(
+        bind="[::]:0",
+        min_replicas=min_replicas,
+        join_timeout_ms=int(cfg.timeout_s * 1000),
+        quorum_tick_ms=20,
+        heartbeat_timeout_ms=int(cfg.heartbeat_timeout_s * 1000),
+    )
 
 
 def _wait(procs: list[Any], out_dir: Path) -> list[int | None]:

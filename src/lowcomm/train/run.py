@@ -318,6 +318,8 @@ def wrap_for_strategy(run: Run) -> None:
                 sync_cfg,
                 timeout_s=cfg.timeout_s,
                 streaming=run.strategy == torchft.STREAMING,
+                elastic=_elastic(run),
+                peer_lighthouse=run.role.peer_lighthouse if run.role else "",
             )
         else:
             run.engine = LowComm(
@@ -329,8 +331,8 @@ def wrap_for_strategy(run: Run) -> None:
                 comm_delay_s=comm_delay_for_tests(),
                 elastic=_elastic(run),
             )
-            if run.role is not None:
-                run.control = QuorumControl(run.engine)
+        if run.role is not None:
+            run.control = QuorumControl(run.engine)
         return
     if run.site.sharded and cfg.inner_parallel == "fsdp":
         run.train_model = run.model  # HSDP: FSDP2 reduces inside a worker, all-reduces between
@@ -363,6 +365,7 @@ def _elastic(run: Run) -> Elastic | None:
     return Elastic(
         lighthouse=role.lighthouse, site=role.site, sites=role.sites,
         min_workers=cfg.min_workers, timeout_s=cfg.timeout_s, leave_after=role.leave_after,
+        connect_s=min(10.0, cfg.timeout_s),
     )  # fmt: skip
 
 

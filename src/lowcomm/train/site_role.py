@@ -26,6 +26,7 @@ class SiteRole:
     lighthouse: str
     faults: list[Fault] = field(default_factory=list)
     leave_after: str = ""  # replay: the sync after which this site left in the recorded run
+    peer_lighthouse: str = ""  # torchft-diloco: the lighthouse of torchft's own Managers
 
 
 class QuorumControl:
@@ -60,6 +61,8 @@ def record_membership(
     for s in range(sites):
         left = [e for e in events if s in e["left"]]
         useful += left[0]["last_step"] if left else steps
+    # torchft's DiLoCo throws a failed round away on every member; lowcomm's never does
+    useful -= sum(e.get("discarded_steps", 0) * len(e["members"]) for e in events)
     summary.tokens = useful * tokens_per_site_step
     summary.extra["membership"] = events
     wall = summary.wall_s or 0.0
