@@ -7,27 +7,37 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import torch
 from helpers import adamw, batches, tiny_model
 
 import lowcomm
+from lowcomm.elastic import heal
 
 
 def site(
     index: int, sites: int, lighthouse: str, out: str, preset: str, kw: dict, steps: int,
-    kill_at: int | None, kill_in_sync: bool,
+    kill_at: int | None, kill_in_sync: bool, join_from: int | None = None,
+    after_pid: int | None = None, step_s: float = 0.0, run_id: str = "lowcomm",
 ) -> None:  # fmt: skip
+    """``join_from``: this process joins the running run (from that step), once the process
+    ``after_pid`` (the site it replaces) is gone; ``step_s``: a pause per step."""
     torch.set_num_threads(1)
     model = tiny_model(seed=0)
     opt = adamw(model)
     data = batches(index, sites)
     elastic = lowcomm.Elastic(lighthouse=lighthouse, site=index, sites=sites, min_workers=2,
-                              timeout_s=20)  # fmt: skip
+                              timeout_s=20, join=join_from is not None,
+                              join_from=join_from or 0, run_id=run_id)  # fmt: skip
     delay = 0.3 if kill_in_sync else 0.0
     sync = getattr(lowcomm, preset)(model, opt, elastic=elastic, comm_delay_s=delay, **kw)
+    while after_pid is not None and _alive(after_pid):
+        time.sleep(0.02)
     with sync:
-        for step in range(1, steps + 1):
+        data.step = sync.step  # a joiner goes on from the run's step (0 for the others)
+        for step in range(sync.step + 1, steps + 1):
+            time.sleep(step_s)
             if step == kill_at:
                 if kill_in_sync:  # die inside the next sync's collectives (each sleeps first)
                     threading.Timer(0.15, os.kill, (os.getpid(), signal.SIGKILL)).start()
@@ -39,9 +49,19 @@ def site(
             opt.zero_grad()
     torch.save(
         {"global": sync.global_flat(), "events": sync.membership.events,
+         "shared": heal.digest(sync.state.shared_state_dict()).hex(),
          "members": sync.membership.members, "fragments": sync.fragment_names},
         os.path.join(out, f"site{index}.pt"),
     )  # fmt: skip
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":

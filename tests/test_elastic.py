@@ -119,6 +119,88 @@ def test_survivors_finish_identical_after_a_site_is_killed(tmp_path, lighthouse,
     torch.testing.assert_close(a["global"], glob, atol=1e-6, rtol=0)
 
 
+JOINS = ["diloco", "sparseloco", "streaming_tau0"]  # tau = 0: nothing in flight to hand over
+J_STEPS, J_KILL, J_FROM = 50, 12, 30
+
+
+@pytest.mark.parametrize("name", JOINS)
+def test_a_killed_site_joins_again_and_heals_bit_exactly(tmp_path, lighthouse, name):
+    """Site 2 is killed, started again on standby and admitted from step 30: the heal hands
+    it the run's shared state, every site ends with the same digest of it and the same global
+    parameters, and (FP32 on the wire) those equal the plain-torch reference of the run."""
+    preset, kw, exact = CASES[name]
+    procs = _start_sites(tmp_path, lighthouse, preset, kw)
+    joiner = _site_process(tmp_path, lighthouse, preset, kw, 2, join_from=J_FROM,
+                           after_pid=procs[2].pid)  # fmt: skip
+    outs = [p.communicate(timeout=180) for p in [*procs, joiner]]
+    codes = [p.returncode for p in [*procs, joiner]]
+    assert codes == [0, 0, -9, 0], [o[1][-2000:] for o in outs]
+    a, b, c = (torch.load(tmp_path / f"site{i}.pt", weights_only=True) for i in range(3))
+    assert torch.equal(a["global"], b["global"]) and torch.equal(a["global"], c["global"])
+    assert a["shared"] == b["shared"] == c["shared"]
+    assert a["members"] == c["members"] == [0, 1, 2]
+    gone, back = a["events"]
+    assert (gone["left"], back["joined"], back["members"]) == ([2], [2], [0, 1, 2])
+    assert back["heal_bytes"] > 0 and back["heal_s"] > 0
+    assert c["events"][:1] == [gone] and c["events"][1]["at"] == back["at"]  # healed history
+    joined_at = int(back["at"].partition("@")[2])
+    assert joined_at >= J_FROM
+    if exact:
+        cfg = preset_config(getattr(lowcomm, preset).strategy, **kw)
+        glob, _ = reference_elastic(cfg, J_STEPS, left_at([gone]), joined={2: joined_at})
+        # 1e-4, not 1e-6: the joiner's fresh AdamW amplifies summation-order differences
+        # (seen: up to 1.3e-5 in a few of 43k weights); joining 5 steps off moves them by 5e-2
+        torch.testing.assert_close(a["global"], glob, atol=1e-4, rtol=0)
+
+
+def test_a_site_with_another_run_id_is_refused_and_changes_nothing(tmp_path, lighthouse):
+    """A stranger asks to join: one line on its side, one on the run's, not a byte of model
+    state either way; the run ends exactly as it would have without it."""
+    preset, kw, _ = CASES["diloco"]
+    procs = _start_sites(tmp_path, lighthouse, preset, kw)
+    stranger = _site_process(tmp_path, lighthouse, preset, kw, 2, join_from=J_FROM,
+                             after_pid=procs[2].pid, run_id="another")  # fmt: skip
+    outs = [p.communicate(timeout=180) for p in [*procs, stranger]]
+    assert [p.returncode for p in [*procs, stranger]] == [0, 0, -9, 1], outs[3][1][-2000:]
+    last = outs[3][1].strip().splitlines()[-1]  # what the stranger was told
+    assert "was refused by the run: its settings differ" in last, outs[3][1][-2000:]
+    assert "site 2 asked to join with other settings" in outs[0][1]
+    a = torch.load(tmp_path / "site0.pt", weights_only=True)
+    assert [e["left"] for e in a["events"]] == [[2]] and "joined" not in a["events"][0]
+    cfg = preset_config(lowcomm.DiLoCo.strategy, **kw)
+    glob, _ = reference_elastic(cfg, J_STEPS, left_at(a["events"]))
+    torch.testing.assert_close(a["global"], glob, atol=1e-6, rtol=0)
+
+
+def _site_process(tmp_path, lighthouse, preset, kw, index, **more) -> subprocess.Popen:
+    args = dict(
+        index=index,
+        sites=3,
+        lighthouse=lighthouse,
+        out=str(tmp_path),
+        preset=preset,
+        kw=kw,
+        steps=J_STEPS,
+        kill_at=None,
+        kill_in_sync=False,
+        step_s=0.1,
+    )
+    args.update(more)
+    return subprocess.Popen(
+        [sys.executable, str(HERE / "elastic_site.py"), json.dumps(args)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE,
+    )  # fmt: skip
+
+
+def _start_sites(tmp_path, lighthouse, preset, kw) -> list[subprocess.Popen]:
+    """Sites 0-2 of a join test, paced (0.1 s a step) so a joiner is ready in time; site 2
+    is killed before step 12."""
+    return [
+        _site_process(tmp_path, lighthouse, preset, kw, i, kill_at=J_KILL if i == 2 else None)
+        for i in range(3)
+    ]
+
+
 def left_at(events: list[dict]) -> dict[int, int]:
     """Site -> the step of the first sync it took no part in (from ``membership.events``)."""
     out = {}
@@ -145,7 +227,11 @@ def _fragments(model: torch.nn.Module, count: int) -> list[list[str]]:
 
 
 def reference_elastic(
-    cfg: lowcomm.SyncConfig, steps: int, left: dict[int, int], sites: int = 3
+    cfg: lowcomm.SyncConfig,
+    steps: int,
+    left: dict[int, int],
+    sites: int = 3,
+    joined: dict[int, int] | None = None,
 ) -> tuple[torch.Tensor, list[list[str]]]:
     """The elastic run in plain torch, from docs/algorithms.md: ``sites`` model copies stepped in
     lockstep (each on its own data shard), fragment p sent after step t when
@@ -158,7 +244,11 @@ def reference_elastic(
     torch.optim.SGD per fragment (Nesterov for DiLoCo/Streaming; CO2's preset is SGD at lr 1).
     The exit: results in flight applied, then one more outer step per fragment with more
     unsent inner steps than its merge consumed (tau under the alpha-mix, 0 under continue).
+    A site that joins at the sync after step ``joined[s]`` (tau = 0 only) starts there from the
+    global copy as it was before that sync, with a fresh AdamW, on its own shard from batch
+    ``joined[s]``; it contributes nothing to that sync and takes part in every later one.
     """
+    joined = joined or {}
     H, tau = cfg.sync_every, cfg.tau
     init = tiny_model(seed=0)
     frags = _fragments(init, cfg.fragments)
@@ -191,7 +281,8 @@ def reference_elastic(
     last_sent = [0] * P
 
     def present(t: int) -> list[int]:
-        return [s for s in range(sites) if t < left.get(s, steps + 10**9)]
+        never = steps + 10**9
+        return [s for s in range(sites) if t < left.get(s, never) or t > joined.get(s, never)]
 
     def send(p: int, t: int) -> tuple[dict, list]:
         """Each present site's pseudo-gradient and their mean."""
@@ -232,6 +323,13 @@ def reference_elastic(
                     m(x, y).backward()
                     o.step()
                     o.zero_grad()
+            for s, at in joined.items():
+                if at == t:  # healed: the global copy, a fresh inner optimizer, its shard at t
+                    assert tau == 0, "joins are for tau = 0"
+                    for n, w in params[s].items():
+                        w.copy_(glob[n])
+                    opts[s] = adamw(models[s])
+                    data[s].step = t
             sends = [p for p in range(P) if (t - (p * H) // P) % H == 0]
             due = sorted(p for p, (_, at, _) in pending.items() if at <= t or p in sends)
             results = {p: pending.pop(p)[0] for p in due}
@@ -284,3 +382,21 @@ def test_a_member_that_never_reaches_the_group_fails_the_attempt_within_connect_
         a.group(views[a])  # b never comes: it was lost between the quorum and the group
     a.close()
     b.close()
+
+
+def test_the_fingerprint_tells_apart_what_a_joiner_must_share():
+    """Run id, model shape, strategy and codec each change it; where a site keeps its state
+    does not (no lighthouse is contacted: the engine is not started)."""
+    from lowcomm.engine.wiring import fingerprint
+
+    def fp(model_seed=0, width=None, preset="DiLoCo", run_id="lowcomm", **kw):
+        model = tiny_model(seed=model_seed)
+        if width is not None:
+            model.head = torch.nn.Linear(model.head.in_features, width, bias=False)
+        elastic = lowcomm.Elastic(lighthouse="http://nowhere:1", site=0, sites=2, run_id=run_id)
+        return fingerprint(getattr(lowcomm, preset)(model, adamw(model), elastic=elastic, **kw))
+
+    base = fp()
+    assert fp(model_seed=1) == base  # the same shapes: weights come with the heal
+    assert fp(state_device="cpu") == base
+    assert len({base, fp(run_id="b"), fp(width=7), fp(preset="SparseLoCo"), fp(codec="int8")}) == 5

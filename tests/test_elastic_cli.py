@@ -59,6 +59,28 @@ def test_a_killed_site_leaves_the_run_going_and_its_replay_repeats_it_bit_for_bi
     assert abs(lost - uninterrupted) / uninterrupted < 0.03
 
 
+def test_a_killed_site_joins_again_and_its_replay_repeats_the_run_bit_for_bit(tmp_path):
+    """kill:2@35,join:2@60: site 2 is started again (on standby from the start, let in when
+    the first is gone) and admitted at sync@60; both events are in the summary, with the
+    heal's bytes and seconds; the replay re-enacts both and ends bit for bit the same."""
+    live, replay = tmp_path / "live", tmp_path / "replay"
+    done = _train(*RUN, *ELASTIC, "--faults", "kill:2@35,join:2@60", "--out", str(live))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "site 2 starts again to join the run" in done.stdout
+    summary = json.loads((live / "summary.json").read_text())
+    gone, back = summary["membership"]
+    assert (gone["left"], gone["at"], gone["last_step"]) == ([2], "sync@40", 30)
+    assert (back["joined"], back["at"], back["members"]) == ([2], "sync@60", [0, 1, 2])
+    assert back["heal_bytes"] > 0 and back["heal_s"] > 0
+    # site 2's steps 1-30 and 61-90 reached the model (31-34 died with it)
+    assert summary["tokens"] == (90 + 90 + 30 + 30) * 4 * 64
+    again = _train(*RUN, *ELASTIC, "--replay", str(live / "membership.jsonl"), "--out", str(replay))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((replay / "summary.json").read_text())["membership"][1]["at"] == "sync@60"
+    a, b = _model(live), _model(replay)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_torchft_diloco_goes_on_too_with_its_syncs_recorded_as_events(tmp_path):
     """The benchmark's peer under the same fault: torchft's Managers decide its syncs (on a
     lighthouse of their own), and the summary reads who left from torchft's quorums."""
@@ -144,7 +166,10 @@ def test_fewer_than_min_workers_stop_the_run_with_one_line_and_it_resumes(tmp_pa
         (["--faults", "kill:7@35"], "names site 7"),
         (["--faults", "explode:1@3"], "unknown kind"),
         (["--faults", "kill:1"], "needs @STEP"),
-        (["--faults", "join:1@60"], "not supported yet"),
+        (["--faults", "add:1@60"], "not supported yet"),
+        (["elastic=true", "--faults", "join:1@60"], "add kill:1@STEP with STEP < 60"),
+        (["--faults", "kill:1@30,join:1@60"], "join only an elastic run: add elastic=true"),
+        (["elastic=true", "--strategy", "co2", "--faults", "kill:1@30,join:1@60"], "overlap"),
         (["elastic=true", "--strategy", "ddp"], "outer-loop strategy"),
         (["elastic=true", "min_workers=5"], "min_workers=5 is more than --workers 3"),
         (["elastic=true", "--strategy", "torchft-streaming"], "not torchft-streaming"),

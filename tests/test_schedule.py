@@ -58,3 +58,12 @@ def test_fragments_strided_and_sequential():
         check_fragments([names, ["head.weight"]], names)
     with pytest.raises(ConfigError, match="no fragment"):
         check_fragments([names[:-1]], names)
+
+
+@pytest.mark.parametrize("H,P,tau", [(10, 1, 0), (6, 2, 0), (7, 3, 1), (12, 5, 2)])
+def test_syncs_through_counts_the_steps_that_send(H, P, tau):
+    s = Schedule(H, P, tau)
+    count = 0
+    for t in range(1, 200):
+        count += bool(s.sends_at(t))
+        assert s.syncs_through(t) == count

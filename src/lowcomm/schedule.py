@@ -201,6 +201,17 @@ class Schedule:
             p for p in range(self.n_fragments) if (step - self.offset(p)) % self.sync_every == 0
         ]
 
+    def syncs_through(self, step: int) -> int:
+        """How many inner steps in 1..``step`` send something: the run's sync count, the same
+        on every site (one that joined later included)."""
+        H, total = self.sync_every, 0
+        for r in sorted({self.offset(p) % H for p in range(self.n_fragments)}):
+            if r == 0:
+                total += step // H
+            elif step >= r:
+                total += (step - r) // H + 1
+        return total
+
     def apply_step(self, send_step: int) -> int:
         """The inner step after which a result sent at ``send_step`` is applied."""
         return send_step + self.overlap

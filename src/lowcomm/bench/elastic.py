@@ -115,35 +115,64 @@ def _uninterrupted(
 
 def _elastic(
     wrap: _network, args: list[str], m: int, kill_at: int, a: argparse.Namespace, out: Path,
-    strategy: str = "diloco", case: str = "elastic",
+    strategy: str = "diloco", case: str = "elastic", rejoin: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
-    fault = ["elastic=true", "min_workers=2", "--faults", f"kill:{m - 1}@{kill_at}"]
+    faults = f"kill:{m - 1}@{kill_at}"
+    if rejoin:  # the killed site starts again and joins at two thirds
+        faults += f",join:{m - 1}@{2 * a.steps // 3}"
+    fault = ["elastic=true", "min_workers=2", "--faults", faults]
     done, wall = wrap([*TRAIN, "--strategy", strategy, "--workers", str(m), *args, *fault,
                        "--out", str(out)])  # fmt: skip
     _check(done, out)
     s = json.loads((out / "summary.json").read_text())
-    row = _row(case, s, wall, m - 1, out)
-    row["resync_s"] = max((e["resync_s"] for e in s.get("membership", [])), default=None)
-    row["discarded_steps"] = sum(e.get("discarded_steps", 0) for e in s.get("membership", []))
+    events = s.get("membership", [])
+    # per surviving site: the sites present on average over the run's steps
+    per = s["config"]["batch_size"] * s["config"]["seq_len"]
+    present = s["tokens"] / per / a.steps if rejoin else m - 1
+    row = _row(case, s, wall, present, out)
+    row["resync_s"] = max((e["resync_s"] for e in events if e["left"]), default=None)
+    row["discarded_steps"] = sum(e.get("discarded_steps", 0) for e in events)
+    heals = [e for e in events if e.get("joined")]
+    if heals:
+        row.update(joined_at=heals[0]["at"], heal_s=heals[0]["heal_s"],
+                   heal_bytes=heals[0]["heal_bytes"])  # fmt: skip
     return row
 
 
 def _restart(
-    wrap: _network, args: list[str], m: int, kill_at: int, a: argparse.Namespace, out: Path
-) -> dict[str, Any]:
+    wrap: _network, args: list[str], m: int, kill_at: int, a: argparse.Namespace, out: Path,
+    case: str = "checkpoint-restart", rejoin: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """The kill stops the run; it resumes at once from its last checkpoint on the others.
+    ``rejoin``: when the site is back (two thirds of the way) that run stops right after its
+    next checkpoint, and all of them resume from it (a planned stop: no step is lost there)."""
     ckpt = f"checkpoint_every={a.sync_every}"
     first, wall1 = wrap([*TRAIN, "--strategy", "diloco", "--workers", str(m), *args, ckpt,
                          "--faults", f"kill:{m - 1}@{kill_at}", "--out", str(out)])  # fmt: skip
     if first.returncode == 0:
-        raise RuntimeError(f"checkpoint-restart: the killed run did not stop:\n{first.stdout}")
-    again, wall2 = wrap([*TRAIN, "--resume", str(out), "--workers", str(m - 1), "faults="])
-    _check(again, out)
-    s = json.loads((out / "summary.json").read_text())
+        raise RuntimeError(f"{case}: the killed run did not stop:\n{first.stdout}")
+    back = -(-(2 * a.steps // 3) // a.sync_every) * a.sync_every  # the checkpoint after it
+    stop = f"faults=kill:0@{back + 1}" if rejoin else "faults="
+    again, wall2 = wrap([*TRAIN, "--resume", str(out), "--workers", str(m - 1), stop])
     resumed_at = _resumed_step(again.stdout)
-    per = s["tokens"] // a.steps // (m - 1)
-    s["tokens"] = (resumed_at * m + (a.steps - resumed_at) * (m - 1)) * per
-    row = _row("checkpoint-restart", s, wall1 + wall2, m - 1, out)
-    row.update(resumed_from=resumed_at, first_run_s=round(wall1, 1), resumed_run_s=round(wall2, 1))
+    walls = [wall1, wall2]
+    if rejoin:
+        if again.returncode == 0:
+            raise RuntimeError(f"{case}: the resumed run did not stop:\n{again.stdout}")
+        third, wall3 = wrap([*TRAIN, "--resume", str(out), "--workers", str(m), "faults="])
+        _check(third, out)
+        walls.append(wall3)
+        if _resumed_step(third.stdout) != back:
+            raise RuntimeError(f"{case}: expected a resume from step {back}:\n{third.stdout}")
+    else:
+        _check(again, out)
+        back = a.steps
+    s = json.loads((out / "summary.json").read_text())
+    per = s["config"]["batch_size"] * s["config"]["seq_len"]
+    steps = resumed_at * m + (back - resumed_at) * (m - 1) + (a.steps - back) * m
+    s["tokens"] = steps * per
+    row = _row(case, s, sum(walls), steps / a.steps if rejoin else m - 1, out)
+    row.update(resumed_from=resumed_at, run_s=[round(w, 1) for w in walls])
     return row
 
 
@@ -155,6 +184,8 @@ CASES: dict[str, Callable[..., dict[str, Any]]] = {
         _uninterrupted, strategy="torchft-diloco", case="torchft-uninterrupted"
     ),
     "torchft-elastic": partial(_elastic, strategy="torchft-diloco", case="torchft-elastic"),
+    "elastic-rejoin": partial(_elastic, case="elastic-rejoin", rejoin=True),
+    "restart-rejoin": partial(_restart, case="restart-rejoin", rejoin=True),
 }
 
 
@@ -171,7 +202,7 @@ def _check(done: subprocess.CompletedProcess, out: Path) -> None:
         raise RuntimeError(f"{out.name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
 
 
-def _row(case: str, s: dict[str, Any], wall: float, survivors: int, out: Path) -> dict[str, Any]:
+def _row(case: str, s: dict[str, Any], wall: float, survivors: float, out: Path) -> dict[str, Any]:
     tokens = int(s["tokens"])
     return {
         "case": case,

@@ -4,6 +4,7 @@ overhead and sync-cost microbenchmarks): thin handoffs to the modules that do th
 from __future__ import annotations
 
 import argparse
+import importlib
 from typing import Any
 
 from ..config import ConfigError
@@ -15,24 +16,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return run(args)
 
 
+BENCHES = ("codecs", "overhead", "sync", "elastic", "heal")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.what == "codecs":
-        from ..bench.codecs import main as bench_codecs
-
-        return bench_codecs(args.rest)
-    if args.what == "overhead":
-        from ..bench.overhead import main as bench_overhead
-
-        return bench_overhead(args.rest)
-    if args.what == "sync":
-        from ..bench.sync import main as bench_sync
-
-        return bench_sync(args.rest)
-    if args.what == "elastic":
-        from ..bench.elastic import main as bench_elastic
-
-        return bench_elastic(args.rest)
-    raise ConfigError(f"unknown benchmark '{args.what}': choose codecs, overhead, sync or elastic")
+    if args.what not in BENCHES:
+        raise ConfigError(f"unknown benchmark '{args.what}': choose {', '.join(BENCHES)}")
+    module = importlib.import_module(f"..bench.{args.what}", __package__)
+    return module.main(args.rest)
 
 
 def _add_simulate(sub: Any) -> None:
@@ -47,8 +38,8 @@ def _add_simulate(sub: Any) -> None:
 
 
 def _add_bench(sub: Any) -> None:
-    b = sub.add_parser("bench", help="benchmarks: codecs, overhead, sync, elastic")
-    b.add_argument("what", help="codecs, overhead, sync or elastic")
+    b = sub.add_parser("bench", help=f"benchmarks: {', '.join(BENCHES)}")
+    b.add_argument("what", help=", ".join(BENCHES))
     b.add_argument(
         "rest", nargs=argparse.REMAINDER, help="arguments of the benchmark (e.g. --json)"
     )

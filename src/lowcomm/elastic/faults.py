@@ -4,10 +4,12 @@
 
 - ``kill:2@35``  site 2 is SIGKILLed before its inner step 35 (as ``kill -9`` from a shell);
 - ``hang:2@55``  site 2 stops answering before step 55 (SIGSTOP: alive, silent);
+- ``join:2@60``  site 2, killed earlier, is started again and joins the run at its first sync
+  at or after step 60 (it heals from a live peer).
 
 A fault acts on the real process, so the rest of the run meets it exactly as it would meet one
-from outside. The kinds of later work (``join``, ``add``, ``slow``, ``slowlink``) are named
-here so that a run asking for them is refused with one line instead of ignoring them.
+from outside. The kinds of later work (``add``, ``slow``, ``slowlink``) are named here so that
+a run asking for them is refused with one line instead of ignoring them.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-KINDS = ("kill", "hang")
-LATER = ("join", "add", "slow", "slowlink")
+KINDS = ("kill", "hang", "join")
+LATER = ("add", "slow", "slowlink")
 _FAULT = re.compile(r"^(?P<kind>[a-z]+):(?P<site>\d+)(@(?P<step>\d+))?(x(?P<factor>[0-9.]+))?$")
 
 
@@ -52,7 +54,9 @@ def parse_faults(text: str, sites: int, steps: int) -> list[Fault]:
         if kind in LATER:
             raise ConfigError(f"--faults: {kind} is not supported yet: use {' or '.join(KINDS)}")
         if kind not in KINDS:
-            raise ConfigError(f"--faults: unknown kind {kind!r} in {item!r}: use kill or hang")
+            raise ConfigError(
+                f"--faults: unknown kind {kind!r} in {item!r}: use kill, hang or join"
+            )
         if not 0 <= site < sites:
             raise ConfigError(f"--faults: {item!r} names site {site}, the run has 0..{sites - 1}")
         if m["step"] is None or not 1 <= int(m["step"]) <= steps:
@@ -60,11 +64,23 @@ def parse_faults(text: str, sites: int, steps: int) -> list[Fault]:
         if m["factor"] is not None:
             raise ConfigError(f"--faults: {kind} takes no xFACTOR ({item!r})")
         out.append(Fault(kind, site, int(m["step"])))
+    for f in out:
+        if f.kind == "join" and not any(
+            k.kind == "kill" and k.site == f.site and k.step < f.step for k in out
+        ):
+            raise ConfigError(
+                f"--faults: {f} restarts a killed site: add kill:{f.site}@STEP with STEP < {f.step}"
+            )
     return out
+
+
+def joins(faults: list[Fault]) -> dict[int, int]:
+    """Site -> the step from which it joins again after it was killed (``join:`` faults)."""
+    return {f.site: int(f.step or 0) for f in faults if f.kind == "join"}
 
 
 def act(faults: list[Fault], site: int, step: int) -> None:
     """Before inner step ``step`` of ``site``: carry out the faults due now, on this process."""
     for f in faults:
-        if f.site == site and f.step == step:
+        if f.site == site and f.step == step and f.kind in ("kill", "hang"):
             os.kill(os.getpid(), signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)

@@ -19,6 +19,7 @@ import atexit
 import logging
 import os
 import threading
+import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -50,6 +51,9 @@ class Elastic:
     timeout_s: float = 60.0  # bound on one quorum wait and on one collective
     connect_s: float = 10.0  # bound on every member reaching a new quorum's group
     leave_after: str = ""  # replay: leave the run once this sync (a tag) has been settled
+    join: bool = False  # this site joins a running run (it heals from a live peer)
+    join_from: int = 0  # ... admitted at the run's first sync at or after this inner step
+    join_at: str = ""  # ... or exactly at this sync (a replay of a recorded join)
 
     def __post_init__(self) -> None:
         if not isinstance(self.lighthouse, str) or not self.lighthouse:
@@ -74,6 +78,13 @@ class View:
     quorum_id: int
     members: list[int]  # site numbers, rank order
     data: list[dict[str, Any]] = field(default_factory=list)
+    joiners: list[int] = field(default_factory=list)  # members admitted here, to be healed
+
+    @property
+    def who(self) -> str:
+        """The members as processes (site and incarnation): a site started again after it
+        left is another member, though the lighthouse knows it by the same name."""
+        return "-".join(f"{d['site']}.{d.get('inc', '')}" for d in self.data)
 
     def rank_of(self, site: int) -> int:
         """This quorum's rank of ``site``."""
@@ -83,10 +94,14 @@ class View:
 class Membership:
     """This site's membership: heartbeats, quorums, the commit vote and each quorum's group."""
 
-    def __init__(self, elastic: Elastic) -> None:
+    def __init__(self, elastic: Elastic, fingerprint: str = "") -> None:
         from torchft.coordination import LighthouseClient
 
         self.elastic = elastic
+        self.fingerprint = fingerprint  # the run's settings: a site with others is refused
+        self.generation = 0  # the runner's failed commits so far (a joiner adopts the run's)
+        self.incarnation = uuid.uuid4().hex[:8]  # this process, among the site's restarts
+        self._refused: set[int] = set()  # sites already told they were refused
         timeout = timedelta(seconds=elastic.timeout_s)
         self._client = LighthouseClient(elastic.lighthouse, connect_timeout=timeout)
         self._beat_client = LighthouseClient(elastic.lighthouse, connect_timeout=timeout)
@@ -94,7 +109,7 @@ class Membership:
         host = os.environ.get("LOWCOMM_ADDR", "127.0.0.1")
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.store_address = f"{host}:{self._store.port}"
-        self._groups: dict[tuple[int, int], dist.ProcessGroup] = {}
+        self._groups: dict[tuple[int, int, str], dist.ProcessGroup] = {}
         self._stop = threading.Event()
         self._beat_client.heartbeat(elastic.replica_id)
         self._beats = threading.Thread(target=self._beat, name="lowcomm-heartbeat", daemon=True)
@@ -108,10 +123,50 @@ class Membership:
             except Exception as e:  # the lighthouse is gone: the next quorum says so
                 log.debug("heartbeat failed: %s", e)
 
-    def quorum(self, tag: str, ok: bool = True) -> View:
-        """Wait for the next quorum, reporting ``tag`` (which sync) and ``ok`` (did this site
-        complete it); raises MembershipError when this site is out or too few remain."""
+    def quorum(self, tag: str, ok: bool = True, phase: str = "sync") -> View:
+        """Wait for the next quorum, reporting ``tag`` (which sync), ``phase`` (its collectives
+        or their commit) and ``ok`` (did this site complete them); raises MembershipError when
+        this site is out or too few remain. Sites asking to join are in the view only when
+        admitted here (the same settings, at a sync they may join at): see :func:`admit`."""
+        view = self._ask(tag, ok, phase, join=False)
+        if self.elastic.site not in view.members:
+            raise MembershipError(
+                f"site {self.elastic.site} was left out of the run at {tag}: it stops here"
+            )
+        for d in view.data:  # one line, once, for each site with another run's settings
+            if d.get("join") and d.get("fp") != self.fingerprint and d["site"] not in self._refused:
+                self._refused.add(d["site"])
+                log.warning("site %d: site %d asked to join with other settings (%s); refused",
+                            self.elastic.site, d["site"], d.get("fp"))  # fmt: skip
+        return admit(view, self.fingerprint, tag, phase)
+
+    def join(self) -> tuple[View, str]:
+        """A joining site: ask until the run admits it at a sync; that view and the sync's tag.
+        Raises MembershipError, before any model state moves, when the run's settings differ."""
+        while True:
+            view = self._ask("join", True, "join", join=True)
+            old = [d for d in view.data if not d.get("join")]
+            if not old:
+                continue  # only joiners asked this time
+            ref = old[0]
+            if ref.get("fp") != self.fingerprint:
+                raise MembershipError(
+                    f"site {self.elastic.site} was refused by the run: its settings differ "
+                    f"(run id, model, strategy or codec: {self.fingerprint} vs the run's "
+                    f"{ref.get('fp')}); start it with the run's settings"
+                )
+            admitted = admit(view, self.fingerprint, ref["tag"], ref["phase"])
+            if self.elastic.site in admitted.joiners:
+                self.generation = int(ref.get("gen", 0))
+                return admitted, ref["tag"]
+
+    def _ask(self, tag: str, ok: bool, phase: str, join: bool) -> View:
         e = self.elastic
+        data = {
+            "site": e.site, "tag": tag, "ok": ok, "store": self.store_address, "phase": phase,
+            "fp": self.fingerprint, "gen": self.generation, "join": join,
+            "join_from": e.join_from, "join_at": e.join_at, "inc": self.incarnation,
+        }  # fmt: skip
         try:
             q = self._client.quorum(
                 replica_id=e.replica_id,
@@ -121,7 +176,7 @@ class Membership:
                 step=0,
                 world_size=1,
                 shrink_only=False,
-                data={"site": e.site, "tag": tag, "ok": ok, "store": self.store_address},
+                data=data,
             )
         except Exception as err:
             raise MembershipError(
@@ -129,10 +184,7 @@ class Membership:
                 f"min_workers={e.min_workers} sites may remain, or the lighthouse is gone"
             ) from None
         data = sorted((dict(m.data or {}) for m in q.participants), key=lambda d: d["site"])
-        view = View(int(q.quorum_id), [int(d["site"]) for d in data], data)
-        if e.site not in view.members:
-            raise MembershipError(f"site {e.site} was left out of the run at {tag}: it stops here")
-        return view
+        return View(int(q.quorum_id), [int(d["site"]) for d in data], data)
 
     def start(self) -> View:
         """The first quorum that holds every starting site (an early one may form while a
@@ -145,7 +197,7 @@ class Membership:
     def check(self, view: View, tag: str) -> None:
         """Stop this site, with one line, if it fell behind the others or too few remain."""
         e = self.elastic
-        behind = [d["site"] for d in view.data if d["tag"] != tag]
+        behind = [d["site"] for d in view.data if d["tag"] != tag and not d.get("join")]
         if behind:
             raise MembershipError(
                 f"site {e.site} is at {tag} while sites {behind} are elsewhere: this site was "
@@ -158,14 +210,18 @@ class Membership:
             )
 
     def group(self, view: View, generation: int = 0) -> dist.ProcessGroup:
-        """The gloo group of ``view``'s members for attempt ``generation`` (made once each;
-        the groups of older quorums and attempts are aborted)."""
-        key = (view.quorum_id, generation)
+        """The gloo group of ``view``'s members for attempt ``generation`` (made once each).
+
+        Keyed by the member processes too: the lighthouse keeps a quorum id while the same
+        site names ask, but a site asking to join is in some syncs' groups and not in others',
+        and a site started again is a new process under its old name. Groups of older quorums
+        and attempts are aborted (ids and attempts only grow, so a key never returns after its
+        group was aborted, and a store prefix is never used twice)."""
+        key = (view.quorum_id, generation, view.who)
         if key in self._groups:
             return self._groups[key]
-        for old in self._groups.values():  # done with, or broken by a failed attempt
-            old.abort()
-        self._groups = {}
+        for k in [k for k in self._groups if k[:2] != key[:2]]:  # done with, or broken
+            self._groups.pop(k).abort()
         host, port = view.data[0]["store"].rsplit(":", 1)
         if view.members[0] == self.elastic.site:
             store = self._store
@@ -173,7 +229,9 @@ class Membership:
             store = dist.TCPStore(
                 host, int(port), is_master=False, timeout=timedelta(seconds=self.elastic.timeout_s)
             )
-        prefix = dist.PrefixStore(f"{self.elastic.run_id}/q{view.quorum_id}/g{generation}/", store)
+        prefix = dist.PrefixStore(
+            f"{self.elastic.run_id}/q{view.quorum_id}/g{generation}/m{view.who}/", store
+        )
         rank, size = view.rank_of(self.elastic.site), len(view.members)
         _arrive(prefix, rank, size, self.elastic.connect_s)
         group = _gloo_group(prefix, rank, size, self.elastic.timeout_s)
@@ -186,6 +244,28 @@ class Membership:
         for group in self._groups.values():
             group.abort()
         self._groups.clear()
+
+
+def admit(view: View, fingerprint: str, tag: str, phase: str) -> View:
+    """The members of a quorum that take part in sync ``tag``: the sites already in the run,
+    and the joiners it admits there (the run's settings; the first quorum of a sync of the
+    outer loop, ``sync@N``, at or after the step they asked to join from, or exactly the sync
+    a replay names). Every member computes the same from the same view."""
+    keep, joiners = [], []
+    for d in view.data:
+        if not d.get("join"):
+            keep.append(d)
+        elif d.get("fp") == fingerprint and phase == "sync" and _joins_at(d, tag):
+            keep.append(d)
+            joiners.append(int(d["site"]))
+    return View(view.quorum_id, [int(d["site"]) for d in keep], keep, joiners)
+
+
+def _joins_at(d: dict[str, Any], tag: str) -> bool:
+    kind, _, step = tag.partition("@")
+    if kind != "sync" or not step.isdigit():
+        return False
+    return tag == d["join_at"] if d.get("join_at") else int(step) >= int(d.get("join_from", 0))
 
 
 def _arrive(store: Any, rank: int, size: int, connect_s: float) -> None:

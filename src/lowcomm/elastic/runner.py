@@ -10,7 +10,9 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from ..errors import MembershipError
 from ..transport import ByteMeter, Transport
+from . import heal
 from .membership import Membership, View
 
 log = logging.getLogger("lowcomm")
@@ -30,12 +32,17 @@ class Runner:
         self.meter, self.buffer_meter, self.delay_s = meter, buffer_meter, delay_s
         self.members: list[int] | None = None  # who took part in the last sync that stood
         self.events: list[dict] = []  # membership changes: step tag, who left, seconds lost
-        self._transports: tuple[tuple[int, int], Transport, Transport] | None = None
+        self._transports: tuple[tuple[int, int, tuple[int, ...]], Transport, Transport] | None = (
+            None
+        )
         self._failed_at: float | None = None
         self._started = 0.0
-        self._generation = 0  # failed commits so far: names the groups of the next attempt
         self._last_tag = "start"  # the last sync that stood with this site in it
         self._last_step = 0  # ... and the last inner step such a sync was at
+        # the engine's shared state, for healing a joiner (set by the engine)
+        self.shared: Callable[[], dict] | None = None
+        self.admitted: View | None = None  # a joiner's first sync: the view that admitted it
+        self._heal: tuple[float, int] | None = None  # the last heal sent: seconds, bytes
 
     def run(self, tag: str, collectives: Collectives[T]) -> T:
         """Run ``collectives`` for the sync named ``tag`` until a quorum commits it."""
@@ -44,10 +51,12 @@ class Runner:
             self._leave(tag)
         failed: list[list[int]] = []  # the members of each failed attempt
         while True:
-            view = self.membership.quorum(tag)
+            view, self.admitted = self.admitted or self.membership.quorum(tag), None
             self.membership.check(view, tag)
             try:  # the group too: its store's host or a peer may be gone already
-                result, ok = collectives(*self._on(view)), True
+                transports = self._on(view)
+                self._heal_joiners(view, transports[0], tag)
+                result, ok = collectives(*transports), True
             # a peer died or hung inside a collective (torch's collective logger turns the
             # error of a group outside its world map into a ValueError)
             except (RuntimeError, ValueError) as err:
@@ -57,7 +66,7 @@ class Runner:
                 log.warning("site %d: %s failed among %s (%s); retrying", self._site, tag,
                             view.members, str(err).splitlines()[0][:160])  # fmt: skip
                 result, ok = None, False
-            commit = self.membership.quorum(tag, ok)
+            commit = self.membership.quorum(tag, ok, phase="commit")
             self.membership.check(commit, tag)
             if ok and commit.members == view.members and all(d["ok"] for d in commit.data):
                 self._settled(tag, view)
@@ -65,8 +74,38 @@ class Runner:
             # every member of the commit saw it fail: all start the next attempt on fresh groups
             # (the lighthouse keeps the quorum id when the members did not change)
             self._failed_at = self._failed_at or time.perf_counter()
-            self._generation += 1
+            self.membership.generation += 1
             self._transports = None
+
+    def heal_in(self, view: View, tag: str, load: Callable[[dict], dict]) -> None:
+        """A joiner, on the view that admitted it: receive the run's shared state and its
+        record of members, ``load`` it (returns what the engine then holds), compare digests
+        with every member; its first ``run`` is then sync ``tag`` on this same view."""
+        transport = self._on(view)[0]
+        src = view.rank_of(next(s for s in view.members if s not in view.joiners))
+        got, _ = heal.hand_over(transport, src, None)
+        loaded = load(got["state"])
+        self.events, self.members = list(got["events"]), list(got["members"])
+        self._last_tag, self._last_step = got["last"]
+        if not heal.agree(transport, loaded):
+            raise MembershipError(heal.mismatch(tag))
+        self.admitted = view
+
+    def _heal_joiners(self, view: View, transport: Transport, tag: str) -> None:
+        """Sites admitted at this sync get the run's shared state from its lowest old member
+        (a joiner itself has already loaded it: see LowComm's start)."""
+        if not view.joiners or self._site in view.joiners:
+            return
+        assert self.shared is not None, "the engine sets Runner.shared"
+        t0 = time.perf_counter()
+        src = view.rank_of(next(s for s in view.members if s not in view.joiners))
+        state = self.shared()
+        record = {"state": state, "events": self.events, "members": self.members,
+                  "last": [self._last_tag, self._last_step]}  # fmt: skip
+        _, size = heal.hand_over(transport, src, record if transport.rank == src else None)
+        if not heal.agree(transport, state):
+            raise RuntimeError(heal.mismatch(tag))  # this attempt fails; retried without it
+        self._heal = (time.perf_counter() - t0, size)
 
     @property
     def _site(self) -> int:
@@ -74,9 +113,9 @@ class Runner:
 
     def _on(self, view: View) -> tuple[Transport, Transport]:
         """This quorum's transports (made once per quorum), metered with the run's meters."""
-        key = (view.quorum_id, self._generation)
+        key = (view.quorum_id, self.membership.generation, view.who)
         if self._transports is None or self._transports[0] != key:
-            group = self.membership.group(view, self._generation)
+            group = self.membership.group(view, self.membership.generation)
             self._transports = (
                 key,
                 Transport(group, meter=self.meter, delay_s=self.delay_s),
@@ -85,7 +124,8 @@ class Runner:
         return self._transports[1], self._transports[2]
 
     def _settled(self, tag: str, view: View) -> None:
-        """Record a change of members (and how long the survivors took to sync again)."""
+        """Record a change of members: who left (and how long the survivors took to sync
+        again), who joined (and what their heal cost)."""
         if self.members is not None and view.members != self.members:
             gone = sorted(set(self.members) - set(view.members))
             # from the first failure (or, for a site lost between syncs, from asking for this
@@ -94,9 +134,18 @@ class Runner:
             event = {"at": tag, "after": self._last_tag, "last_step": self._last_step}
             event["left"] = gone
             event.update(members=list(view.members), resync_s=round(lost, 3))
+            if view.joiners:
+                event["joined"] = list(view.joiners)
+                if self._heal is not None:  # measured by the old members that sent it
+                    event.update(heal_s=round(self._heal[0], 3), heal_bytes=self._heal[1])
             self.events.append(event)
-            log.warning("site %d: sites %s left at %s; %d sites go on", self._site, gone, tag,
-                        len(view.members))  # fmt: skip
+            if gone:
+                log.warning("site %d: sites %s left at %s; %d sites go on", self._site, gone,
+                            tag, len(view.members))  # fmt: skip
+            if view.joiners:
+                log.warning("site %d: sites %s joined at %s; %d sites go on", self._site,
+                            view.joiners, tag, len(view.members))  # fmt: skip
+        self._heal = None
         self.members = list(view.members)
         self._failed_at = None
         self._last_tag = tag

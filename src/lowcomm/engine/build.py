@@ -81,10 +81,11 @@ def build_fragments(
     by_name: dict[str, nn.Parameter],
     cfg: SyncConfig,
     placement: Placement,
-    transport: Transport,
+    transport: Transport | None,
     merge: Merge,
 ) -> list[Fragment]:
-    """Every fragment's global copy from rank 0's parameters, loaded into every worker."""
+    """Every fragment's global copy from rank 0's parameters, loaded into every worker
+    (``transport`` None: a joining site's own, replaced by its heal)."""
     bucket_numel = max(1, int(cfg.bucket_mb * 2**20 / 4))
     state_device = _state_device(cfg, by_name)
     frags = []
@@ -93,7 +94,8 @@ def build_fragments(
             params = [local(by_name[n], placement.part) for n in group]
             flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
             # every worker starts from rank 0's parameters (control traffic, not training)
-            transport.broadcast(flat, src=0, control=True)
+            if transport is not None:
+                transport.broadcast(flat, src=0, control=True)
             flat = flat.to(state_device)
             frag = Fragment(
                 i,
@@ -109,11 +111,12 @@ def build_fragments(
             frags.append(frag)
             frag.load_global()
         placement.share_parts(frags)
-        placement.broadcast_constants(transport, cfg.buffers, floating=True)
-        # rank 0's broadcast returns once its bytes are queued; on a slow link a receiver
-        # holds the model seconds later. Meet here, so that skew is not waited out (and
-        # counted) at the first sync.
-        transport.all_gather(torch.zeros(1), control=True)
+        if transport is not None:
+            placement.broadcast_constants(transport, cfg.buffers, floating=True)
+            # rank 0's broadcast returns once its bytes are queued; on a slow link a receiver
+            # holds the model seconds later. Meet here, so that skew is not waited out (and
+            # counted) at the first sync.
+            transport.all_gather(torch.zeros(1), control=True)
     return frags
 
 

@@ -12,32 +12,21 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..aggregate import Aggregator, Encoded, make_aggregator
-from ..compensation import make_compensation
+from ..aggregate import Aggregator, Encoded
 from ..config import ConfigError, SyncConfig
 from ..elastic import Elastic
 from ..outer import OuterOptimizer, make_outer
 from ..schedule import Schedule
 from ..transport import Transport
-from .apply import Apply
-from .build import (
-    build_fragments,
-    check_arguments,
-    register_optimizer_state,
-    resolve_fragments,
-    trainable_params,
-)
-from .encode import Encoder
-from .exchange import Exchange
-from .fragment import Fragment, register_fragment_state
-from .guards import NonFiniteGuard, ReplicaCheck
-from .inflight import InFlight, Result
-from .leave import Leave
-from .local import LocalWeights
+from .build import check_arguments, resolve_fragments, trainable_params
+from .fragment import Fragment
+from .inflight import Result
+from .join import join_run
 from .merge import make_merge
 from .placement import Placement
-from .state import RunState, StatePart
-from .stats import SyncStats, SyncTimes, Unblocked, register_counters
+from .state import RunState
+from .stats import SyncStats, SyncTimes, Unblocked
+from .wiring import wire
 
 
 class LowComm:
@@ -129,48 +118,11 @@ class LowComm:
         self._started = True
 
     def _first_start(self) -> None:
-        """Build the parts on the joined group from rank 0's parameters; each part declares
-        its own state, in load order."""
-        cfg, placement, state = self.config, self._placement, self.state
-        group = placement.join()
-        self.transport = transport = Transport(group, delay_s=self._comm_delay_s)
-        self._buffer_transport = Transport(group)  # its own meter: buffer bytes apart
-        self.aggregator = make_aggregator(cfg, transport.world_size)
-        self.compensation = make_compensation(cfg, _compensation_device(cfg))
-        self.fragments = frags = build_fragments(
-            self.fragment_names, self._by_name, cfg, placement, transport, self._merge
-        )
-        register_fragment_state(state, frags)
-        register_optimizer_state(state, self.outer, self.compensation, self.aggregator, transport)
-        state.register(
-            "step",
-            StatePart(
-                lambda: self.step, lambda v: setattr(self, "step", int(v)), kept=False, shared=True
-            ),
-        )
-        self._inflight = InFlight(transport, self.events, state)
-        self._nonfinite = NonFiniteGuard(cfg.nonfinite_patience, self.stats, state)
-        register_counters(state, self.stats, transport.meter)
-        self._local = LocalWeights(self.model, frags, placement, state)
-        self._encoder = Encoder(self.aggregator, self.compensation, self._nonfinite, transport.rank)
-        self.membership = placement.runner(self.aggregator, transport, self._buffer_transport)
-        self._exchange = Exchange(
-            self.model, frags, cfg.buffers, self.aggregator, transport, self._buffer_transport,
-            self.stats, self.sync_times, self.events, self.membership,
-        )  # fmt: skip
-        self._replica = ReplicaCheck(transport, self._exchange.on_group, self.stats)
-        self._apply = Apply(
-            self.model, self.inner_optimizer, frags, self.outer, self._merge,
-            self.schedule.is_round_overlap(), self._inflight, self._nonfinite, placement,
-            self.sync_times,
-        )  # fmt: skip
-        self._leave = Leave(
-            self.model, frags, placement, transport, self._exchange, self._inflight, self.outer,
-            self.events, 0 if self._merge.needs_snapshot else self.schedule.overlap,
-        )  # fmt: skip
-        if self._loaded is not None:
-            sd, self._loaded = self._loaded, None
-            state.load_state_dict(sd)
+        """Build the parts on the joined group (:func:`.wiring.wire`); a site that joins a
+        running run then heals from a live peer and takes part in the sync that admitted it."""
+        admission = wire(self)
+        if admission is not None:
+            join_run(self, *admission)
 
     def finish(self) -> None:
         """Leave the block: wait for every worker, then load the consolidated model
@@ -276,7 +228,7 @@ class LowComm:
         self.stats.syncs += 1
         self.stats.fragment_syncs += n_fragments
         every = self.config.replica_check_every
-        if every and self.stats.syncs % every == 0:
+        if every and self.schedule.syncs_through(step) % every == 0:  # the run's count
             self._replica.start(self.fragments, f"check@{step}")
 
     # -- the run state ---------------------------------------------------------------------------
@@ -338,8 +290,3 @@ class LowComm:
             self._placement.inner,
             self.sync_times,
         )
-
-
-def _compensation_device(cfg: SyncConfig) -> str:
-    """Error buffers live on the state device (the CPU when that is the model's)."""
-    return cfg.state_device if cfg.state_device != "model" else "cpu"

@@ -92,8 +92,7 @@ def register_fragment_state(state: RunState, frags: list[Fragment]) -> None:
         StatePart(
             lambda: [f.unsent for f in frags],
             lambda v: _load_unsent(frags, v or [0] * len(frags)),
-            shared=True,
-        ),
+        ),  # per site: the inner steps this site took since its last send (a joiner: none)
     )
 
 

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from .. import _buffers
 from ..config import ConfigError
-from ..elastic import Elastic, Membership
+from ..elastic import Elastic, Membership, View
 from ..transport import Transport, shutdown_at_exit
 from .fragment import Fragment
 from .tensors import DTensor, Part, local, views
@@ -51,6 +51,7 @@ class Placement:
         self.elastic = elastic
         self.membership: Membership | None = None
         self.start_members: list[int] = []  # the sites of the first quorum
+        self.admission: tuple[View, str] | None = None  # a joiner: the view and sync that took it
         self.model = model
         self.process_group = process_group
         self.mesh = mesh
@@ -58,14 +59,18 @@ class Placement:
         self.part: Part | None = None  # DDP inside a worker: (this rank's part, parts)
         self.inner: Transport | None = None  # the ranks of this worker, to share the parts
 
-    def join(self) -> dist.ProcessGroup:
+    def join(self, fingerprint: str = "") -> dist.ProcessGroup:
         """The outer group this rank syncs on (created here unless given); with membership,
-        the group of the first quorum that holds every starting site."""
+        the group of the first quorum that holds every starting site, or, for a site joining
+        a running run, of the quorum that admits it (``fingerprint``: the run's settings)."""
         if self.elastic is not None:
-            self.membership = Membership(self.elastic)
-            view = self.membership.start()
+            self.membership = Membership(self.elastic, fingerprint)
+            if self.elastic.join:
+                self.admission = view, _ = self.membership.join()
+            else:
+                view = self.membership.start()
             self.start_members = view.members
-            return self.membership.group(view)
+            return self.membership.group(view, self.membership.generation)
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError(NO_GROUP_MESSAGE)
         shutdown_at_exit()

@@ -48,6 +48,16 @@ class RunState:
         for name, part in self._parts.items():
             part.load(sd.get(name))
 
+    def shared_state_dict(self) -> dict[str, Any]:
+        """The shared parts' saved copies: what a joining site is handed."""
+        return {name: part.save() for name, part in self._parts.items() if part.shared}
+
+    def load_shared(self, sd: dict[str, Any]) -> None:
+        """Load the shared parts from ``sd`` (a heal), in registration order."""
+        for name, part in self._parts.items():
+            if part.shared:
+                part.load(sd[name])
+
     def keep(self) -> dict[str, Any]:
         """Copies of the parts that leaving the block must leave as they were."""
         return {name: part.save() for name, part in self._parts.items() if part.kept}

@@ -309,6 +309,11 @@ class TorchftDiLoCo:
 
         self.diloco._step_post_hook = hook  # registered by DiLoCo.__enter__, so patch before it
 
+    @property
+    def step(self) -> int:
+        """Inner steps so far (names the trainer's control collectives)."""
+        return self._step
+
     def __enter__(self) -> TorchftDiLoCo:
         if self.membership is not None:
             self.membership.start()

@@ -10,11 +10,13 @@ sites goes through the engine's membership: the outer syncs, and the trainer's f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import multiprocessing as mp
 import os
 import signal
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..config import ConfigError, SyncConfig, TrainConfig
-from ..elastic.faults import parse_faults
+from ..elastic.faults import joins, parse_faults
 from ..errors import LowCommError
 from .entry import run_entry, user_errors
 from .site_role import SiteRole
@@ -38,11 +40,15 @@ class SitesFailed(LowCommError):
         self.exitcode = exitcode
 
 
-def check_elastic(strategy: str, cfg: TrainConfig, workers: int) -> None:
+def check_elastic(
+    strategy: str, cfg: TrainConfig, workers: int, sync_cfg: SyncConfig | None = None
+) -> None:
     """One-line refusals of what elastic mode does not do, before any site starts."""
     if not cfg.elastic:
-        if cfg.faults:
-            parse_faults(cfg.faults, workers, cfg.steps)
+        if joins(parse_faults(cfg.faults, workers, cfg.steps)):
+            raise ConfigError(
+                "--faults join: a site can join only an elastic run: add elastic=true"
+            )
         return
     if strategy in PER_STEP:
         raise ConfigError(
@@ -57,29 +63,48 @@ def check_elastic(strategy: str, cfg: TrainConfig, workers: int) -> None:
         raise ConfigError("elastic=true runs one rank per site for now: set ranks_per_worker=1")
     if cfg.min_workers > workers:
         raise ConfigError(f"min_workers={cfg.min_workers} is more than --workers {workers}")
-    parse_faults(cfg.faults, workers, cfg.steps)
+    rejoin = joins(parse_faults(cfg.faults, workers, cfg.steps))
     if cfg.replay:
-        replay_leaves(cfg.replay, workers)
+        rejoin = rejoin or replay_joins(cfg.replay, workers)
+    if rejoin and strategy.startswith("torchft"):
+        raise ConfigError("a site joins lowcomm's own methods only, not torchft-diloco")
+    if rejoin and sync_cfg is not None and (sync_cfg.tau > 0 or strategy == "co2"):
+        raise ConfigError(
+            "a site can join only a run whose syncs do not overlap compute for now "
+            "(overlap=0; not co2): results in flight are not handed over yet"
+        )
 
 
 def replay_leaves(path: str, sites: int) -> dict[int, str]:
     """From a recorded membership.jsonl: each site that left, and the sync after which it did."""
+    return _replayed(path, sites)[0]
+
+
+def replay_joins(path: str, sites: int) -> dict[int, str]:
+    """From a recorded membership.jsonl: each site that joined again, and the sync it joined at."""
+    return _replayed(path, sites)[1]
+
+
+def _replayed(path: str, sites: int) -> tuple[dict[int, str], dict[int, str]]:
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
         raise ConfigError(f"replay={path}: cannot read it ({e.strerror})") from None
     leaves: dict[int, str] = {}
+    joined: dict[int, str] = {}
     for n, line in enumerate(lines, 1):
         try:
             event = json.loads(line)
             for site in event["left"]:
                 leaves.setdefault(int(site), str(event["after"]))
+            for site in event.get("joined", []):
+                joined.setdefault(int(site), str(event["at"]))
         except (ValueError, KeyError, TypeError):
             raise ConfigError(f"replay={path}: line {n} is not a membership event") from None
-    bad = [s for s in leaves if not 0 <= s < sites]
+    bad = [s for s in {**leaves, **joined} if not 0 <= s < sites]
     if bad:
         raise ConfigError(f"replay={path}: names sites {bad}, this run has 0..{sites - 1}")
-    return leaves
+    return leaves, joined
 
 
 def run_sites(
@@ -104,25 +129,50 @@ def run_sites(
         servers.append(_lighthouse(cfg, min_replicas=cfg.min_workers))
         peer = servers[-1].address()
     faults = parse_faults(cfg.faults, workers, cfg.steps)
-    leaves = replay_leaves(cfg.replay, workers) if cfg.replay else {}
+    leaves, rejoins = _replayed(cfg.replay, workers) if cfg.replay else ({}, {})
+    # a site that leaves (killed, or a replay's leave) and joins again is started anew
+    again: dict[int, dict[str, Any]] = {s: {"join_at": t} for s, t in rejoins.items()} or {
+        s: {"join_from": n} for s, n in joins(faults).items()
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob(".error-rank*"):  # left by a launcher that was killed
         stale.unlink(missing_ok=True)
     started = time.time()
     ctx = mp.get_context("spawn")
-    procs = []
-    for site in range(workers):
-        role = SiteRole(site, workers, address, faults, leaves.get(site, ""), peer)
-        args = (role, strategy, sync_cfg, cfg, str(out_dir), name, resume)
+
+    def start(role: SiteRole) -> Any:
+        # a joiner heals from a live peer: it never reads the checkpoint
+        args = (role, strategy, sync_cfg, cfg, str(out_dir), name, None if role.join else resume)
         p = ctx.Process(target=_site_main, args=args)
         p.start()
-        procs.append(p)
+        return p
+
+    roles = [SiteRole(s, workers, address, faults, leaves.get(s, ""), peer) for s in range(workers)]
+    procs = [start(role) for role in roles]
+    # a site that leaves and joins again (``join:`` or a replayed join) is started now, on
+    # standby: it is ready (imports, data, model) when its gate opens, at the first's exit
+    standby = {
+        s: (gate, start(dataclasses.replace(roles[s], leave_after="", join=True, gate=gate, **j)))
+        for s, j in again.items()
+        for gate in [ctx.Event()]
+    }
+
+    def restart(site: int) -> Any:
+        """The site's standby process, let in (None: the site does not join again)."""
+        if site not in standby:
+            return None
+        gate, p = standby.pop(site)
+        print(f"lowcomm: site {site} starts again to join the run", flush=True)
+        gate.set()
+        return p
+
     try:
-        codes = _wait(procs, out_dir)
+        codes = _wait(procs, out_dir, restart)
     finally:
         # a second Ctrl-C must not cut the clean-up short (stale workers.json, live sites)
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        for p in procs:  # a hung site (SIGSTOP) is ended once the others are done
+        # a hung site (SIGSTOP) is ended once the others are done, a standby never let in too
+        for p in procs + [p for _, p in standby.values()]:
             if p.is_alive():
                 p.kill()
         (out_dir / "workers.json").unlink(missing_ok=True)
@@ -147,20 +197,28 @@ def _lighthouse(cfg: TrainConfig, min_replicas: int) -> Any:
     )
 
 
-def _wait(procs: list[Any], out_dir: Path) -> list[int | None]:
-    """Wait until every site has exited (or is stopped while the rest are done)."""
+def _wait(
+    procs: list[Any], out_dir: Path, restart: Callable[[int], Any] | None = None
+) -> list[int | None]:
+    """Wait until every site has exited (or is stopped while the rest are done); a site that
+    ``restart`` starts again (it returns the new process) is waited for anew."""
     _write_workers(procs, out_dir)
     reported: set[int] = set()
     while True:
         for i, p in enumerate(procs):
             if p.exitcode is not None and i not in reported:
                 reported.add(i)
-                _write_workers(procs, out_dir)
                 if p.exitcode != 0:
                     why = f"signal {-p.exitcode}" if p.exitcode < 0 else f"exit {p.exitcode}"
                     others = any(q.exitcode is None for q in procs)
                     tail = "; the others go on" if others and p.exitcode < 0 else ""
                     print(f"lowcomm: site {i} is gone ({why}){tail}", flush=True)
+                if p.exitcode in (0, -signal.SIGKILL) and restart is not None:
+                    again = restart(i)
+                    if again is not None:
+                        procs[i] = again
+                        reported.discard(i)
+                _write_workers(procs, out_dir)
         running = [p for p in procs if p.exitcode is None and not _stopped(p.pid)]
         if not running:
             return [p.exitcode for p in procs]

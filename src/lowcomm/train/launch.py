@@ -196,7 +196,7 @@ def launch(
         raise ConfigError(f"--workers must be >= 1, got {workers}")
     if port is not None:
         check_port(port)
-    check_elastic(strategy, cfg, workers)
+    check_elastic(strategy, cfg, workers, sync_cfg)
     for warning in preflight(strategy, sync_cfg, cfg, workers):
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     if on_checked is not None:

@@ -17,6 +17,7 @@ import os
 import resource
 import subprocess
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -80,10 +81,15 @@ def run_worker(
         progress=cfg.progress,
         backend=cfg.log,
     )
+    if role is not None and role.gate is not None:
+        role.gate.wait()  # a joiner on standby: until the site it replaces has left
     try:
         with run.sync_context():
             if saved is not None:
                 restore(run, saved)
+            if role is not None and role.join:
+                _joined(run)
+                after_step(run, run.start_step - 1, log)  # the others' control collectives
             for step in range(run.start_step, cfg.steps + 1):
                 act(faults, run.site.replica, step)
                 train_step(run)
@@ -94,6 +100,18 @@ def run_worker(
         log.close()
     _tear_down(run)
     return summary.to_dict() if summary is not None else None
+
+
+def _joined(run: Run) -> None:
+    """A site that joined a running run (healed on entering the block) goes on from the run's
+    step: its own shard's batches from there and the LR schedule's position; its inner
+    optimizer starts fresh."""
+    step = run.engine.step
+    run.start_step, run.batches.step = step + 1, step
+    with warnings.catch_warnings():  # "scheduler stepped before the optimizer": on purpose
+        warnings.simplefilter("ignore")
+        run.sched.last_epoch = step - 1
+        run.sched.step()
 
 
 def train_step(run: Run) -> None:
@@ -133,7 +151,9 @@ def after_step(run: Run, step: int, log: RunLog) -> None:
     if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
         run.pending_checkpoint = True
     if run.pending_checkpoint and (run.engine is None or run.engine.last_sync_step == step):
+        t0 = time.perf_counter()
         save_checkpoint(run, step)
+        run.checkpoint_s += time.perf_counter() - t0
         run.pending_checkpoint = False
     events = run.membership.events if run.membership is not None else []
     if len(events) > run.events_logged:  # a site left: the record marks it
@@ -209,6 +229,8 @@ def summarize(run: Run, log: RunLog) -> RunSummary | None:
     if not run.writes:
         return None
     summary = _build_summary(run, val_loss, vec.tolist(), int(rss.item()))
+    if run.checkpoint_s:
+        summary.extra["checkpoint_s"] = round(run.checkpoint_s, 3)  # writing them, this site
     if run.membership is not None:
         per_step = run.cfg.batch_size * run.cfg.seq_len
         events = run.membership.events

@@ -123,6 +123,8 @@ class Run:
     role: SiteRole | None = None
     """This process's site in an elastic run (None: a fixed world)."""
     events_logged: int = 0
+    checkpoint_s: float = 0.0
+    """Seconds spent writing checkpoints (this rank)."""
     """Membership events already marked in metrics.jsonl."""
 
     @property
@@ -365,7 +367,8 @@ def _elastic(run: Run) -> Elastic | None:
     return Elastic(
         lighthouse=role.lighthouse, site=role.site, sites=role.sites,
         min_workers=cfg.min_workers, timeout_s=cfg.timeout_s, leave_after=role.leave_after,
-        connect_s=min(10.0, cfg.timeout_s),
+        connect_s=min(10.0, cfg.timeout_s), join=role.join, join_from=role.join_from,
+        join_at=role.join_at,
     )  # fmt: skip
 
 

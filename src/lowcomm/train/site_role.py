@@ -27,6 +27,10 @@ class SiteRole:
     faults: list[Fault] = field(default_factory=list)
     leave_after: str = ""  # replay: the sync after which this site left in the recorded run
     peer_lighthouse: str = ""  # torchft-diloco: the lighthouse of torchft's own Managers
+    join: bool = False  # this process joins the running run (started again after it left)
+    join_from: int = 0  # ... at the run's first sync at or after this step
+    join_at: str = ""  # ... or exactly at this sync (a replay)
+    gate: Any = None  # a joiner started on standby: a multiprocessing Event set to let it in
 
 
 class QuorumControl:
@@ -36,16 +40,19 @@ class QuorumControl:
     def __init__(self, engine: Any) -> None:
         self.engine = engine  # its membership runner exists once the block was entered
         self.meter = ByteMeter()  # their bytes are in the engine's meter, counted as control
-        self._count = 0
+        self._count, self._step = 0, -1  # control collectives so far at this step
 
     def all_reduce(self, t: torch.Tensor, control: bool = True) -> torch.Tensor:
         """Sum ``t`` over the live sites, in place (retried on a new quorum if one is lost)."""
-        self._count += 1
 
         def reduce(transport: Any, _: Any) -> torch.Tensor:
             return transport.all_reduce(t.clone(), control=True)  # t intact if it fails
 
-        tag, runner = f"control#{self._count}", self.engine.membership
+        # named by the run's step, so a site that joined later names them alike
+        step = self.engine.step
+        self._count = self._count + 1 if step == self._step else 1
+        self._step = step
+        tag, runner = f"control@{step}#{self._count}", self.engine.membership
         # on the comm thread, behind the syncs queued there: one order of quorums everywhere
         t.copy_(self.engine.transport.blocking(lambda: runner.run(tag, reduce)))
         return t
@@ -59,8 +66,13 @@ def record_membership(
     tokens actually trained (a lost site's steps count up to its last sync that stood)."""
     useful = 0
     for s in range(sites):
-        left = [e for e in events if s in e["left"]]
-        useful += left[0]["last_step"] if left else steps
+        since: int | None = 0  # the step from which site s is in the run (None: out)
+        for e in events:
+            if s in e["left"] and since is not None:  # its steps after its last sync are lost
+                useful, since = useful + e["last_step"] - since, None
+            if s in e.get("joined", []) and since is None:
+                since = int(e["at"].partition("@")[2])
+        useful += steps - since if since is not None else 0
     # torchft's DiLoCo throws a failed round away on every member; lowcomm's never does
     useful -= sum(e.get("discarded_steps", 0) * len(e["members"]) for e in events)
     summary.tokens = useful * tokens_per_site_step

@@ -1,0 +1,84 @@
+"""``lowcomm bench heal``: what it costs to bring a site back, per model size.
+
+For each model, on this machine (unshaped loopback), two sites of DiLoCo:
+
+- **heal**: ``elastic=true``, site 1 killed and joining again (``kill:1@K,join:1@J``): the
+  shared state's bytes and the seconds of the hand-over, digests compared (``heal_s``, as the
+  sending site measured it: the pause the run takes at the sync that admits the joiner);
+- **checkpoint-restart**: the stop-the-world way to bring a site back. A run writes a
+  checkpoint (its writing time is read from the run's own clock), then ``lowcomm train
+  --resume`` starts every site again with one step left; its wall time from outside (start,
+  load, one step, the end) is the restart.
+
+Both are small runs (batch 2 x 32 tokens) so the 124m model fits two cores; the figures are the
+costs of moving and loading state, not of training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+TRAIN = [sys.executable, "-m", "lowcomm.cli", "train"]
+SMALL = ["batch_size=2", "seq_len=32", "eval_every=0", "progress=false", "threads=1",
+         "--overwrite", "eval_batches=1"]  # fmt: skip
+
+
+def main(argv: list[str]) -> int:
+    """Measure heal and restart for each model; print the table (and write DIR/results.json)."""
+    p = argparse.ArgumentParser(prog="lowcomm bench heal", description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="tiny,small,124m")
+    p.add_argument("--out", default="runs/bench-heal")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for model in a.models.split(","):
+        rows.append({"model": model, **_heal(model, out / f"heal-{model}"),
+                     **_restart(model, out / f"restart-{model}")})  # fmt: skip
+        (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
+    print(json.dumps(rows, indent=2) if a.json else table(rows))
+    return 0
+
+
+def _run(args: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.perf_counter()
+    done = subprocess.run([*TRAIN, *args], capture_output=True, text=True)
+    if done.returncode != 0 and "--resume" not in args:
+        raise RuntimeError(f"{' '.join(args)} failed:\n{done.stderr[-3000:]}")
+    return done, time.perf_counter() - t0
+
+
+def _heal(model: str, out: Path) -> dict[str, Any]:
+    _run(["--strategy", "diloco", "--workers", "2", "--model", model, "--steps", "8",
+          "sync_every=2", *SMALL, "elastic=true", "min_workers=1", "--faults", "kill:1@3,join:1@6",
+          "--out", str(out)])  # fmt: skip
+    events = json.loads((out / "summary.json").read_text())["membership"]
+    (joined,) = [e for e in events if e.get("joined")]
+    return {"heal_s": joined["heal_s"], "heal_bytes": joined["heal_bytes"]}
+
+
+def _restart(model: str, out: Path) -> dict[str, Any]:
+    base = ["--strategy", "diloco", "--workers", "2", "--model", model, *SMALL]
+    _run([*base, "--steps", "4", "sync_every=2", "checkpoint_every=2", "--out", str(out)])
+    write_s = json.loads((out / "summary.json").read_text())["checkpoint_s"] / 2  # two written
+    done, wall = _run(["--resume", str(out), "--steps", "5"])
+    if done.returncode != 0:
+        raise RuntimeError(f"resume failed:\n{done.stderr[-3000:]}")
+    return {"checkpoint_write_s": round(write_s, 3), "restart_s": round(wall, 2)}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a markdown table."""
+    head = "| model | heal bytes | heal s | checkpoint write s | restart s (start, load, 1 step) |"
+    lines = [head, "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['heal_bytes']:,} | {r['heal_s']:.3f} | "
+                     f"{r['checkpoint_write_s']:.3f} | {r['restart_s']:.2f} |")  # fmt: skip
+    return "\n".join(lines)
