@@ -119,7 +119,12 @@ def test_survivors_finish_identical_after_a_site_is_killed(tmp_path, lighthouse,
     torch.testing.assert_close(a["global"], glob, atol=1e-6, rtol=0)
 
 
-JOINS = ["diloco", "sparseloco", "streaming_tau0"]  # tau = 0: nothing in flight to hand over
+# tau = 0: nothing in flight to hand over; by hand (-m slow) the two whose path DiLoCo's takes
+JOINS = [
+    "diloco",
+    pytest.param("sparseloco", marks=pytest.mark.slow),
+    pytest.param("streaming_tau0", marks=pytest.mark.slow),
+]
 J_STEPS, J_KILL, J_FROM = 50, 12, 30
 
 
