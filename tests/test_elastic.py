@@ -198,8 +198,8 @@ def _site_process(tmp_path, lighthouse, preset, kw, index, **more) -> subprocess
 
 
 def _start_sites(tmp_path, lighthouse, preset, kw) -> list[subprocess.Popen]:
-    """Sites 0-2 of a join test, paced (0.04 s a step) so the joiner, on standby from the start, is ready in time; site 2
-    is killed before step 12."""
+    """Sites 0-2 of a join test, paced (0.04 s a step) so the joiner, on standby from the
+    start, is ready in time; site 2 is killed before step 12."""
     return [
         _site_process(tmp_path, lighthouse, preset, kw, i, kill_at=J_KILL if i == 2 else None)
         for i in range(3)
