@@ -86,6 +86,11 @@ class View:
         left is another member, though the lighthouse knows it by the same name."""
         return "-".join(f"{d['site']}.{d.get('inc', '')}" for d in self.data)
 
+    @property
+    def healer(self) -> int:
+        """The rank that hands a joiner the run's state: the lowest site already in the run."""
+        return self.rank_of(next(s for s in self.members if s not in self.joiners))
+
     def rank_of(self, site: int) -> int:
         """This quorum's rank of ``site``."""
         return self.members.index(site)

@@ -82,7 +82,7 @@ class Runner:
         record of members, ``load`` it (returns what the engine then holds), compare digests
         with every member; its first ``run`` is then sync ``tag`` on this same view."""
         transport = self._on(view)[0]
-        src = view.rank_of(next(s for s in view.members if s not in view.joiners))
+        src = view.healer
         got, _ = heal.hand_over(transport, src, None)
         loaded = load(got["state"])
         self.events, self.members = list(got["events"]), list(got["members"])
@@ -98,7 +98,7 @@ class Runner:
             return
         assert self.shared is not None, "the engine sets Runner.shared"
         t0 = time.perf_counter()
-        src = view.rank_of(next(s for s in view.members if s not in view.joiners))
+        src = view.healer
         state = self.shared()
         record = {"state": state, "events": self.events, "members": self.members,
                   "last": [self._last_tag, self._last_step]}  # fmt: skip

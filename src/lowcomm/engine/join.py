@@ -10,12 +10,13 @@ from ..elastic import View
 from ..errors import ConfigError
 
 
-def check_joinable(engine: Any) -> None:
-    """Joins need a sync that blocks every site (nothing in flight to hand over)."""
-    if engine.schedule.overlap > 0 or engine.schedule.is_round_overlap():
+def check_joinable(overlap: int) -> None:
+    """Joins need a sync that blocks every site (nothing in flight to hand over): a
+    ConfigError for a run whose syncs overlap compute (``overlap`` = τ; CO2's is H)."""
+    if overlap > 0:
         raise ConfigError(
             "a site can join only a run whose syncs do not overlap compute for now "
-            "(overlap=0; not CO2): results in flight are not handed over yet"
+            "(overlap=0; not co2): results in flight are not handed over yet"
         )
 
 

@@ -34,7 +34,7 @@ def wire(engine: Any) -> tuple[View, str] | None:
     LowComm being started, typed loosely: core imports this module.)"""
     cfg, placement, state = engine.config, engine._placement, engine.state
     if placement.elastic is not None and placement.elastic.join:
-        check_joinable(engine)  # before the site asks to join
+        check_joinable(engine.schedule.overlap)  # before the site asks to join
     group = placement.join(fingerprint(engine))
     admission = placement.admission
     engine.transport = transport = Transport(group, delay_s=engine._comm_delay_s)

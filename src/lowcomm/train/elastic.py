@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..config import ConfigError, SyncConfig, TrainConfig
 from ..elastic.faults import joins, parse_faults
+from ..engine.join import check_joinable
 from ..errors import LowCommError
 from .entry import run_entry, user_errors
 from .site_role import SiteRole
@@ -68,11 +69,8 @@ def check_elastic(
         rejoin = rejoin or replay_joins(cfg.replay, workers)
     if rejoin and strategy.startswith("torchft"):
         raise ConfigError("a site joins lowcomm's own methods only, not torchft-diloco")
-    if rejoin and sync_cfg is not None and (sync_cfg.tau > 0 or strategy == "co2"):
-        raise ConfigError(
-            "a site can join only a run whose syncs do not overlap compute for now "
-            "(overlap=0; not co2): results in flight are not handed over yet"
-        )
+    if rejoin and sync_cfg is not None:
+        check_joinable(sync_cfg.tau)  # the engine's own rule, before any site starts
 
 
 def replay_leaves(path: str, sites: int) -> dict[int, str]:
