@@ -31,7 +31,10 @@ def _agg_worker(rank: int, world: int, method: str, codec_name: str, aggregation
     }
 
 
-@pytest.mark.parametrize("world,codec", [(2, "topk"), (4, "fp4")])
+@pytest.mark.parametrize(
+    "world,codec",
+    [(2, "topk"), pytest.param(4, "fp4", marks=pytest.mark.slow)],  # 4: by hand
+)
 def test_gather_equals_fp32_sum_of_decoded_payloads(workers, world, codec):
     res = workers(_agg_worker, world, "gather", codec, "mean")
     c = make_codec(codec, block_size=32, density=1 / 8)
@@ -43,7 +46,10 @@ def test_gather_equals_fp32_sum_of_decoded_payloads(workers, world, codec):
         assert r["meter"]["sent_bytes"] == (world - 1) * r["payload"]  # all-gather ring cost
 
 
-@pytest.mark.parametrize("world,codec", [(3, "fp4"), (4, "int8")])
+@pytest.mark.parametrize(
+    "world,codec",
+    [(3, "fp4"), pytest.param(4, "int8", marks=pytest.mark.slow)],  # 4: by hand
+)
 def test_two_phase_reduce(workers, world, codec):
     res = workers(_agg_worker, world, "two-phase", codec, "mean")
     c = make_codec(codec, block_size=32)

@@ -92,7 +92,10 @@ def reference_co2(world: int, penalty: bool, clip: float) -> torch.Tensor:
     return theta
 
 
-@pytest.mark.parametrize("penalty,clip", [(True, CLIP), (False, 0.0)])
+@pytest.mark.parametrize(
+    "penalty,clip",
+    [pytest.param(True, CLIP, marks=pytest.mark.slow), (False, 0.0)],  # by hand
+)
 def test_co2_reset_ablation_matches_plain_torch(workers, penalty, clip):
     res = workers(_co2_worker, 2, penalty, clip, "reset")
     torch.set_num_threads(1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import adamw, batches, flat_params, tiny_model
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -97,6 +98,7 @@ def test_powersgd_hook_compresses_after_its_start_steps(workers):
     assert torch.equal(res[0]["params"], res[1]["params"])
 
 
+@pytest.mark.slow  # by hand (pytest -m slow): the default suite stays under 10 minutes
 def test_powersgd_hook_keeps_collective_order_across_many_buckets(workers):
     """PowerSGD's callback all-reduces of several buckets in flight must not interleave
     (gloo aborts)."""

@@ -82,6 +82,9 @@ SLOW = {
     ("streaming_continue", True),
     ("sparseloco", True),
     ("streaming_tau1", True),  # CO2's kill inside takes the same overlapped retry
+    ("streaming_continue", False),  # streaming_tau1's path with CO2's merge
+    ("diloco", True),  # co2's kill inside is the harder case (a round in flight)
+    ("sparseloco", False),  # DiLoCo's path with its codec (its buffers: the join test)
 }
 STEPS, KILLED, KILL_AT = 30, 2, 12
 
@@ -119,11 +122,15 @@ def test_survivors_finish_identical_after_a_site_is_killed(tmp_path, lighthouse,
     torch.testing.assert_close(a["global"], glob, atol=1e-6, rtol=0)
 
 
-# tau = 0: nothing in flight to hand over; by hand (-m slow) the two whose path DiLoCo's takes
+# with results in flight (a fragment, CO2's round) and without; by hand (-m slow) those
+# whose path another case takes (streaming at tau = 0 is DiLoCo's, sparseloco's its codec)
 JOINS = [
     "diloco",
+    "streaming_tau1",
+    "co2",
     pytest.param("sparseloco", marks=pytest.mark.slow),
     pytest.param("streaming_tau0", marks=pytest.mark.slow),
+    pytest.param("streaming_continue", marks=pytest.mark.slow),
 ]
 J_STEPS, J_KILL, J_FROM = 50, 12, 30
 
@@ -330,9 +337,9 @@ def reference_elastic(
                     o.zero_grad()
             for s, at in joined.items():
                 if at == t:  # healed: the global copy, a fresh inner optimizer, its shard at t
-                    assert tau == 0, "joins are for tau = 0"
-                    for n, w in params[s].items():
+                    for n, w in params[s].items():  # (before the results due at t: see below)
                         w.copy_(glob[n])
+                        snap[s][n] = glob[n].clone()  # continue: nothing of its own sent
                     opts[s] = adamw(models[s])
                     data[s].step = t
             sends = [p for p in range(P) if (t - (p * H) // P) % H == 0]
@@ -387,6 +394,101 @@ def test_a_member_that_never_reaches_the_group_fails_the_attempt_within_connect_
         a.group(views[a])  # b never comes: it was lost between the quorum and the group
     a.close()
     b.close()
+
+
+def test_a_failed_attempt_closes_its_group_so_peers_waiting_on_it_fail_at_once(lighthouse):
+    """A site whose attempt failed outside a collective (its peers still waiting on it inside
+    one) closes its group before the vote: they fail on a closed connection, not at the
+    collective timeout (60 s here; the test would block that long), and all retry as one."""
+    import threading
+
+    from lowcomm.elastic import Elastic, Membership
+    from lowcomm.elastic.runner import Runner
+    from lowcomm.transport import ByteMeter
+
+    errors: dict[int, str] = {}
+    results: dict[int, float] = {}
+    attempts = {0: 0, 1: 0, 2: 0}
+
+    def site(i: int) -> None:
+        m = Membership(Elastic(lighthouse=lighthouse, site=i, sites=3, timeout_s=60,
+                               run_id="drop"))  # fmt: skip
+        runner = Runner(m, ByteMeter(), ByteMeter(), 0.0)
+
+        def collectives(transport, _):
+            attempts[i] += 1
+            if i == 2 and attempts[i] == 1:
+                raise RuntimeError("site 2 failed before its collective")
+            try:
+                return float(transport.all_reduce(torch.tensor([i + 1.0]))[0])
+            except RuntimeError as e:
+                errors[i] = str(e)
+                raise
+
+        try:
+            m.start()
+            results[i] = runner.run("sync@5", collectives)
+        finally:
+            m.close()
+
+    threads = [threading.Thread(target=site, args=(i,), daemon=True) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=50)
+    assert not any(t.is_alive() for t in threads), "a peer waited for the collective timeout"
+    assert set(errors) == {0, 1} and all("closed" in e.lower() for e in errors.values()), errors
+    assert results == {0: 6.0, 1: 6.0, 2: 6.0} and attempts == {0: 2, 1: 2, 2: 2}
+
+
+def test_a_site_whose_heartbeat_lapsed_for_a_moment_is_waited_for_not_left_behind(lighthouse):
+    """min_workers=2 of 2: while site 1's heartbeats stall (a loaded host), the lighthouse gives
+    site 0 a quorum of itself alone; site 0 asks again rather than stopping the run, and once
+    site 1 beats and asks too both are in the same quorum."""
+    import threading
+
+    from lowcomm.elastic import Elastic, Membership
+
+    a, b = (Membership(Elastic(lighthouse=lighthouse, site=i, sites=2, min_workers=2,
+                               timeout_s=30, run_id="lapse")) for i in (0, 1))  # fmt: skip
+    views = {}
+
+    def ask(m: Membership, tag: str) -> None:
+        views[m] = m.quorum(tag)
+
+    starts = [threading.Thread(target=m.start) for m in (a, b)]
+    for t in starts:
+        t.start()
+    for t in starts:
+        t.join(timeout=30)
+    b._stop.set()  # site 1 stalls: no heartbeat for longer than the lighthouse's 1 s
+    b._beats.join()
+    time.sleep(1.5)
+    first = threading.Thread(target=ask, args=(a, "sync@5"))
+    first.start()
+    time.sleep(1.0)  # site 0 has had its lone quorum by now, and asks again
+    assert first.is_alive()
+    b._stop.clear()  # site 1 is back
+    b._beats = threading.Thread(target=b._beat, daemon=True)
+    b._beats.start()
+    ask(b, "sync@5")
+    first.join(timeout=30)
+    assert views[a].members == views[b].members == [0, 1]
+    a.close()
+    b.close()
+
+
+def test_a_joiner_with_no_run_to_join_stops_with_one_line(lighthouse):
+    """No other site beats on the lighthouse (the run is over, or another address): the
+    joiner stops after timeout_s instead of asking forever."""
+    from lowcomm.elastic import Elastic, Membership
+    from lowcomm.errors import MembershipError
+
+    m = Membership(Elastic(lighthouse=lighthouse, site=2, sites=3, timeout_s=1.5, join=True,
+                           run_id="nobody"))  # fmt: skip
+    with pytest.raises(MembershipError, match=r"found no run to join at .* \(run id nobody\)"):
+        m.join()
+    m.close()
 
 
 def test_the_fingerprint_tells_apart_what_a_joiner_must_share():

@@ -58,7 +58,7 @@ def reference_diloco(world: int, H: int, rounds: int, lr: float, mom: float) -> 
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: by hand
 def test_diloco_matches_plain_torch(workers, world):
     H, rounds, lr, mom = 4, 3, 0.7, 0.9
     results = workers(_diloco_worker, world, H, rounds, lr, mom)

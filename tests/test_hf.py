@@ -150,7 +150,8 @@ def test_bpe_refuses_a_pretokenized_corpus(tmp_path):
     "arch,strategy,syncs",
     [
         ("llama", "diloco", 3),  # 12 steps, H = 4: one fragment synced 3 times
-        ("gpt2", "streaming", 6),  # two fragments (embeddings+head, the blocks), 3 syncs each
+        # two fragments (embeddings+head, the blocks), 3 syncs each; by hand (-m slow)
+        pytest.param("gpt2", "streaming", 6, marks=pytest.mark.slow),
         pytest.param("llama", "streaming", 6, marks=pytest.mark.slow),
         pytest.param("gpt2", "diloco", 3, marks=pytest.mark.slow),
     ],
@@ -309,7 +310,8 @@ def _trainer_worker(
     "arch,strategy,fragments,equal_at",
     [
         ("llama", "diloco", 1, {4, 8}),  # H = 4: replicas equal right after each sync only
-        ("gpt2", "streaming", 2, set()),  # overlapped fragments (tau = 1, alpha = 0.5): never equal
+        # overlapped fragments (tau = 1, alpha = 0.5): never equal; by hand (-m slow)
+        pytest.param("gpt2", "streaming", 2, set(), marks=pytest.mark.slow),
     ],
 )
 def test_lowcomm_trainer_keeps_workers_apart_between_syncs(

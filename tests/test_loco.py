@@ -328,6 +328,7 @@ def test_beta_zero_is_plain_error_feedback():
         assert torch.equal(loco.buffer("w"), ef.buffer("w"))  # both hold the plain residual
 
 
+@pytest.mark.slow  # by hand (pytest -m slow): the default suite stays under 10 minutes
 def test_loco_strategy_trains(tmp_path):
     import json
     import subprocess

@@ -146,7 +146,15 @@ def test_every_case_ends_bit_identical_to_its_pin(workers):
 V0 = Path(__file__).parent / "data" / "checkpoints_v0"
 
 
-@pytest.mark.parametrize("strategy", ["streaming", "co2", "sparseloco"])
+# by hand (-m slow): streaming and sparseloco (the same loader as co2's, other parts)
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        pytest.param("streaming", marks=pytest.mark.slow),
+        "co2",
+        pytest.param("sparseloco", marks=pytest.mark.slow),
+    ],
+)
 def test_checkpoint_from_before_the_engine_split_resumes_bit_identically(tmp_path, strategy):
     """A run saved at step 8 of 24 by commit 5f0fff9 resumes to that commit's own final model
     (``<strategy>.model.pt``, from the same run left uninterrupted)."""

@@ -25,15 +25,27 @@ from test_own_loop import HERE, torchrun
 STRATEGIES = ["diloco", "streaming", "streaming_fp32", "sparseloco", "co2"]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = {}
-    for mode, ranks in [("fsdp", 4), ("ddp", 4), ("plain", 2), ("split", 2)]:
-        folder = tmp_path_factory.mktemp(mode)
+class _Runs(dict):
+    """Each mode's torchrun of replica_script.py, run once, when a test first needs it (so the
+    default suite, without the ddp cases, runs three of the four)."""
+
+    RANKS = {"fsdp": 4, "ddp": 4, "plain": 2, "split": 2}
+
+    def __init__(self, factory) -> None:
+        super().__init__()
+        self.factory = factory
+
+    def __missing__(self, mode: str) -> list[dict]:
+        folder, ranks = self.factory.mktemp(mode), self.RANKS[mode]
         proc = torchrun(HERE / "replica_script.py", mode, str(folder), cwd=folder, nproc=ranks)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        out[mode] = [torch.load(folder / f"rank{r}.pt") for r in range(ranks)]
-    return out
+        self[mode] = [torch.load(folder / f"rank{r}.pt") for r in range(ranks)]
+        return self[mode]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return _Runs(tmp_path_factory)
 
 
 def _assert_models_close(a: dict, b: dict, rtol: float) -> None:
@@ -43,7 +55,8 @@ def _assert_models_close(a: dict, b: dict, rtol: float) -> None:
         assert err <= rtol * scale, f"{name}: max error {err:.3g} vs scale {scale:.3g}"
 
 
-@pytest.mark.parametrize("inner", ["fsdp", "ddp"])
+# DDP inside by hand (-m slow), with the trainer case below: the default suite runs FSDP2 inside
+@pytest.mark.parametrize("inner", ["fsdp", pytest.param("ddp", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_replicas_of_two_ranks_train_as_one_rank_replicas(runs, strategy, inner):
     """FSDP2 inside: each rank syncs its shard. DDP inside: each rank syncs its half of every
@@ -195,7 +208,13 @@ def test_two_nodes_of_two_ranks_train_and_resume_after_one_is_killed(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "strategy, inner", [("diloco", "fsdp"), ("ddp", "fsdp"), ("diloco", "ddp")]
+    "strategy, inner",
+    [
+        ("diloco", "fsdp"),
+        # by hand (-m slow): 17 s each, their paths are the fixture's ddp cases' and DDP's
+        pytest.param("ddp", "fsdp", marks=pytest.mark.slow),
+        pytest.param("diloco", "ddp", marks=pytest.mark.slow),
+    ],
 )
 def test_trainer_with_two_ranks_per_worker_trains_as_one_rank_per_worker(tmp_path, strategy, inner):
     """`lowcomm train --ranks-per-worker 2`: FSDP2 inside each worker (HSDP for ddp) or DDP

@@ -57,6 +57,7 @@ def _run_both(tmp_path, strategies: tuple[str, str], **settings) -> list[dict]:
     return out
 
 
+@pytest.mark.slow  # by hand (pytest -m slow): the default suite stays under 10 minutes
 def test_torchft_streaming_equals_our_streaming_in_fp32(tmp_path) -> None:
     """torchft's Streaming DiLoCo and ours, FP32, 3 fragments, no overlap: the same math and,
     once torchft's fragment order is matched to ours, the same schedule: the same losses."""
@@ -93,6 +94,7 @@ def _val_loss(run, step: int) -> float:
     raise AssertionError(f"no val_loss at step {step} in {run}")
 
 
+@pytest.mark.slow  # 10 s, by hand (-m slow): the default suite stays under 10 minutes
 def test_torchft_streaming_with_overlap_trains_and_meters(tmp_path) -> None:
     """With tau = 1 and alpha = 0.5 torchft sends each fragment one step before its slot (ours:
     one step after), so the runs differ; both train, and torchft's bytes are counted."""

@@ -19,6 +19,7 @@ import atexit
 import logging
 import os
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -54,6 +55,7 @@ class Elastic:
     join: bool = False  # this site joins a running run (it heals from a live peer)
     join_from: int = 0  # ... admitted at the run's first sync at or after this inner step
     join_at: str = ""  # ... or exactly at this sync (a replay of a recorded join)
+    heal_at: tuple[str, ...] = ()  # replay: the syncs where sites joined (offer a heal there)
 
     def __post_init__(self) -> None:
         if not isinstance(self.lighthouse, str) or not self.lighthouse:
@@ -107,6 +109,7 @@ class Membership:
         self.generation = 0  # the runner's failed commits so far (a joiner adopts the run's)
         self.incarnation = uuid.uuid4().hex[:8]  # this process, among the site's restarts
         self._refused: set[int] = set()  # sites already told they were refused
+        self.joiner_waiting = False  # a site with this run's settings asked to join, last quorum
         timeout = timedelta(seconds=elastic.timeout_s)
         self._client = LighthouseClient(elastic.lighthouse, connect_timeout=timeout)
         self._beat_client = LighthouseClient(elastic.lighthouse, connect_timeout=timeout)
@@ -128,12 +131,30 @@ class Membership:
             except Exception as e:  # the lighthouse is gone: the next quorum says so
                 log.debug("heartbeat failed: %s", e)
 
-    def quorum(self, tag: str, ok: bool = True, phase: str = "sync") -> View:
+    def quorum(self, tag: str, ok: bool = True, phase: str = "sync", ready: bool = False) -> View:
         """Wait for the next quorum, reporting ``tag`` (which sync), ``phase`` (its collectives
-        or their commit) and ``ok`` (did this site complete them); raises MembershipError when
+        or their commit), ``ok`` (did this site complete them) and ``ready`` (does it offer a
+        heal here: a joiner is admitted only where every member does); raises MembershipError when
         this site is out or too few remain. Sites asking to join are in the view only when
-        admitted here (the same settings, at a sync they may join at): see :func:`admit`."""
-        view = self._ask(tag, ok, phase, join=False)
+        admitted here (the same settings, at a sync they may join at): see :func:`admit`.
+
+        A quorum of fewer than ``min_workers`` is asked again for up to ``timeout_s``: a live
+        site whose heartbeat lapsed for a moment (a loaded host) is back in the next one."""
+        deadline = time.monotonic() + self.elastic.timeout_s
+        view = self._member_view(tag, ok, phase, ready)
+        while len(view.members) < self.elastic.min_workers and time.monotonic() < deadline:
+            log.debug("site %d: %s quorum of %s, fewer than min_workers; asking again",
+                      self.elastic.site, tag, view.members)  # fmt: skip
+            time.sleep(self.elastic.heartbeat_s)  # the lighthouse answers a lone asker at once
+            view = self._member_view(tag, ok, phase, ready)
+        return view
+
+    def _member_view(self, tag: str, ok: bool, phase: str, ready: bool) -> View:
+        """One quorum, as the members of the run see it (joiners filtered by :func:`admit`)."""
+        view = self._ask(tag, ok, phase, join=False, ready=ready)
+        self.joiner_waiting = any(
+            d.get("join") and d.get("fp") == self.fingerprint for d in view.data
+        )
         if self.elastic.site not in view.members:
             raise MembershipError(
                 f"site {self.elastic.site} was left out of the run at {tag}: it stops here"
@@ -147,12 +168,16 @@ class Membership:
 
     def join(self) -> tuple[View, str]:
         """A joining site: ask until the run admits it at a sync; that view and the sync's tag.
-        Raises MembershipError, before any model state moves, when the run's settings differ."""
+        Raises MembershipError, before any model state moves, when the run's settings differ
+        or no other site has been alive for ``timeout_s``."""
+        alone_since: float | None = None
         while True:
-            view = self._ask("join", True, "join", join=True)
-            old = [d for d in view.data if not d.get("join")]
+            asked = time.monotonic()
+            view = self._ask_to_join()
+            old = [d for d in view.data if not d.get("join")] if view else []
             if not old:
-                continue  # only joiners asked this time
+                alone_since = self._alone(asked, alone_since, answered=view is not None)
+                continue
             ref = old[0]
             if ref.get("fp") != self.fingerprint:
                 raise MembershipError(
@@ -165,17 +190,48 @@ class Membership:
                 self.generation = int(ref.get("gen", 0))
                 return admitted, ref["tag"]
 
-    def _ask(self, tag: str, ok: bool, phase: str, join: bool) -> View:
+    def _ask_to_join(self) -> View | None:
+        """One quorum as a joiner; None when it timed out (the run's sites are alive but
+        between syncs: the lighthouse holds a lone joiner until they ask)."""
+        asked = time.monotonic()
+        try:
+            return self._ask("join", True, "join", join=True, ready=False)
+        except MembershipError:
+            if time.monotonic() - asked < self.elastic.timeout_s:
+                raise  # at once: the lighthouse is gone
+            return None
+
+    def _alone(self, asked: float, since: float | None, answered: bool) -> float | None:
+        """Only joiners asked. The lighthouse answers a lone joiner at once only when no other
+        site beats (the run is over, or not on this lighthouse): give up after ``timeout_s``
+        of that. Returns since when this joiner has been alone (None: others are alive)."""
+        e = self.elastic
+        now = time.monotonic()
+        since = (since or asked) if answered and now - asked < e.timeout_s / 2 else None
+        if since is not None and now - since > e.timeout_s:
+            raise MembershipError(
+                f"site {e.site} found no run to join at {e.lighthouse} (run id {e.run_id}): "
+                f"start it while the run is going"
+            )
+        time.sleep(e.heartbeat_s)
+        return since
+
+    def _ask(self, tag: str, ok: bool, phase: str, join: bool, ready: bool) -> View:
         e = self.elastic
         data = {
             "site": e.site, "tag": tag, "ok": ok, "store": self.store_address, "phase": phase,
             "fp": self.fingerprint, "gen": self.generation, "join": join,
             "join_from": e.join_from, "join_at": e.join_at, "inc": self.incarnation,
+            "ready": ready,
         }  # fmt: skip
+        # a live peer may reach the vote up to timeout_s late (a collective waiting on a lost
+        # site) after connect_s at a group, and the lighthouse waits timeout_s for stragglers:
+        # a wait of exactly timeout_s would give up on a peer about to arrive
+        wait_s = 2 * e.timeout_s + e.connect_s
         try:
             q = self._client.quorum(
                 replica_id=e.replica_id,
-                timeout=timedelta(seconds=e.timeout_s),
+                timeout=timedelta(seconds=wait_s),
                 address=self.store_address,
                 store_address=self.store_address,
                 step=0,
@@ -185,7 +241,7 @@ class Membership:
             )
         except Exception as err:
             raise MembershipError(
-                f"site {e.site}: no quorum within {e.timeout_s:g} s at {tag} ({err}): fewer than "
+                f"site {e.site}: no quorum within {wait_s:g} s at {tag} ({err}): fewer than "
                 f"min_workers={e.min_workers} sites may remain, or the lighthouse is gone"
             ) from None
         data = sorted((dict(m.data or {}) for m in q.participants), key=lambda d: d["site"])
@@ -210,8 +266,8 @@ class Membership:
             )
         if len(view.members) < e.min_workers:
             raise MembershipError(
-                f"only {len(view.members)} sites remain ({view.members}), fewer than "
-                f"min_workers={e.min_workers}: the run stops"
+                f"only {len(view.members)} sites remain ({view.members}) after {e.timeout_s:g} "
+                f"s, fewer than min_workers={e.min_workers}: the run stops"
             )
 
     def group(self, view: View, generation: int = 0) -> dist.ProcessGroup:
@@ -243,6 +299,13 @@ class Membership:
         self._groups[key] = group
         return group
 
+    def drop(self, key: tuple[int, int, str]) -> None:
+        """Forget the group of ``key`` (quorum id, attempt, members): once nothing else holds
+        it, gloo closes its connections, and peers blocked on them fail at once."""
+        group = self._groups.pop(key, None)
+        if group is not None:
+            group.abort()
+
     def close(self) -> None:
         """Stop the heartbeats (the lighthouse then leaves this site out) and the groups."""
         self._stop.set()
@@ -255,14 +318,17 @@ def admit(view: View, fingerprint: str, tag: str, phase: str) -> View:
     """The members of a quorum that take part in sync ``tag``: the sites already in the run,
     and the joiners it admits there (the run's settings; the first quorum of a sync of the
     outer loop, ``sync@N``, at or after the step they asked to join from, or exactly the sync
-    a replay names). Every member computes the same from the same view."""
-    keep, joiners = [], []
+    a replay names), where every old member offers the run's state. Every member computes
+    the same from the same view."""
+    keep = [d for d in view.data if not d.get("join")]
+    joiners = []
+    offered = all(d.get("ready") for d in keep)
     for d in view.data:
-        if not d.get("join"):
-            keep.append(d)
-        elif d.get("fp") == fingerprint and phase == "sync" and _joins_at(d, tag):
-            keep.append(d)
-            joiners.append(int(d["site"]))
+        if d.get("join") and d.get("fp") == fingerprint and phase == "sync" and offered:
+            if _joins_at(d, tag):
+                keep.append(d)
+                joiners.append(int(d["site"]))
+    keep.sort(key=lambda d: d["site"])
     return View(view.quorum_id, [int(d["site"]) for d in keep], keep, joiners)
 
 

@@ -4,6 +4,7 @@ sync stands for every member."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -39,8 +40,8 @@ class Runner:
         self._started = 0.0
         self._last_tag = "start"  # the last sync that stood with this site in it
         self._last_step = 0  # ... and the last inner step such a sync was at
-        # the engine's shared state, for healing a joiner (set by the engine)
-        self.shared: Callable[[], dict] | None = None
+        # the engine's shared state at a sync a joiner may enter, by tag (see ``offer``)
+        self._offers: dict[str, Callable[[], dict]] = {}
         self.admitted: View | None = None  # a joiner's first sync: the view that admitted it
         self._heal: tuple[float, int] | None = None  # the last heal sent: seconds, bytes
 
@@ -51,12 +52,11 @@ class Runner:
             self._leave(tag)
         failed: list[list[int]] = []  # the members of each failed attempt
         while True:
-            view, self.admitted = self.admitted or self.membership.quorum(tag), None
+            ready = tag in self._offers
+            view, self.admitted = self.admitted or self.membership.quorum(tag, ready=ready), None
             self.membership.check(view, tag)
             try:  # the group too: its store's host or a peer may be gone already
-                transports = self._on(view)
-                self._heal_joiners(view, transports[0], tag)
-                result, ok = collectives(*transports), True
+                result, ok = self._attempt(view, tag, collectives), True
             # a peer died or hung inside a collective (torch's collective logger turns the
             # error of a group outside its world map into a ValueError)
             except (RuntimeError, ValueError) as err:
@@ -66,16 +66,34 @@ class Runner:
                 log.warning("site %d: %s failed among %s (%s); retrying", self._site, tag,
                             view.members, str(err).splitlines()[0][:160])  # fmt: skip
                 result, ok = None, False
-            commit = self.membership.quorum(tag, ok, phase="commit")
+            if not ok:  # before the vote: peers blocked on this site fail now, not at timeout_s
+                self._drop()
+            commit = self.membership.quorum(tag, ok, phase="commit", ready=ready)
             self.membership.check(commit, tag)
             if ok and commit.members == view.members and all(d["ok"] for d in commit.data):
                 self._settled(tag, view)
+                self._offers.pop(tag, None)
                 return result  # type: ignore[return-value]
             # every member of the commit saw it fail: all start the next attempt on fresh groups
             # (the lighthouse keeps the quorum id when the members did not change)
             self._failed_at = self._failed_at or time.perf_counter()
             self.membership.generation += 1
-            self._transports = None
+            self._drop()
+
+    def offer(self, tag: str, shared: Callable[[], dict]) -> None:
+        """The engine, before it starts sync ``tag``: ``shared()`` gives the run's shared state
+        for a joiner admitted there (a site is admitted only where every member offers it)."""
+        self._offers[tag] = shared
+
+    def joiner_expected(self, tag: str) -> bool:
+        """Whether a site may join at sync ``tag``: one is asking, or a replay says so."""
+        return self.membership.joiner_waiting or tag in self.membership.elastic.heal_at
+
+    def _attempt(self, view: View, tag: str, collectives: Collectives[T]) -> T:
+        """One attempt on ``view``'s group (no reference to it outlives a failure: see _drop)."""
+        transports = self._on(view)
+        self._heal_joiners(view, transports[0], tag)
+        return collectives(*transports)
 
     def heal_in(self, view: View, tag: str, load: Callable[[dict], dict]) -> None:
         """A joiner, on the view that admitted it: receive the run's shared state and its
@@ -96,16 +114,23 @@ class Runner:
         (a joiner itself has already loaded it: see LowComm's start)."""
         if not view.joiners or self._site in view.joiners:
             return
-        assert self.shared is not None, "the engine sets Runner.shared"
         t0 = time.perf_counter()
         src = view.healer
-        state = self.shared()
+        state = self._offers[tag]()  # admitted only where every member offered it
         record = {"state": state, "events": self.events, "members": self.members,
                   "last": [self._last_tag, self._last_step]}  # fmt: skip
         _, size = heal.hand_over(transport, src, record if transport.rank == src else None)
         if not heal.agree(transport, state):
             raise RuntimeError(heal.mismatch(tag))  # this attempt fails; retried without it
         self._heal = (time.perf_counter() - t0, size)
+
+    def _drop(self) -> None:
+        """Close this attempt's group: its connections close with it, so a peer still waiting
+        on this site inside a collective fails at once (gloo's abort leaves them open)."""
+        if self._transports is not None:
+            self.membership.drop(self._transports[0])
+            self._transports = None
+            gc.collect()  # the failed collective's traceback may still hold the group
 
     @property
     def _site(self) -> int:

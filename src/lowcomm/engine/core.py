@@ -20,7 +20,7 @@ from ..schedule import Schedule
 from ..transport import Transport
 from .build import check_arguments, resolve_fragments, trainable_params
 from .fragment import Fragment
-from .inflight import Result
+from .inflight import Result, in_hand
 from .join import join_run
 from .merge import make_merge
 from .placement import Placement
@@ -215,14 +215,36 @@ class LowComm:
                 encoded[p], owns[p], bad = self._encoder.encode(self.fragments[p], step)
                 nonfinite |= bad
         mine = None if flags is not None else self._exchange.flags(step, False, nonfinite)
-        job = self._exchange.job(encoded, mine, flags, f"sync@{step}")
+        tag = f"sync@{step}"
+        job = self._exchange.job(encoded, mine, flags, tag)
+        healing = self._offer_heal(tag, step, results)
         if self.schedule.overlap == 0:
             event = self.transport.blocking(job)
             results.update({p: (event.reduced[p], owns[p], event) for p in sends})
         else:
             self._inflight.submit(job, step, self.schedule.apply_step(step), owns)
+            if healing:  # the heal reads the state on the comm thread: it must hold still
+                self.transport.wait(self._inflight.pending[sends[0]].future)
         for p in sends:
             self.events.append(("sent", p, time.perf_counter()))
+
+    def _offer_heal(self, tag: str, step: int, results: dict[int, Result]) -> bool:
+        """Let a site join at sync ``tag``: its quorum may admit a joiner only if every member
+        offers the run's shared state as of now (results due at this step taken, not yet
+        applied: nothing else is in flight at a send, by the overlap rule). With overlap the
+        sync then blocks, so the offer is made only while a site is waiting to join."""
+        runner = self.membership
+        if runner is None or not (self.schedule.overlap == 0 or runner.joiner_expected(tag)):
+            return False
+
+        def shared() -> dict[str, Any]:
+            # this sync's own exchange is in the table by then: the results in hand instead
+            state = self.state.shared_state_dict(skip=("pending",))
+            state["pending"] = in_hand(results, step - self.schedule.overlap, step)
+            return state
+
+        runner.offer(tag, shared)
+        return True
 
     def _count_sync(self, n_fragments: int, step: int) -> None:
         self.stats.syncs += 1

@@ -37,7 +37,9 @@ class InFlight:
     def __init__(self, transport: Transport, events: Events, state: RunState) -> None:
         self.transport, self.events = transport, events
         self.pending: dict[int, Pending] = {}
-        state.register("pending", StatePart(self.save, self.load))
+        # shared: the averages in flight are the same on every site (each one's own send
+        # is not, and a joiner has none: see ``shared``)
+        state.register("pending", StatePart(self.save, self.load, shared=True, share=self.shared))
 
     def due(self, step: int, sends: list[int]) -> list[int]:
         """Fragments whose result must be applied now: due at ``step``, or sent again now."""
@@ -76,17 +78,12 @@ class InFlight:
             done: Future = Future()
             done.set_result(event)
             self.pending[p] = dataclasses.replace(pend, future=done)
-            red = event.reduced[p]
-            out[str(p)] = {
-                "mean": red.mean.clone(),
-                "valid_workers": red.valid_workers,
-                "flags": event.flags.clone(),
-                "buffers": event.buffers,
-                "own": pend.own,
-                "sent_at": pend.sent_at,
-                "apply_at": pend.apply_at,
-            }
+            out[str(p)] = {**_entry(p, event, pend.sent_at, pend.apply_at), "own": pend.own}
         return out
+
+    def shared(self) -> dict[str, Any]:
+        """The results in flight as every site holds them: without this site's own send."""
+        return {p: {k: v for k, v in d.items() if k != "own"} for p, d in self.save().items()}
 
     def load(self, saved: dict[str, Any]) -> None:
         """Replace the table with the results of :meth:`save`."""
@@ -101,3 +98,21 @@ def _pending_from(p: int, d: dict[str, Any]) -> Pending:
     reduced = Reduced(d["mean"], int(d["valid_workers"]))
     fut.set_result(Event(flags, {p: reduced}, d.get("buffers")))
     return Pending(fut, int(d["sent_at"]), int(d["apply_at"]), d.get("own"))
+
+
+def in_hand(results: dict[int, Result], sent_at: int, apply_at: int) -> dict[str, Any]:
+    """Results taken from the table and not applied yet, as :meth:`InFlight.shared` gives them
+    (a heal at a sync hands over what the sites apply right after sending it)."""
+    return {str(p): _entry(p, results[p][2], sent_at, apply_at) for p in sorted(results)}
+
+
+def _entry(p: int, event: Event, sent_at: int, apply_at: int) -> dict[str, Any]:
+    red = event.reduced[p]
+    return {
+        "mean": red.mean.clone(),
+        "valid_workers": red.valid_workers,
+        "flags": event.flags.clone(),
+        "buffers": event.buffers,
+        "sent_at": sent_at,
+        "apply_at": apply_at,
+    }

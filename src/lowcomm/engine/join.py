@@ -1,6 +1,10 @@
 """A site joining a running run: it heals from a live peer, then takes part in the sync that
 admitted it without a contribution of its own, so it leaves that sync with the same shared
-state as every other site (compared by digest, never assumed)."""
+state as every other site (compared by digest, never assumed).
+
+What it is handed is the run's shared state as of that sync's send: results due at that step
+taken but not yet applied (CO2's previous round), nothing else in flight (the overlap rule puts
+every other result before the next send), so it applies them at the same step as the others."""
 
 from __future__ import annotations
 
@@ -8,16 +12,6 @@ from typing import Any
 
 from ..elastic import View
 from ..errors import ConfigError
-
-
-def check_joinable(overlap: int) -> None:
-    """Joins need a sync that blocks every site (nothing in flight to hand over): a
-    ConfigError for a run whose syncs overlap compute (``overlap`` = τ; CO2's is H)."""
-    if overlap > 0:
-        raise ConfigError(
-            "a site can join only a run whose syncs do not overlap compute for now "
-            "(overlap=0; not co2): results in flight are not handed over yet"
-        )
 
 
 def join_run(engine: Any, view: View, tag: str) -> None:
@@ -29,6 +23,9 @@ def join_run(engine: Any, view: View, tag: str) -> None:
     def load(shared: dict[str, Any]) -> dict[str, Any]:
         state.load_shared(shared)
         engine._local.load(None)  # per-site state starts fresh: local weights := global
+        for frag in engine.fragments:  # ... and nothing of its own sent (continue merge)
+            if frag.snapshot is not None:
+                frag.take_snapshot()
         return state.shared_state_dict()  # what this engine now holds, for the digest
 
     runner.heal_in(view, tag, load)

@@ -21,6 +21,7 @@ class StatePart:
     kept: bool = True  # restored after leaving the block (False: counters that go on)
     shared: bool = False  # identical on every live site, so any healthy peer can hand it over
     restore: Callable[[Any], None] | None = None  # how a kept copy goes back, when not ``load``
+    share: Callable[[], Any] | None = None  # a shared part as every site holds it (default: save)
 
 
 class RunState:
@@ -48,9 +49,12 @@ class RunState:
         for name, part in self._parts.items():
             part.load(sd.get(name))
 
-    def shared_state_dict(self) -> dict[str, Any]:
-        """The shared parts' saved copies: what a joining site is handed."""
-        return {name: part.save() for name, part in self._parts.items() if part.shared}
+    def shared_state_dict(self, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+        """The shared parts as every site holds them (what a joining site is handed), but
+        those named in ``skip``."""
+        return {
+            n: (p.share or p.save)() for n, p in self._parts.items() if p.shared and n not in skip
+        }
 
     def load_shared(self, sd: dict[str, Any]) -> None:
         """Load the shared parts from ``sd`` (a heal), in registration order."""

@@ -20,7 +20,6 @@ from .exchange import Exchange
 from .fragment import register_fragment_state
 from .guards import NonFiniteGuard, ReplicaCheck
 from .inflight import InFlight
-from .join import check_joinable
 from .leave import Leave
 from .local import LocalWeights
 from .state import StatePart
@@ -33,8 +32,6 @@ def wire(engine: Any) -> tuple[View, str] | None:
     here (it heals next) and is told the view and sync that admitted it. (``engine`` is the
     LowComm being started, typed loosely: core imports this module.)"""
     cfg, placement, state = engine.config, engine._placement, engine.state
-    if placement.elastic is not None and placement.elastic.join:
-        check_joinable(engine.schedule.overlap)  # before the site asks to join
     group = placement.join(fingerprint(engine))
     admission = placement.admission
     engine.transport = transport = Transport(group, delay_s=engine._comm_delay_s)
@@ -65,8 +62,6 @@ def wire(engine: Any) -> tuple[View, str] | None:
     engine.membership = runner = placement.runner(
         engine.aggregator, transport, engine._buffer_transport
     )
-    if runner is not None:
-        runner.shared = state.shared_state_dict
     engine._exchange = Exchange(
         engine.model, frags, cfg.buffers, engine.aggregator, transport, engine._buffer_transport,
         engine.stats, engine.sync_times, engine.events, runner,

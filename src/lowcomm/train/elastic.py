@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 from ..config import ConfigError, SyncConfig, TrainConfig
 from ..elastic.faults import joins, parse_faults
-from ..engine.join import check_joinable
 from ..errors import LowCommError
 from .entry import run_entry, user_errors
 from .site_role import SiteRole
@@ -69,8 +68,6 @@ def check_elastic(
         rejoin = rejoin or replay_joins(cfg.replay, workers)
     if rejoin and strategy.startswith("torchft"):
         raise ConfigError("a site joins lowcomm's own methods only, not torchft-diloco")
-    if rejoin and sync_cfg is not None:
-        check_joinable(sync_cfg.tau)  # the engine's own rule, before any site starts
 
 
 def replay_leaves(path: str, sites: int) -> dict[int, str]:
@@ -145,7 +142,11 @@ def run_sites(
         p.start()
         return p
 
-    roles = [SiteRole(s, workers, address, faults, leaves.get(s, ""), peer) for s in range(workers)]
+    heal_at = tuple(rejoins.values())  # a replay: every site offers a heal where one joined
+    roles = [
+        SiteRole(s, workers, address, faults, leaves.get(s, ""), peer, heal_at=heal_at)
+        for s in range(workers)
+    ]
     procs = [start(role) for role in roles]
     # a site that leaves and joins again (``join:`` or a replayed join) is started now, on
     # standby: it is ready (imports, data, model) when its gate opens, at the first's exit

@@ -31,6 +31,7 @@ class SiteRole:
     join_from: int = 0  # ... at the run's first sync at or after this step
     join_at: str = ""  # ... or exactly at this sync (a replay)
     gate: Any = None  # a joiner started on standby: a multiprocessing Event set to let it in
+    heal_at: tuple[str, ...] = ()  # a replay: the syncs where sites joined in the recorded run
 
 
 class QuorumControl:
