@@ -14,9 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import lowcomm
+
 pytest.importorskip("torchft")
 
 LOWCOMM = [sys.executable, "-m", "lowcomm.cli", "train"]
+JOIN = [sys.executable, "-m", "lowcomm.cli", "join"]
 RUN = ["--strategy", "diloco", "--workers", "3", "--model", "tiny", "--steps", "90",
        "sync_every=10", "progress=false", "eval_every=0", "batch_size=4", "seq_len=64"]  # fmt: skip
 # timeout_s bounds a wait on a site lost while a new quorum's group forms (default 300 s)
@@ -62,24 +65,30 @@ def test_a_killed_site_leaves_the_run_going_and_its_replay_repeats_it_bit_for_bi
 
 
 @pytest.mark.parametrize(
-    "strategy",
+    "strategy,extra",
     [
-        "co2",  # a round in flight at the join: handed over with the state, applied at 60
-        pytest.param("diloco", marks=pytest.mark.slow),  # by hand (-m slow): nothing in flight
+        ("co2", []),  # a round in flight at the join: handed over with the state, applied at 60
+        # by hand (-m slow): nothing in flight; a fragment in flight; error feedback
+        pytest.param("diloco", [], marks=pytest.mark.slow),
+        pytest.param("streaming", ["fragments=2", "overlap=1"], marks=pytest.mark.slow),
+        pytest.param("sparseloco", [], marks=pytest.mark.slow),
     ],
 )
-def test_a_killed_site_joins_again_and_its_replay_repeats_the_run_bit_for_bit(tmp_path, strategy):
+def test_a_killed_site_joins_again_and_its_replay_repeats_the_run_bit_for_bit(
+    tmp_path, strategy, extra
+):
     """kill:2@35,join:2@60: site 2 is started again (on standby from the start, let in when
     the first is gone) and admitted at sync@60; both events are in the summary, with the
     heal's bytes and seconds; the replay re-enacts both and ends bit for bit the same."""
     live, replay = tmp_path / "live", tmp_path / "replay"
-    run = ["--strategy", strategy, *RUN[2:]]
+    run = ["--strategy", strategy, *RUN[2:], *extra]
     done = _train(*run, *ELASTIC, "--faults", "kill:2@35,join:2@60", "--out", str(live))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "site 2 starts again to join the run" in done.stdout
     summary = json.loads((live / "summary.json").read_text())
     gone, back = summary["membership"]
-    assert (gone["left"], gone["at"], gone["last_step"]) == ([2], "sync@40", 30)
+    first = "sync@35" if strategy == "streaming" else "sync@40"  # its first sync without site 2
+    assert (gone["left"], gone["at"], gone["last_step"]) == ([2], first, 30)
     assert (back["joined"], back["at"], back["members"]) == ([2], "sync@60", [0, 1, 2])
     assert back["heal_bytes"] > 0 and back["heal_s"] > 0
     # site 2's steps 1-30 and 61-90 reached the model (31-34 died with it)
@@ -129,6 +138,58 @@ def test_kill_minus_9_from_another_shell_is_survived(tmp_path):
     assert not (out / "workers.json").exists()
 
 
+def test_lowcomm_join_from_another_shell_brings_a_killed_site_back(tmp_path):
+    """An operator restarts a lost site by hand: `lowcomm join DIR` takes the free site number,
+    joins at the next sync, heals, and both it and the run exit 0; then, with nothing left to
+    join, it says so in one line. (slow:0x3,slow:1x3 pace the run so the joiner has time to
+    start; they sleep, so the CPU stays free for it.)"""
+    out = tmp_path / "run"
+    faults = ["--faults", "kill:2@20,slow:0x3,slow:1x3", "--steps", "150"]
+    proc = subprocess.Popen(
+        LOWCOMM + [*RUN, *ELASTIC, *faults, "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.time() + 120
+    while True:  # until site 2 is gone (the launcher lists its live sites)
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        workers = out / "workers.json"
+        live = [w["site"] for w in json.loads(workers.read_text())] if workers.exists() else []
+        if live and 2 not in live:
+            break
+        time.sleep(0.05)
+    join = subprocess.run([*JOIN, str(out)], capture_output=True, text=True, timeout=180)
+    assert join.returncode == 0, join.stderr[-3000:]
+    assert "site 2 joins the run" in join.stdout
+    stdout, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 0, stderr[-3000:]
+    gone, back = json.loads((out / "summary.json").read_text())["membership"]
+    assert (gone["left"], back["joined"], back["members"]) == ([2], [2], [0, 1, 2])
+    assert not (out / "elastic.json").exists()
+    again = subprocess.run([*JOIN, str(out)], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "no elastic run is going there" in again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1
+
+
+def test_slow_fault_stretches_a_sites_compute_and_is_refused_without_a_factor(monkeypatch):
+    from lowcomm.elastic import faults as harness
+    from lowcomm.elastic.faults import Fault, pace, parse_faults
+
+    assert parse_faults("slow:1x3,slow:0@40x1.5", 3, 90) == [
+        Fault("slow", 1, 1, 3.0), Fault("slow", 0, 40, 1.5)
+    ]  # fmt: skip
+    for bad, words in [("slow:1", "xFACTOR > 1"), ("slow:1x0.5", "xFACTOR > 1"),
+                       ("kill:1@3x2", "takes no xFACTOR")]:  # fmt: skip
+        with pytest.raises(lowcomm.ConfigError, match=words):
+            parse_faults(bad, 3, 90)
+    slept: list[float] = []
+    monkeypatch.setattr(harness.time, "sleep", slept.append)
+    faults = parse_faults("slow:1@10x3", 3, 90)
+    pace(faults, 1, 9, 0.05)  # before its step: no pause
+    pace(faults, 0, 10, 0.05)  # another site: no pause
+    pace(faults, 1, 10, 0.05)  # (3 - 1) x its step's 0.05 s
+    assert slept == [pytest.approx(0.1)]
+
+
 @pytest.mark.parametrize(
     "strategy,extra",
     [
@@ -157,6 +218,7 @@ def test_fewer_than_min_workers_stop_the_run_with_one_line_and_it_resumes(tmp_pa
     out = tmp_path / "r"
     # timeout_s=8: the lone survivor asks for a larger quorum that long before it stops
     faults = ["--faults", "kill:1@25,kill:2@35", "checkpoint_every=10", "timeout_s=4"]
+    faults += ["--steps", "50"]
     done = _train(*RUN, *ELASTIC, *faults, "--out", str(out))
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
@@ -168,7 +230,7 @@ def test_fewer_than_min_workers_stop_the_run_with_one_line_and_it_resumes(tmp_pa
     again = _train("--resume", str(out), "faults=")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "(step 30) on 3 workers" in again.stdout
-    assert json.loads((out / "summary.json").read_text())["inner_steps"] == 90
+    assert json.loads((out / "summary.json").read_text())["inner_steps"] == 50
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""`lowcomm train | compare | report | simulate | bench`: the command-line contract of
+"""`lowcomm train | join | compare | report | simulate | bench`: the command-line contract of
 docs/design.md.
 
 User errors (unknown strategy or key, bad values, missing files, unwritable output, a port in
@@ -6,8 +6,8 @@ use) print one line naming the problem and the fix, and exit with status 2, neve
 
 This package holds the parser and the entry point (:func:`main`, the ``lowcomm`` console
 script; ``python -m lowcomm.cli`` runs it too); each subcommand lives in its own module
-(``train``, ``compare`` with ``report``, ``tools`` for simulate and bench), and ``common`` holds
-what they share.
+(``train``, ``join``, ``compare`` with ``report``, ``tools`` for simulate and bench), and
+``common`` holds what they share.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from .common import (  # noqa: F401  (the one-module CLI's names stay importable
     _values,
 )
 from .compare import _add_compare, _add_report, cmd_compare, cmd_report
+from .join import _add_join, cmd_join
 from .tools import _add_bench, _add_simulate, cmd_bench, cmd_simulate
 from .train import (  # noqa: F401
     RESUME_MAY_CHANGE,
@@ -46,6 +47,7 @@ __all__ = [
     "build_parser",
     "cmd_bench",
     "cmd_compare",
+    "cmd_join",
     "cmd_report",
     "cmd_simulate",
     "cmd_train",
@@ -63,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"lowcomm {__version__}")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     _add_train(sub)
+    _add_join(sub)
     _add_compare(sub)
     _add_report(sub)
     _add_simulate(sub)

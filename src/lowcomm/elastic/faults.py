@@ -5,7 +5,10 @@
 - ``kill:2@35``  site 2 is SIGKILLed before its inner step 35 (as ``kill -9`` from a shell);
 - ``hang:2@55``  site 2 stops answering before step 55 (SIGSTOP: alive, silent);
 - ``join:2@60``  site 2, killed earlier, is started again and joins the run at its first sync
-  at or after step 60 (it heals from a live peer).
+  at or after step 60 (it heals from a live peer);
+- ``slow:1x3``   site 1 computes 3x slower (from step 1, or ``slow:1@40x3`` from step 40): after
+  each inner step it sleeps twice that step's compute time. Sleeping frees the CPU, so on a
+  machine with fewer cores than sites the others do not slow down with it.
 
 A fault acts on the real process, so the rest of the run meets it exactly as it would meet one
 from outside. The kinds of later work (``add``, ``slow``, ``slowlink``) are named here so that
@@ -17,12 +20,13 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-KINDS = ("kill", "hang", "join")
-LATER = ("add", "slow", "slowlink")
+KINDS = ("kill", "hang", "join", "slow")
+LATER = ("add", "slowlink")
 _FAULT = re.compile(r"^(?P<kind>[a-z]+):(?P<site>\d+)(@(?P<step>\d+))?(x(?P<factor>[0-9.]+))?$")
 
 
@@ -55,15 +59,11 @@ def parse_faults(text: str, sites: int, steps: int) -> list[Fault]:
             raise ConfigError(f"--faults: {kind} is not supported yet: use {' or '.join(KINDS)}")
         if kind not in KINDS:
             raise ConfigError(
-                f"--faults: unknown kind {kind!r} in {item!r}: use kill, hang or join"
+                f"--faults: unknown kind {kind!r} in {item!r}: use {', '.join(KINDS)}"
             )
         if not 0 <= site < sites:
             raise ConfigError(f"--faults: {item!r} names site {site}, the run has 0..{sites - 1}")
-        if m["step"] is None or not 1 <= int(m["step"]) <= steps:
-            raise ConfigError(f"--faults: {item!r} needs @STEP with 1 <= STEP <= {steps}")
-        if m["factor"] is not None:
-            raise ConfigError(f"--faults: {kind} takes no xFACTOR ({item!r})")
-        out.append(Fault(kind, site, int(m["step"])))
+        out.append(_checked(kind, site, m["step"], m["factor"], item, steps))
     for f in out:
         if f.kind == "join" and not any(
             k.kind == "kill" and k.site == f.site and k.step < f.step for k in out
@@ -72,6 +72,32 @@ def parse_faults(text: str, sites: int, steps: int) -> list[Fault]:
                 f"--faults: {f} restarts a killed site: add kill:{f.site}@STEP with STEP < {f.step}"
             )
     return out
+
+
+def _checked(
+    kind: str, site: int, step: str | None, factor: str | None, item: str, steps: int
+) -> Fault:
+    """One fault whose step and factor suit its kind (``slow`` alone takes a factor, > 1)."""
+    if step is None and kind == "slow":
+        step = "1"
+    if step is None or not 1 <= int(step) <= steps:
+        raise ConfigError(f"--faults: {item!r} needs @STEP with 1 <= STEP <= {steps}")
+    if kind != "slow":
+        if factor is not None:
+            raise ConfigError(f"--faults: {kind} takes no xFACTOR ({item!r})")
+        return Fault(kind, site, int(step))
+    if factor is None or float(factor) <= 1:
+        raise ConfigError(f"--faults: {item!r} needs xFACTOR > 1 (how many times slower)")
+    return Fault(kind, site, int(step), float(factor))
+
+
+def pace(faults: list[Fault], site: int, step: int, compute_s: float) -> None:
+    """After inner step ``step`` of ``site`` took ``compute_s``: a ``slow:`` fault sleeps it
+    (factor - 1) times that long."""
+    factor = max((f.factor or 1.0 for f in faults if f.kind == "slow" and f.site == site
+                  and step >= (f.step or 1)), default=1.0)  # fmt: skip
+    if factor > 1:
+        time.sleep((factor - 1) * compute_s)
 
 
 def joins(faults: list[Fault]) -> dict[int, int]:

@@ -27,6 +27,7 @@ from ..config import ConfigError, SyncConfig, TrainConfig
 from ..elastic.faults import joins, parse_faults
 from ..errors import LowCommError
 from .entry import run_entry, user_errors
+from .join_site import RUN_FILE, write_run_file
 from .site_role import SiteRole
 
 PER_STEP = ("ddp", "loco")
@@ -132,6 +133,8 @@ def run_sites(
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob(".error-rank*"):  # left by a launcher that was killed
         stale.unlink(missing_ok=True)
+    if not strategy.startswith("torchft"):  # `lowcomm join DIR` starts another site from it
+        write_run_file(out_dir, strategy, sync_cfg, cfg, name, workers, address)
     started = time.time()
     ctx = mp.get_context("spawn")
 
@@ -175,6 +178,7 @@ def run_sites(
             if p.is_alive():
                 p.kill()
         (out_dir / "workers.json").unlink(missing_ok=True)
+        (out_dir / RUN_FILE).unlink(missing_ok=True)
         for server in servers:
             server.shutdown()
         signal.signal(signal.SIGINT, previous)

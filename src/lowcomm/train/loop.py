@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import SyncConfig, TrainConfig
-from ..elastic.faults import act, parse_faults
+from ..elastic.faults import act, pace, parse_faults
 from ..transport import ring_all_reduce_bytes, shutdown
 from .log import RunLog
 from .model import count_params
@@ -92,7 +92,11 @@ def run_worker(
                 after_step(run, run.start_step - 1, log)  # the others' control collectives
             for step in range(run.start_step, cfg.steps + 1):
                 act(faults, run.site.replica, step)
+                started, synced = time.perf_counter(), _sync_s(run)
                 train_step(run)
+                # a slow: fault stretches the step's compute, not the sync inside it
+                took = time.perf_counter() - started - (_sync_s(run) - synced)
+                pace(faults, run.site.replica, step, took)
                 after_step(run, step, log)
             finish(run)
         summary = summarize(run, log)
@@ -100,6 +104,12 @@ def run_worker(
         log.close()
     _tear_down(run)
     return summary.to_dict() if summary is not None else None
+
+
+def _sync_s(run: Run) -> float:
+    """Seconds the engine has spent in syncs so far (0 without one)."""
+    stats = getattr(run.engine, "stats", None)
+    return float(getattr(stats, "outer_s", 0.0))
 
 
 def _joined(run: Run) -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .. import checkpoint as ckpt
-from ..config import ConfigError
+from ..config import ConfigError, SyncConfig, TrainConfig
 from ..loco import LoCoState, TorchHookState
 from .run import Run
 
@@ -25,11 +25,18 @@ KEEP = 3
 
 def run_config(run: Run) -> dict[str, Any]:
     """The settings saved with every checkpoint: what ``--resume`` rebuilds the run from."""
+    return settings(run.strategy, run.name, run.sync_cfg, run.cfg)
+
+
+def settings(
+    strategy: str, name: str | None, sync_cfg: SyncConfig, cfg: TrainConfig
+) -> dict[str, Any]:
+    """A run's settings as saved (checkpoints, an elastic run's DIR/elastic.json)."""
     return {
-        "strategy": run.strategy,
-        "name": run.name,
-        "sync": dataclasses.asdict(run.sync_cfg),
-        "train": dataclasses.asdict(run.cfg),
+        "strategy": strategy,
+        "name": name,
+        "sync": dataclasses.asdict(sync_cfg),
+        "train": dataclasses.asdict(cfg),
     }
 
 

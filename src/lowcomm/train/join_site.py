@@ -1,0 +1,137 @@
+"""``lowcomm join DIR``: one more site for the elastic run going in DIR, started by hand.
+
+The launcher of an elastic run writes ``DIR/elastic.json`` (the run's settings and its
+lighthouse) while the run goes on. A site started from it takes the number of a site that has
+left (``workers.json`` lists the launcher's live sites; ``DIR/join-siteN.pid`` marks one
+already started by hand), joins the run at its next sync, heals from a live peer, trains on its
+own data shard from the run's step, and exits when the run ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from ..config import (
+    SAVED_BEFORE,
+    ConfigError,
+    SyncConfig,
+    TrainConfig,
+    build_configs,
+    config_fields,
+)
+from .resume import settings
+from .site_role import SiteRole
+
+RUN_FILE = "elastic.json"
+
+
+def write_run_file(
+    out_dir: Path, strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, name: str | None,
+    sites: int, lighthouse: str,
+) -> None:  # fmt: skip
+    """DIR/elastic.json: what ``lowcomm join DIR`` needs (the launcher removes it at the end)."""
+    run = settings(strategy, name, sync_cfg, cfg)
+    record = {"run": run, "sites": sites, "lighthouse": lighthouse, "launcher": os.getpid()}
+    tmp = out_dir / f"{RUN_FILE}.tmp"
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.replace(out_dir / RUN_FILE)
+
+
+def join_site(run_dir: str, site: int | None = None) -> None:
+    """Start a site of the elastic run going in ``run_dir`` (this process), as a joiner; it
+    returns when the run ends. ConfigError, before anything starts, when there is none to join."""
+    folder = Path(run_dir)
+    record = _running(folder)
+    sites = int(record["sites"])
+    site = _free_site(folder, sites, site)
+    run = record["run"]
+    known = config_fields()
+    saved = {k: v for k, v in {**SAVED_BEFORE, **run["sync"], **run["train"]}.items() if k in known}
+    sync_cfg, cfg = build_configs(saved, sync=SyncConfig(), train=TrainConfig())
+    cfg.faults, cfg.replay = "", ""  # the run's faults and replay are its launcher's
+    role = SiteRole(site, sites, record["lighthouse"], join=True)
+    if not os.environ.get("LOWCOMM_DEBUG"):
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's client logs at INFO
+    lock = folder / f"join-site{site}.pid"
+    lock.write_text(f"{os.getpid()}\n")
+    print(f"lowcomm: site {site} joins the run in {folder} at its next sync", flush=True)
+    try:
+        _train(role, run["strategy"], sync_cfg, cfg, folder, run.get("name"))
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _running(folder: Path) -> dict[str, Any]:
+    """The run file of the elastic run going in ``folder``, or a one-line ConfigError."""
+    path = folder / RUN_FILE
+    if not path.exists():
+        raise ConfigError(
+            f"lowcomm join {folder}: no elastic run is going there (it has no {RUN_FILE}): "
+            f"start one with `lowcomm train ... elastic=true --out {folder}`"
+        )
+    record = json.loads(path.read_text())
+    if not _alive(int(record["launcher"])):
+        raise ConfigError(
+            f"lowcomm join {folder}: the run's launcher (pid {record['launcher']}) is gone: "
+            f"resume it with `lowcomm train --resume {folder}`"
+        )
+    return record
+
+
+def _free_site(folder: Path, sites: int, asked: int | None) -> int:
+    """A site number of the run that no live process holds: ``asked``, or the lowest."""
+    live: set[int] = set()
+    with contextlib.suppress(OSError, ValueError):
+        live = {int(w["site"]) for w in json.loads((folder / "workers.json").read_text())}
+    for lock in folder.glob("join-site*.pid"):
+        with contextlib.suppress(OSError, ValueError):
+            if _alive(int(lock.read_text())):
+                live.add(int(lock.stem.removeprefix("join-site")))
+    free = [s for s in range(sites) if s not in live]
+    if asked is not None:
+        if not 0 <= asked < sites or asked in live:
+            raise ConfigError(
+                f"lowcomm join {folder}: site {asked} is not free (the run's sites are "
+                f"0..{sites - 1}; running: {sorted(live)}); drop --site to take a free one"
+            )
+        return asked
+    if not free:
+        raise ConfigError(
+            f"lowcomm join {folder}: all {sites} sites of the run are running: none to replace "
+            f"(a site beyond the run's --workers cannot be added yet)"
+        )
+    return free[0]
+
+
+def _train(
+    role: SiteRole, strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out: Path, name: Any
+) -> None:
+    """The trainer as one site, in a torch.distributed world of its own (as the launcher's)."""
+    from .loop import run_worker
+
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1,
+        timeout=timedelta(seconds=cfg.timeout_s),
+    )  # fmt: skip
+    try:
+        run_worker(strategy, sync_cfg, cfg, str(out), name, None, role=role)
+    finally:
+        dist.destroy_process_group()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (and is not a zombie)."""
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
