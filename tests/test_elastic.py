@@ -125,7 +125,7 @@ def test_survivors_finish_identical_after_a_site_is_killed(tmp_path, lighthouse,
 # with results in flight (a fragment, CO2's round) and without; by hand (-m slow) those
 # whose path another case takes (streaming at tau = 0 is DiLoCo's, sparseloco's its codec)
 JOINS = [
-    "diloco",
+    pytest.param("diloco", marks=pytest.mark.slow),  # its path: `lowcomm join`, add: (CLI tests)
     "streaming_tau1",
     "co2",
     pytest.param("sparseloco", marks=pytest.mark.slow),

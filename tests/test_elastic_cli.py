@@ -115,6 +115,8 @@ def test_torchft_diloco_goes_on_too_with_its_syncs_recorded_as_events(tmp_path):
     assert summary["tokens"] == (90 + 90 + 30) * 4 * 64
 
 
+# by hand (-m slow): the operator test below kills with -9 from outside too, and brings it back
+@pytest.mark.slow
 def test_kill_minus_9_from_another_shell_is_survived(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen(
@@ -138,23 +140,32 @@ def test_kill_minus_9_from_another_shell_is_survived(tmp_path):
     assert not (out / "workers.json").exists()
 
 
-def test_lowcomm_join_from_another_shell_brings_a_killed_site_back(tmp_path):
-    """An operator restarts a lost site by hand: `lowcomm join DIR` takes the free site number,
-    joins at the next sync, heals, and both it and the run exit 0; then, with nothing left to
-    join, it says so in one line. (slow:0x3,slow:1x3 pace the run so the joiner has time to
+def test_kill_minus_9_and_lowcomm_join_from_another_shell_bring_a_site_back(tmp_path):
+    """An operator's night: site 2 is killed with `kill -9` from another shell once the run has
+    logged step 20, the others go on; `lowcomm join DIR` takes the free site number, joins at
+    the next sync, heals, and both it and the run exit 0; then, with nothing left to join, it
+    says so in one line. (slow:0x3,slow:1x3,slow:2x3 pace the run so the joiner has time to
     start; they sleep, so the CPU stays free for it.)"""
     out = tmp_path / "run"
-    faults = ["--faults", "kill:2@20,slow:0x3,slow:1x3", "--steps", "150"]
+    faults = ["--faults", "slow:0x3,slow:1x3,slow:2x3", "--steps", "150", "log_every=5"]
     proc = subprocess.Popen(
         LOWCOMM + [*RUN, *ELASTIC, *faults, "--out", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     deadline = time.time() + 120
-    while True:  # until site 2 is gone (the launcher lists its live sites)
+    while True:  # once site 0 has logged step 20, kill site 2 as an operator would
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
-        workers = out / "workers.json"
-        live = [w["site"] for w in json.loads(workers.read_text())] if workers.exists() else []
-        if live and 2 not in live:
+        metrics = out / "metrics.jsonl"
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        if lines and json.loads(lines[-1])["step"] >= 20:
+            break
+        time.sleep(0.05)
+    site2 = next(w for w in json.loads((out / "workers.json").read_text()) if w["site"] == 2)
+    os.kill(site2["pid"], signal.SIGKILL)
+    while True:  # until the launcher has seen it go (it lists its live sites)
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        live = [w["site"] for w in json.loads((out / "workers.json").read_text())]
+        if 2 not in live:
             break
         time.sleep(0.05)
     join = subprocess.run([*JOIN, str(out)], capture_output=True, text=True, timeout=180)
@@ -164,10 +175,32 @@ def test_lowcomm_join_from_another_shell_brings_a_killed_site_back(tmp_path):
     assert proc.returncode == 0, stderr[-3000:]
     gone, back = json.loads((out / "summary.json").read_text())["membership"]
     assert (gone["left"], back["joined"], back["members"]) == ([2], [2], [0, 1, 2])
-    assert not (out / "elastic.json").exists()
+    assert not (out / "elastic.json").exists() and not (out / "workers.json").exists()
     again = subprocess.run([*JOIN, str(out)], capture_output=True, text=True, timeout=60)
     assert again.returncode == 2 and "no elastic run is going there" in again.stderr
     assert len(again.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("replay", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_an_added_site_joins_with_a_shard_of_its_own(tmp_path, replay):
+    """add:3@40 on a run of 3: site 3 starts with the others, asks to join, is admitted at
+    sync@40 and heals; the data is cut into 4 shards from the start, so its tokens are its own
+    and count from its join; (by hand) the replay is the same run bit for bit."""
+    live = tmp_path / "live"
+    done = _train(*RUN, *ELASTIC, "--faults", "add:3@40", "--out", str(live))
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((live / "summary.json").read_text())
+    (event,) = summary["membership"]
+    assert (event["at"], event["joined"], event["members"]) == ("sync@40", [3], [0, 1, 2, 3])
+    assert event["left"] == [] and event["heal_bytes"] > 0
+    assert summary["tokens"] == (3 * 90 + 50) * 4 * 64  # site 3: steps 41-90
+    if replay:
+        again = tmp_path / "replay"
+        rerun = _train(*RUN, *ELASTIC, "--replay", str(live / "membership.jsonl"),
+                       "--out", str(again))  # fmt: skip
+        assert rerun.returncode == 0, rerun.stderr[-3000:]
+        a, b = _model(live), _model(again)
+        assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_slow_fault_stretches_a_sites_compute_and_is_refused_without_a_factor(monkeypatch):
@@ -191,32 +224,40 @@ def test_slow_fault_stretches_a_sites_compute_and_is_refused_without_a_factor(mo
 
 
 @pytest.mark.parametrize(
-    "strategy,extra",
+    "strategy,extra,replay",
     [
         pytest.param(  # a fragment in flight
-            "streaming", ["sync_every=12", "fragments=2", "overlap=1"], marks=pytest.mark.slow
-        ),
-        ("co2", ["sync_every=10"]),  # a whole round in flight
+            "streaming",
+            ["sync_every=12", "fragments=2", "overlap=1"],
+            True,
+            marks=pytest.mark.slow,
+        ),  # fmt: skip
+        ("co2", ["sync_every=10"], False),  # a whole round in flight
+        pytest.param("co2", ["sync_every=10"], True, marks=pytest.mark.slow),  # by hand
     ],
 )
-def test_a_hung_site_is_left_out_and_the_replay_repeats_the_run(tmp_path, strategy, extra):
+def test_a_hung_site_is_left_out_and_the_replay_repeats_the_run(tmp_path, strategy, extra, replay):
     """SIGSTOP: alive but silent; its heartbeat lapses, the others go on without it, and the
-    launcher ends it once they are done. The replay, with no fault, ends bit for bit the same."""
+    launcher ends it once they are done. The replay, with no fault, ends bit for bit the same
+    (by hand: the join test's replay runs by default)."""
     run = [*RUN[:1], strategy, *RUN[2:], *extra, "timeout_s=20"]
-    live, replay = tmp_path / "live", tmp_path / "replay"
+    live, again_dir = tmp_path / "live", tmp_path / "replay"
     done = _train(*run, *ELASTIC, "--faults", "hang:2@35", "--out", str(live))
     assert done.returncode == 0, done.stderr[-3000:]
     (event,) = json.loads((live / "summary.json").read_text())["membership"]
     assert event["left"] == [2]
-    again = _train(*run, *ELASTIC, "--replay", str(live / "membership.jsonl"), "--out", str(replay))
+    if not replay:
+        return
+    log = str(live / "membership.jsonl")
+    again = _train(*run, *ELASTIC, "--replay", log, "--out", str(again_dir))
     assert again.returncode == 0, again.stderr[-3000:]
-    a, b = _model(live), _model(replay)
+    a, b = _model(live), _model(again_dir)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_fewer_than_min_workers_stop_the_run_with_one_line_and_it_resumes(tmp_path):
     out = tmp_path / "r"
-    # timeout_s=8: the lone survivor asks for a larger quorum that long before it stops
+    # timeout_s=4: the lone survivor asks for a larger quorum that long before it stops
     faults = ["--faults", "kill:1@25,kill:2@35", "checkpoint_every=10", "timeout_s=4"]
     faults += ["--steps", "50"]
     done = _train(*RUN, *ELASTIC, *faults, "--out", str(out))
@@ -239,7 +280,9 @@ def test_fewer_than_min_workers_stop_the_run_with_one_line_and_it_resumes(tmp_pa
         (["--faults", "kill:7@35"], "names site 7"),
         (["--faults", "explode:1@3"], "unknown kind"),
         (["--faults", "kill:1"], "needs @STEP"),
-        (["--faults", "add:1@60"], "not supported yet"),
+        (["--faults", "slowlink:1@60"], "not supported yet"),
+        (["elastic=true", "--faults", "add:1@60"], "numbered on from the run's 3: add:3@STEP"),
+        (["--faults", "add:3@60"], "join only an elastic run"),
         (["elastic=true", "--faults", "join:1@60"], "add kill:1@STEP with STEP < 60"),
         (["--faults", "kill:1@30,join:1@60"], "join only an elastic run: add elastic=true"),
         (["elastic=true", "--strategy", "ddp"], "outer-loop strategy"),

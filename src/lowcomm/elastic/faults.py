@@ -6,13 +6,16 @@
 - ``hang:2@55``  site 2 stops answering before step 55 (SIGSTOP: alive, silent);
 - ``join:2@60``  site 2, killed earlier, is started again and joins the run at its first sync
   at or after step 60 (it heals from a live peer);
+- ``add:3@60``   a new site, 3 (of a run started with 3: sites are numbered on from the
+  run's), joins at the run's first sync at or after step 60 (it heals from a live peer). The
+  run's data is cut into as many shards as it will have sites, so every site has its own;
 - ``slow:1x3``   site 1 computes 3x slower (from step 1, or ``slow:1@40x3`` from step 40): after
   each inner step it sleeps twice that step's compute time. Sleeping frees the CPU, so on a
   machine with fewer cores than sites the others do not slow down with it.
 
 A fault acts on the real process, so the rest of the run meets it exactly as it would meet one
-from outside. The kinds of later work (``add``, ``slow``, ``slowlink``) are named here so that
-a run asking for them is refused with one line instead of ignoring them.
+from outside. The kind of later work (``slowlink``) is named here so that a run asking for it
+is refused with one line instead of ignoring it.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-KINDS = ("kill", "hang", "join", "slow")
-LATER = ("add", "slowlink")
+KINDS = ("kill", "hang", "join", "add", "slow")
+LATER = ("slowlink",)
 _FAULT = re.compile(r"^(?P<kind>[a-z]+):(?P<site>\d+)(@(?P<step>\d+))?(x(?P<factor>[0-9.]+))?$")
 
 
@@ -61,9 +64,15 @@ def parse_faults(text: str, sites: int, steps: int) -> list[Fault]:
             raise ConfigError(
                 f"--faults: unknown kind {kind!r} in {item!r}: use {', '.join(KINDS)}"
             )
-        if not 0 <= site < sites:
+        if kind != "add" and not 0 <= site < sites:
             raise ConfigError(f"--faults: {item!r} names site {site}, the run has 0..{sites - 1}")
         out.append(_checked(kind, site, m["step"], m["factor"], item, steps))
+    new = sorted(f.site for f in out if f.kind == "add")
+    if new != list(range(sites, sites + len(new))):
+        raise ConfigError(
+            f"--faults: add names new sites, numbered on from the run's {sites}: "
+            f"add:{sites}@STEP, add:{sites + 1}@STEP, ... (got {new})"
+        )
     for f in out:
         if f.kind == "join" and not any(
             k.kind == "kill" and k.site == f.site and k.step < f.step for k in out
@@ -103,6 +112,11 @@ def pace(faults: list[Fault], site: int, step: int, compute_s: float) -> None:
 def joins(faults: list[Fault]) -> dict[int, int]:
     """Site -> the step from which it joins again after it was killed (``join:`` faults)."""
     return {f.site: int(f.step or 0) for f in faults if f.kind == "join"}
+
+
+def adds(faults: list[Fault]) -> dict[int, int]:
+    """New site -> the step from which it joins the run (``add:`` faults)."""
+    return {f.site: int(f.step or 0) for f in faults if f.kind == "add"}
 
 
 def act(faults: list[Fault], site: int, step: int) -> None:

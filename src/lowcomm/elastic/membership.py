@@ -45,7 +45,8 @@ class Elastic:
 
     lighthouse: str  # address of a running LighthouseServer (``http://host:port``)
     site: int  # this site's number, 0-based; unique in the run
-    sites: int  # how many sites start the run (the first quorum waits for all of them)
+    sites: int  # how many sites start the run (the first quorum waits for all of them;
+    # a joiner may be a new site, numbered from there on)
     min_workers: int = 1  # fewer live sites than this stop the run with one line
     run_id: str = "lowcomm"  # names the run's stores, so two runs on a lighthouse never mix
     heartbeat_s: float = 0.2  # how often this site tells the lighthouse it is alive
@@ -60,8 +61,11 @@ class Elastic:
     def __post_init__(self) -> None:
         if not isinstance(self.lighthouse, str) or not self.lighthouse:
             raise ConfigError("elastic needs lighthouse=ADDRESS of a running torchft lighthouse")
-        if not 0 <= self.site < self.sites:
-            raise ConfigError(f"site must be in [0, sites={self.sites}), got {self.site}")
+        if not 0 <= self.site < self.sites and not (self.join and self.site >= 0):
+            raise ConfigError(
+                f"site must be in [0, sites={self.sites}) (or a joiner's new number), "
+                f"got {self.site}"
+            )
         if not 1 <= self.min_workers <= self.sites:
             raise ConfigError(
                 f"min_workers must be in [1, sites={self.sites}], got {self.min_workers}"

@@ -24,7 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..config import ConfigError, SyncConfig, TrainConfig
-from ..elastic.faults import joins, parse_faults
+from ..elastic.faults import adds, joins, parse_faults
 from ..errors import LowCommError
 from .entry import run_entry, user_errors
 from .join_site import RUN_FILE, write_run_file
@@ -46,9 +46,10 @@ def check_elastic(
 ) -> None:
     """One-line refusals of what elastic mode does not do, before any site starts."""
     if not cfg.elastic:
-        if joins(parse_faults(cfg.faults, workers, cfg.steps)):
+        faults = parse_faults(cfg.faults, workers, cfg.steps)
+        if joins(faults) or adds(faults):
             raise ConfigError(
-                "--faults join: a site can join only an elastic run: add elastic=true"
+                "--faults join/add: a site can join only an elastic run: add elastic=true"
             )
         return
     if strategy in PER_STEP:
@@ -64,7 +65,8 @@ def check_elastic(
         raise ConfigError("elastic=true runs one rank per site for now: set ranks_per_worker=1")
     if cfg.min_workers > workers:
         raise ConfigError(f"min_workers={cfg.min_workers} is more than --workers {workers}")
-    rejoin = joins(parse_faults(cfg.faults, workers, cfg.steps))
+    faults = parse_faults(cfg.faults, workers, cfg.steps)
+    rejoin = {**joins(faults), **adds(faults)}
     if cfg.replay:
         rejoin = rejoin or replay_joins(cfg.replay, workers)
     if rejoin and strategy.startswith("torchft"):
@@ -97,9 +99,11 @@ def _replayed(path: str, sites: int) -> tuple[dict[int, str], dict[int, str]]:
                 joined.setdefault(int(site), str(event["at"]))
         except (ValueError, KeyError, TypeError):
             raise ConfigError(f"replay={path}: line {n} is not a membership event") from None
-    bad = [s for s in {**leaves, **joined} if not 0 <= s < sites]
-    if bad:
-        raise ConfigError(f"replay={path}: names sites {bad}, this run has 0..{sites - 1}")
+    new = sorted(s for s in joined if s >= sites)  # sites added during the recorded run
+    total = sites + len(new)
+    bad = [s for s in {**leaves, **joined} if not 0 <= s < total]
+    if bad or new != list(range(sites, total)):
+        raise ConfigError(f"replay={path}: names sites {bad or new}, this run has 0..{sites - 1}")
     return leaves, joined
 
 
@@ -124,17 +128,12 @@ def run_sites(
     if strategy.startswith("torchft"):  # torchft's Managers: a lighthouse of their own
         servers.append(_lighthouse(cfg, min_replicas=cfg.min_workers))
         peer = servers[-1].address()
-    faults = parse_faults(cfg.faults, workers, cfg.steps)
-    leaves, rejoins = _replayed(cfg.replay, workers) if cfg.replay else ({}, {})
-    # a site that leaves (killed, or a replay's leave) and joins again is started anew
-    again: dict[int, dict[str, Any]] = {s: {"join_at": t} for s, t in rejoins.items()} or {
-        s: {"join_from": n} for s, n in joins(faults).items()
-    }
+    roles, again, added = _plan(cfg, workers, address, peer)
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob(".error-rank*"):  # left by a launcher that was killed
         stale.unlink(missing_ok=True)
     if not strategy.startswith("torchft"):  # `lowcomm join DIR` starts another site from it
-        write_run_file(out_dir, strategy, sync_cfg, cfg, name, workers, address)
+        write_run_file(out_dir, strategy, sync_cfg, cfg, name, roles[0], address)
     started = time.time()
     ctx = mp.get_context("spawn")
 
@@ -145,12 +144,8 @@ def run_sites(
         p.start()
         return p
 
-    heal_at = tuple(rejoins.values())  # a replay: every site offers a heal where one joined
-    roles = [
-        SiteRole(s, workers, address, faults, leaves.get(s, ""), peer, heal_at=heal_at)
-        for s in range(workers)
-    ]
-    procs = [start(role) for role in roles]
+    # added sites (``add:``) are started with the others: each asks to join until admitted
+    procs = [start(role) for role in roles] + [start(role) for role in added]
     # a site that leaves and joins again (``join:`` or a replayed join) is started now, on
     # standby: it is ready (imports, data, model) when its gate opens, at the first's exit
     standby = {
@@ -183,6 +178,32 @@ def run_sites(
             server.shutdown()
         signal.signal(signal.SIGINT, previous)
     return _outcome(codes, out_dir, started)
+
+
+def _plan(
+    cfg: TrainConfig, workers: int, address: str, peer: str
+) -> tuple[list[SiteRole], dict[int, dict[str, Any]], list[SiteRole]]:
+    """Each starting site's role; how each site that leaves and joins again is admitted; the
+    roles of the sites added during the run (``add:``, or new sites in a replay's joins)."""
+    faults = parse_faults(cfg.faults, workers, cfg.steps)
+    leaves, rejoins = _replayed(cfg.replay, workers) if cfg.replay else ({}, {})
+    when: dict[int, dict[str, Any]] = {s: {"join_at": t} for s, t in rejoins.items()} or {
+        s: {"join_from": n} for s, n in {**joins(faults), **adds(faults)}.items()
+    }
+    new = sorted(s for s in when if s >= workers)
+    heal_at = tuple(rejoins.values())  # a replay: every site offers a heal where one joined
+    total = workers + len(new)  # the data is cut into as many shards as the run has sites
+    roles = [
+        SiteRole(s, total, address, faults, leaves.get(s, ""), peer, heal_at=heal_at,
+                 starting=workers)
+        for s in range(workers)
+    ]  # fmt: skip
+    added = [
+        dataclasses.replace(roles[0], site=s, leave_after="", join=True, **when[s]) for s in new
+    ]
+    # a site that leaves (killed, or a replay's leave) and joins again is started anew
+    again = {s: j for s, j in when.items() if s < workers}
+    return roles, again, added
 
 
 def _lighthouse(cfg: TrainConfig, min_replicas: int) -> Any:

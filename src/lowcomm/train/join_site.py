@@ -34,11 +34,15 @@ RUN_FILE = "elastic.json"
 
 def write_run_file(
     out_dir: Path, strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, name: str | None,
-    sites: int, lighthouse: str,
+    role: SiteRole, lighthouse: str,
 ) -> None:  # fmt: skip
-    """DIR/elastic.json: what ``lowcomm join DIR`` needs (the launcher removes it at the end)."""
+    """DIR/elastic.json: what ``lowcomm join DIR`` needs (the launcher removes it at the end);
+    ``role``: a starting site's, for the run's sites."""
     run = settings(strategy, name, sync_cfg, cfg)
-    record = {"run": run, "sites": sites, "lighthouse": lighthouse, "launcher": os.getpid()}
+    record = {
+        "run": run, "sites": role.sites, "starting": role.starting or role.sites,
+        "lighthouse": lighthouse, "launcher": os.getpid(),
+    }  # fmt: skip
     tmp = out_dir / f"{RUN_FILE}.tmp"
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     tmp.replace(out_dir / RUN_FILE)
@@ -56,7 +60,8 @@ def join_site(run_dir: str, site: int | None = None) -> None:
     saved = {k: v for k, v in {**SAVED_BEFORE, **run["sync"], **run["train"]}.items() if k in known}
     sync_cfg, cfg = build_configs(saved, sync=SyncConfig(), train=TrainConfig())
     cfg.faults, cfg.replay = "", ""  # the run's faults and replay are its launcher's
-    role = SiteRole(site, sites, record["lighthouse"], join=True)
+    starting = int(record.get("starting", sites))
+    role = SiteRole(site, sites, record["lighthouse"], join=True, starting=starting)
     if not os.environ.get("LOWCOMM_DEBUG"):
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's client logs at INFO
     lock = folder / f"join-site{site}.pid"
@@ -105,7 +110,8 @@ def _free_site(folder: Path, sites: int, asked: int | None) -> int:
     if not free:
         raise ConfigError(
             f"lowcomm join {folder}: all {sites} sites of the run are running: none to replace "
-            f"(a site beyond the run's --workers cannot be added yet)"
+            f"(a site beyond them cannot be added by hand yet; --faults add:{sites}@STEP plans "
+            f"one)"
         )
     return free[0]
 

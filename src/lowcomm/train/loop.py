@@ -244,7 +244,10 @@ def summarize(run: Run, log: RunLog) -> RunSummary | None:
     if run.membership is not None:
         per_step = run.cfg.batch_size * run.cfg.seq_len
         events = run.membership.events
-        record_membership(events, run.world, run.cfg.steps, per_step, run.out, summary)
+        starting = run.role.starting if run.role is not None else 0
+        record_membership(
+            events, run.world, run.cfg.steps, per_step, run.out, summary, starting=starting
+        )
     save_model(run, state)
     summary.write(run.out / "summary.json")
     return summary

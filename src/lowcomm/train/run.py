@@ -365,7 +365,7 @@ def _elastic(run: Run) -> Elastic | None:
     if role is None:
         return None
     return Elastic(
-        lighthouse=role.lighthouse, site=role.site, sites=role.sites,
+        lighthouse=role.lighthouse, site=role.site, sites=role.starting or role.sites,
         min_workers=cfg.min_workers, timeout_s=cfg.timeout_s, leave_after=role.leave_after,
         connect_s=min(10.0, cfg.timeout_s), join=role.join, join_from=role.join_from,
         join_at=role.join_at, heal_at=role.heal_at,

@@ -32,6 +32,7 @@ class SiteRole:
     join_at: str = ""  # ... or exactly at this sync (a replay)
     gate: Any = None  # a joiner started on standby: a multiprocessing Event set to let it in
     heal_at: tuple[str, ...] = ()  # a replay: the syncs where sites joined in the recorded run
+    starting: int = 0  # how many sites start the run (0: ``sites``; fewer when some are added)
 
 
 class QuorumControl:
@@ -61,13 +62,15 @@ class QuorumControl:
 
 def record_membership(
     events: list[dict], sites: int, steps: int, tokens_per_site_step: int, out: Path,
-    summary: RunSummary,
+    summary: RunSummary, starting: int = 0,
 ) -> None:  # fmt: skip
     """The run's membership events into the summary and DIR/membership.jsonl; goodput and the
-    tokens actually trained (a lost site's steps count up to its last sync that stood)."""
+    tokens actually trained (a lost site's steps count up to its last sync that stood; an added
+    site's from the sync it joined at). ``starting``: the sites the run began with (0: all)."""
     useful = 0
     for s in range(sites):
-        since: int | None = 0  # the step from which site s is in the run (None: out)
+        # the step from which site s is in the run (None: out, or not added yet)
+        since: int | None = 0 if s < (starting or sites) else None
         for e in events:
             if s in e["left"] and since is not None:  # its steps after its last sync are lost
                 useful, since = useful + e["last_step"] - since, None
