@@ -117,22 +117,29 @@ def test_torchft_diloco_goes_on_too_with_its_syncs_recorded_as_events(tmp_path):
 
 # by hand (-m slow): the operator test below kills with -9 from outside too, and brings it back
 @pytest.mark.slow
-def test_kill_minus_9_from_another_shell_is_survived(tmp_path):
-    out = tmp_path / "run"
+def _kill_site2_at(out: Path, step: int, *args: str) -> subprocess.Popen:
+    """Start an elastic run and, once site 0 has logged ``step``, kill site 2 with -9 from
+    outside, as an operator would; the run is returned still going."""
     proc = subprocess.Popen(
-        LOWCOMM + [*RUN, *ELASTIC, "log_every=5", "--out", str(out)],
+        LOWCOMM + [*RUN, *ELASTIC, *args, "log_every=5", "--out", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     deadline = time.time() + 120
-    while True:  # once site 0 has logged step 30, kill site 2 as an operator would
+    while True:
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
         metrics = out / "metrics.jsonl"
         lines = metrics.read_text().splitlines() if metrics.exists() else []
-        if lines and json.loads(lines[-1])["step"] >= 30:
+        if lines and json.loads(lines[-1])["step"] >= step:
             break
         time.sleep(0.05)
     site2 = next(w for w in json.loads((out / "workers.json").read_text()) if w["site"] == 2)
     os.kill(site2["pid"], signal.SIGKILL)
+    return proc
+
+
+def test_kill_minus_9_from_another_shell_is_survived(tmp_path):
+    out = tmp_path / "run"
+    proc = _kill_site2_at(out, 30)
     stdout, stderr = proc.communicate(timeout=180)
     assert proc.returncode == 0, stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -147,21 +154,8 @@ def test_kill_minus_9_and_lowcomm_join_from_another_shell_bring_a_site_back(tmp_
     says so in one line. (slow:0x3,slow:1x3,slow:2x3 pace the run so the joiner has time to
     start; they sleep, so the CPU stays free for it.)"""
     out = tmp_path / "run"
-    faults = ["--faults", "slow:0x3,slow:1x3,slow:2x3", "--steps", "150", "log_every=5"]
-    proc = subprocess.Popen(
-        LOWCOMM + [*RUN, *ELASTIC, *faults, "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    proc = _kill_site2_at(out, 20, "--faults", "slow:0x3,slow:1x3,slow:2x3", "--steps", "150")
     deadline = time.time() + 120
-    while True:  # once site 0 has logged step 20, kill site 2 as an operator would
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()
-        metrics = out / "metrics.jsonl"
-        lines = metrics.read_text().splitlines() if metrics.exists() else []
-        if lines and json.loads(lines[-1])["step"] >= 20:
-            break
-        time.sleep(0.05)
-    site2 = next(w for w in json.loads((out / "workers.json").read_text()) if w["site"] == 2)
-    os.kill(site2["pid"], signal.SIGKILL)
     while True:  # until the launcher has seen it go (it lists its live sites)
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
         live = [w["site"] for w in json.loads((out / "workers.json").read_text())]
