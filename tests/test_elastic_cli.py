@@ -115,8 +115,6 @@ def test_torchft_diloco_goes_on_too_with_its_syncs_recorded_as_events(tmp_path):
     assert summary["tokens"] == (90 + 90 + 30) * 4 * 64
 
 
-# by hand (-m slow): the operator test below kills with -9 from outside too, and brings it back
-@pytest.mark.slow
 def _kill_site2_at(out: Path, step: int, *args: str) -> subprocess.Popen:
     """Start an elastic run and, once site 0 has logged ``step``, kill site 2 with -9 from
     outside, as an operator would; the run is returned still going."""
@@ -137,6 +135,8 @@ def _kill_site2_at(out: Path, step: int, *args: str) -> subprocess.Popen:
     return proc
 
 
+# by hand (-m slow): the operator test below kills with -9 from outside too, and brings it back
+@pytest.mark.slow
 def test_kill_minus_9_from_another_shell_is_survived(tmp_path):
     out = tmp_path / "run"
     proc = _kill_site2_at(out, 30)
