@@ -79,6 +79,7 @@ def _torch_hook_worker(rank: int, world: int, kind: str, bucket_cap_mb: float = 
     }
 
 
+@pytest.mark.slow  # 7 s, by hand (pytest -m slow): the default suite stays under 10 minutes
 def test_bf16_hook_is_metered_at_half_the_bytes_and_tracks_fp32(workers):
     res = workers(_torch_hook_worker, 2, "bf16")
     ref = workers(_ddp_worker, 2)

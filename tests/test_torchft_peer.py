@@ -57,7 +57,6 @@ def _run_both(tmp_path, strategies: tuple[str, str], **settings) -> list[dict]:
     return out
 
 
-@pytest.mark.slow  # by hand (pytest -m slow): the default suite stays under 10 minutes
 def test_torchft_streaming_equals_our_streaming_in_fp32(tmp_path) -> None:
     """torchft's Streaming DiLoCo and ours, FP32, 3 fragments, no overlap: the same math and,
     once torchft's fragment order is matched to ours, the same schedule: the same losses."""
