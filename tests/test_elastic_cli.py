@@ -197,6 +197,19 @@ def test_an_added_site_joins_with_a_shard_of_its_own(tmp_path, replay):
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_lowcomm_join_takes_no_site_the_launcher_itself_starts_again(tmp_path):
+    """Sites 0 and 1 run, site 2 is gone: free, unless the run's own join:/add: (a standby the
+    launcher lets in) will bring it back, which `lowcomm join` must not take too."""
+    from lowcomm.train.join_site import _free_site
+
+    (tmp_path / "workers.json").write_text(json.dumps([{"site": 0}, {"site": 1}]))
+    assert _free_site(tmp_path, 3, None, planned=set()) == 2
+    with pytest.raises(lowcomm.ConfigError, match="all 3 sites of the run are running"):
+        _free_site(tmp_path, 3, None, planned={2})
+    with pytest.raises(lowcomm.ConfigError, match=r"site 2 is not free .* taken: \[0, 1, 2\]"):
+        _free_site(tmp_path, 3, 2, planned={2})
+
+
 def test_slow_fault_stretches_a_sites_compute_and_is_refused_without_a_factor(monkeypatch):
     from lowcomm.elastic import faults as harness
     from lowcomm.elastic.faults import Fault, pace, parse_faults

@@ -133,7 +133,8 @@ def run_sites(
     for stale in out_dir.glob(".error-rank*"):  # left by a launcher that was killed
         stale.unlink(missing_ok=True)
     if not strategy.startswith("torchft"):  # `lowcomm join DIR` starts another site from it
-        write_run_file(out_dir, strategy, sync_cfg, cfg, name, roles[0], address)
+        planned = sorted([*again, *(r.site for r in added)])
+        write_run_file(out_dir, strategy, sync_cfg, cfg, name, roles[0], address, planned)
     started = time.time()
     ctx = mp.get_context("spawn")
 

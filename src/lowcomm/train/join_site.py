@@ -34,14 +34,15 @@ RUN_FILE = "elastic.json"
 
 def write_run_file(
     out_dir: Path, strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, name: str | None,
-    role: SiteRole, lighthouse: str,
+    role: SiteRole, lighthouse: str, planned: list[int],
 ) -> None:  # fmt: skip
     """DIR/elastic.json: what ``lowcomm join DIR`` needs (the launcher removes it at the end);
-    ``role``: a starting site's, for the run's sites."""
+    ``role``: a starting site's, for the run's sites; ``planned``: the sites the launcher
+    itself starts again or adds (``join:``, ``add:``, a replay's), never free to take."""
     run = settings(strategy, name, sync_cfg, cfg)
     record = {
         "run": run, "sites": role.sites, "starting": role.starting or role.sites,
-        "lighthouse": lighthouse, "launcher": os.getpid(),
+        "lighthouse": lighthouse, "launcher": os.getpid(), "planned": planned,
     }  # fmt: skip
     tmp = out_dir / f"{RUN_FILE}.tmp"
     tmp.write_text(json.dumps(record, indent=2) + "\n")
@@ -54,7 +55,7 @@ def join_site(run_dir: str, site: int | None = None) -> None:
     folder = Path(run_dir)
     record = _running(folder)
     sites = int(record["sites"])
-    site = _free_site(folder, sites, site)
+    site = _free_site(folder, sites, site, set(record.get("planned", [])))
     run = record["run"]
     known = config_fields()
     saved = {k: v for k, v in {**SAVED_BEFORE, **run["sync"], **run["train"]}.items() if k in known}
@@ -90,11 +91,12 @@ def _running(folder: Path) -> dict[str, Any]:
     return record
 
 
-def _free_site(folder: Path, sites: int, asked: int | None) -> int:
-    """A site number of the run that no live process holds: ``asked``, or the lowest."""
-    live: set[int] = set()
+def _free_site(folder: Path, sites: int, asked: int | None, planned: set[int]) -> int:
+    """A site number of the run that no live process holds and the launcher does not start
+    again itself (``planned``): ``asked``, or the lowest."""
+    live: set[int] = set(planned)
     with contextlib.suppress(OSError, ValueError):
-        live = {int(w["site"]) for w in json.loads((folder / "workers.json").read_text())}
+        live |= {int(w["site"]) for w in json.loads((folder / "workers.json").read_text())}
     for lock in folder.glob("join-site*.pid"):
         with contextlib.suppress(OSError, ValueError):
             if _alive(int(lock.read_text())):
@@ -104,7 +106,7 @@ def _free_site(folder: Path, sites: int, asked: int | None) -> int:
         if not 0 <= asked < sites or asked in live:
             raise ConfigError(
                 f"lowcomm join {folder}: site {asked} is not free (the run's sites are "
-                f"0..{sites - 1}; running: {sorted(live)}); drop --site to take a free one"
+                f"0..{sites - 1}; taken: {sorted(live)}); drop --site to take a free one"
             )
         return asked
     if not free:
