@@ -17,17 +17,14 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
-
-import torch.distributed as dist
 
 from ..config import ConfigError, SyncConfig, TrainConfig
 from ..elastic.faults import adds, joins, parse_faults
 from ..errors import LowCommError
 from .entry import run_entry, user_errors
-from .join_site import RUN_FILE, write_run_file
+from .join_site import RUN_FILE, run_site, write_run_file
 from .site_role import SiteRole
 
 PER_STEP = ("ddp", "loco")
@@ -287,17 +284,7 @@ def _site_main(
     name: str | None,
     resume: str | None,
 ) -> None:
-    """One site's process: a world of its own, then the trainer with membership."""
-    from .loop import run_worker
-
-    def train() -> None:
-        dist.init_process_group(
-            "gloo", store=dist.HashStore(), rank=0, world_size=1,
-            timeout=timedelta(seconds=cfg.timeout_s),
-        )  # fmt: skip
-        try:
-            run_worker(strategy, sync_cfg, cfg, out_dir, name, resume, role=role)
-        finally:
-            dist.destroy_process_group()
-
-    run_entry(out_dir, role.site, train)
+    """One site's process: the trainer with membership, its errors as a launched worker's."""
+    run_entry(
+        out_dir, role.site, lambda: run_site(role, strategy, sync_cfg, cfg, out_dir, name, resume)
+    )

@@ -69,7 +69,7 @@ def join_site(run_dir: str, site: int | None = None) -> None:
     lock.write_text(f"{os.getpid()}\n")
     print(f"lowcomm: site {site} joins the run in {folder} at its next sync", flush=True)
     try:
-        _train(role, run["strategy"], sync_cfg, cfg, folder, run.get("name"))
+        run_site(role, run["strategy"], sync_cfg, cfg, str(folder), run.get("name"), None)
     finally:
         lock.unlink(missing_ok=True)
 
@@ -118,10 +118,12 @@ def _free_site(folder: Path, sites: int, asked: int | None, planned: set[int]) -
     return free[0]
 
 
-def _train(
-    role: SiteRole, strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out: Path, name: Any
-) -> None:
-    """The trainer as one site, in a torch.distributed world of its own (as the launcher's)."""
+def run_site(
+    role: SiteRole, strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str,
+    name: str | None, resume: str | None,
+) -> None:  # fmt: skip
+    """The trainer as one site, in a torch.distributed world of its own (the launcher's sites
+    and a site started by hand alike)."""
     from .loop import run_worker
 
     dist.init_process_group(
@@ -129,7 +131,7 @@ def _train(
         timeout=timedelta(seconds=cfg.timeout_s),
     )  # fmt: skip
     try:
-        run_worker(strategy, sync_cfg, cfg, str(out), name, None, role=role)
+        run_worker(strategy, sync_cfg, cfg, out_dir, name, resume, role=role)
     finally:
         dist.destroy_process_group()
 
