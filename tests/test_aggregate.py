@@ -92,6 +92,63 @@ def test_selected_mean_averages_only_the_senders(workers):
     torch.testing.assert_close(res[0]["mean"], expected, atol=1e-6, rtol=1e-6)
 
 
+WEIGHTS = [3.0, 1.0, 0.0]  # quorum rounds: inner steps each contribution holds (0: none)
+
+
+def _weighted_worker(rank: int, world: int, method: str, codec_name: str, aggregation: str):
+    codec = make_codec(codec_name, block_size=32, density=1 / 8)
+    agg = aggregator_for(method, codec, world, aggregation=aggregation)
+    enc = agg.encode(_inputs(rank), valid=WEIGHTS[rank] > 0)
+    red = agg.exchange(enc, Transport(), WEIGHTS)
+    return {"mean": red.mean, "valid": red.valid_workers}
+
+
+@pytest.mark.parametrize(
+    "method,codec,aggregation",
+    [
+        ("gather", "topk", "mean"),
+        ("gather", "topk", "selected-mean"),
+        ("allreduce", "fp32", "mean"),
+        pytest.param("two-phase", "fp4", "mean", marks=pytest.mark.slow),  # not elastic yet
+    ],
+)
+def test_the_weighted_mean_is_sum_w_x_over_sum_w(workers, method, codec, aggregation):
+    res = workers(_weighted_worker, 3, method, codec, aggregation)
+    c = make_codec(codec, block_size=32, density=1 / 8)
+    flat = [torch.cat([x.reshape(-1) for x in _inputs(r)]) for r in range(3)]
+    if method == "two-phase":  # each owner's shard, then the re-encoded mean: see above
+        n = flat[0].numel()
+        shard = -(-(-(-n // 3)) // 32) * 32
+        padded = [torch.nn.functional.pad(f, (0, shard * 3 - n)) for f in flat]
+        parts = []
+        for j in range(3):
+            s = sum(
+                w * c.roundtrip(p[j * shard : (j + 1) * shard]) for w, p in zip(WEIGHTS, padded)
+            )
+            parts.append(c.roundtrip(s / sum(WEIGHTS)))
+        expected = torch.cat(parts)[:n]
+    elif aggregation == "selected-mean":  # per element: over the weights of those that sent it
+        total, weight = torch.zeros_like(flat[0]), torch.zeros_like(flat[0])
+        for w, r in zip(WEIGHTS[:2], range(2)):
+            offset = 0
+            for x in _inputs(r):
+                idx, vals = c.decode_sparse(c.encode(x), x.shape, "t")
+                total[offset:].index_add_(0, idx, w * vals)
+                weight[offset:].index_add_(0, idx, torch.full_like(vals, w))
+                offset += x.numel()
+        expected = total / weight.clamp(min=1e-12)
+    else:
+        dec = [c.roundtrip(f) if codec != "fp32" else f for f in flat]
+        if codec == "topk":  # per tensor, as sent
+            dec = [torch.cat([c.roundtrip(x).reshape(-1) for x in _inputs(r)]) for r in range(3)]
+        expected = sum(w * d for w, d in zip(WEIGHTS, dec)) / sum(WEIGHTS)
+    for r in res:
+        assert r["valid"] == 2
+        torch.testing.assert_close(r["mean"], expected, atol=1e-6, rtol=1e-6)
+    plain = sum(flat[:2]) / 2  # the check tells the weighted mean from the plain one
+    assert not torch.allclose(res[0]["mean"], plain, atol=1e-3)
+
+
 ROUNDS = 3
 
 

@@ -298,6 +298,13 @@ def test_fewer_than_min_workers_stop_the_run_with_one_line_and_it_resumes(tmp_pa
         (["elastic=true", "--strategy", "torchft-diloco", "--replay", "x.jsonl"], "drop it"),
         (["--replay", "nowhere.jsonl"], "add elastic=true"),
         (["elastic=true", "--replay", "nowhere.jsonl"], "cannot read it"),
+        (["rounds=quorum", "quorum=1"], "more than half of the 3 sites"),
+        (["rounds=quorum", "quorum=4"], "at most 3"),
+        (["quorum=2"], "add rounds=quorum"),
+        (["rounds=quorum", "grace=-1"], "grace must be >= 0"),
+        (["rounds=quorum", "late=keep"], "carry"),
+        (["rounds=sometimes"], "lockstep"),
+        (["rounds=quorum", "--strategy", "torchft-diloco"], "not torchft-diloco"),
     ],
 )
 def test_bad_elastic_input_is_one_line_before_any_site_starts(tmp_path, capsys, args, message):
@@ -308,3 +315,19 @@ def test_bad_elastic_input_is_one_line_before_any_site_starts(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
     assert not (out / "metrics.jsonl").exists()
+
+
+def test_quorum_rounds_leave_a_slow_site_behind_and_count_what_each_site_trained(tmp_path):
+    """The issue's run, smaller: one site 3x slower; the others never wait out its rounds."""
+    out = tmp_path / "q"
+    run = [a if a != "90" else "60" for a in RUN]
+    r = _train(*run, "rounds=quorum", "quorum=2", "--faults", "slow:1x3", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    rounds = summary["rounds"]
+    assert rounds["trained_steps"][0] == rounds["trained_steps"][2] == 60
+    assert 0 < rounds["trained_steps"][1] < 60 and rounds["cut_rounds"][1] >= 3
+    assert rounds["trained_steps"][1] + rounds["cut_steps"][1] == 60
+    per_site_step = 4 * 64
+    assert summary["tokens"] == sum(rounds["trained_steps"]) * per_site_step
+    assert summary["config"]["rounds"] == "quorum" and summary["config"]["elastic"] is True

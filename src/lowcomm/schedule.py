@@ -212,6 +212,10 @@ class Schedule:
                 total += (step - r) // H + 1
         return total
 
+    def next_send(self, step: int) -> int:
+        """The first inner step after ``step`` that sends something."""
+        return next(u for u in range(step + 1, step + self.sync_every + 1) if self.sends_at(u))
+
     def apply_step(self, send_step: int) -> int:
         """The inner step after which a result sent at ``send_step`` is applied."""
         return send_step + self.overlap

@@ -38,14 +38,23 @@ class AllReduceAggregator(Aggregator):
         local = payload[:-1].float() if need_local else None
         return Encoded(payload, shapes, n, local, key)
 
-    def exchange(self, enc: Encoded, transport: Transport) -> Reduced:
-        """All-reduce and divide by the summed flags.
+    def exchange(
+        self, enc: Encoded, transport: Transport, weights: list[float] | None = None
+    ) -> Reduced:
+        """All-reduce and divide by the summed flags (weighted: each worker scales its
+        payload and flag by its weight first, so the flags sum to the total weight).
 
         The all-reduce sums ``enc.payload`` in place (a model-sized copy saved) unless
         ``enc.local`` was asked for, which may share its memory.
         """
         buf = enc.payload.clone() if enc.local is not None else enc.payload
+        if weights is not None:
+            buf.mul_(weights[transport.rank])
         self._timed(transport.all_reduce, buf)
+        if weights is not None:
+            total = float(buf[-1])
+            valid = sum(1 for w in weights if w > 0)
+            return Reduced(buf[:-1].float().div_(total if total > 0 else 1.0), valid)
         count = int(round(float(buf[-1])))
         return Reduced(buf[:-1].float().div_(max(count, 1)), count)
 

@@ -72,9 +72,14 @@ class Aggregator(ABC):
         """
 
     @abstractmethod
-    def exchange(self, enc: Encoded, transport: Transport) -> Reduced:
+    def exchange(
+        self, enc: Encoded, transport: Transport, weights: list[float] | None = None
+    ) -> Reduced:
         """Run the collectives and return the flat FP32 average over the valid workers.
 
+        ``weights`` (one per worker, every worker the same list): the weighted mean
+        ``sum w_j x_j / sum w_j`` over the valid workers instead of the plain one (quorum
+        rounds weight each site by the inner steps its pseudo-gradient holds).
         The blocking part: it may run on the transport's comm thread.
         """
 

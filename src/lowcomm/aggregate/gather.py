@@ -49,17 +49,24 @@ class GatherAggregator(Aggregator):
             local = self._decode_flat(payload[:-1], shapes, n)
         return Encoded(payload, shapes, n, local, key)
 
-    def exchange(self, enc: Encoded, transport: Transport) -> Reduced:
-        """All-gather the payloads, decode each and sum in FP32."""
+    def exchange(
+        self, enc: Encoded, transport: Transport, weights: list[float] | None = None
+    ) -> Reduced:
+        """All-gather the payloads, decode each and sum in FP32 (weighted: see
+        :meth:`Aggregator.exchange`)."""
         gathered = self._timed(transport.all_gather, enc.payload)
-        return self._sum_gathered(gathered, enc.shapes, enc.numel)
+        return self._sum_gathered(gathered, enc.shapes, enc.numel, weights)
 
     def payload_nbytes(self, shapes: list[torch.Size]) -> int:
         """The codec's bytes per tensor, plus the flag byte."""
         return sum(self.codec.nbytes(s) for s in shapes) + 1
 
     def _sum_gathered(
-        self, gathered: list[torch.Tensor], shapes: list[torch.Size], total_numel: int
+        self,
+        gathered: list[torch.Tensor],
+        shapes: list[torch.Size],
+        total_numel: int,
+        weights: list[float] | None = None,
     ) -> Reduced:
         dev = gathered[0].device if gathered else None
         total = torch.zeros(total_numel, dtype=torch.float32, device=dev)
@@ -67,17 +74,20 @@ class GatherAggregator(Aggregator):
         if selected:
             # counts are small integers, exact in any dtype: int16 halves the model-sized buffer
             small = len(gathered) < 2**15
+            count_dtype = torch.int16 if small else torch.int32
             counts = torch.zeros(
-                total_numel, dtype=torch.int16 if small else torch.int32, device=dev
+                total_numel, dtype=torch.float32 if weights else count_dtype, device=dev
             )
             touched: list[torch.Tensor] = []  # where some worker sent a value
-        valid = 0
+        valid, weight_sum = 0, 0.0
         for w, payload in enumerate(gathered):
             offset_b, offset_e = 0, 0
             self._check_len(payload[:-1], shapes, f"worker {w}")
             if not flag(payload[-1], f"worker {w}"):
                 continue
             valid += 1
+            weight = weights[w] if weights is not None else 1.0
+            weight_sum += weight
             for i, shape in enumerate(shapes):
                 nb = self.codec.nbytes(shape)
                 n = numel(shape)
@@ -86,12 +96,16 @@ class GatherAggregator(Aggregator):
                 if selected:
                     sparse = self.codec.decode_sparse  # type: ignore[attr-defined]
                     idx, vals = sparse(piece, shape, name)
+                    if weights is not None:
+                        vals = vals * weight
                     total[offset_e : offset_e + n].index_add_(0, idx, vals)
-                    ones = torch.ones_like(idx, dtype=counts.dtype)
+                    ones = torch.full_like(idx, weight, dtype=counts.dtype)
                     counts[offset_e : offset_e + n].index_add_(0, idx, ones)
                     touched.append(idx + offset_e)
                 else:
                     dec = self.codec.decode(piece, shape, name)
+                    if weights is not None:
+                        dec = dec * weight
                     total[offset_e : offset_e + n] += dec.reshape(-1)
                 offset_b += nb
                 offset_e += n
@@ -102,6 +116,8 @@ class GatherAggregator(Aggregator):
                 at = torch.cat(touched)
                 total.index_copy_(0, at, total[at] / counts[at])
             return Reduced(total, valid)
+        if weights is not None:
+            return Reduced(total.div_(weight_sum if weight_sum > 0 else 1.0), valid)
         return Reduced(total.div_(max(valid, 1)), valid)
 
     def _decode_flat(

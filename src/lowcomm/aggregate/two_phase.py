@@ -89,9 +89,12 @@ class TwoPhaseAggregator(Aggregator):
         return Encoded(payload, [shards.shape], shards.numel(), local, key, shards.shape[1])
 
     # -- exchange (may run on the comm thread) ---------------------------------------------------
-    def exchange(self, enc: Encoded, transport: Transport) -> Reduced:
-        """Reduce-scatter, re-encode this worker's averaged shard, all-gather every shard."""
-        red = self.reduce_scatter(enc, transport)
+    def exchange(
+        self, enc: Encoded, transport: Transport, weights: list[float] | None = None
+    ) -> Reduced:
+        """Reduce-scatter, re-encode this worker's averaged shard, all-gather every shard
+        (weighted: see :meth:`Aggregator.exchange`)."""
+        red = self.reduce_scatter(enc, transport, weights)
         mine, comp = red.mean, self.reduce_compensation
         # a left-out worker changes nothing here (every owner averages the valid ones alike);
         # with no valid worker at all there is nothing to compensate
@@ -108,7 +111,9 @@ class TwoPhaseAggregator(Aggregator):
         )
         return Reduced(out[: enc.numel], red.valid_workers)
 
-    def reduce_scatter(self, enc: Encoded, transport: Transport) -> Reduced:
+    def reduce_scatter(
+        self, enc: Encoded, transport: Transport, weights: list[float] | None = None
+    ) -> Reduced:
         """Two-phase, first half only: the FP32 average of this worker's shard (one quantisation).
 
         The shard's length is ``enc.shard_numel``; FSDP's reduce-scatter is exactly this.
@@ -116,11 +121,16 @@ class TwoPhaseAggregator(Aggregator):
         received = self._timed(transport.all_to_all, list(enc.payload.unbind(0)))
         shape = torch.Size([enc.shard_numel])
         mine = torch.zeros(shape, dtype=torch.float32, device=enc.payload.device)
-        valid = 0
+        valid, weight_sum = 0, 0.0
         for w, p in enumerate(received):
             if flag(p[-1], f"worker {w}"):
-                mine += self.codec.decode(p[:-1], shape, f"shard {transport.rank} from worker {w}")
+                dec = self.codec.decode(p[:-1], shape, f"shard {transport.rank} from worker {w}")
+                weight = weights[w] if weights is not None else 1.0
+                mine += dec * weight if weights is not None else dec
                 valid += 1
+                weight_sum += weight
+        if weights is not None:
+            return Reduced(mine.div_(weight_sum if weight_sum > 0 else 1.0), valid)
         return Reduced(mine.div_(max(valid, 1)), valid)
 
     def payload_nbytes(self, shapes: list[torch.Size]) -> int:

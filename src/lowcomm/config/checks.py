@@ -144,6 +144,12 @@ def validate_train(t: Any) -> None:
         raise ConfigError(f"min_workers must be >= 1, got {t.min_workers}")
     if t.heartbeat_timeout_s <= 0:
         raise ConfigError(f"heartbeat_timeout_s must be > 0, got {t.heartbeat_timeout_s}")
+    if t.rounds == "lockstep" and (t.quorum or t.grace):
+        raise ConfigError("quorum= and grace= set quorum rounds: add rounds=quorum")
+    if t.grace < 0:
+        raise ConfigError(f"grace must be >= 0 seconds (0 = auto), got {t.grace:g}")
+    if t.quorum < 0:
+        raise ConfigError(f"quorum must be >= 0 (0 = a majority), got {t.quorum}")
     if t.replay and not t.elastic:
         raise ConfigError("replay= re-enacts an elastic run: add elastic=true")
     if t.timeout_s <= 0:

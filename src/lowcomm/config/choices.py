@@ -24,6 +24,8 @@ Shard = Literal["striped", "contiguous"]
 DdpHook = Literal["allreduce", "bf16", "powersgd"]
 LogTo = Literal["none", "tensorboard"]
 InnerParallel = Literal["fsdp", "ddp"]
+Rounds = Literal["lockstep", "quorum"]
+Late = Literal["carry", "drop"]
 
 CODECS: tuple[str, ...] = get_args(Codec)
 DENSE_CODECS = ("fp32", "bf16", "fp16")

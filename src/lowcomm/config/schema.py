@@ -23,11 +23,13 @@ from .choices import (
     DdpHook,
     FragmentPattern,
     InnerParallel,
+    Late,
     LocoQuantizer,
     LogTo,
     Merge,
     OuterKind,
     Reduce,
+    Rounds,
     Shard,
     StateDevice,
 )
@@ -211,6 +213,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         checks.validate_train(self)
+        if self.rounds == "quorum":
+            self.elastic = True  # quorum rounds are settled by the lighthouse's quorums
 
     model: str = knob(
         "small",
@@ -300,6 +304,23 @@ class TrainConfig:
     )
     heartbeat_timeout_s: float = knob(
         2.0, "With elastic: a site silent this long is left out of the next sync."
+    )
+    rounds: Rounds = knob(
+        "lockstep",
+        "lockstep: every sync waits for every live site; quorum: a sync closes once `quorum` "
+        "sites reached it plus `grace`, slower sites cut their round short and are weighted by "
+        "the steps they took (turns elastic on).",
+    )
+    quorum: int = knob(0, "With rounds=quorum: sites that close a sync (0 = a majority).")
+    grace: float = knob(
+        0.0,
+        "With rounds=quorum: seconds a closed quorum waits for the rest (0 = auto: 3x the "
+        "slowest site's inner step).",
+    )
+    late: Late = knob(
+        "carry",
+        "With rounds=quorum: a site that misses a sync carries its work into its next one "
+        "(carry) or drops it and restarts from the run's model (drop).",
     )
     faults: str = knob(
         "",

@@ -57,6 +57,10 @@ class Elastic:
     join_from: int = 0  # ... admitted at the run's first sync at or after this inner step
     join_at: str = ""  # ... or exactly at this sync (a replay of a recorded join)
     heal_at: tuple[str, ...] = ()  # replay: the syncs where sites joined (offer a heal there)
+    rounds: str = "lockstep"  # lockstep: every sync waits for every live site; quorum: see below
+    quorum: int = 0  # rounds=quorum: a sync closes once this many sites reached it (0: a majority)
+    grace: float = 0.0  # ... plus this many seconds for the rest (0: auto, 3x the slowest step)
+    late: str = "carry"  # a site that missed its sync: carry its work into the next, or drop it
 
     def __post_init__(self) -> None:
         if not isinstance(self.lighthouse, str) or not self.lighthouse:
@@ -70,6 +74,12 @@ class Elastic:
             raise ConfigError(
                 f"min_workers must be in [1, sites={self.sites}], got {self.min_workers}"
             )
+        check_rounds(self.rounds, self.quorum, self.grace, self.late, self.sites)
+
+    @property
+    def quorum_size(self) -> int:
+        """rounds=quorum: how many sites close a sync (``quorum``, or a majority)."""
+        return self.quorum or self.sites // 2 + 1
 
     @property
     def replica_id(self) -> str:
@@ -114,6 +124,7 @@ class Membership:
         self.incarnation = uuid.uuid4().hex[:8]  # this process, among the site's restarts
         self._refused: set[int] = set()  # sites already told they were refused
         self.joiner_waiting = False  # a site with this run's settings asked to join, last quorum
+        self._join_at = ""  # a late site asking back in: the sync it asks for (see rejoin)
         timeout = timedelta(seconds=elastic.timeout_s)
         self._client = LighthouseClient(elastic.lighthouse, connect_timeout=timeout)
         self._beat_client = LighthouseClient(elastic.lighthouse, connect_timeout=timeout)
@@ -194,6 +205,34 @@ class Membership:
                 self.generation = int(ref.get("gen", 0))
                 return admitted, ref["tag"]
 
+    def rejoin(self, tag: str) -> View | None:
+        """A site that missed a sync (rounds=quorum) asks back in at ``tag``: the view that
+        admits it there, to heal from; None when the others have already gone past ``tag``
+        (it missed this one too)."""
+        step = _step_of(tag)
+        self._join_at = tag
+        try:
+            while True:
+                view = self._ask_to_join()
+                old = [d for d in view.data if not d.get("join")] if view else []
+                if view is None or not old:
+                    time.sleep(self.elastic.heartbeat_s)
+                    continue
+                admitted = admit(view, self.fingerprint, old[0]["tag"], old[0]["phase"])
+                if self.elastic.site in admitted.joiners:
+                    self.generation = int(old[0].get("gen", 0))
+                    return admitted
+                if _step_of(old[0]["tag"]) > step:
+                    return None
+        finally:
+            self._join_at = ""
+
+    @property
+    def store(self) -> dist.TCPStore:
+        """This site's own store (it hosts it): quorum groups of which it is first, and the
+        hints of quorum rounds (:mod:`.rounds`)."""
+        return self._store
+
     def _ask_to_join(self) -> View | None:
         """One quorum as a joiner; None when it timed out (the run's sites are alive but
         between syncs: the lighthouse holds a lone joiner until they ask)."""
@@ -225,8 +264,8 @@ class Membership:
         data = {
             "site": e.site, "tag": tag, "ok": ok, "store": self.store_address, "phase": phase,
             "fp": self.fingerprint, "gen": self.generation, "join": join,
-            "join_from": e.join_from, "join_at": e.join_at, "inc": self.incarnation,
-            "ready": ready,
+            "join_from": e.join_from, "join_at": self._join_at or e.join_at,
+            "inc": self.incarnation, "ready": ready,
         }  # fmt: skip
         # a live peer may reach the vote up to timeout_s late (a collective waiting on a lost
         # site) after connect_s at a group, and the lighthouse waits timeout_s for stragglers:
@@ -318,6 +357,22 @@ class Membership:
         self._groups.clear()
 
 
+def check_rounds(rounds: str, quorum: int, grace: float, late: str, sites: int) -> None:
+    """Raise ConfigError for quorum-round settings that cannot work (one line with the fix)."""
+    if rounds not in ("lockstep", "quorum"):
+        raise ConfigError(f"rounds must be lockstep or quorum, got {rounds!r}")
+    if late not in ("carry", "drop"):
+        raise ConfigError(f"late must be carry or drop, got {late!r}")
+    if grace < 0:
+        raise ConfigError(f"grace must be >= 0 seconds (0: auto), got {grace:g}")
+    if quorum and not sites // 2 < quorum <= sites:
+        # torchft's lighthouse forms a quorum only from more than half of the live sites
+        raise ConfigError(
+            f"quorum must be more than half of the {sites} sites and at most {sites} "
+            f"(the lighthouse's majority rule): try quorum={sites // 2 + 1}, got {quorum}"
+        )
+
+
 def admit(view: View, fingerprint: str, tag: str, phase: str) -> View:
     """The members of a quorum that take part in sync ``tag``: the sites already in the run,
     and the joiners it admits there (the run's settings; the first quorum of a sync of the
@@ -334,6 +389,12 @@ def admit(view: View, fingerprint: str, tag: str, phase: str) -> View:
                 joiners.append(int(d["site"]))
     keep.sort(key=lambda d: d["site"])
     return View(view.quorum_id, [int(d["site"]) for d in keep], keep, joiners)
+
+
+def _step_of(tag: str) -> int:
+    """The inner step of a sync's tag (``sync@40`` -> 40; -1 for other tags)."""
+    _, _, step = tag.partition("@")
+    return int(step) if step.isdigit() else -1
 
 
 def _joins_at(d: dict[str, Any], tag: str) -> bool:

@@ -15,6 +15,7 @@ from ..errors import MembershipError
 from ..transport import ByteMeter, Transport
 from . import heal
 from .membership import Membership, View
+from .rounds import Rounds
 
 log = logging.getLogger("lowcomm")
 T = TypeVar("T")
@@ -44,6 +45,8 @@ class Runner:
         self._offers: dict[str, Callable[[], dict]] = {}
         self.admitted: View | None = None  # a joiner's first sync: the view that admitted it
         self._heal: tuple[float, int] | None = None  # the last heal sent: seconds, bytes
+        # rounds=quorum: syncs close on a quorum plus a grace window (see .rounds)
+        self.rounds = Rounds(membership) if membership.elastic.rounds == "quorum" else None
 
     def run(self, tag: str, collectives: Collectives[T]) -> T:
         """Run ``collectives`` for the sync named ``tag`` until a quorum commits it."""
@@ -86,8 +89,22 @@ class Runner:
         self._offers[tag] = shared
 
     def joiner_expected(self, tag: str) -> bool:
-        """Whether a site may join at sync ``tag``: one is asking, or a replay says so."""
-        return self.membership.joiner_waiting or tag in self.membership.elastic.heal_at
+        """Whether a site may join at sync ``tag``: one is asking, a replay says so, or a
+        site that missed a sync has reached this one (quorum rounds)."""
+        if self.membership.joiner_waiting or tag in self.membership.elastic.heal_at:
+            return True
+        _, _, step = tag.partition("@")
+        return self.rounds is not None and step.isdigit() and self.rounds.stale_arrived(int(step))
+
+    def rejoin(self, tag: str, load: Callable[[dict], dict]) -> bool:
+        """A site that missed a sync (quorum rounds) asks back in at sync ``tag`` and heals
+        there as a joiner does (``load`` as in :meth:`heal_in`); False when the others were
+        already past ``tag`` (it missed this one too)."""
+        view = self.membership.rejoin(tag)
+        if view is None:
+            return False
+        self.heal_in(view, tag, load)
+        return True
 
     def _attempt(self, view: View, tag: str, collectives: Collectives[T]) -> T:
         """One attempt on ``view``'s group (no reference to it outlives a failure: see _drop)."""
@@ -171,6 +188,9 @@ class Runner:
                 log.warning("site %d: sites %s joined at %s; %d sites go on", self._site,
                             view.joiners, tag, len(view.members))  # fmt: skip
         self._heal = None
+        if self.rounds is not None:
+            self.rounds.expect(view, tag)
+            self.rounds.back()
         self.members = list(view.members)
         self._failed_at = None
         self._last_tag = tag

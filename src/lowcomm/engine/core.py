@@ -21,7 +21,7 @@ from ..transport import Transport
 from .build import check_arguments, resolve_fragments, trainable_params
 from .fragment import Fragment
 from .inflight import Result, in_hand
-from .join import join_run
+from .join import join_run, rejoin
 from .merge import make_merge
 from .placement import Placement
 from .state import RunState
@@ -164,10 +164,35 @@ class LowComm:
     def _after_inner_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.step += 1
         self.stats.inner_steps = self.step
+        self.stats.trained_steps += 1
         for frag in self.fragments:
             frag.unsent += 1
         self._encoder.count_step(self.transport)
+        t0 = time.perf_counter()
         self.run_due(self.step)
+        rounds = self._rounds
+        if rounds is not None:
+            rounds.stepped(time.perf_counter() - t0)  # its step time is the time outside syncs
+            self._cut_short(rounds)
+
+    def _cut_short(self, rounds: Any) -> None:
+        """Quorum rounds: once a quorum of sites has reached the next sync, this one goes there
+        now, its remaining inner steps skipped (``step`` jumps: the training loop follows it);
+        results due at the skipped steps are applied on the way, as they would have been."""
+        target = self.schedule.next_send(self.step)
+        if not rounds.closing(target, target - self.step):
+            return
+        rounds.cut_rounds += 1
+        rounds.cut_steps += target - self.step
+        while self.step < target:
+            self.step += 1
+            self.run_due(self.step)
+        self.stats.inner_steps = self.step
+
+    @property
+    def _rounds(self) -> Any:
+        """The quorum rounds of this site (None in lock-step)."""
+        return getattr(self.membership, "rounds", None)
 
     def run_due(self, step: int, joining: bool = False) -> torch.Tensor | None:
         """Do what the schedule says is due after inner step ``step``: take the results due,
@@ -177,6 +202,12 @@ class LowComm:
         the control flags when that showed every worker has left (nothing was exchanged).
         """
         sends = self.schedule.sends_at(step)
+        if sends and not joining and self._rounds is not None:
+            t0 = time.perf_counter()
+            late = not self._in_round(step)
+            self.transport.meter.add_blocked(time.perf_counter() - t0)  # waited for the others
+            if late:
+                sends = []  # this sync closed without this site
         due = self._inflight.due(step, sends)
         if not sends and (joining or not due):
             # a worker that has left mirrors collectives only: results due are applied by the
@@ -203,6 +234,18 @@ class LowComm:
         self._update_stats()
         return None
 
+    def _in_round(self, step: int) -> bool:
+        """Quorum rounds, at a sync: arrive and wait for it to close; False when this site is
+        late for it. A site that missed one heals at this one first (see :func:`rejoin`)."""
+        rounds = self._rounds
+        if not rounds.arrive(step):
+            return False
+        if rounds.stale:
+            if not rejoin(self, f"sync@{step}", carry=rounds.late == "carry"):
+                rounds.late_syncs += 1
+                return False
+        return True
+
     def _send(
         self, sends: list[int], step: int, flags: torch.Tensor | None, results: dict[int, Result]
     ) -> None:
@@ -210,11 +253,12 @@ class LowComm:
         encoded: dict[int, list[Encoded]] = {}
         owns: dict[int, torch.Tensor | None] = {}
         nonfinite = False
+        covered = {p: self.fragments[p].unsent for p in sends}  # steps each contribution holds
         with self.sync_times.stage("encode"):
             for p in sends:
                 encoded[p], owns[p], bad = self._encoder.encode(self.fragments[p], step)
                 nonfinite |= bad
-        mine = None if flags is not None else self._exchange.flags(step, False, nonfinite)
+        mine = None if flags is not None else self._exchange.flags(step, False, nonfinite, covered)
         tag = f"sync@{step}"
         job = self._exchange.job(encoded, mine, flags, tag)
         healing = self._offer_heal(tag, step, results)

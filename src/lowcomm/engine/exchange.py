@@ -74,6 +74,8 @@ class Exchange:
         )
         self.stats, self.times, self.events = stats, times, events
         self.runner = runner  # elastic: collectives on the live quorum, settled and retried
+        # quorum rounds: contributions weighted by the inner steps they hold (see weights)
+        self.weighted = runner is not None and runner.rounds is not None
 
     def on_group(self, tag: str, collectives: Callable[[Transport, Transport], T]) -> T:
         """Run ``collectives`` on the run's transports (training, buffers); with membership,
@@ -83,9 +85,15 @@ class Exchange:
             return collectives(self.transport, self.buffer_transport)
         return self.runner.run(tag, collectives)
 
-    def flags(self, step: int, done: bool, nonfinite: bool = False) -> torch.Tensor:
-        """This worker's flags now (see :func:`flags_row`)."""
-        return flags_row(step, done, nonfinite, [f.unsent for f in self.frags])
+    def flags(
+        self, step: int, done: bool, nonfinite: bool = False, covered: dict[int, int] | None = None
+    ) -> torch.Tensor:
+        """This worker's flags now (see :func:`flags_row`); ``covered``: the inner steps each
+        fragment sent now holds (its count is reset by encoding)."""
+        covered = covered or {}
+        return flags_row(
+            step, done, nonfinite, [covered.get(f.index, f.unsent) for f in self.frags]
+        )
 
     def gather_flags(self, mine: torch.Tensor, tag: str) -> torch.Tensor:
         """Every worker's flags, blocking (a worker that has left only mirrors this)."""
@@ -128,7 +136,8 @@ class Exchange:
             if self.runner is not None:  # an attempt may fail half-way: keep the bytes intact
                 parts = [dataclasses.replace(e, payload=e.payload.clone()) for e in parts]
             t1 = time.perf_counter()
-            out = [aggregator.exchange(e, transport) for e in parts]
+            w = self.weights(gathered, p) if self.weighted else None
+            out = [aggregator.exchange(e, transport, w) for e in parts]
             exchanging += time.perf_counter() - t1
             reduced[p] = (
                 out[0]
@@ -150,6 +159,18 @@ class Exchange:
         times.collective += elapsed - decoding
         times.exchange += elapsed
         return event
+
+    def weights(self, flags: torch.Tensor, p: int) -> list[float] | None:
+        """Each worker's weight in fragment ``p``'s mean: the inner steps its contribution
+        holds (0 when it sent none or a non-finite one). None, the plain mean, when every
+        contribution holds the same steps: the weighted mean is then the plain one, and the
+        plain one keeps the bits of a lock-step run."""
+        steps = flags[:, UNSENT + p].clone()
+        steps[flags[:, NONFINITE] != 0] = 0
+        held = steps[steps > 0]
+        if held.numel() == 0 or bool((held == held[0]).all()):
+            return None
+        return [float(s) for s in steps.tolist()]
 
     def exchange_buffers(self, flat: torch.Tensor | None, bt: Transport) -> torch.Tensor | None:
         """Floating buffers averaged in FP32 (``average``) or rank 0's (``broadcast``)."""

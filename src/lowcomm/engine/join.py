@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..elastic import View
 from ..errors import ConfigError
+from .tensors import views
 
 
 def join_run(engine: Any, view: View, tag: str) -> None:
@@ -33,3 +36,36 @@ def join_run(engine: Any, view: View, tag: str) -> None:
     if tag != f"sync@{step}":
         raise ConfigError(f"healed at {tag} but the run's step is {step}: a lowcomm bug")
     engine.run_due(step)
+
+
+def rejoin(engine: Any, tag: str, carry: bool) -> bool:
+    """Quorum rounds: a site that missed a sync heals at sync ``tag`` from the run's shared
+    state as a joiner does; False when the others had already gone past ``tag``.
+
+    ``carry``: its local weights move by what the run's model moved since its own copy (the
+    syncs it missed), so its next pseudo-gradient is exactly the work it did against the model
+    it started from, and its unsent steps stay: the merge weights it by all of them. Otherwise
+    (``late=drop``, and merges that keep a snapshot of what was sent, CO2's) it starts again
+    from the run's model, its work since its last sync dropped."""
+    state, frags = engine.state, engine.fragments
+    keep = carry and all(f.snapshot is None for f in frags)
+
+    def load(shared: dict[str, Any]) -> dict[str, Any]:
+        before = [f.global_flat.clone() for f in frags]
+        state.load_shared(shared)
+        if keep:
+            with torch.no_grad():
+                for f, old in zip(frags, before):
+                    moved = f.global_flat - old
+                    for p, d in zip(f.params, views(moved, f.params)):
+                        p.add_(d.to(device=p.device, dtype=p.dtype))
+            engine._placement.share_parts(frags)
+        else:
+            engine._local.load(None)
+            for frag in frags:
+                frag.unsent = 0
+                if frag.snapshot is not None:
+                    frag.take_snapshot()
+        return state.shared_state_dict()
+
+    return bool(engine.membership.rejoin(tag, load))

@@ -51,6 +51,7 @@ class Placement:
         self.elastic = elastic
         self.membership: Membership | None = None
         self.start_members: list[int] = []  # the sites of the first quorum
+        self.start_view: Any = None  # ... as this site saw it (its members' stores)
         self.admission: tuple[View, str] | None = None  # a joiner: the view and sync that took it
         self.model = model
         self.process_group = process_group
@@ -69,7 +70,7 @@ class Placement:
                 self.admission = view, _ = self.membership.join()
             else:
                 view = self.membership.start()
-            self.start_members = view.members
+            self.start_members, self.start_view = view.members, view
             return self.membership.group(view, self.membership.generation)
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError(NO_GROUP_MESSAGE)
@@ -104,6 +105,8 @@ class Placement:
 
         runner = Runner(self.membership, transport.meter, buffers.meter, transport.delay_s)
         runner.members = list(self.start_members)  # a site lost before the first sync counts
+        if runner.rounds is not None:  # whom to tell of its arrivals at the first sync
+            runner.rounds.expect(self.start_view, "start")
         return runner
 
     def share_parts(self, frags: list[Fragment]) -> None:

@@ -20,7 +20,8 @@ class SyncStats:
 
     syncs: int = 0
     fragment_syncs: int = 0
-    inner_steps: int = 0
+    inner_steps: int = 0  # the run's step this site is at (quorum rounds may skip some)
+    trained_steps: int = 0  # inner steps this site actually took
     payload_bytes: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0

@@ -94,7 +94,8 @@ def fingerprint(engine: Any) -> str:
         [(n, list(engine._by_name[n].shape), str(engine._by_name[n].dtype)) for n in frag]
         for frag in engine.fragment_names
     ]
-    text = json.dumps([elastic.run_id, cfg, shapes], sort_keys=True, default=str)
+    rounds = [elastic.rounds, elastic.late]  # how contributions are merged: the same everywhere
+    text = json.dumps([elastic.run_id, cfg, shapes, rounds], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

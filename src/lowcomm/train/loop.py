@@ -90,14 +90,17 @@ def run_worker(
             if role is not None and role.join:
                 _joined(run)
                 after_step(run, run.start_step - 1, log)  # the others' control collectives
-            for step in range(run.start_step, cfg.steps + 1):
+            step = run.start_step
+            while step <= cfg.steps:
                 act(faults, run.site.replica, step)
                 started, synced = time.perf_counter(), _sync_s(run)
                 train_step(run)
                 # a slow: fault stretches the step's compute, not the sync inside it
                 took = time.perf_counter() - started - (_sync_s(run) - synced)
                 pace(faults, run.site.replica, step, took)
+                step = _follow(run, step, log)
                 after_step(run, step, log)
+                step += 1
             finish(run)
         summary = summarize(run, log)
     finally:
@@ -107,9 +110,10 @@ def run_worker(
 
 
 def _sync_s(run: Run) -> float:
-    """Seconds the engine has spent in syncs so far (0 without one)."""
+    """Seconds the engine has spent in syncs so far, its own work and its waits on the others
+    (0 without one)."""
     stats = getattr(run.engine, "stats", None)
-    return float(getattr(stats, "outer_s", 0.0))
+    return float(getattr(stats, "outer_s", 0.0)) + (run.blocked_s() if stats else 0.0)
 
 
 def _joined(run: Run) -> None:
@@ -117,11 +121,30 @@ def _joined(run: Run) -> None:
     step: its own shard's batches from there and the LR schedule's position; its inner
     optimizer starts fresh."""
     step = run.engine.step
-    run.start_step, run.batches.step = step + 1, step
+    run.start_step = step + 1
+    _go_to(run, step)
+
+
+def _go_to(run: Run, step: int) -> None:
+    """Batches and the LR schedule at the run's ``step`` (a joiner, or a round cut short)."""
+    run.batches.step = step
     with warnings.catch_warnings():  # "scheduler stepped before the optimizer": on purpose
         warnings.simplefilter("ignore")
         run.sched.last_epoch = step - 1
         run.sched.step()
+
+
+def _follow(run: Run, step: int, log: RunLog) -> int:
+    """The step this site is at after training ``step``: under quorum rounds the engine may
+    have cut the round short (a quorum of sites reached the sync first) and jumped to the
+    sync; the skipped steps are counted as done, their batches and LR steps skipped."""
+    at = getattr(run.engine, "step", step)
+    if at <= step:
+        return step
+    _go_to(run, at)
+    for _ in range(at - step):
+        log.step_done()
+    return at
 
 
 def train_step(run: Run) -> None:
@@ -153,12 +176,15 @@ def after_step(run: Run, step: int, log: RunLog) -> None:
     """Between steps, outside the timed segments: log, evaluate, checkpoint."""
     cfg = run.cfg
     record: dict[str, Any] | None = None
-    if step % cfg.log_every == 0 or step == cfg.steps:
+    if _behind(run):  # out of the run's quorum until its next sync: no collectives with it
+        log.step_done()
+        return
+    if _due(run, step, cfg.log_every) or step == cfg.steps:
         record = _train_record(run, step)
-    if step < cfg.steps and cfg.eval_every and step % cfg.eval_every == 0:
+    if step < cfg.steps and cfg.eval_every and _due(run, step, cfg.eval_every):
         record = record or {"step": step, "tokens": step * run.tokens_per_step}
         record["val_loss"] = run.evaluate()
-    if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+    if cfg.checkpoint_every and _due(run, step, cfg.checkpoint_every):
         run.pending_checkpoint = True
     if run.pending_checkpoint and (run.engine is None or run.engine.last_sync_step == step):
         t0 = time.perf_counter()
@@ -173,6 +199,23 @@ def after_step(run: Run, step: int, log: RunLog) -> None:
     if record is not None:
         log.record(record)
     log.step_done()
+
+
+def _behind(run: Run) -> bool:
+    """Quorum rounds: this site missed the last sync (it asks back in at its next one); its
+    loss sums go with the next record."""
+    rounds = getattr(run.membership, "rounds", None)
+    return rounds is not None and rounds.stale
+
+
+def _due(run: Run, step: int, every: int) -> bool:
+    """Whether a logging or evaluation due every ``every`` steps falls at ``step``. Under quorum
+    rounds these collectives move to the end of the round that holds them: a site cut short
+    skips the steps inside a round, and the others must not wait for it there."""
+    if run.cfg.rounds != "quorum" or run.engine is None:
+        return step % every == 0
+    round_steps = run.sync_cfg.sync_every
+    return step % round_steps == 0 and step // every > (step - round_steps) // every
 
 
 def _train_record(run: Run, step: int) -> dict[str, Any]:
@@ -235,6 +278,7 @@ def summarize(run: Run, log: RunLog) -> RunSummary | None:
         [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64
     )
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    rounds = _rounds_table(run)  # a collective: before the other sites may have left
     state = full_state_dict(run.model)  # a collective when sharded: every rank gathers
     if not run.writes:
         return None
@@ -248,9 +292,37 @@ def summarize(run: Run, log: RunLog) -> RunSummary | None:
         record_membership(
             events, run.world, run.cfg.steps, per_step, run.out, summary, starting=starting
         )
+    if rounds is not None:
+        _record_rounds(summary, rounds, run.cfg.batch_size * run.cfg.seq_len)
     save_model(run, state)
     summary.write(run.out / "summary.json")
     return summary
+
+
+ROUND_COLUMNS = ("trained_steps", "cut_rounds", "cut_steps", "late_syncs")
+
+
+def _rounds_table(run: Run) -> torch.Tensor | None:
+    """Quorum rounds: every site's trained steps, rounds cut short, steps skipped and syncs
+    missed (one row per site; None in lock-step)."""
+    rounds = getattr(run.membership, "rounds", None)
+    if run.cfg.rounds != "quorum" or rounds is None:
+        return None
+    table = torch.zeros((run.world, len(ROUND_COLUMNS)), dtype=torch.float64)
+    mine = [run.engine.stats.trained_steps, rounds.cut_rounds, rounds.cut_steps, rounds.late_syncs]
+    table[run.site.replica] = torch.tensor(mine, dtype=torch.float64)
+    run.control.all_reduce(table, control=True)
+    return table
+
+
+def _record_rounds(summary: RunSummary, table: torch.Tensor, tokens_per_site_step: int) -> None:
+    """The summary's ``tokens`` are what the sites trained (a round cut short trains fewer
+    steps); per-site figures go under ``extra["rounds"]``."""
+    rows = table.long().tolist()
+    summary.tokens = sum(r[0] for r in rows) * tokens_per_site_step
+    summary.extra["rounds"] = {c: [r[i] for r in rows] for i, c in enumerate(ROUND_COLUMNS)}
+    wall = summary.wall_s or 0.0
+    summary.extra["goodput"] = summary.tokens / wall if wall > 0 else 0.0
 
 
 def _build_summary(run: Run, val_loss: float, means: list[float], rss: int) -> RunSummary:

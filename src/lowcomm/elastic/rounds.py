@@ -1,0 +1,227 @@
+"""Quorum rounds (``rounds=quorum``): a sync closes once ``quorum`` sites have reached it and a
+grace window has passed, not when the slowest site has.
+
+Who takes part in a sync is still the lighthouse's quorum; what this module adds are hints on
+our own data plane, so that no site waits for the slowest and no site is cut out needlessly:
+
+- a site reaching a sync adds one to that sync's arrival count in every site's store (each
+  site hosts one: :attr:`Membership.store`), so everyone reads the count from its own store;
+- a site still stepping that sees ``quorum`` arrivals stops at that step boundary, unless all
+  its remaining steps fit well inside the grace window, and goes to the sync with the steps it
+  took (the merge weights its pseudo-gradient by them: docs/algorithms.md);
+- a site that has arrived waits until every expected site has, or ``quorum`` have plus the
+  grace window, then marks the sync closed and asks the lighthouse, which settles who is in
+  (it waits ``join_timeout`` for the rest of those asking);
+- a site that arrives after the sync was marked closed is late: it skips that sync, goes on
+  training, and asks back in at its next one, where it heals like a joiner and carries its
+  work in (``late=carry``) or starts from the run's model (``late=drop``).
+
+The hints only ever make a site stop early or skip; they never decide membership.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from .membership import Membership, View
+
+log = logging.getLogger("lowcomm")
+
+# the lighthouse's join_timeout for quorum rounds: sites ask once a sync has closed, so it need
+# only gather those asking within a moment of each other (lock-step waits for every live site)
+LIGHTHOUSE_JOIN_S = 0.5
+_POLL_S = 0.002  # between reads of this site's own store while waiting at a sync
+_AUTO_MARGIN_S = 0.05  # auto grace: added to 3x the slowest step (a loaded host's jitter)
+
+
+class Rounds:
+    """This site's side of quorum rounds: arrival hints, the cut-short test and lateness."""
+
+    def __init__(self, membership: Membership) -> None:
+        e = membership.elastic
+        self.membership = membership
+        self.quorum, self.grace_s, self.late = e.quorum_size, e.grace, e.late
+        self.stale = False  # missed a sync: its shared state is behind until it heals
+        self.late_syncs = 0  # syncs this site missed
+        self.cut_rounds = 0  # rounds this site ended early (quorum reached before its H steps)
+        self.cut_steps = 0  # inner steps those rounds skipped
+        self._stores: dict[int, str] = {}  # expected site -> its store's address
+        self._missed: dict[int, int] = {}  # expected site not in the last views -> syncs missed
+        self._dead: set[str] = set()  # stores that could not be reached (their site is gone)
+        self._seen: dict[int, float] = {}  # send step -> when this site saw the quorum there
+        self._last_step: float | None = None
+        self.step_s = 0.0  # this site's inner step time (a moving average)
+        self._steps = 0
+        self._told = 0.0  # the step time last told to the others
+        self._own = membership.store
+        self._clients: dict[str, Any] = {}
+        self._posts: queue.Queue[tuple[str, str, str]] = queue.Queue()
+        threading.Thread(target=self._post_loop, name="lowcomm-rounds", daemon=True).start()
+
+    # -- what the engine calls -------------------------------------------------------------------
+    def stepped(self, sync_s: float) -> None:
+        """After each inner step: time it (less ``sync_s``, the sync inside it) and tell the
+        others now and then (their grace: see :meth:`grace`); a site made slow (``slow:``)
+        sleeps inside its step, so that counts."""
+        now = time.perf_counter()
+        if self._last_step is not None:
+            took = max(now - self._last_step - sync_s, 0.0)
+            s = self.step_s
+            self.step_s = took if s == 0 else 0.8 * s + 0.2 * took
+            self._steps += 1
+            told = self._told
+            if self._steps == 2 or (told and abs(self.step_s - told) > 0.2 * told):
+                self._told = self.step_s
+                self._post(_key(0, f"pace{self._site}"), f"{self.step_s:.6f}")
+        self._last_step = now
+
+    def closing(self, send_step: int, remaining: int) -> bool:
+        """Between inner steps, ``remaining`` before the sync at ``send_step``: whether to go
+        to it now. Yes once a quorum has arrived there, unless every remaining step fits in
+        the first half of the grace window (equal sites then all do their full H steps)."""
+        if self._count(send_step) < self.quorum:
+            return False
+        seen = self._seen.setdefault(send_step, time.monotonic())
+        budget = self.grace() / 2 - (time.monotonic() - seen)
+        return remaining * self.step_s > budget
+
+    def arrive(self, step: int) -> bool:
+        """At the sync of ``step``: tell the others, then wait until it closes. False: this
+        site is late (the sync closed without it): it skips this sync."""
+        self._seen.pop(step, None)
+        if self._own.check([_key(step, "closed")]):
+            self.late_syncs += 1
+            self.stale = True
+            self._post(_key(0, f"stale{self._site}"))  # the others wait for it at its next sync
+            log.warning("site %d: late for sync@%d (it closed on a quorum); it skips it and "
+                        "asks back in at its next sync", self._site, step)  # fmt: skip
+            return False
+        self._post(_key(step, "arrived"))
+        self._post(_key(step, f"at{self._site}"))
+        if self.stale:
+            self._post(_key(step, "stale"))
+        self._wait(step)
+        return True
+
+    def back(self) -> None:
+        """This site took part in a sync: it is no longer behind."""
+        if self.stale:
+            self.stale = False
+            self._post(_key(0, f"stale{self._site}"), "0")
+
+    def stale_arrived(self, step: int) -> bool:
+        """Whether a late site has reached the sync of ``step`` (it asks back in there: the
+        members offer it the run's state, as for a joiner)."""
+        return self._own.check([_key(step, "stale")])
+
+    def expect(self, view: View, tag: str) -> None:
+        """After ``tag`` stood on ``view``: whom to expect at the next sync. Its members, and a
+        site not in it while it has missed only this one sync or says it is coming back (it
+        missed one and asks back in at its next); not one whose store is gone (it died)."""
+        known = {int(d["site"]): d["store"] for d in view.data}
+        stores = {s: known.get(s) or self._stores.get(s) for s in view.members}
+        behind = set(self._behind())
+        for s, address in self._stores.items():
+            if s in view.members or address in self._dead:
+                self._missed.pop(s, None)
+                continue
+            if tag.startswith("sync@"):
+                self._missed[s] = self._missed.get(s, 0) + 1
+            if self._missed.get(s, 0) <= 1 or s in behind:
+                stores[s] = address
+        self._stores = {s: a for s, a in stores.items() if a and a not in self._dead}
+
+    def grace(self) -> float:
+        """Seconds a closed quorum waits for the rest: ``grace=``, or 3x the slowest expected
+        site's step time as each told it (every one then reaches a step boundary, sees the
+        quorum and arrives in time); until every site has told, it waits for all of them."""
+        if self.grace_s > 0:
+            return self.grace_s
+        keys = [_key(0, f"pace{s}") for s in self._stores or [self._site]]
+        if not self._own.check(keys):
+            return self.membership.elastic.timeout_s
+        slowest = max(float(v) for v in self._own.multi_get(keys))
+        return 3 * slowest + _AUTO_MARGIN_S
+
+    # -- inside ----------------------------------------------------------------------------------
+    def _wait(self, step: int) -> None:
+        """Until every expected site has arrived, the sync was closed by another, or a quorum
+        has arrived and the grace window has passed (then this site closes it)."""
+        expected = [_key(step, f"at{s}") for s in self._stores or [self._site]]
+        returning = [_key(step, f"at{s}") for s in self._behind()]
+        deadline = time.monotonic() + self.membership.elastic.timeout_s
+        quorum_at: float | None = None
+        quorum = min(self.quorum, max(len(self._stores), 1))
+        while time.monotonic() < deadline:
+            if self._own.check(expected) or self._own.check([_key(step, "closed")]):
+                return
+            # a site that missed a sync is waited for at its next one (else a site whose step
+            # is longer than the grace window would never get back in)
+            if self._count(step) >= quorum and self._own.check(returning):
+                quorum_at = quorum_at or time.monotonic()
+                if time.monotonic() - quorum_at >= self.grace():
+                    self._post(_key(step, "closed"))
+                    return
+            time.sleep(_POLL_S)
+        # too few sites arrived for too long: the lighthouse and min_workers decide
+
+    def _behind(self) -> list[int]:
+        """The expected sites that missed a sync and have not been back since."""
+        keys = {
+            s: _key(0, f"stale{s}")
+            for s, a in self._stores.items()
+            if s != self._site and a not in self._dead
+        }
+        told = [s for s, k in keys.items() if self._own.check([k])]
+        values = self._own.multi_get([keys[s] for s in told]) if told else []
+        return [s for s, v in zip(told, values) if v == b"1"]
+
+    def _count(self, step: int) -> int:
+        return int(self._own.add(_key(step, "arrived"), 0))
+
+    def _post(self, key: str, value: str = "1") -> None:
+        """Add this hint to this site's store now and to every expected site's store from the
+        posting thread (a peer that hung must not hold this site up)."""
+        self._write(self._own, key, value)
+        for site, address in self._stores.items():
+            if site != self._site:
+                self._posts.put((address, key, value))
+
+    def _post_loop(self) -> None:
+        while True:
+            address, key, value = self._posts.get()
+            try:
+                client = self._clients.get(address)
+                if client is None:
+                    host, port = address.rsplit(":", 1)
+                    client = dist.TCPStore(
+                        host, int(port), is_master=False, timeout=timedelta(seconds=2)
+                    )
+                    self._clients[address] = client
+                self._write(client, key, value)
+            except Exception as err:  # a lost site: its hints no longer matter
+                self._clients.pop(address, None)
+                self._dead.add(address)
+                log.debug("site %d: hint %s to %s failed: %s", self._site, key, address, err)
+
+    @staticmethod
+    def _write(store: Any, key: str, value: str) -> None:
+        if key.endswith("/arrived"):
+            store.add(key, 1)
+        else:
+            store.set(key, value.encode())
+
+    @property
+    def _site(self) -> int:
+        return self.membership.elastic.site
+
+
+def _key(step: int, what: str) -> str:
+    return f"lowcomm-rounds/{step}/{what}"
