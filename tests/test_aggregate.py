@@ -118,7 +118,8 @@ def test_the_weighted_mean_is_sum_w_x_over_sum_w(workers, method, codec, aggrega
     flat = [torch.cat([x.reshape(-1) for x in _inputs(r)]) for r in range(3)]
     if method == "two-phase":  # each owner's shard, then the re-encoded mean: see above
         n = flat[0].numel()
-        shard = -(-(-(-n // 3)) // 32) * 32
+        per_owner = -(-n // 3)  # ceil(n / 3), then whole blocks of 32
+        shard = -(-per_owner // 32) * 32
         padded = [torch.nn.functional.pad(f, (0, shard * 3 - n)) for f in flat]
         parts = []
         for j in range(3):
