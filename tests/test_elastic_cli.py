@@ -305,6 +305,7 @@ def test_fewer_than_min_workers_stop_the_run_with_one_line_and_it_resumes(tmp_pa
         (["rounds=quorum", "late=keep"], "carry"),
         (["rounds=sometimes"], "lockstep"),
         (["rounds=quorum", "--strategy", "torchft-diloco"], "not torchft-diloco"),
+        (["rounds=quorum", "--replay", "x.jsonl"], "drop rounds=quorum"),
     ],
 )
 def test_bad_elastic_input_is_one_line_before_any_site_starts(tmp_path, capsys, args, message):

@@ -10,10 +10,13 @@ step, so on a machine with fewer cores than sites it frees the CPU rather than t
 - ``removed``: the same run without the slow site (one site fewer, no fault).
 
 Reported per run: wall time from outside (start to exit), the tokens trained, goodput (their
-rate over the training loop's wall time), the final validation loss, the loss at equal
-training wall-clock (each run's evaluations interpolated at the quorum run's final wall time),
-and the training wall time to a target loss (the worse of the lock-step and quorum final
-losses, so both reach it; interpolated between evaluations, one every round).
+rate over the training loop's elapsed time), the final validation loss, the loss at equal
+wall-clock (each run's evaluations interpolated at the quorum run's final elapsed time), and
+the elapsed time to a target loss (the worse of the lock-step and quorum final losses, so both
+reach it; interpolated between evaluations, one every round). Times are the records'
+``elapsed_s``: since the training loop began, waits at the trainer's own collectives
+included (``wall_s``, the timed steps only, leaves out a fast site's wait for a slow one at
+logging and evaluation).
 """
 
 from __future__ import annotations
@@ -84,10 +87,10 @@ def _case(case: str, strategy: str, seed: int, a: argparse.Namespace, out: Path)
     if done.returncode != 0:
         raise RuntimeError(f"{out.name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     s = json.loads((out / "summary.json").read_text())
-    curve = [
-        (rec["wall_s"], rec["val_loss"])
+    curve = [  # elapsed time since the loop began: waits at logging collectives count too
+        (rec["elapsed_s"], rec["val_loss"])
         for rec in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-        if "val_loss" in rec and "wall_s" in rec
+        if "val_loss" in rec and "elapsed_s" in rec
     ]
     return {
         "strategy": strategy,
@@ -97,8 +100,7 @@ def _case(case: str, strategy: str, seed: int, a: argparse.Namespace, out: Path)
         "final_val_loss": s["final_val_loss"],
         "tokens": int(s["tokens"]),
         "wall_outside_s": round(wall, 2),
-        # the training loop's wall time as the writing site's clock saw it (its evaluations'
-        # times are on that clock too)
+        # the training loop's elapsed time on the writing site, to its final evaluation
         "train_wall_s": round(curve[-1][0] if curve else s["wall_s"], 2),
         "goodput": round(int(s["tokens"]) / (curve[-1][0] if curve else s["wall_s"]), 1),
         "rounds": s.get("rounds"),

@@ -21,8 +21,10 @@ The hints only ever make a site stop early or skip; they never decide membership
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
+import statistics
 import threading
 import time
 from datetime import timedelta
@@ -57,8 +59,8 @@ class Rounds:
         self._dead: set[str] = set()  # stores that could not be reached (their site is gone)
         self._seen: dict[int, float] = {}  # send step -> when this site saw the quorum there
         self._last_step: float | None = None
-        self.step_s = 0.0  # this site's inner step time (a moving average)
-        self._steps = 0
+        self.step_s = 0.0  # this site's inner step time (the median of the last few)
+        self._recent: collections.deque[float] = collections.deque(maxlen=9)
         self._told = 0.0  # the step time last told to the others
         self._own = membership.store
         self._clients: dict[str, Any] = {}
@@ -68,19 +70,22 @@ class Rounds:
     # -- what the engine calls -------------------------------------------------------------------
     def stepped(self, sync_s: float) -> None:
         """After each inner step: time it (less ``sync_s``, the sync inside it) and tell the
-        others now and then (their grace: see :meth:`grace`); a site made slow (``slow:``)
-        sleeps inside its step, so that counts."""
+        others when it changed (their grace: see :meth:`grace`). The median of the last few
+        steps: an evaluation or a checkpoint between two steps is not a slower site. A site
+        made slow on purpose (``slow:``) sleeps inside its steps, so that counts."""
         now = time.perf_counter()
         if self._last_step is not None:
-            took = max(now - self._last_step - sync_s, 0.0)
-            s = self.step_s
-            self.step_s = took if s == 0 else 0.8 * s + 0.2 * took
-            self._steps += 1
+            self._recent.append(max(now - self._last_step - sync_s, 0.0))
+            self.step_s = statistics.median(self._recent)
             told = self._told
-            if self._steps == 2 or (told and abs(self.step_s - told) > 0.2 * told):
+            if len(self._recent) == 2 or (told and abs(self.step_s - told) > 0.2 * told):
                 self._told = self.step_s
                 self._post(_key(0, f"pace{self._site}"), f"{self.step_s:.6f}")
         self._last_step = now
+
+    def synced(self) -> None:
+        """A round was cut short and its sync done since the last step: not step time."""
+        self._last_step = time.perf_counter()
 
     def closing(self, send_step: int, remaining: int) -> bool:
         """Between inner steps, ``remaining`` before the sync at ``send_step``: whether to go

@@ -28,7 +28,9 @@ fragments from rank 0), ``fragment`` (a fragment's global copy, snapshot, pseudo
 ``placement`` (groups, parts inside a worker, broadcasts), ``encode`` (compensate and encode),
 ``exchange`` (the collectives of one sync), ``inflight`` (the pending table), ``merge`` (the
 merge rules), ``guards`` (non-finite updates, replica check), ``leave`` (the exit path),
-``state`` (the run state declared once), ``stats`` (counters and stage timing), ``tensors``.
+``state`` (the run state declared once), ``stats`` (counters and stage timing), ``tensors``;
+with membership, ``join`` (a site joining, or back from a sync it missed) and ``quorum``
+(quorum rounds: a round cut short, a site's arrival at a sync).
 """
 
 from ..errors import NonFiniteError, ReplicaMismatchError

@@ -21,9 +21,10 @@ from ..transport import Transport
 from .build import check_arguments, resolve_fragments, trainable_params
 from .fragment import Fragment
 from .inflight import Result, in_hand
-from .join import join_run, rejoin
+from .join import join_run
 from .merge import make_merge
 from .placement import Placement
+from .quorum import cut_short, in_round
 from .state import RunState
 from .stats import SyncStats, SyncTimes, Unblocked
 from .wiring import wire
@@ -173,21 +174,7 @@ class LowComm:
         rounds = self._rounds
         if rounds is not None:
             rounds.stepped(time.perf_counter() - t0)  # its step time is the time outside syncs
-            self._cut_short(rounds)
-
-    def _cut_short(self, rounds: Any) -> None:
-        """Quorum rounds: once a quorum of sites has reached the next sync, this one goes there
-        now, its remaining inner steps skipped (``step`` jumps: the training loop follows it);
-        results due at the skipped steps are applied on the way, as they would have been."""
-        target = self.schedule.next_send(self.step)
-        if not rounds.closing(target, target - self.step):
-            return
-        rounds.cut_rounds += 1
-        rounds.cut_steps += target - self.step
-        while self.step < target:
-            self.step += 1
-            self.run_due(self.step)
-        self.stats.inner_steps = self.step
+            cut_short(self, rounds)
 
     @property
     def _rounds(self) -> Any:
@@ -204,7 +191,7 @@ class LowComm:
         sends = self.schedule.sends_at(step)
         if sends and not joining and self._rounds is not None:
             t0 = time.perf_counter()
-            late = not self._in_round(step)
+            late = not in_round(self, step)
             self.transport.meter.add_blocked(time.perf_counter() - t0)  # waited for the others
             if late:
                 sends = []  # this sync closed without this site
@@ -233,18 +220,6 @@ class LowComm:
         self.sync_times.caller += spent.seconds
         self._update_stats()
         return None
-
-    def _in_round(self, step: int) -> bool:
-        """Quorum rounds, at a sync: arrive and wait for it to close; False when this site is
-        late for it. A site that missed one heals at this one first (see :func:`rejoin`)."""
-        rounds = self._rounds
-        if not rounds.arrive(step):
-            return False
-        if rounds.stale:
-            if not rejoin(self, f"sync@{step}", carry=rounds.late == "carry"):
-                rounds.late_syncs += 1
-                return False
-        return True
 
     def _send(
         self, sends: list[int], step: int, flags: torch.Tensor | None, results: dict[int, Result]

@@ -68,6 +68,8 @@ def check_elastic(
     if cfg.rounds == "quorum":
         if strategy.startswith("torchft"):
             raise ConfigError("rounds=quorum runs lowcomm's own methods, not torchft-diloco")
+        if cfg.replay:  # where a round is cut short depends on timing, not on the record
+            raise ConfigError("--replay re-enacts lock-step membership: drop rounds=quorum")
         check_rounds(cfg.rounds, cfg.quorum, cfg.grace, cfg.late, workers)
     faults = parse_faults(cfg.faults, workers, cfg.steps)
     rejoin = {**joins(faults), **adds(faults)}

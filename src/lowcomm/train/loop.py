@@ -91,6 +91,7 @@ def run_worker(
                 _joined(run)
                 after_step(run, run.start_step - 1, log)  # the others' control collectives
             step = run.start_step
+            run.loop_started = time.perf_counter()
             while step <= cfg.steps:
                 act(faults, run.site.replica, step)
                 started, synced = time.perf_counter(), _sync_s(run)
@@ -197,8 +198,15 @@ def after_step(run: Run, step: int, log: RunLog) -> None:
         record["membership"] = events[run.events_logged :]
         run.events_logged = len(events)
     if record is not None:
+        record["elapsed_s"] = _elapsed(run)
         log.record(record)
     log.step_done()
+
+
+def _elapsed(run: Run) -> float:
+    """Seconds since the training loop began, everything included (logging, evaluation and
+    waits outside the timed steps: ``wall_s`` leaves those out)."""
+    return round(time.perf_counter() - run.loop_started, 3) if run.loop_started else 0.0
 
 
 def _behind(run: Run) -> bool:
@@ -254,6 +262,7 @@ def summarize(run: Run, log: RunLog) -> RunSummary | None:
             "tokens": run.cfg.steps * run.tokens_per_step,
             "val_loss": val_loss,
             "wall_s": run.clock.wall_s,
+            "elapsed_s": _elapsed(run),
             "final": True,
         }
     )
@@ -299,17 +308,24 @@ def summarize(run: Run, log: RunLog) -> RunSummary | None:
     return summary
 
 
-ROUND_COLUMNS = ("trained_steps", "cut_rounds", "cut_steps", "late_syncs")
+ROUND_COLUMNS = ("trained_steps", "syncs", "cut_rounds", "cut_steps", "late_syncs")
 
 
 def _rounds_table(run: Run) -> torch.Tensor | None:
-    """Quorum rounds: every site's trained steps, rounds cut short, steps skipped and syncs
-    missed (one row per site; None in lock-step)."""
+    """Quorum rounds: every site's trained steps, syncs it took part in, rounds cut short,
+    steps skipped and syncs missed (one row per site; None in lock-step)."""
     rounds = getattr(run.membership, "rounds", None)
     if run.cfg.rounds != "quorum" or rounds is None:
         return None
     table = torch.zeros((run.world, len(ROUND_COLUMNS)), dtype=torch.float64)
-    mine = [run.engine.stats.trained_steps, rounds.cut_rounds, rounds.cut_steps, rounds.late_syncs]
+    stats = run.engine.stats
+    mine = [
+        stats.trained_steps,
+        stats.syncs,
+        rounds.cut_rounds,
+        rounds.cut_steps,
+        rounds.late_syncs,
+    ]
     table[run.site.replica] = torch.tensor(mine, dtype=torch.float64)
     run.control.all_reduce(table, control=True)
     return table

@@ -123,6 +123,7 @@ class Run:
     role: SiteRole | None = None
     """This process's site in an elastic run (None: a fixed world)."""
     events_logged: int = 0
+    loop_started: float = 0.0  # perf_counter when the training loop began (elapsed_s in records)
     checkpoint_s: float = 0.0
     """Seconds spent writing checkpoints (this rank)."""
     """Membership events already marked in metrics.jsonl."""
