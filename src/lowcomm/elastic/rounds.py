@@ -196,12 +196,14 @@ class Rounds:
         posting thread (a peer that hung must not hold this site up)."""
         self._write(self._own, key, value)
         for site, address in self._stores.items():
-            if site != self._site:
+            if site != self._site and address not in self._dead:
                 self._posts.put((address, key, value))
 
     def _post_loop(self) -> None:
         while True:
             address, key, value = self._posts.get()
+            if address in self._dead:  # queued before its first failure: one try is enough
+                continue
             try:
                 client = self._clients.get(address)
                 if client is None:
