@@ -108,7 +108,8 @@ def _weighted_worker(rank: int, world: int, method: str, codec_name: str, aggreg
     [
         ("gather", "topk", "mean"),
         ("gather", "topk", "selected-mean"),
-        ("allreduce", "fp32", "mean"),
+        # by hand: test_rounds.py recomputes DiLoCo's weighted all-reduce end to end
+        pytest.param("allreduce", "fp32", "mean", marks=pytest.mark.slow),
         pytest.param("two-phase", "fp4", "mean", marks=pytest.mark.slow),  # not elastic yet
     ],
 )

@@ -212,9 +212,9 @@ class TrainConfig:
     """The reference trainer's knobs (model, data, inner optimizer, logging, run control)."""
 
     def __post_init__(self) -> None:
-        checks.validate_train(self)
         if self.rounds == "quorum":
             self.elastic = True  # quorum rounds are settled by the lighthouse's quorums
+        checks.validate_train(self)
 
     model: str = knob(
         "small",

@@ -189,12 +189,8 @@ class LowComm:
         the control flags when that showed every worker has left (nothing was exchanged).
         """
         sends = self.schedule.sends_at(step)
-        if sends and not joining and self._rounds is not None:
-            t0 = time.perf_counter()
-            late = not in_round(self, step)
-            self.transport.meter.add_blocked(time.perf_counter() - t0)  # waited for the others
-            if late:
-                sends = []  # this sync closed without this site
+        if sends and not joining and not in_round(self, step):
+            sends = []  # quorum rounds: this sync closed without this site
         due = self._inflight.due(step, sends)
         if not sends and (joining or not due):
             # a worker that has left mirrors collectives only: results due are applied by the
@@ -228,7 +224,8 @@ class LowComm:
         encoded: dict[int, list[Encoded]] = {}
         owns: dict[int, torch.Tensor | None] = {}
         nonfinite = False
-        covered = {p: self.fragments[p].unsent for p in sends}  # steps each contribution holds
+        # quorum rounds weight each contribution by the steps it holds (encoding resets them)
+        covered = {p: self.fragments[p].unsent for p in sends} if self._exchange.weighted else None
         with self.sync_times.stage("encode"):
             for p in sends:
                 encoded[p], owns[p], bad = self._encoder.encode(self.fragments[p], step)

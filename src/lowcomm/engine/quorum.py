@@ -4,6 +4,7 @@ a round cut short when a quorum of sites reached its sync first, and a site's ar
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from .join import rejoin
@@ -26,12 +27,19 @@ def cut_short(engine: Any, rounds: Any) -> None:
 
 
 def in_round(engine: Any, step: int) -> bool:
-    """At the sync of ``step``: arrive and wait for it to close; False when this site is late
-    for it. A site that missed one heals at this one first (:func:`.join.rejoin`)."""
-    rounds = engine.membership.rounds
-    if not rounds.arrive(step):
-        return False
-    if rounds.stale and not rejoin(engine, f"sync@{step}", carry=rounds.late == "carry"):
-        rounds.late_syncs += 1
-        return False
-    return True
+    """At the sync of ``step`` (always True in lock-step): arrive and wait for it to close,
+    the wait counted as blocked on the network; False when this site is late for it. A site
+    that missed one heals at this one first (:func:`.join.rejoin`)."""
+    rounds = getattr(engine.membership, "rounds", None)
+    if rounds is None:
+        return True
+    t0 = time.perf_counter()
+    try:
+        if not rounds.arrive(step):
+            return False
+        if rounds.stale and not rejoin(engine, f"sync@{step}", carry=rounds.late == "carry"):
+            rounds.late_syncs += 1
+            return False
+        return True
+    finally:
+        engine.transport.meter.add_blocked(time.perf_counter() - t0)  # waited for the others
