@@ -158,18 +158,20 @@ class Rounds:
     # -- inside ----------------------------------------------------------------------------------
     def _wait(self, step: int) -> None:
         """Until every expected site has arrived, the sync was closed by another, or a quorum
-        has arrived and the grace window has passed (then this site closes it)."""
-        expected = [_key(step, f"at{s}") for s in self._stores or [self._site]]
+        has arrived and the grace window has passed (then this site closes it). A site whose
+        store has gone (it died since the last sync) is no longer expected, and the quorum
+        is at most the sites left."""
         returning = [_key(step, f"at{s}") for s in self._behind()]
         deadline = time.monotonic() + self.membership.elastic.timeout_s
         quorum_at: float | None = None
-        quorum = min(self.quorum, max(len(self._stores), 1))
         while time.monotonic() < deadline:
+            live = [s for s, a in self._stores.items() if a not in self._dead] or [self._site]
+            expected = [_key(step, f"at{s}") for s in live]
             if self._own.check(expected) or self._own.check([_key(step, "closed")]):
                 return
             # a site that missed a sync is waited for at its next one (else a site whose step
             # is longer than the grace window would never get back in)
-            if self._count(step) >= quorum and self._own.check(returning):
+            if self._count(step) >= min(self.quorum, len(live)) and self._own.check(returning):
                 quorum_at = quorum_at or time.monotonic()
                 if time.monotonic() - quorum_at >= self.grace():
                     self._post(_key(step, "closed"))
