@@ -225,10 +225,12 @@ def _equal_tokens(rows: list[dict[str, Any]]) -> None:
         if "val_loss" in rec:
             curve.append((rec["tokens"], rec["val_loss"]))
     for r in rows:
-        r["uninterrupted_loss_at_tokens"] = round(_interp(curve, r["tokens"]), 4)
+        r["uninterrupted_loss_at_tokens"] = round(interp(curve, r["tokens"]), 4)
 
 
-def _interp(curve: list[tuple[int, float]], x: int) -> float:
+def interp(curve: list[tuple[float, float]], x: float) -> float:
+    """The loss at ``x`` on ``curve`` (points in order), linear between them; past the end, the
+    last one."""
     for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
         if x0 <= x <= x1:
             return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1

@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .elastic import interp
+
 TRAIN = [sys.executable, "-m", "lowcomm.cli", "train"]
 CASES = ("lockstep", "quorum", "removed")
 STRATEGIES = {
@@ -115,17 +117,9 @@ def _compare(rows: list[dict[str, Any]]) -> None:
     at = quorum["train_wall_s"]
     target = max(lock["final_val_loss"], quorum["final_val_loss"])
     for r in rows:
-        r["loss_at_quorum_wall"] = round(_interp(r["curve"], at), 4)
+        r["loss_at_quorum_wall"] = round(interp(r["curve"], at), 4)
         r["target_loss"] = round(target, 4)
         r["time_to_target_s"] = _first_below(r["curve"], target)
-
-
-def _interp(curve: list[tuple[float, float]], x: float) -> float:
-    """The loss at wall time ``x`` (linear between evaluations; the last one past the end)."""
-    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
-        if x0 <= x <= x1:
-            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
-    return curve[-1][1] if curve and x > curve[-1][0] else float("nan")
 
 
 def _first_below(curve: list[tuple[float, float]], target: float) -> float | None:

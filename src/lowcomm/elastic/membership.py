@@ -209,7 +209,7 @@ class Membership:
         """A site that missed a sync (rounds=quorum) asks back in at ``tag``: the view that
         admits it there, to heal from; None when the others have already gone past ``tag``
         (it missed this one too)."""
-        step = _step_of(tag)
+        step = step_of(tag)
         self._join_at = tag
         try:
             while True:
@@ -222,7 +222,7 @@ class Membership:
                 if self.elastic.site in admitted.joiners:
                     self.generation = int(old[0].get("gen", 0))
                     return admitted
-                if _step_of(old[0]["tag"]) > step:
+                if step_of(old[0]["tag"]) > step:
                     return None
         finally:
             self._join_at = ""
@@ -391,7 +391,7 @@ def admit(view: View, fingerprint: str, tag: str, phase: str) -> View:
     return View(view.quorum_id, [int(d["site"]) for d in keep], keep, joiners)
 
 
-def _step_of(tag: str) -> int:
+def step_of(tag: str) -> int:
     """The inner step of a sync's tag (``sync@40`` -> 40; -1 for other tags)."""
     _, _, step = tag.partition("@")
     return int(step) if step.isdigit() else -1

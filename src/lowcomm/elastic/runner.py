@@ -14,7 +14,7 @@ from typing import TypeVar
 from ..errors import MembershipError
 from ..transport import ByteMeter, Transport
 from . import heal
-from .membership import Membership, View
+from .membership import Membership, View, step_of
 from .rounds import Rounds
 
 log = logging.getLogger("lowcomm")
@@ -93,8 +93,8 @@ class Runner:
         site that missed a sync has reached this one (quorum rounds)."""
         if self.membership.joiner_waiting or tag in self.membership.elastic.heal_at:
             return True
-        _, _, step = tag.partition("@")
-        return self.rounds is not None and step.isdigit() and self.rounds.stale_arrived(int(step))
+        step = step_of(tag)
+        return self.rounds is not None and step >= 0 and self.rounds.stale_arrived(step)
 
     def rejoin(self, tag: str, load: Callable[[dict], dict]) -> bool:
         """A site that missed a sync (quorum rounds) asks back in at sync ``tag`` and heals
