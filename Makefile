@@ -14,6 +14,10 @@ $(BIN)/activate: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[test,hf,torchft]'
+	@# the codecs' fused CPU kernels (plain C, the system compiler); without one the torch path
+	@# gives the same bits, slower
+	$(BIN)/python -c "from lowcomm.codecs import _native; print('codec kernels:', _native.build())" \
+		|| echo "codec kernels not built (no C compiler?): the torch path is used"
 	touch $(BIN)/activate
 
 install: $(BIN)/activate

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
+from lowcomm.bench.floor import floor_passes
 from lowcomm.bench.sync import STAGES, tensor_bytes
 from lowcomm.cli import main
+from lowcomm.presets import preset_config
 
 STRATEGIES = ["diloco", "streaming", "sparseloco", "co2"]
 
@@ -33,6 +36,10 @@ def test_bench_sync_reports_every_stage(capsys) -> None:
         # every engine keeps a global copy of the whole model at least
         assert r["buffers_model_multiple"]["global"] == 1.0, name
         assert r["extra_model_multiple"] >= 1.0
+        # the floor: its passes at the copy speed measured in the run; work is the rest
+        assert r["floor_s"] == pytest.approx(r["floor_passes"]["total"] * r["copy_s"] / 2)
+        assert r["work_vs_floor"] == pytest.approx(r["work_s"] / r["floor_s"])
+        assert r["work_s"] <= max(x["total"] for x in r["rounds"])
     held = res["strategies"]
     assert held["sparseloco"]["buffers_model_multiple"]["compensation"] == 1.0  # error feedback
     assert held["co2"]["buffers_model_multiple"]["snapshot"] == 1.0  # continue merge
@@ -42,3 +49,24 @@ def test_bench_sync_reports_every_stage(capsys) -> None:
 def test_tensor_bytes_counts_nested_tensors() -> None:
     nested = {"a": torch.zeros(3), "b": [torch.zeros(2, dtype=torch.int64), None], "c": "x"}
     assert tensor_bytes(nested) == 3 * 4 + 2 * 8
+
+
+def test_floor_counts_the_passes_of_each_method() -> None:
+    """The passes docs/benchmarking.md §3 counts, method by method (payloads per element:
+    FP32 4 bytes, FP4 with 128-element blocks 4.25 bits, top-k 1/64 about 0.22 bits)."""
+
+    def total(strategy: str, merge: str, dense: bool, bpe: float, sparse: bool = False) -> float:
+        cfg = preset_config(strategy, workers=2, sync_every=30)
+        return floor_passes(cfg, merge, dense, bpe, workers=2, sparse=sparse)["total"]
+
+    # Δ 3 + codec 2 | outer 5 | replace 2
+    assert total("diloco", "replace", True, 4.0) == 12.0
+    # Δ 3 + codec 1 + payload | 2 payloads read + mean | outer 5 | alpha-mix 3
+    fp4 = 4.25 / 8
+    assert total("streaming", "alpha", False, fp4) == pytest.approx(
+        3 + 1 + fp4 / 4 + 2 * fp4 / 4 + 1 + 5 + 3
+    )
+    # Δ 3 + error feedback 3 + codec 1 | mean 1 | SGD 3 | replace 2 (payloads ~0)
+    assert total("sparseloco", "replace", False, 0.0, sparse=True) == 13.0
+    # Δ 3 + codec 2 + own 1 | outer 3 | continue 6
+    assert total("co2", "continue", True, 4.0) == 15.0

@@ -45,6 +45,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from .outer import chunk
+
 if TYPE_CHECKING:  # annotations only: config must not be needed to import the math
     from .config import SyncConfig
 
@@ -241,7 +243,11 @@ class ErrorFeedback(_Compensation):
     def accumulate(self, key: str, x: torch.Tensor) -> torch.Tensor:
         """``e <- beta e + x``; returns ``e`` in FP32 on ``x``'s device (encode this)."""
         e = self._store.get_for_update(key, x)
-        e.mul_(self.beta).add_(x.detach().to(torch.float32))
+        x = x.detach().to(torch.float32)
+        step = chunk(e)
+        flat_e, flat_x = e.view(-1), x.reshape(-1)
+        for at in range(0, e.numel(), step):  # e is re-read from the cache: 3 passes, not 5
+            flat_e[at : at + step].mul_(self.beta).add_(flat_x[at : at + step])
         self._store.put(key, e)
         self._pending[key] = e
         return e
@@ -268,6 +274,18 @@ class ErrorFeedback(_Compensation):
             )
         # in place: e is the stored buffer or a copy of it, and nobody reads it after the send
         self._store.put(key, e.sub_(sent_decoded.to(device=e.device, dtype=torch.float32)))
+
+    def subtract_sparse(self, key: str, idx: torch.Tensor, values: torch.Tensor) -> None:
+        """:meth:`subtract` of a decode that is zero but at the flat positions ``idx``, where it
+        is ``values``: only those entries are touched (e - 0 = e elsewhere, the same bits)."""
+        e = self._pending.pop(key, None)
+        if e is None:
+            if key not in self._store:
+                raise KeyError(f"no error buffer for {key!r}: call accumulate first")
+            e = self._store.get(key, self._store.buffers[key].to(torch.float32))
+        flat = e.view(-1)
+        flat.index_add_(0, idx.to(e.device), values.to(e.device, torch.float32), alpha=-1.0)
+        self._store.put(key, e)
 
     def reset(self) -> None:
         """Zero every buffer."""

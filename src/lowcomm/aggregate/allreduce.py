@@ -28,8 +28,17 @@ class AllReduceAggregator(Aggregator):
         need_local: bool = False,
         valid: bool = True,
         key: str | None = None,
+        slab: torch.Tensor | None = None,
+        sparse_local: bool = False,
     ) -> Encoded:
-        """The tensors and the flag, cast, in one flat payload (see :meth:`Aggregator.encode`)."""
+        """The tensors and the flag, cast, in one flat payload (see :meth:`Aggregator.encode`);
+        in FP32 the ``slab``, if given, is the payload."""
+        if slab is not None and self.dense_dtype == torch.float32:
+            if not valid:
+                slab.zero_()
+            slab[-1] = float(valid)
+            local = slab[:-1] if need_local else None
+            return Encoded(slab, [t.shape for t in tensors], slab.numel() - 1, local, key)
         tensors, shapes, n = contribution(tensors, valid)
         like = tensors[0] if tensors else torch.empty(0)
         flag = like.new_full((1,), float(valid))

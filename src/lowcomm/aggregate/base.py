@@ -30,6 +30,9 @@ class Encoded:
     local: torch.Tensor | None  # flat FP32 of what peers will decode from us (for compensation)
     key: str | None = None  # names the reduce-side compensation buffer (two-phase)
     shard_numel: int = 0  # two-phase: elements per worker's shard
+    out: torch.Tensor | None = None  # flat FP32 the exchange may write its mean into
+    # sparse codecs asked for sparse_local: per tensor, (indices, values) peers will decode
+    sparse: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 @dataclass
@@ -62,13 +65,19 @@ class Aggregator(ABC):
         need_local: bool = False,
         valid: bool = True,
         key: str | None = None,
+        slab: torch.Tensor | None = None,
+        sparse_local: bool = False,
     ) -> Encoded:
         """Encode ``tensors`` (FP32, any shapes); ``need_local`` also returns our decoded view.
 
         ``valid=False`` sends zeros flagged as "left out": peers average without this worker.
         ``key`` names this group's reduce-side compensation buffer (the same key for the same
         tensors every step); without one the second quantisation is not compensated.
-        Runs on the compute thread.
+        ``slab``: a flat FP32 buffer whose first elements are ``tensors``, in order, plus one
+        spare element; an exchange that can send it as it is takes it as the payload (no copy)
+        and may overwrite it. ``sparse_local`` (with ``need_local``): a sparse codec may give
+        our decoded view as ``Encoded.sparse`` (per tensor, indices and values) instead of a
+        dense ``local``. Runs on the compute thread.
         """
 
     @abstractmethod
@@ -133,17 +142,27 @@ def encode_compensated(
     tensors: list[torch.Tensor],
     valid: bool = True,
     key: str | None = None,
+    need_dense: bool = True,
 ) -> Encoded:
     """Compensate, encode and record the loss of one group of named tensors (one collective).
 
     Per tensor: ``x' = before_send(name, x)``; the group is encoded; then ``after_send(name, x',
     what peers decode of x')``. A group that is not ``valid`` goes out flagged as left out and
-    leaves the buffers alone (a non-finite gradient must not pollute them).
+    leaves the buffers alone (a non-finite gradient must not pollute them). Without
+    ``need_dense`` (nobody reads ``Encoded.local``), a compensation that can subtract a sparse
+    decode does so at the sent entries only.
     """
     comp = compensation if valid else None
     to_send = [comp.before_send(n, t) for n, t in zip(names, tensors)] if comp else list(tensors)
-    enc = aggregator.encode(to_send, need_local=comp is not None, valid=valid, key=key)
-    if comp is not None:
+    sparse_ok = comp is not None and not need_dense and hasattr(comp, "subtract_sparse")
+    enc = aggregator.encode(
+        to_send, need_local=comp is not None, valid=valid, key=key, sparse_local=sparse_ok
+    )
+    if comp is not None and enc.sparse is not None:
+        for n, (idx, vals) in zip(names, enc.sparse):
+            comp.subtract_sparse(n, idx, vals)  # type: ignore[attr-defined]
+        enc.sparse = None
+    elif comp is not None:
         assert enc.local is not None
         offset = 0
         for n, h in zip(names, to_send):

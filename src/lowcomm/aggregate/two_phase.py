@@ -52,6 +52,8 @@ class TwoPhaseAggregator(Aggregator):
         need_local: bool = False,
         valid: bool = True,
         key: str | None = None,
+        slab: torch.Tensor | None = None,
+        sparse_local: bool = False,
     ) -> Encoded:
         """Shard the flat buffer, one payload per destination worker (see
         :meth:`Aggregator.encode`)."""

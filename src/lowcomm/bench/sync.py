@@ -21,6 +21,11 @@ exchange never runs under a timed inner step, and its stages are timed on the co
 The total is the work of the round's syncs on both threads (``SyncTimes.total``);
 ratio = total / (H x median inner step).
 
+Against memory: ``work_s`` is a round's sync time less its collectives, ``floor_s`` the
+model-sized passes the algebra needs (``bench.floor``) at the bandwidth of a plain copy of a
+model-sized buffer timed in the same run, by every rank at once, before and after each
+strategy; ``work_vs_floor`` is their ratio (docs/benchmarking.md §3).
+
 Memory: the bytes of the tensors the engine holds (its ``state_dict()`` less the local
 weights), as multiples of the model's FP32 size, and the peak RSS of the worker process with
 the plain loop and with each engine (Linux: the peak is reset between phases through
@@ -44,6 +49,7 @@ from typing import Any
 
 import torch
 
+from .floor import FLOOR_STAGES, engine_floor
 from .spawn import run_workers_json
 
 STAGES = ("encode", "collective", "decode_sum", "outer", "merge")
@@ -156,6 +162,25 @@ class Stepper:
         self.opt.step()
 
 
+def copy_seconds(numel: int, repeats: int = 3) -> list[float]:
+    """Seconds of ``dst.copy_(src)`` over ``numel`` FP32 elements (one read and one write
+    pass), ``repeats`` times after a touching copy; every rank runs it at once, as it syncs."""
+    import torch.distributed as dist
+
+    src = torch.randn(numel)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    dist.barrier()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        out.append(time.perf_counter() - t0)
+    del src, dst
+    _release_memory()
+    return out
+
+
 def _times(engine: Any) -> dict[str, float]:
     t = engine.sync_times
     return {**{s: getattr(t, s) for s in STAGES}, "total": t.total}
@@ -187,20 +212,21 @@ def _round(engine: Any, st: Stepper, clock: HookClock, args: argparse.Namespace)
     return {k: after[k] - before[k] for k in after}, inner
 
 
-def _across_ranks(rounds: list[dict], inner: list[float], peak: int) -> tuple:
+def _across_ranks(rounds: list[dict], inner: list[float], peak: int, copies: list[float]) -> tuple:
     """Every rank's records: rounds averaged over ranks (a rank's collective holds its wait
     for the slowest peer), every rank's inner steps, each rank's round totals, the largest
-    peak RSS."""
+    peak RSS, every rank's copy times."""
     import torch.distributed as dist
 
     got: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(got, (rounds, inner, peak))
+    dist.all_gather_object(got, (rounds, inner, peak, copies))
     mean = [
         {k: statistics.fmean(g[0][i][k] for g in got) for k in rounds[i]}
         for i in range(len(rounds))
     ]
     by_rank = [[r["total"] for r in g[0]] for g in got]
-    return mean, [t for g in got for t in g[1]], by_rank, max(g[2] for g in got)
+    every_copy = [t for g in got for t in g[3]]
+    return mean, [t for g in got for t in g[1]], by_rank, max(g[2] for g in got), every_copy
 
 
 def run_strategy(
@@ -211,6 +237,7 @@ def run_strategy(
     from ..presets import preset_config
 
     cfg = preset_config(strategy, workers=world, sync_every=args.sync_every)
+    copies = copy_seconds(st.params)  # interleaved with the strategies: the same machine state
     _release_memory()
     reset_peak_rss()
     clock = HookClock(st.opt)
@@ -225,11 +252,15 @@ def run_strategy(
                 inner += steps
         peak = peak_rss_bytes()
         held = engine_buffers(engine)
+        floor = engine_floor(engine, world)
     clock.remove()
-    rounds, inner, by_rank, peak = _across_ranks(rounds, inner, peak)
+    copies += copy_seconds(st.params)
+    rounds, inner, by_rank, peak, copies = _across_ranks(rounds, inner, peak, copies)
     model_bytes = 4 * st.params
     median_round = sorted(rounds, key=lambda d: d["total"])[(len(rounds) - 1) // 2]
     inner_s = statistics.median(inner)
+    pass_s = statistics.median(copies) / 2  # a copy reads and writes: two passes
+    work = statistics.median(r["total"] - r["collective"] for r in rounds)
     return {
         "overlap": cfg.overlap,
         "codec": cfg.codec,
@@ -243,6 +274,15 @@ def run_strategy(
         "inner_steps_measured": len(inner),
         "round_s": args.sync_every * inner_s,
         "ratio": median_round["total"] / (args.sync_every * inner_s),
+        "copy_s": statistics.median(copies),
+        "copy_gb_s": 8 * st.params / statistics.median(copies) / 1e9,
+        "floor_passes": floor,
+        "floor_s": floor["total"] * pass_s,
+        "work_s": work,
+        "work_vs_floor": work / (floor["total"] * pass_s),
+        "stages_vs_floor": {
+            s: median_round[s] / (floor[s] * pass_s) if floor[s] else None for s in FLOOR_STAGES
+        },
         "buffers_bytes": held,
         "buffers_model_multiple": {k: v / model_bytes for k, v in held.items()},
         "extra_model_multiple": sum(held.values()) / model_bytes,
@@ -320,8 +360,9 @@ def _table(res: dict[str, Any]) -> str:
         f"plain peak RSS {res['plain_peak_rss_bytes'] / mb:.0f} MiB",
         "",
         "| strategy | exchange on | encode s | collective s | decode+sum s | outer s | merge s "
-        "| total s | H x inner s | ratio | buffers (x model) | extra peak RSS MiB |",
-        "|" + "---|" * 12,
+        "| total s | H x inner s | ratio | work s | floor s | work / floor "
+        "| buffers (x model) | extra peak RSS MiB |",
+        "|" + "---|" * 15,
     ]
     for name, r in res["strategies"].items():
         st = r["stages_s"]
@@ -329,6 +370,7 @@ def _table(res: dict[str, Any]) -> str:
             f"| {name} | {r['exchange_thread']} | "
             + " | ".join(f"{st[s]:.4f}" for s in STAGES)
             + f" | {r['total_s']:.4f} | {r['round_s']:.3f} | {100 * r['ratio']:.2f}% | "
+            f"{r['work_s']:.4f} | {r['floor_s']:.4f} | {r['work_vs_floor']:.2f}x | "
             f"{r['extra_model_multiple']:.2f} | {r['extra_peak_rss_bytes'] / mb:.0f} |"
         )
     return "\n".join(lines)

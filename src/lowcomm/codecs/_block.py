@@ -150,6 +150,8 @@ class BlockCodec(Codec):
         write_header(payload, self.name, B, n)
         scales = payload[HEADER_BYTES:codes_at].view(torch.float32)
         packed = payload[codes_at:]
+        if n and self._encode_fused(flat, scales, packed):
+            return payload
         ch = self._chunk(dev)  # a multiple of the block size and of the packing group
         size = max(1, min(ch, n))
         work = torch.empty(size, dtype=torch.float32, device=dev)
@@ -254,6 +256,26 @@ class BlockCodec(Codec):
                 f"format's range ({self.invalid_codes})"
             )
         return out.view(shape)
+
+    def _encode_fused(self, flat: torch.Tensor, scales: torch.Tensor, packed: torch.Tensor) -> bool:
+        """Optional: encode all of ``flat`` with a fused kernel, the same bits as the chunked
+        torch path below; False if not done."""
+        return False
+
+    def decode_mean(
+        self,
+        payloads: list[torch.Tensor],
+        shape: torch.Size,
+        out: torch.Tensor,
+        weights: list[float] | None = None,
+        divisor: float = 1.0,
+        names: list[str] | None = None,
+    ) -> bool:
+        """``out`` (flat FP32) = the decoded payloads (each times its weight) summed from zero
+        and divided by ``divisor``, in one pass: the same bits as doing that with
+        :meth:`decode` results. False where no fused kernel does it (``out`` unspecified:
+        decode the payloads one by one)."""
+        return False
 
     #: human description of the codes a decoder rejects
     invalid_codes: str = ""

@@ -21,9 +21,14 @@ of codes in a 2**20-entry table that yields the packed byte directly.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ._block import BlockCodec, dither
+from . import _native
+from ._block import MIN_SCALE, BlockCodec, dither
+from ._format import HEADER_BYTES, check_finite_scales, check_payload, numel_of
+from .bitpack import PLANE_BYTES
 
 
 def _encode_table() -> torch.Tensor:
@@ -99,6 +104,44 @@ class FP4Codec(BlockCodec):
         u = dither(a.numel(), self.generator, a.device).view(a.shape)
         q = torch.where(u < p_up, upper, lower).clamp_(max=1.0)
         torch.copysign(q, y, out=y)
+
+    def _encode_fused(self, flat, scales, packed) -> bool:
+        kernels = None if self.stochastic else _native.usable(flat)
+        if kernels is None:
+            return False
+        unit = math.lcm(2 * PLANE_BYTES, self.block_size)  # whole blocks and packing groups
+        span = unit * max(1, (1 << 16) // unit)
+        return not kernels.lc_fp4_encode(
+            _native.ptr(flat), flat.numel(), self.block_size, span, MIN_SCALE, self.pad_code,
+            _native.ptr(scales), _native.ptr(packed),
+        )  # fmt: skip
+
+    def decode_mean(self, payloads, shape, out, weights=None, divisor=1.0, names=None) -> bool:
+        kernels = _native.usable(out)
+        n = numel_of(shape)
+        if kernels is None or not payloads or n == 0:
+            return False
+        _, codes_at, total = self._layout(n)
+        packed, scales = [], []
+        for w, payload in enumerate(payloads):
+            name = names[w] if names else f"payload {w}"
+            payload = check_payload(
+                payload, name=name, codec=self.name, describe=self.describe(),
+                expected_nbytes=total, param=self.block_size, numel=n, shape=shape,
+            )  # fmt: skip
+            sc = payload[HEADER_BYTES:codes_at].view(torch.float32)
+            check_finite_scales(sc, name)
+            packed.append(payload[codes_at:])
+            scales.append(sc)
+        if _native.usable(*packed, *scales) is None:
+            return False
+        w32 = torch.tensor(weights, dtype=torch.float32) if weights is not None else None
+        bad = kernels.lc_fp4_decode_mean(
+            len(payloads), _native.addresses(packed), _native.addresses(scales),
+            None if w32 is None else _native.ptr(w32), divisor, n, self.block_size,
+            _native.ptr(out),
+        )  # fmt: skip
+        return bad == 0  # invalid codes: the one-by-one decode names the payload
 
     def _dequantize(self, codes, scales, out, iwork):
         dec = _tables(codes.device)[1]

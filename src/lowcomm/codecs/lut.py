@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _native
 from ._format import (
     HEADER_BYTES,
     as_float_input,
@@ -115,6 +116,15 @@ class LutCodec(Codec):
         stats = payload[HEADER_BYTES : self._codes_at()].view(torch.float32)
         check_finite(stats, name, "shift or lookup table")
         # every bits-bit code indexes the table, so codes need no range check
+        kernels = _native.usable(payload) if self.bits in (1, 2, 4, 8) else None
+        if kernels is not None:  # unpacked and looked up in one pass (the same bits)
+            out = torch.empty(n, dtype=torch.float32)
+            lut = stats[1:].contiguous()
+            kernels.lc_lut_decode(
+                _native.ptr(payload[self._codes_at() :]), n, self.bits, _native.ptr(lut),
+                float(stats[0]), _native.ptr(out),
+            )  # fmt: skip
+            return out.view(shape)
         codes = unpack_bits(payload[self._codes_at() :], self.bits, n)
         out = stats[1:].index_select(0, codes)
         out.add_(stats[0])

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _native
 from ._format import (
     HEADER_BYTES,
     as_float_input,
@@ -119,6 +120,26 @@ def _topk_indices(mag: torch.Tensor, k: int, group: int) -> torch.Tensor:
     return torch.gather(top_groups, 1, in_group) * group + (pick - in_group * group)
 
 
+def _lowest_among_ties(mag: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``idx`` (rows, k), the k largest of each row of ``mag``, with the tie rule made exact:
+    where more entries equal the k-th largest than are kept, keep the lowest indices (torch.topk
+    leaves that choice open; the fused kernel makes this one). Rows without such a tie are
+    left as they are: their set is unique."""
+    bits = mag.view(torch.int32)
+    least = torch.gather(bits, 1, idx).amin(dim=1, keepdim=True)
+    above = (bits > least).sum(dim=1)
+    equal = (bits == least).sum(dim=1)
+    tied = (equal > idx.shape[1] - above).nonzero().view(-1)
+    if tied.numel() == 0:
+        return idx
+    L = mag.shape[1]
+    # a unique key per entry: magnitude first, then the lower index
+    key = bits[tied].to(torch.int64) * L + (L - 1 - torch.arange(L, device=mag.device))
+    idx = idx.clone()
+    idx[tied] = torch.topk(key, idx.shape[1], dim=1, sorted=False).indices
+    return idx
+
+
 class TopKCodec(Codec):
     name = "topk"
     elementwise = False
@@ -171,13 +192,18 @@ class TopKCodec(Codec):
     # ---- encode ------------------------------------------------------------------------------
     def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k per tile: (tile-local indices (ntiles, k), increasing in each row, and the
-        kept values (ntiles, k) in FP32)."""
+        kept values (ntiles, k) in FP32). Among equal magnitudes the lower index is kept."""
         flat = as_float_input(x)
         g = self.geometry(x.shape)
         dev = flat.device
         local = torch.empty(g.ntiles, g.k, dtype=torch.int64, device=dev)
         values = torch.empty(g.ntiles, g.k, dtype=torch.float32, device=dev)
         if g.n == 0:
+            return local, values
+        kernels = _native.usable(flat)
+        if kernels is not None and not kernels.lc_topk_select(  # one read, the same bits
+            _native.ptr(flat), g.R, g.C, g.tr, g.tc, g.k, _native.ptr(local), _native.ptr(values)
+        ):
             return local, values
         nti = g.R // g.tr
         row_elems = g.tr * g.C  # one row of tiles
@@ -195,7 +221,7 @@ class TopKCodec(Codec):
             mt = mag[: nb * row_elems].view(rows, g.L)
             # the tiles' magnitudes, gathered in one pass over x (no signed copy of the tiles)
             torch.abs(src, out=mt.view(nb, g.ntj, g.tr, g.tc))
-            li = _topk_indices(mt, g.k, group)
+            li = _lowest_among_ties(mt, _topk_indices(mt, g.k, group))
             li = li.sort(dim=1).values  # canonical order (k is small)
             local[b0 * g.ntj : b0 * g.ntj + rows] = li
             r = torch.div(li, g.tc, rounding_mode="floor")
@@ -240,6 +266,14 @@ class TopKCodec(Codec):
         values = self.value_codec.decode(
             payload[HEADER_BYTES:idx_at], (g.K,), name=f"{name} (top-k values)"
         )
+        kernels = _native.usable(payload)
+        if kernels is not None:  # unpacked, checked and placed in one pass (the same bits)
+            flat = torch.empty(g.K, dtype=torch.int64)
+            if not kernels.lc_topk_indices(
+                _native.ptr(payload[idx_at:]), g.K, g.index_bits, g.k, g.L, g.ntj, g.tr,
+                g.tc, g.C, _native.ptr(flat),
+            ):  # fmt: skip
+                return flat, values
         local = unpack_bits(payload[idx_at:], g.index_bits, g.K).view(g.ntiles, g.k)
         if bool((local >= g.L).any()):
             bad = local[local >= g.L][:3].tolist()

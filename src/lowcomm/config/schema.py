@@ -159,11 +159,14 @@ class SyncConfig:
     )
     replica_check_every: int = knob(
         10,
-        "Every N syncs, compare a hash of the global parameters across "
+        "Every N syncs, compare a checksum of the global parameters across "
         "workers; a mismatch stops the run (0 = never).",
     )
     state_device: StateDevice = knob(
-        "cpu", "Where the global copy and outer state live: cpu or the model's device (model)."
+        "model",
+        "Where every sync buffer lives (global copy, outer state, error buffers, the "
+        "pseudo-gradient): the model's device (model), or cpu to save accelerator memory "
+        "at the price of crossing to the host at every sync.",
     )
     bucket_mb: float = knob(64.0, "Largest flat buffer handed to one collective, in MiB.")
     buffers: Buffers = knob(

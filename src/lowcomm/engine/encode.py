@@ -11,17 +11,39 @@ from ..aggregate import Aggregator, Encoded, encode_compensated
 from ..transport import Transport
 from .fragment import Fragment
 from .guards import NonFiniteGuard
-from .tensors import all_finite, views
+from .tensors import Slabs, all_finite
 
 
 class Encoder:
-    """Turns fragments into payloads (a non-finite one is reported to the guard)."""
+    """Turns fragments into payloads (a non-finite one is reported to the guard).
+
+    Each fragment's pseudo-gradient is written into persistent slabs (no model-sized temporary
+    per sync); with ``in_flight=2`` (CO2: a round's average lands only at the next send, after
+    that send was encoded) two sets alternate.
+    """
 
     def __init__(
-        self, aggregator: Aggregator, compensation: Any, guard: NonFiniteGuard, rank: int
+        self,
+        aggregator: Aggregator,
+        compensation: Any,
+        guard: NonFiniteGuard,
+        rank: int,
+        in_flight: int = 1,
     ) -> None:
         self.aggregator, self.compensation = aggregator, compensation
         self.guard, self.rank = guard, rank
+        self.in_flight = in_flight
+        self._slabs: dict[int, list[Slabs]] = {}
+        self._sends: dict[int, int] = {}
+
+    def slabs(self, frag: Fragment) -> Slabs:
+        """The slabs this send of ``frag`` writes (allocated at its first sends)."""
+        sets = self._slabs.setdefault(frag.index, [])
+        n = self._sends.get(frag.index, 0)
+        self._sends[frag.index] = n + 1
+        if len(sets) <= n % self.in_flight:
+            sets.append(Slabs(frag.params, frag.buckets, frag.global_flat.device))
+        return sets[n % self.in_flight]
 
     def count_step(self, transport: Transport) -> None:
         """Count one inner optimizer step for the error buffers' periodic resets (the
@@ -39,44 +61,57 @@ class Encoder:
         (a worker that has left its loop) is not contributed; a non-finite one is left out:
         peers average without it and its error buffer is not polluted.
         """
-        pseudo_grad = frag.pseudo_grad()
+        slabs = self.slabs(frag)
+        need_own = frag.snapshot is not None  # continue merge: keep what is sent, and the weights
+        finite = frag.pseudo_grad_into(slabs.views, take_snapshot=need_own)
         contributes = frag.unsent > 0
-        nonfinite = contributes and not all_finite(pseudo_grad)
+        if contributes and finite is None:
+            finite = all(all_finite(s[:-1]) for s in slabs.slabs)
+        nonfinite = contributes and not finite
         if nonfinite:
             self.guard.leave_out(frag, self.rank, step)
         valid = contributes and not nonfinite
-        need_own = frag.snapshot is not None
-        encoded = self._buckets(frag, pseudo_grad, valid, need_own)
+        encoded = self._buckets(frag, slabs, valid, need_own)
         own = None
         if need_own:
-            own = (  # cat copies: own never aliases a payload
-                torch.cat([e.local for e in encoded])  # type: ignore[misc]
-                if valid
-                else torch.zeros_like(pseudo_grad)
-            )
-            frag.take_snapshot()
+            own = slabs.own()
+            if valid:  # a copy: own never aliases a payload
+                torch.cat([e.local for e in encoded], out=own)  # type: ignore[misc]
+            else:
+                own.zero_()
+            for e in encoded:
+                e.local = None  # kept in own: the exchange may now reduce the payload in place
+        for e, slab in zip(encoded, slabs.slabs):
+            if e.payload is not slab:  # the slab is free again: the mean may land there
+                e.out = slab[:-1]
         frag.unsent = 0
         return encoded, own, nonfinite
 
-    def _buckets(
-        self, frag: Fragment, pseudo_grad: torch.Tensor, valid: bool, need_own: bool
-    ) -> list[Encoded]:
+    def _buckets(self, frag: Fragment, slabs: Slabs, valid: bool, need_own: bool) -> list[Encoded]:
         """Encode per bucket, through the error compensation when there is one (error feedback:
         e <- beta e + delta, send e, e <- e - sent; LoCo: h = delta + e, e <- moving average of
-        h - sent). The key names each bucket's buffer for a compensated two-phase reduce."""
-        grads = views(pseudo_grad, frag.params)
+        h - sent). The key names each bucket's buffer for a compensated two-phase reduce.
+        Without compensation a bucket's slab is offered to the aggregator as its payload."""
         encoded = []
         for b, bucket in enumerate(frag.buckets):
-            names, tensors = [frag.names[i] for i in bucket], [grads[i] for i in bucket]
+            names, tensors = [frag.names[i] for i in bucket], [slabs.views[i] for i in bucket]
             key = f"fragment {frag.index} bucket {b}"
             if self.compensation is None:
                 encoded.append(
-                    self.aggregator.encode(tensors, need_local=need_own, valid=valid, key=key)
+                    self.aggregator.encode(
+                        tensors, need_local=need_own, valid=valid, key=key, slab=slabs.slabs[b]
+                    )
                 )
             else:
                 encoded.append(
                     encode_compensated(
-                        self.aggregator, self.compensation, names, tensors, valid, key=key
-                    )
+                        self.aggregator,
+                        self.compensation,
+                        names,
+                        tensors,
+                        valid,
+                        key=key,
+                        need_dense=need_own,
+                    )  # fmt: skip
                 )
         return encoded

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from ..config import ConfigError
 from .state import RunState, StatePart
-from .tensors import Part, local, minus_params, views
+from .tensors import Part, fused_minus, local, minus_params, minus_params_into, pieces, views
 
 
 @dataclass
@@ -53,8 +53,36 @@ class Fragment:
 
     def pseudo_grad(self) -> torch.Tensor:
         """``reference - local`` (flat FP32): the reference is the snapshot when there is one."""
-        reference = self.snapshot if self.snapshot is not None else self.global_flat
-        return minus_params(reference, self.params)
+        return minus_params(self.reference, self.params)
+
+    @property
+    def reference(self) -> torch.Tensor:
+        """What the pseudo-gradient is measured from: the snapshot when there is one, else the
+        global copy."""
+        return self.snapshot if self.snapshot is not None else self.global_flat
+
+    def pseudo_grad_into(self, out: list[torch.Tensor], take_snapshot: bool = False) -> bool | None:
+        """:meth:`pseudo_grad` written into ``out`` (views shaped like the parameters); with
+        ``take_snapshot``, then :meth:`take_snapshot`, in the same pass over the weights.
+
+        Returns whether every entry is finite where the fused kernel found it out on the way
+        (FP32 parameters on a CPU), else None.
+        """
+        fused = fused_minus(
+            out, self.reference, self.params, self.snapshot if take_snapshot else None
+        )
+        if fused is not None:
+            return fused
+        if not take_snapshot:
+            minus_params_into(out, self.reference, self.params)
+            return None
+        assert self.snapshot is not None
+        snap = views(self.snapshot, self.params)
+        for o, s, p in zip(out, snap, self.params):
+            for pc, sc, oc in pieces([p.detach()], s.reshape(-1), o.reshape(-1)):
+                torch.sub(sc, pc.to(sc.device, torch.float32), out=oc)
+                sc.copy_(pc)
+        return None
 
     def take_snapshot(self) -> None:
         """Remember the local weights (in FP32) as the continue merge's reference."""

@@ -78,7 +78,9 @@ class InFlight:
             done: Future = Future()
             done.set_result(event)
             self.pending[p] = dataclasses.replace(pend, future=done)
-            out[str(p)] = {**_entry(p, event, pend.sent_at, pend.apply_at), "own": pend.own}
+            # copies: the mean and own send live in buffers the next sends reuse
+            own = pend.own.clone() if pend.own is not None else None
+            out[str(p)] = {**_entry(p, event, pend.sent_at, pend.apply_at), "own": own}
         return out
 
     def shared(self) -> dict[str, Any]:

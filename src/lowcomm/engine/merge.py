@@ -16,7 +16,7 @@ import torch
 from ..config import SyncConfig
 from ..schedule import Schedule
 from .fragment import Fragment
-from .tensors import minus_params, views
+from .tensors import pieces
 
 
 class Merge:
@@ -49,8 +49,11 @@ class AlphaMix(Merge):
         self.alpha = alpha
 
     def merge(self, frag: Fragment, in_flight: torch.Tensor | None) -> None:
-        for p, g in zip(frag.params, frag.global_views):
-            p.mul_(self.alpha).add_(g.to(p.device, p.dtype), alpha=1.0 - self.alpha)
+        for p, g in pieces(frag.params, frag.global_flat):  # one pass: p is re-read in cache
+            self._mix(p, g)
+
+    def _mix(self, p: torch.Tensor, g: torch.Tensor) -> None:
+        p.mul_(self.alpha).add_(g.to(p.device, p.dtype), alpha=1.0 - self.alpha)
 
 
 class Continue(Merge):
@@ -69,13 +72,17 @@ class Continue(Merge):
 
     def merge(self, frag: Fragment, in_flight: torch.Tensor | None) -> None:
         assert frag.snapshot is not None
-        # the same arithmetic as snapshot - local etc., written into two buffers, not five
-        progress = minus_params(frag.snapshot, frag.params)
-        own = in_flight if in_flight is not None else 0.0
-        new_local = torch.sub(frag.global_flat, own, alpha=self.keep).sub_(progress)
-        torch.add(new_local, progress, out=frag.snapshot)
-        for p, v in zip(frag.params, views(new_local, frag.params)):
-            p.copy_(v)
+        # chunk by chunk, so progress and the new weights are temporaries of one chunk: one
+        # read of global, own, snapshot and local, one write of local and snapshot
+        flats = [frag.global_flat, frag.snapshot]
+        if in_flight is not None:
+            flats.append(in_flight.to(frag.global_flat.device))
+        for p, g, snap, *own in pieces(frag.params, *flats):
+            progress = snap - p.to(snap.device, torch.float32)
+            new_local = torch.sub(g, own[0], alpha=self.keep) if own else g.clone()
+            new_local.sub_(progress)
+            torch.add(new_local, progress, out=snap)
+            p.copy_(new_local)
 
 
 def make_merge(cfg: SyncConfig, schedule: Schedule) -> Merge:

@@ -6,10 +6,14 @@ engine keeps (one per fragment) and back.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn as nn
 
 from .. import _buffers
+from ..codecs import _native
+from ..outer import chunk
 
 try:
     from torch.distributed.tensor import DTensor
@@ -58,9 +62,91 @@ def minus_params(reference: torch.Tensor, params: list[torch.Tensor]) -> torch.T
     """``reference`` minus the params (flat, FP32, on its device) in one pass, without first
     copying the params into a flat buffer."""
     out = torch.empty_like(reference)
-    for o, r, p in zip(views(out, params), views(reference, params), params):
-        torch.sub(r, p.detach().to(reference.device, torch.float32), out=o)
+    minus_params_into(views(out, params), reference, params)
     return out
+
+
+class Slabs:
+    """A persistent flat FP32 buffer for one fragment's pseudo-gradient, so a sync writes it
+    without allocating (a fresh model-sized tensor costs its page faults, ~1.3 copies on a
+    CPU). Each bucket's run of parameters is followed by one spare element, where the
+    all-reduce's validity flag goes, so a bucket's slab can be the payload itself."""
+
+    def __init__(self, params: list[torch.Tensor], groups: list[list[int]], device: torch.device):
+        sizes = [sum(params[i].numel() for i in g) for g in groups]
+        self.flat = torch.empty(sum(sizes) + len(groups), dtype=torch.float32, device=device)
+        self.slabs, self.views = [], []
+        at = 0
+        for g, n in zip(groups, sizes):
+            slab = self.flat[at : at + n + 1]
+            self.slabs.append(slab)
+            self.views += views(slab[:n], [params[i] for i in g])
+            at += n + 1
+        self._own: torch.Tensor | None = None
+
+    def own(self) -> torch.Tensor:
+        """A flat buffer for what this send contributes, decoded (the continue merge's), kept
+        until its result is merged: it lives as long as these slabs' send."""
+        if self._own is None:
+            self._own = torch.empty(self.flat.numel() - len(self.slabs), device=self.flat.device)
+        return self._own
+
+
+def minus_params_into(
+    out: list[torch.Tensor], reference: torch.Tensor, params: list[torch.Tensor]
+) -> None:
+    """``reference`` (flat) minus the params, written into ``out`` (views shaped like them)."""
+    for o, r, p in zip(out, views(reference, params), params):
+        torch.sub(r, p.detach().to(reference.device, torch.float32), out=o)
+
+
+def pieces(params: list[torch.Tensor], *flats: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:
+    """(a piece of a parameter, the same piece of each flat buffer), chunk by chunk, over the
+    parameters in order: the flats are laid out like :func:`views` of them. A sequence of
+    element-wise ops on a piece then re-reads it from the core's cache (CPU; an accelerator
+    takes a parameter whole). A parameter that is not contiguous comes whole, in its shape."""
+    offset = 0
+    for p in params:
+        n = p.numel()
+        parts = [f[offset : offset + n] for f in flats]
+        if not p.is_contiguous():
+            yield (p, *(f.view(p.shape) for f in parts))
+        else:
+            pf, step = p.view(-1), chunk(p)
+            for at in range(0, n, step):
+                yield (pf[at : at + step], *(f[at : at + step] for f in parts))
+        offset += n
+
+
+def fused_minus(
+    out: list[torch.Tensor],
+    reference: torch.Tensor,
+    params: list[torch.Tensor],
+    snapshot: torch.Tensor | None = None,
+) -> bool | None:
+    """:func:`minus_params_into` (and, with ``snapshot``, the params copied into it) by the
+    fused kernel, which also says whether every difference is finite: one pass, where the
+    separate check cost another. None (nothing done) unless everything is FP32 on a CPU."""
+    plain = [p.detach() for p in params]
+    if any(p.dtype != torch.float32 for p in plain):
+        return None
+    kernels = _native.usable(reference, *out, *plain)
+    if kernels is None:
+        return None
+    refs = views(reference, params)
+    snaps = views(snapshot, params) if snapshot is not None else [None] * len(params)
+    bad = False
+    for o, r, p, s in zip(out, refs, plain, snaps):
+        bad |= bool(
+            kernels.lc_sub_check(
+                _native.ptr(r),
+                _native.ptr(p),
+                _native.ptr(o),
+                None if s is None else _native.ptr(s),
+                p.numel(),
+            )  # fmt: skip
+        )
+    return not bad
 
 
 def all_finite(t: torch.Tensor) -> bool:

@@ -57,8 +57,9 @@ def wire(engine: Any) -> tuple[View, str] | None:
     register_counters(state, engine.stats, transport.meter)
     engine._local = LocalWeights(engine.model, frags, placement, state)
     engine._encoder = Encoder(
-        engine.aggregator, engine.compensation, engine._nonfinite, transport.rank
-    )
+        engine.aggregator, engine.compensation, engine._nonfinite, transport.rank,
+        in_flight=2 if engine.schedule.is_round_overlap() else 1,
+    )  # fmt: skip
     engine.membership = runner = placement.runner(
         engine.aggregator, transport, engine._buffer_transport
     )
@@ -99,6 +100,7 @@ def fingerprint(engine: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _compensation_device(cfg: SyncConfig) -> str:
-    """Error buffers live on the state device (the CPU when that is the model's)."""
-    return cfg.state_device if cfg.state_device != "model" else "cpu"
+def _compensation_device(cfg: SyncConfig) -> str | None:
+    """Error buffers live on the state device (None: the model's, where the pseudo-gradients
+    they compensate are)."""
+    return cfg.state_device if cfg.state_device != "model" else None
