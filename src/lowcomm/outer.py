@@ -67,11 +67,14 @@ class OuterSGD(OuterOptimizer):
         # the same element-wise arithmetic, a cache-sized chunk at a time: the Nesterov sum
         # g + mu*buf is a temporary of one chunk, not of the model (2 model-sized passes saved)
         step = chunk(g)
+        scratch = torch.empty(min(step, g.numel()), dtype=g.dtype, device=g.device)
         for at in range(0, g.numel(), step):
             gc, bc = g[at : at + step], buf[at : at + step]
             if not first:
                 bc.mul_(self.momentum).add_(gc)
-            update = gc.add(bc, alpha=self.momentum) if self.nesterov else bc
+            update = bc
+            if self.nesterov:
+                update = torch.add(gc, bc, alpha=self.momentum, out=scratch[: gc.numel()])
             global_params[at : at + step].add_(update, alpha=-self.lr)
 
 

@@ -191,9 +191,11 @@ int64_t lc_fp4_encode(const float *x, int64_t n, int64_t B, int64_t span, float 
  * looked up (e = code & 7: 0 for e = 0, else +-2^(e-7), whose pattern is (e + 120) << 23 with
  * the sign bit), so the loop vectorizes; it equals the decode table. Returns how many codes
  * were 0b1000. */
-__attribute__((target_clones("avx2", "default")))
-static int64_t fp4_run(const uint8_t *bytes, int shift, int64_t n, float scale, float weight,
-                       int weighted, int first, int last, float divisor, float *out) {
+static inline __attribute__((always_inline)) int64_t fp4_run(const uint8_t *bytes, int shift,
+                                                              int64_t n, float scale,
+                                                              float weight, int weighted,
+                                                              int first, int last,
+                                                              float divisor, float *out) {
     int64_t bad = 0;
     for (int64_t i = 0; i < n; i++) {
         uint32_t c = (uint32_t)(bytes[i] >> shift) & 15u;
@@ -216,6 +218,8 @@ static int64_t fp4_run(const uint8_t *bytes, int shift, int64_t n, float scale, 
  * weights, times its payload's weight; added in payload order to 0, then divided by
  * ``divisor``, as torch adds decoded tensors to zeros and divides. Returns how many codes
  * were invalid (0b1000, negative zero). */
+/* (cloned for AVX2 as a whole, so the runs inline into it and vectorize) */
+__attribute__((target_clones("avx2", "default")))
 int64_t lc_fp4_decode_mean(int64_t M, const int64_t *packed_at, const int64_t *scales_at,
                            const float *weights, float divisor, int64_t n, int64_t B,
                            float *out) {
