@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 import torch
-from helpers import adamw, batches, flat_params, tiny_model
+from helpers import adamw, batches, flat_params, local_steps, tiny_model
 
 import lowcomm
 from lowcomm.aggregate.gather import GatherAggregator
@@ -176,11 +176,7 @@ def _engine_worker(rank: int, world: int) -> dict:
                 data = batches(rank, world)
                 sync = make(model, opt)
                 with sync:
-                    for _ in range(17):
-                        x, y = data.next()
-                        model(x, y).backward()
-                        opt.step()
-                        opt.zero_grad()
+                    local_steps(model, opt, data, 17)
                 out[(name, path)] = flat_params(model)
     return out
 

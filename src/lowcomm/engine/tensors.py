@@ -68,9 +68,10 @@ def minus_params(reference: torch.Tensor, params: list[torch.Tensor]) -> torch.T
 
 class Slabs:
     """A persistent flat FP32 buffer for one fragment's pseudo-gradient, so a sync writes it
-    without allocating (a fresh model-sized tensor costs its page faults, ~1.3 copies on a
-    CPU). Each bucket's run of parameters is followed by one spare element, where the
-    all-reduce's validity flag goes, so a bucket's slab can be the payload itself."""
+    without allocating (on a CPU a fresh model-sized tensor costs its page faults: writing into
+    one took 2.3x as long as into a kept buffer, benchmarks/sync_cost.md). Each bucket's run of
+    parameters is followed by one spare element, where the all-reduce's validity flag goes, so
+    a bucket's slab can be the payload itself."""
 
     def __init__(self, params: list[torch.Tensor], groups: list[list[int]], device: torch.device):
         sizes = [sum(params[i].numel() for i in g) for g in groups]
