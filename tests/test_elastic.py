@@ -85,6 +85,7 @@ SLOW = {
     ("streaming_continue", False),  # streaming_tau1's path with CO2's merge
     ("diloco", True),  # co2's kill inside is the harder case (a round in flight)
     ("sparseloco", False),  # DiLoCo's path with its codec (its buffers: the join test)
+    ("streaming_tau1", False),  # co2-between_syncs takes the overlapped path, a round in flight
 }
 STEPS, KILLED, KILL_AT = 30, 2, 12
 
