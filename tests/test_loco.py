@@ -256,6 +256,8 @@ def _scaler_worker(rank: int, world: int, automatic: bool) -> dict:
     return {"seen": seen, "grads": grads}
 
 
+# by hand (-m slow, 9 s): the rule itself is test_loss_scale_changes_rescale_or_drop_the_buffers
+@pytest.mark.slow
 def test_the_buffers_follow_a_real_grad_scaler(workers):
     manual = workers(_scaler_worker, 2, False)[0]
     auto = workers(_scaler_worker, 2, True)[0]
