@@ -98,8 +98,9 @@ class OuterCO2(OuterOptimizer):
     mean of |outer update| per element (Lambda = 1 at the first step, and when the penalty is off).
     Clipping: element-wise to +-phi (``clip_mode="element"``) or the whole momentum's L2 norm to
     phi (``"norm"``); phi = 0 turns it off. Model-sized buffers per fragment, on ``state_device``
-    (the model's device by default): m only with momentum or clipping, C and the last update's magnitude only
-    with the penalty; the preset (no momentum up to 16 workers, no penalty, no clip) keeps none.
+    (the model's device by default): m only with momentum or clipping, C and the last update's
+    magnitude only with the penalty; the preset (no momentum up to 16 workers, no penalty, no
+    clip) keeps none.
     """
 
     def __init__(

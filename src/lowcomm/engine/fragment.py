@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from ..config import ConfigError
 from .state import RunState, StatePart
-from .tensors import Part, fused_minus, local, minus_params, minus_params_into, pieces, views
+from .tensors import Part, fused_minus, local, minus_params_into, pieces, views
 
 
 @dataclass
@@ -51,10 +51,6 @@ class Fragment:
         for p, g in zip(self.params, self.global_views):
             p.copy_(g)
 
-    def pseudo_grad(self) -> torch.Tensor:
-        """``reference - local`` (flat FP32): the reference is the snapshot when there is one."""
-        return minus_params(self.reference, self.params)
-
     @property
     def reference(self) -> torch.Tensor:
         """What the pseudo-gradient is measured from: the snapshot when there is one, else the
@@ -62,8 +58,9 @@ class Fragment:
         return self.snapshot if self.snapshot is not None else self.global_flat
 
     def pseudo_grad_into(self, out: list[torch.Tensor], take_snapshot: bool = False) -> bool | None:
-        """:meth:`pseudo_grad` written into ``out`` (views shaped like the parameters); with
-        ``take_snapshot``, then :meth:`take_snapshot`, in the same pass over the weights.
+        """The pseudo-gradient ``reference - local`` (FP32) written into ``out`` (views shaped
+        like the parameters); with ``take_snapshot``, then :meth:`take_snapshot`, in the same
+        pass over the weights.
 
         Returns whether every entry is finite where the fused kernel found it out on the way
         (FP32 parameters on a CPU), else None.

@@ -58,14 +58,6 @@ def buckets(params: list[torch.Tensor], bucket_numel: int) -> list[list[int]]:
     return out
 
 
-def minus_params(reference: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
-    """``reference`` minus the params (flat, FP32, on its device) in one pass, without first
-    copying the params into a flat buffer."""
-    out = torch.empty_like(reference)
-    minus_params_into(views(out, params), reference, params)
-    return out
-
-
 class Slabs:
     """A persistent flat FP32 buffer for one fragment's pseudo-gradient, so a sync writes it
     without allocating (on a CPU a fresh model-sized tensor costs its page faults: writing into
