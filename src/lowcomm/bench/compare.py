@@ -25,6 +25,7 @@ from .report import (  # noqa: F401  (re-exported: the report's names were impor
     _write_json,
     _write_results_md,
     collect_runs,
+    commands_list,
     ddp_reference,
     network_table,
     plot_results,
@@ -151,7 +152,7 @@ def run_compare(
         finally:
             if net is not None:
                 net.close()
-    _write_results_md(out_dir, results_table(results), command)
+    _write_results_md(out_dir, results_table(results) + commands_list(results), command)
     plot_results(results, out_dir, subtitle=provenance(command))
     if failed:
         raise LaunchError(

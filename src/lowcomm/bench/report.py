@@ -33,6 +33,16 @@ def _write_results_md(out_dir: Path, body: str, command: str | None) -> None:
     (out_dir / "results.md").write_text(f"Produced by {provenance(command)}\n\n{body}\n")
 
 
+def commands_list(results: list[RunSummary]) -> str:
+    """A section naming, per row, the command that reruns it with every setting spelled out."""
+    lines = [f"- {r.label}: `{r.command()}`" for r in results if r.command()]
+    if not lines:
+        return ""
+    return "\n\nEach row's run, every default resolved (it gives that row's loss):\n\n" + "\n".join(
+        lines
+    )
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
@@ -234,9 +244,8 @@ def write_report(
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_json(results, out_dir / "results.json")
     extra = "\n\n" + network_table(results, target_loss) if target_loss is not None else ""
-    _write_results_md(
-        out_dir, results_table(results) + "\n\n" + seeds_table(results) + extra, command
-    )
+    body = results_table(results) + "\n\n" + seeds_table(results) + extra
+    _write_results_md(out_dir, body + commands_list(results), command)
     plot_results(results, out_dir, subtitle=provenance(command))
     return results
 

@@ -349,8 +349,9 @@ def _build_summary(run: Run, val_loss: float, means: list[float], rss: int) -> R
     sent, recv, payload, control_sent, wall, compute, blocked, inner = means
     per_rank = sent
     sent, recv, payload, inner = sent * n, recv * n, payload * n, inner * n
-    sync = {} if run.per_step else dataclasses.asdict(run.sync_cfg)
-    config = {**dataclasses.asdict(cfg), **sync}
+    # per-step strategies too: LoCo's knobs live in the sync config, and a row's command
+    # (RunSummary.command) must spell them out
+    config = {**dataclasses.asdict(cfg), **dataclasses.asdict(run.sync_cfg)}
     engine = run.engine
     outer = getattr(engine, "outer", None)
     return RunSummary(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,9 @@ _BOOKKEEPING = frozenset(
 )
 # Settings that define the problem every strategy is compared on (model, data and budget).
 _PROBLEM = ("model", "data", "shard", "steps", "batch_size", "seq_len")
+# Left out of a reproducing command: how the run is shown (not what it computes), and a
+# lighthouse address that belonged to that run's machine.
+_NOT_REPRODUCED = frozenset({"progress", "log", "lighthouse"})
 
 
 @dataclass
@@ -91,7 +95,9 @@ class RunSummary:
         if not isinstance(known.get("config", {}), dict):
             raise ValueError("summary 'config' is not an object")
         known["config"] = dict(known.get("config") or {})
-        return cls(**known, extra={k: v for k, v in d.items() if k not in names})
+        # the command is derived from the rest (see `command`), never read back
+        extra = {k: v for k, v in d.items() if k not in names and k != "command"}
+        return cls(**known, extra=extra)
 
     @classmethod
     def read(cls, path: str | Path) -> RunSummary:
@@ -107,11 +113,38 @@ class RunSummary:
         """The summary.json object: every field that is set, then the kept unknown keys."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
         out = {k: v for k, v in out.items() if v is not None}
-        return {**out, **self.extra}
+        command = self.command()
+        return {**out, **self.extra, **({"command": command} if command else {})}
 
     def write(self, path: str | Path) -> None:
         """Write as indented JSON to ``path`` (a file)."""
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def command(self, out: str | None = None) -> str | None:
+        """The command line that reruns this run, every setting spelled out (defaults resolved).
+
+        ``lowcomm train`` for a run on an open link; ``lowcomm compare`` with the bandwidth and
+        topology for one behind a shaped link. ``out`` is its output folder (default
+        ``runs/reproduce/NAME``). None when the summary carries no config (a hand-written one).
+        """
+        if not self.config or not self.strategy:
+            return None
+        keys = [
+            f"{k}={_plain(v)}"
+            for k, v in self.config.items()
+            if k not in _NOT_REPRODUCED and not (v == "" and k in ("faults", "replay"))
+        ]
+        folder = out or f"runs/reproduce/{self.name or self.strategy}"
+        if self.bandwidth:
+            head = [
+                "lowcomm", "compare", "--strategies", self.strategy, "--workers",
+                str(self.workers or 1), "--bandwidths", self.bandwidth,
+                "--topology", self.topology or "shared", "--seeds", str(self.seed or 0),
+            ]  # fmt: skip
+        else:
+            head = ["lowcomm", "train", "--strategy", self.strategy]
+            head += ["--workers", str(self.workers or 1)]
+        return shlex.join([*head, "--out", folder, *keys])
 
     @property
     def label(self) -> str:
@@ -132,3 +165,12 @@ class RunSummary:
             sort_keys=True,
             default=str,
         )
+
+
+def _plain(value: Any) -> str:
+    """A config value as `key=value` text that the parser reads back to the same value."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)  # shortest text that reads back to the same float
+    return str(value)
