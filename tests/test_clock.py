@@ -59,3 +59,29 @@ def test_resumed_clock_continues_and_stays_consistent(monkeypatch):
     # a checkpoint from before this fix could hold compute > wall: read back clamped
     resumed.load_state_dict({"wall": 2.0, "compute": 2.2, "blocked_extra": 0.0})
     assert resumed.compute_s <= resumed.wall_s
+
+
+def test_the_syncs_own_work_counts_as_not_computing(monkeypatch):
+    """Utilization's one definition: encode, decode, outer step and merge on the training
+    thread are not compute, nor is a compressing DDP hook's encode; only inner steps are."""
+    from types import SimpleNamespace
+
+    fake = FakeTime()
+    monkeypatch.setattr(run_mod.time, "perf_counter", fake.perf_counter)
+    stats = SimpleNamespace(outer_s=0.0)
+    waits = [0.0]
+    run = SimpleNamespace(
+        engine=SimpleNamespace(stats=stats), hook_state=None, blocked_s=lambda: waits[0]
+    )
+    clock = run_mod.Clock()
+    with clock.segment(lambda: run_mod.Run.not_computing_s(run)):
+        fake.now += 2.0
+        stats.outer_s += 0.3  # the engine encoded, decoded, stepped and merged for 0.3 s
+        waits[0] += 0.2  # and waited on the network for 0.2 s
+    assert clock.compute_s == pytest.approx(1.5) and clock.wall_s == pytest.approx(2.0)
+    hook = SimpleNamespace(work_s=0.0)
+    run = SimpleNamespace(engine=None, hook_state=hook, blocked_s=lambda: 0.0)
+    with clock.segment(lambda: run_mod.Run.not_computing_s(run)):
+        fake.now += 1.0
+        hook.work_s += 0.25  # LoCo's hook compressing gradients during backward
+    assert clock.compute_s == pytest.approx(1.5 + 0.75)

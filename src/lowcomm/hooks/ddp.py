@@ -30,6 +30,8 @@ class GradReduceState:
         self.transport = transport
         self.last_launch: float = 0.0
         self.buckets: int = 0
+        self.work_s: float = 0.0
+        """Seconds the hook spent compressing on the backward thread (not computing)."""
 
     def launched(self) -> None:
         """Mark one bucket handed to the network now."""

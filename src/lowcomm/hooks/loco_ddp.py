@@ -21,6 +21,7 @@ step. The buffers hold errors of *scaled* gradients, so they follow the loss sca
 """
 
 # no `from __future__ import annotations`: DDP checks the hook's annotations at runtime
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,6 +188,7 @@ def loco_hook(state: LoCoState, bucket: dist.GradBucket) -> torch.futures.Future
     buf, grads = bucket.buffer(), bucket.gradients()
     names = [state.name_of[id(p)] for p in bucket.parameters()]
     parts = state.plan(names, [g.shape for g in grads])
+    t0 = time.perf_counter()
     with torch.no_grad():
         valid = all(bool(torch.isfinite(g).all()) for g in grads)
         encoded = [
@@ -200,6 +202,7 @@ def loco_hook(state: LoCoState, bucket: dist.GradBucket) -> torch.futures.Future
             )
             for part in parts
         ]
+    state.work_s += time.perf_counter() - t0  # encoding: not computing (the trainer's clock)
     offsets = [0]
     for g in grads:
         offsets.append(offsets[-1] + g.numel())

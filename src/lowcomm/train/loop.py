@@ -151,7 +151,7 @@ def _follow(run: Run, step: int, log: RunLog) -> int:
 def train_step(run: Run) -> None:
     """One inner step: forward, backward, optimizer (the engine's outer step runs inside it)."""
     hook = run.hook_state
-    with run.clock.segment(run.blocked_s) as waited:
+    with run.clock.segment(run.not_computing_s) as waited:
         x, y = (rows_of(t, run.site) for t in run.batches.next())
         x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
         with run.autocast():
@@ -248,7 +248,7 @@ def _train_record(run: Run, step: int) -> dict[str, Any]:
 def finish(run: Run) -> None:
     """Drain the engine's in-flight results: the last sync ends the timed loop."""
     if run.engine is not None:
-        with run.clock.segment(run.blocked_s):
+        with run.clock.segment(run.not_computing_s):
             run.engine.finish()
 
 

@@ -40,8 +40,10 @@ class Clock:
     """Training time as a sum of timed segments (the inner steps and the final drain).
 
     Logging, evaluation and checkpoints fall between segments, so they are never counted.
-    Each segment splits into compute and waiting, with the waiting clamped to the segment:
-    ``compute_s <= wall_s`` holds by construction, whatever the meters report.
+    Each segment splits into compute and the rest — waiting on the network, and the sync's own
+    work on the training thread (encode, decode, outer step, merge) — with the rest clamped to
+    the segment: ``compute_s <= wall_s`` holds by construction, whatever the meters report.
+    Utilization (``compute_s / wall_s``) is defined by this split, once, for every report.
     """
 
     def __init__(self) -> None:
@@ -52,7 +54,8 @@ class Clock:
 
     @contextlib.contextmanager
     def segment(self, blocked_s: Callable[[], float]) -> Iterator[list[float]]:
-        """Time the block; ``blocked_s()`` is the meter's total wait, read before and after.
+        """Time the block; ``blocked_s()`` is the total not spent computing (waits and sync
+        work), read before and after.
 
         The block may append extra waiting the meter does not see to the yielded list.
         """
@@ -157,6 +160,16 @@ class Run:
         if self.engine is not None:
             return self.engine.transport.meter.blocked_s
         return self.hsdp_meter.blocked_s if self.hsdp_meter is not None else 0.0
+
+    def not_computing_s(self) -> float:
+        """Seconds so far not spent on inner steps: waits on the network, plus the sync's own
+        work on the training thread (the engine's encode, decode, outer step and merge; a
+        compressing DDP hook's encode)."""
+        if self.engine is not None:
+            work = self.engine.stats.outer_s
+        else:
+            work = getattr(self.hook_state, "work_s", 0.0)
+        return self.blocked_s() + work
 
     def sync_context(self) -> contextlib.AbstractContextManager[Any]:
         """The engine's ``with`` block (start-up broadcast, then hooks), or nothing."""
