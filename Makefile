@@ -4,15 +4,17 @@
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-# The CPU build of torch 2.13.0 lies on this disk; naming it stops pip from pulling a CUDA build.
+# torch 2.13.0 from pip's configured index. PyPI's Linux wheel of it is the CUDA build (several
+# GB); for the CPU-only build: make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH := torch==2.13.0
+TORCH_INDEX ?=
 
 .PHONY: install demo test test-slow clean
 
 $(BIN)/activate: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install -q -e '.[test,hf,torchft]'
 	@# the codecs' fused CPU kernels (plain C, the system compiler); without one the torch path
 	@# gives the same bits, slower

@@ -96,6 +96,7 @@ def test_train_writes_summary_with_every_field(tmp_path):
         ),
         (["train", "--strategy", "diloco", "sync_every=abc"], ["sync_every", "not a valid int"]),
         (["train", "--strategy", "diloco", "--model", "huge"], ["unknown model preset", "small"]),
+        (["train", "--strategy", "diloco", "--model", "124m"], ["now '85m'", "--model 85m"]),
         (["compare", "--strategies", "ddp,nope"], ["unknown strategy"]),
         (["compare", "--strategies", "sparseloco:density"], ["not key=value"]),
         (["train"], ["--strategy"]),

@@ -42,10 +42,10 @@ def test_fragment_layout() -> None:
 
 @pytest.mark.parametrize(
     ("preset", "low", "high"),
-    [("tiny", 10_000, 100_000), ("small", 0.8e6, 1.2e6), ("base", 9e6, 11e6), ("124m", 84e6, 87e6)],
+    [("tiny", 10_000, 100_000), ("small", 0.8e6, 1.2e6), ("base", 9e6, 11e6), ("85m", 84e6, 87e6)],
 )
 def test_preset_param_counts(preset: str, low: float, high: float) -> None:
-    # The meta device allocates nothing, so counting the 124m preset is free.
+    # The meta device allocates nothing, so counting the 85m preset is free.
     with torch.device("meta"):
         model = build_model(preset)
     n = count_params(model)
@@ -55,15 +55,17 @@ def test_preset_param_counts(preset: str, low: float, high: float) -> None:
 
 def test_vocab_override() -> None:
     with torch.device("meta"):
-        model = build_model("124m", vocab_size=50257)
+        model = build_model("85m", vocab_size=50257)
     assert model.head.out_features == 50257
     assert 160e6 < count_params(model) < 165e6
-    assert PRESETS["124m"].vocab_size == 256  # overrides never mutate the preset
+    assert PRESETS["85m"].vocab_size == 256  # overrides never mutate the preset
 
 
 def test_bad_presets_and_configs() -> None:
-    with pytest.raises(ValueError, match="tiny.*small.*base.*124m"):
+    with pytest.raises(ValueError, match="tiny.*small.*base.*85m"):
         build_model("huge")
+    with pytest.raises(ValueError, match="'124m' is now '85m'.*--model 85m"):
+        build_model("124m")  # the old name says where it went
     with pytest.raises(ValueError, match="n_heads"):
         build_model("tiny", n_heads=3)
     with pytest.raises(ValueError, match="unknown ModelConfig fields"):

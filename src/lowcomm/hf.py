@@ -2,7 +2,7 @@
 
 Models. ``model=hf:ARCH[:PRESET]`` builds a causal LM of architecture ARCH (``llama``, ``gpt2``,
 ``qwen2``, ... any ``AutoConfig`` model type) from a config at one of our size presets (same
-width, depth and heads as the built-in decoder's ``tiny``/``small``/``base``/``124m``; no
+width, depth and heads as the built-in decoder's ``tiny``/``small``/``base``/``85m``; no
 download). ``model=hf:PATH`` loads a local folder: a checkpoint (``config.json`` + weights) or a
 config alone (fresh weights). :class:`HFCausalLM` adapts it to our trainer's ``model(x, y) ->
 loss`` call; its parameter names are the HF model's own, so ``model.pt`` is an HF state dict.

@@ -10,7 +10,7 @@ For each model, on this machine (unshaped loopback), two sites of DiLoCo:
   --resume`` starts every site again with one step left; its wall time from outside (start,
   load, one step, the end) is the restart.
 
-Both are small runs (batch 2 x 32 tokens) so the 124m model fits two cores; the figures are the
+Both are small runs (batch 2 x 32 tokens) so the 85m model fits two cores; the figures are the
 costs of moving and loading state, not of training.
 """
 
@@ -32,7 +32,7 @@ SMALL = ["batch_size=2", "seq_len=32", "eval_every=0", "progress=false", "thread
 def main(argv: list[str]) -> int:
     """Measure heal and restart for each model; print the table (and write DIR/results.json)."""
     p = argparse.ArgumentParser(prog="lowcomm bench heal", description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="tiny,small,124m")
+    p.add_argument("--models", default="tiny,small,85m")
     p.add_argument("--out", default="runs/bench-heal")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)

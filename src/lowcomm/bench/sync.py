@@ -334,7 +334,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lowcomm bench sync", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="base", help="model preset: tiny, small, base, 124m")
+    p.add_argument("--model", default="base", help="model preset: tiny, small, base, 85m")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--sync-every", type=int, default=30, help="H: inner steps per round")
     p.add_argument("--strategies", default=DEFAULT_STRATEGIES, help="comma-separated presets")
@@ -389,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--workers, --sync-every, --repeats, --inner-steps must be >= 1, --warmup >= 0")
     if args.inner_steps > args.sync_every:
         p.error("--inner-steps cannot exceed --sync-every")
+    from ..train.model import PRESETS, unknown_preset
+
+    if args.model not in PRESETS:  # found here, not in every worker
+        p.error(unknown_preset(args.model))
     res = run_workers_json(_worker, args.workers, args)
     print(json.dumps(res, indent=1) if args.json else _table(res))
     return 0

@@ -93,10 +93,10 @@ def _remove(paths: list[Path]) -> None:
 
 
 def _check_model(name: str) -> None:
-    from ..train.model import PRESETS
+    from ..train.model import PRESETS, unknown_preset
 
     if name not in PRESETS and not name.startswith("hf:"):  # hf: names are checked by lowcomm.hf
-        raise ConfigError(f"unknown model preset '{name}': choose one of {', '.join(PRESETS)}")
+        raise ConfigError(unknown_preset(name))
 
 
 def _values(args: argparse.Namespace) -> dict[str, Any]:
@@ -131,7 +131,7 @@ def _command() -> str:
 
 
 _MODEL_HELP = (
-    f"model preset: tiny, small, base, 124m, or a Hugging Face causal LM: hf:ARCH[:PRESET] "
+    f"model preset: tiny, small, base, 85m, or a Hugging Face causal LM: hf:ARCH[:PRESET] "
     f"(llama, gpt2, qwen2, ...) or hf:PATH (default: {TrainConfig.model}, the model key)"
 )
 _STEPS_HELP = f"inner steps per worker (default: {TrainConfig.steps}, the steps key)"

@@ -221,7 +221,7 @@ class TrainConfig:
 
     model: str = knob(
         "small",
-        "Model preset: tiny, small, base or 124m; or a Hugging Face causal LM: "
+        "Model preset: tiny, small, base or 85m; or a Hugging Face causal LM: "
         "hf:ARCH[:PRESET] (llama, gpt2, qwen2, ... at a preset's size) or "
         "hf:PATH (a local folder); needs lowcomm[hf].",
     )

@@ -47,6 +47,8 @@ def _build_hf(spec: str, vocab_size: int | None, max_seq_len: int | None) -> nn.
 
 def _hf_shape(hf: Any, preset: str) -> Any:
     """The ``lowcomm.hf.HFShape`` of one of our decoder's size presets."""
+    if preset in decoder.RENAMED:
+        raise ConfigError(decoder.unknown_preset(preset).replace("--model ", "hf:ARCH:"))
     if preset not in decoder.PRESETS:
         raise ConfigError(
             f"unknown size preset '{preset}' in hf:ARCH:PRESET: choose one of "

@@ -65,11 +65,24 @@ PRESETS: dict[str, ModelConfig] = {
     "small": ModelConfig(dim=128, n_layers=4, n_heads=4, max_seq_len=256),
     # About 10.1M parameters: CPU benchmarks. Eight blocks split evenly into 2, 4 or 8 fragments.
     "base": ModelConfig(dim=320, n_layers=8, n_heads=5, max_seq_len=512),
-    # GPT-2-small shape (dim 768, 12 layers, 12 heads). With byte tokens it has ~85.4M parameters,
-    # not 124M: GPT-2's 124M counts a 50257-token embedding tied to its head. With
-    # vocab_size=50257 (untied, as here) it has ~162.1M.
-    "124m": ModelConfig(dim=768, n_layers=12, n_heads=12, max_seq_len=1024),
+    # GPT-2-small shape (dim 768, 12 layers, 12 heads), named by its size with byte tokens:
+    # ~85.4M parameters (GPT-2's 124M counts a 50257-token embedding tied to its head; with
+    # vocab_size=50257, untied as here, it has ~162.1M).
+    # Called `124m` until 2026-11-26: see RENAMED.
+    "85m": ModelConfig(dim=768, n_layers=12, n_heads=12, max_seq_len=1024),
 }
+# Presets that were renamed: the old name gets a one-line error naming the new one.
+RENAMED: dict[str, str] = {"124m": "85m"}
+
+
+def unknown_preset(name: str) -> str:
+    """The one-line error for a model name that is not a preset (a renamed one says so)."""
+    if name in RENAMED:
+        return (
+            f"model preset '{name}' is now '{RENAMED[name]}' (named by its real size with "
+            f"byte tokens): use --model {RENAMED[name]}"
+        )
+    return f"unknown model preset '{name}': choose one of {', '.join(PRESETS)}"
 
 
 class RMSNorm(nn.Module):
@@ -214,7 +227,7 @@ def build_model(preset: str | ModelConfig, **overrides: object) -> nn.Module:
     elif preset in PRESETS:
         cfg = PRESETS[preset]
     else:
-        raise ValueError(f"unknown model preset {preset!r}; valid presets: {', '.join(PRESETS)}")
+        raise ValueError(unknown_preset(preset))
     unknown = set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)}
     if unknown:
         raise ValueError(
