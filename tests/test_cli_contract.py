@@ -143,7 +143,7 @@ def test_a_run_saved_before_a_knob_existed_resumes_with_its_old_behaviour(
     tmp_path, capsys, launched
 ):
     """co2_keep came after CO2 runs kept all of their round (1.0): such a checkpoint resumes
-    with 1.0, not today's 0.75, and asking for 0.75 is a changed setting."""
+    with 1.0, not the preset's 0.5, and asking for 0.75 is a changed setting."""
     out = tmp_path / "run"
     _saved_run(out, "co2", sync_every=4)
     meta_path = next((out / "checkpoints").glob("step-*")) / "meta.json"
@@ -152,7 +152,7 @@ def test_a_run_saved_before_a_knob_existed_resumes_with_its_old_behaviour(
     meta_path.write_text(json.dumps(meta))
     assert cli.main(["train", "--resume", str(out)]) == 0
     (call,) = launched
-    assert call["sync"].co2_keep == 1.0 and preset_config("co2").co2_keep == 0.75
+    assert call["sync"].co2_keep == 1.0 and preset_config("co2").co2_keep == 0.5
     code = cli.main(["train", "--resume", str(out), "co2_keep=0.75"])
     _one_line_error(capsys, code, "co2_keep (saved 1.0, given 0.75)")
 

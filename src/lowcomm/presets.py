@@ -26,7 +26,8 @@ STRATEGY_CONFIGS: dict[str, dict[str, Any]] = {
         alpha=0.5,
         codec="fp4",
         outer_optimizer="nesterov",
-        outer_lr=0.7,
+        # tuned (benchmarks/results.md: 0.4 of 0.4/0.7/1.0 at H = 100; the paper's default too)
+        outer_lr=0.4,
         outer_momentum=0.9,
     ),
     # selected-mean: measured better than the 1/M mean (benchmarks/sparseloco.md: 1.4814 vs 1.6458)
@@ -42,8 +43,9 @@ STRATEGY_CONFIGS: dict[str, dict[str, Any]] = {
         outer_optimizer="sgd",
         outer_lr=1.0,
     ),
-    # continue merge keeping 3/4 of the own round in flight (benchmarks/quality.md), penalty
-    # off (measured no better), momentum by worker count (set at build)
+    # continue merge keeping half of the own round in flight (tuned: benchmarks/results.md,
+    # 0.5 of 0.5/0.75/1.0 at H = 48), penalty off (measured no better), momentum by worker
+    # count (set at build)
     "co2": dict(
         sync_every=48,
         overlap=-1,
@@ -53,7 +55,7 @@ STRATEGY_CONFIGS: dict[str, dict[str, Any]] = {
         staleness_penalty=False,
         momentum_clip=0.0,
         co2_merge="continue",
-        co2_keep=0.75,
+        co2_keep=0.5,
     ),
 }
 # Per-step strategies: no outer loop; only the gradient-compression knobs of SyncConfig apply.
