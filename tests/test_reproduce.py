@@ -63,6 +63,15 @@ def test_the_command_is_derived_not_read_back():
     again = RunSummary.from_dict(d)
     assert again.to_dict()["command"] == s.command() != "stale text"
     assert RunSummary(strategy="diloco").command() is None  # no config: nothing to rerun
+    # an older summary lacking a key: today's default would stand in for it, so no command
+    older = {k: v for k, v in s.config.items() if k != "co2_keep"}
+    assert RunSummary(strategy="co2", config=older).command() is None
+
+
+def test_the_command_names_the_device_the_run_used():
+    s = _summary("diloco", {}, device="cuda:0")
+    assert "device=cuda" in shlex.split(s.command())  # not `auto`, which picks another machine's
+    assert "device=auto" in shlex.split(_summary("diloco", {}).command())
 
 
 def test_rows_command_gives_the_rows_loss(tmp_path):
@@ -87,7 +96,8 @@ def test_rows_command_gives_the_rows_loss(tmp_path):
         assert proc.returncode == 0, proc.stderr
         rerun = json.loads((again / "summary.json").read_text())
         assert rerun["final_val_loss"] == row["final_val_loss"], row["name"]
-        shown = {"progress"}  # how the run is shown, not what it computes
+        assert rerun["config"]["device"] == row["device"] == "cpu"
+        shown = {"progress", "device"}  # how it is shown; `auto` resolved to what it ran on
         assert {k: v for k, v in rerun["config"].items() if k not in shown} == {
             k: v for k, v in row["config"].items() if k not in shown
         }

@@ -31,8 +31,8 @@ def test_round_trip_keeps_every_key(tmp_path):
     assert s.extra == {"some_future_field": [1, 2]}
     s.write(tmp_path / "summary.json")
     written = json.loads((tmp_path / "summary.json").read_text())
-    # the file gains the derived command that reruns the run; nothing else changes
-    assert written.pop("command") == s.command() and written == WRITTEN
+    # a config of a few keys (an older or hand-written summary) gets no derived command
+    assert s.command() is None and written == WRITTEN
     assert RunSummary.read(tmp_path) == s
 
 

@@ -36,6 +36,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", default="runs/bench-heal")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
+    from ..train.model import PRESETS, unknown_preset
+
+    for model in a.models.split(","):
+        if model not in PRESETS:  # found here, not in a worker's traceback
+            p.error(unknown_preset(model))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -35,7 +35,7 @@ def _write_results_md(out_dir: Path, body: str, command: str | None) -> None:
 
 def commands_list(results: list[RunSummary]) -> str:
     """A section naming, per row, the command that reruns it with every setting spelled out."""
-    lines = [f"- {r.label}: `{r.command()}`" for r in results if r.command()]
+    lines = [f"- {r.label}: `{c}`" for r in results if (c := r.command())]
     if not lines:
         return ""
     return "\n\nEach row's run, every default resolved (it gives that row's loss):\n\n" + "\n".join(

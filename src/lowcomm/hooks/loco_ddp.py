@@ -182,7 +182,6 @@ def loco_hook(state: LoCoState, bucket: dist.GradBucket) -> torch.futures.Future
     Compensation and encoding run here, on the backward thread; the exchanges run in order on
     the transport's comm thread while backward continues.
     """
-    state.launched()
     if state._step_start:
         _start_step(state)
     buf, grads = bucket.buffer(), bucket.gradients()
@@ -203,6 +202,9 @@ def loco_hook(state: LoCoState, bucket: dist.GradBucket) -> torch.futures.Future
             for part in parts
         ]
     state.work_s += time.perf_counter() - t0  # encoding: not computing (the trainer's clock)
+    # handed to the network now: backward's time after the last launch is waiting, and must not
+    # count the encode above a second time
+    state.launched()
     offsets = [0]
     for g in grads:
         offsets.append(offsets[-1] + g.numel())

@@ -53,17 +53,17 @@ class Clock:
         """Waiting not seen by the engine's meter (the DDP hooks' wait at the end of backward)."""
 
     @contextlib.contextmanager
-    def segment(self, blocked_s: Callable[[], float]) -> Iterator[list[float]]:
-        """Time the block; ``blocked_s()`` is the total not spent computing (waits and sync
-        work), read before and after.
+    def segment(self, not_computing_s: Callable[[], float]) -> Iterator[list[float]]:
+        """Time the block; ``not_computing_s()`` is the total not spent computing (waits and
+        sync work), read before and after.
 
         The block may append extra waiting the meter does not see to the yielded list.
         """
         extra: list[float] = []
-        t0, b0 = time.perf_counter(), blocked_s()
+        t0, b0 = time.perf_counter(), not_computing_s()
         yield extra
         dt = time.perf_counter() - t0
-        waited = min(dt, max(0.0, blocked_s() - b0 + sum(extra)))
+        waited = min(dt, max(0.0, not_computing_s() - b0 + sum(extra)))
         self.wall_s += dt
         self.compute_s += dt - waited
         self.blocked_extra += sum(extra)

@@ -125,13 +125,21 @@ class RunSummary:
 
         ``lowcomm train`` for a run on an open link; ``lowcomm compare`` with the bandwidth and
         topology for one behind a shaped link. ``out`` is its output folder (default
-        ``runs/reproduce/NAME``). None when the summary carries no config (a hand-written one).
+        ``runs/reproduce/NAME``). None when the summary's config lacks a key of today's configs
+        (written by an older version, or by hand): today's default would stand in for it.
         """
         if not self.config or not self.strategy:
             return None
+        from ..config.parse import config_fields  # lazily: this module stays torch-free
+
+        if set(config_fields()) - set(self.config):
+            return None  # an older summary lacks keys: today's defaults would not rerun it
+        config = dict(self.config)
+        if config.get("device") == "auto" and self.device:
+            config["device"] = self.device.split(":")[0]  # the device it ran on, not a guess
         keys = [
             f"{k}={_plain(v)}"
-            for k, v in self.config.items()
+            for k, v in config.items()
             if k not in _NOT_REPRODUCED and not (v == "" and k in ("faults", "replay"))
         ]
         folder = out or f"runs/reproduce/{self.name or self.strategy}"
