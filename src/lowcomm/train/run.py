@@ -164,7 +164,7 @@ class Run:
     def not_computing_s(self) -> float:
         """Seconds so far not spent on inner steps: waits on the network, plus the sync's own
         work on the training thread (the engine's encode, decode, outer step and merge; a
-        compressing DDP hook's encode)."""
+        LoCo hook's encode)."""
         if self.engine is not None:
             work = self.engine.stats.outer_s
         else:
