@@ -74,6 +74,9 @@ def test_the_command_names_the_device_the_run_used():
     assert "device=auto" in shlex.split(_summary("diloco", {}).command())
 
 
+# by hand (-m slow), 15 s: the read-back test above pins the command to the run's configuration,
+# and the pinned digests (test_pinned.py) pin that a configuration gives the same bits
+@pytest.mark.slow
 def test_rows_command_gives_the_rows_loss(tmp_path):
     """A real compare on gloo workers, then each row's command from results.json, run as is."""
     out = tmp_path / "cmp"
