@@ -120,13 +120,13 @@ class RunSummary:
         """Write as indented JSON to ``path`` (a file)."""
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
-    def command(self, out: str | None = None) -> str | None:
+    def command(self) -> str | None:
         """The command line that reruns this run, every setting spelled out (defaults resolved).
 
         ``lowcomm train`` for a run on an open link; ``lowcomm compare`` with the bandwidth and
-        topology for one behind a shaped link. ``out`` is its output folder (default
-        ``runs/reproduce/NAME``). None when the summary's config lacks a key of today's configs
-        (written by an older version, or by hand): today's default would stand in for it.
+        topology for one behind a shaped link, into ``runs/reproduce/NAME``. None when the
+        summary's config lacks a key of today's configs (written by an older version, or by
+        hand): today's default would stand in for it.
         """
         if not self.config or not self.strategy:
             return None
@@ -142,7 +142,7 @@ class RunSummary:
             for k, v in config.items()
             if k not in _NOT_REPRODUCED and not (v == "" and k in ("faults", "replay"))
         ]
-        folder = out or f"runs/reproduce/{self.name or self.strategy}"
+        folder = f"runs/reproduce/{self.name or self.strategy}"
         if self.bandwidth:
             head = [
                 "lowcomm", "compare", "--strategies", self.strategy, "--workers",
