@@ -45,7 +45,16 @@ class RunState:
         return {name: part.save() for name, part in self._parts.items()}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Load every part from ``sd`` in registration order (a missing key loads None)."""
+        """Load every part from ``sd`` in registration order (a missing key loads None).
+
+        A key no part reads is refused: state a checkpoint holds must never be dropped unread.
+        """
+        unread = sorted(set(sd) - set(self._parts))
+        if unread:
+            raise ValueError(
+                f"engine state has parts this version does not read: {unread}; it was saved "
+                f"with other settings or a newer lowcomm (resume it with the run's own settings)"
+            )
         for name, part in self._parts.items():
             part.load(sd.get(name))
 
