@@ -44,3 +44,43 @@ def local_steps(
         model(x, y).backward()
         opt.step()
         opt.zero_grad()
+
+
+class StepGate:
+    """Holds each job the engine hands its comm thread until the training thread has begun an
+    inner step after handing it over. An engine that overlaps training with its collectives
+    passes at once; one that waited for the job before training on never lets that step begin,
+    and the hold gives up (recorded False) after ``wait_s``. Checks an order of events, so it
+    holds on any machine, however fast or loaded."""
+
+    def __init__(self, transport, wait_s: float = 60.0) -> None:
+        import threading
+
+        self.cond, self.begun, self.held, self.closed = threading.Condition(), 0, [], False
+        submit = transport.submit
+
+        def submitted(fn):
+            with self.cond:
+                need = 0 if self.closed else self.begun + 1
+
+            def held():
+                with self.cond:
+                    self.held.append(self.cond.wait_for(lambda: self.begun >= need, wait_s))
+                return fn()
+
+            return submit(held)
+
+        transport.submit = submitted
+
+    def step(self) -> None:
+        """The training thread begins an inner step."""
+        with self.cond:
+            self.begun += 1
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        """No more inner steps: jobs handed over from now on (the last sends', leaving the
+        block) are not held, and those waiting go."""
+        with self.cond:
+            self.closed, self.begun = True, 1 << 62
+            self.cond.notify_all()
