@@ -332,3 +332,24 @@ def test_quorum_rounds_leave_a_slow_site_behind_and_count_what_each_site_trained
     per_site_step = 4 * 64
     assert summary["tokens"] == sum(rounds["trained_steps"]) * per_site_step
     assert summary["config"]["rounds"] == "quorum" and summary["config"]["elastic"] is True
+
+
+@pytest.mark.parametrize("rounds", ["lockstep", "quorum"])
+def test_a_site_paused_past_its_heartbeat_never_stops_the_others(tmp_path, rounds):
+    """SIGSTOP for 4 s, then SIGCONT (a GC pause, a VM migration): the others leave it out
+    and go on; back, it stops alone with one line (lock-step: the run is syncs ahead, or
+    over) or heals back in (quorum rounds: it asks back in at its next sync). Before the fix every
+    site stopped ("... this site was left out ... and stops here", from each of them)."""
+    out = tmp_path / rounds
+    done = _train(*RUN, *ELASTIC, f"rounds={rounds}", "--faults", "pause:1@40x4",
+                  "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    events = summary["membership"]
+    assert events[0]["left"] == [1] and events[0]["members"] == [0, 2]
+    if rounds == "lockstep":  # back while the others train on, or after they finished
+        alone = ("site 1 is at sync@40 while the run is at", "only 1 sites remain ([1])")
+        assert any(f"site 1 is gone (exit 1): {line}" in done.stdout for line in alone)
+        assert len(events) == 1
+    else:
+        assert any(e.get("joined") == [1] for e in events[1:]), events

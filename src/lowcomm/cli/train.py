@@ -206,8 +206,8 @@ def _add_train(sub: Any) -> None:
         "--faults",
         default=None,
         metavar="SPEC",
-        help="faults on purpose, KIND:SITE@STEP comma-separated (kill:2@35, hang:1@50); "
-        "same as faults=SPEC",
+        help="faults on purpose, KIND:SITE@STEP comma-separated (kill:2@35, hang:1@50, "
+        "pause:1@40x8); same as faults=SPEC",
     )
     t.add_argument(
         "--replay",

@@ -328,7 +328,8 @@ class TrainConfig:
     faults: str = knob(
         "",
         "Faults on purpose, KIND:SITE@STEP comma-separated, sites 0-based: kill:2@35 "
-        "(SIGKILL before step 35), hang:2@55 (SIGSTOP). Also --faults.",
+        "(SIGKILL before step 35), hang:2@55 (SIGSTOP), pause:2@40x8 (SIGSTOP, SIGCONT 8 s "
+        "later). Also --faults.",
     )
     replay: str = knob(
         "",

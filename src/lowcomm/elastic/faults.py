@@ -4,6 +4,10 @@
 
 - ``kill:2@35``  site 2 is SIGKILLed before its inner step 35 (as ``kill -9`` from a shell);
 - ``hang:2@55``  site 2 stops answering before step 55 (SIGSTOP: alive, silent);
+- ``pause:2@40x8`` site 2 is stopped before step 40 and goes on 8 seconds later (SIGSTOP, then
+  SIGCONT from a helper process it starts first): a long GC pause, a VM migration, a
+  suspended laptop. Back, it finds the run gone on without it if its heartbeat lapsed, and
+  then it alone stops, with one line; the others never stop for it;
 - ``join:2@60``  site 2, killed earlier, is started again and joins the run at its first sync
   at or after step 60 (it heals from a live peer);
 - ``add:3@60``   a new site, 3 (of a run started with 3: sites are numbered on from the
@@ -23,12 +27,13 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import time
 from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-KINDS = ("kill", "hang", "join", "add", "slow")
+KINDS = ("kill", "hang", "pause", "join", "add", "slow")
 LATER = ("slowlink",)
 _FAULT = re.compile(r"^(?P<kind>[a-z]+):(?P<site>\d+)(@(?P<step>\d+))?(x(?P<factor>[0-9.]+))?$")
 
@@ -86,11 +91,16 @@ def parse_faults(text: str, sites: int, steps: int) -> list[Fault]:
 def _checked(
     kind: str, site: int, step: str | None, factor: str | None, item: str, steps: int
 ) -> Fault:
-    """One fault whose step and factor suit its kind (``slow`` alone takes a factor, > 1)."""
+    """One fault whose step and factor suit its kind (``slow`` takes a factor > 1, ``pause``
+    a number of seconds)."""
     if step is None and kind == "slow":
         step = "1"
     if step is None or not 1 <= int(step) <= steps:
         raise ConfigError(f"--faults: {item!r} needs @STEP with 1 <= STEP <= {steps}")
+    if kind == "pause":
+        if factor is None or float(factor) <= 0:
+            raise ConfigError(f"--faults: {item!r} needs xSECONDS > 0 (how long it is stopped)")
+        return Fault(kind, site, int(step), float(factor))
     if kind != "slow":
         if factor is not None:
             raise ConfigError(f"--faults: {kind} takes no xFACTOR ({item!r})")
@@ -122,5 +132,15 @@ def adds(faults: list[Fault]) -> dict[int, int]:
 def act(faults: list[Fault], site: int, step: int) -> None:
     """Before inner step ``step`` of ``site``: carry out the faults due now, on this process."""
     for f in faults:
-        if f.site == site and f.step == step and f.kind in ("kill", "hang"):
+        if f.site != site or f.step != step:
+            continue
+        if f.kind == "pause":  # the helper outlives nothing: it wakes this process, then ends
+            pid = os.getpid()
+            subprocess.Popen(["sh", "-c", f"sleep {f.factor:g}; kill -CONT {pid}"])
+        if f.kind in ("kill", "hang", "pause"):
             os.kill(os.getpid(), signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
+
+
+def paused(faults: list[Fault], site: int) -> bool:
+    """Whether ``site`` has a ``pause:`` fault: stopped, it is coming back (a hang is not)."""
+    return any(f.kind == "pause" and f.site == site for f in faults)

@@ -200,7 +200,7 @@ class Membership:
                     f"(run id, model, strategy or codec: {self.fingerprint} vs the run's "
                     f"{ref.get('fp')}); start it with the run's settings"
                 )
-            admitted = admit(view, self.fingerprint, ref["tag"], ref["phase"])
+            admitted, ref = admitted_at(view, self.fingerprint)
             if self.elastic.site in admitted.joiners:
                 self.generation = int(ref.get("gen", 0))
                 return admitted, ref["tag"]
@@ -218,11 +218,11 @@ class Membership:
                 if view is None or not old:
                     time.sleep(self.elastic.heartbeat_s)
                     continue
-                admitted = admit(view, self.fingerprint, old[0]["tag"], old[0]["phase"])
+                admitted, ref = admitted_at(view, self.fingerprint)
                 if self.elastic.site in admitted.joiners:
-                    self.generation = int(old[0].get("gen", 0))
+                    self.generation = int(ref.get("gen", 0))
                     return admitted
-                if step_of(old[0]["tag"]) > step:
+                if step_of(ref["tag"]) > step:
                     return None
         finally:
             self._join_at = ""
@@ -287,8 +287,23 @@ class Membership:
                 f"site {e.site}: no quorum within {wait_s:g} s at {tag} ({err}): fewer than "
                 f"min_workers={e.min_workers} sites may remain, or the lighthouse is gone"
             ) from None
-        data = sorted((dict(m.data or {}) for m in q.participants), key=lambda d: d["site"])
-        return View(int(q.quorum_id), [int(d["site"]) for d in data], data)
+        data = [d for d in (_readable(m.data) for m in q.participants) if d is not None]
+        data = sorted(data, key=lambda d: d["site"])
+        if not join:  # a joiner reads the others' settings to say why it is refused
+            data = self._same_run(data)
+        return View(int(q.quorum_id), [d["site"] for d in data], data)
+
+    def _same_run(self, data: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The requests of this run: a member with other settings or another run id (the
+        fingerprint holds both), a joiner's aside (see :meth:`join`), is no member of it."""
+        keep = [d for d in data if d.get("join") or d.get("fp") == self.fingerprint]
+        for d in data:
+            if d not in keep and d["site"] not in self._refused:
+                self._refused.add(d["site"])
+                log.warning("site %d: a site %d of another run or with other settings (%s) "
+                            "asked this lighthouse; not a member", self.elastic.site, d["site"],
+                            d.get("fp"))  # fmt: skip
+        return keep
 
     def start(self) -> View:
         """The first quorum that holds every starting site (an early one may form while a
@@ -298,20 +313,25 @@ class Membership:
             view = self.quorum("start")
         return view
 
-    def check(self, view: View, tag: str) -> None:
-        """Stop this site, with one line, if it fell behind the others or too few remain."""
+    def check(self, view: View, tag: str) -> View:
+        """The members of ``view`` that take part in sync ``tag``: a member at another sync
+        (paused, or its heartbeat lapsed while the rest went on) is left out of it by every
+        member alike. Stops this site, with one line, if it is the one elsewhere (see
+        :func:`run_tag`) or too few remain."""
         e = self.elastic
-        behind = [d["site"] for d in view.data if d["tag"] != tag and not d.get("join")]
-        if behind:
+        current = run_tag(view)
+        if current is not None and current != tag:
             raise MembershipError(
-                f"site {e.site} is at {tag} while sites {behind} are elsewhere: this site was "
-                f"left out (its heartbeat lapsed or it fell behind) and stops here"
+                f"site {e.site} is at {tag} while the run is at {current}: this site was left "
+                f"out (paused, or its heartbeat lapsed) and stops here; the others go on"
             )
+        view = in_sync(view, tag)
         if len(view.members) < e.min_workers:
             raise MembershipError(
                 f"only {len(view.members)} sites remain ({view.members}) after {e.timeout_s:g} "
                 f"s, fewer than min_workers={e.min_workers}: the run stops"
             )
+        return view
 
     def group(self, view: View, generation: int = 0) -> dist.ProcessGroup:
         """The gloo group of ``view``'s members for attempt ``generation`` (made once each).
@@ -373,6 +393,73 @@ def check_rounds(rounds: str, quorum: int, grace: float, late: str, sites: int) 
         )
 
 
+# what every request a member reads must carry, and its type
+_FIELDS = {"site": int, "tag": str, "phase": str, "gen": int, "join_from": int}
+
+
+def _readable(raw: Any) -> dict[str, Any] | None:
+    """One participant's request, or None when it is malformed (a field missing or of the
+    wrong type): such a request is no member's, for every member alike, instead of an error
+    that would stop them all."""
+    d = dict(raw or {})
+    for key, kind in _FIELDS.items():
+        value = d.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            log.warning("a quorum request with a malformed %r (%r) was ignored", key, value)
+            return None
+    if d["site"] < 0:
+        return None
+    return d
+
+
+def run_tag(view: View) -> str | None:
+    """The sync the run is at, as every member of ``view`` computes it: the tag most of its
+    members (joiners aside) report, the newest on a tie (None: no member reports one). A
+    member reporting another is elsewhere: it alone stops or asks back in."""
+    tags = [d["tag"] for d in view.data if not d.get("join")]
+    if not tags:
+        return None
+    return max(set(tags), key=lambda t: (tags.count(t), step_of(t), t))
+
+
+def in_sync(view: View, tag: str) -> View:
+    """``view`` without the members at a sync other than ``tag`` (joiners kept)."""
+    keep = [d for d in view.data if d.get("join") or d["tag"] == tag]
+    if len(keep) == len(view.data):
+        return view
+    gone = [d["site"] for d in view.data if d not in keep]
+    log.warning("sites %s are at another sync than %s: left out of it", gone, tag)
+    members = [int(d["site"]) for d in keep]
+    return View(view.quorum_id, members, keep, [j for j in view.joiners if j in members])
+
+
+def committed(view: View, commit: View, generation: int, ok: bool) -> bool:
+    """The vote on one attempt: it stands when this site completed it and every member of
+    the attempt's ``view`` asked for the commit quorum of the same sync and attempt
+    (``generation``) having completed it. A request of another phase or attempt that the
+    lighthouse put in the same quorum (a stale one, re-registered) is no vote."""
+    votes = [
+        d
+        for d in commit.data
+        if d.get("phase") == "commit" and d.get("gen") == generation and not d.get("join")
+    ]
+    return (
+        ok
+        and [int(d["site"]) for d in votes] == view.members
+        and len(commit.members) == len(votes) + len(commit.joiners)
+        and all(d.get("ok") is True for d in votes)
+    )
+
+
+def admitted_at(view: View, fingerprint: str) -> tuple[View, dict[str, Any]]:
+    """A joiner's reading of a quorum: whom it admits at the run's sync (:func:`run_tag`), the
+    members elsewhere left out as every member leaves them out (:meth:`Membership.check`),
+    and the request of a member at that sync (its tag, phase and attempt)."""
+    tag = run_tag(view)
+    ref = next(d for d in view.data if not d.get("join") and d["tag"] == tag)
+    return in_sync(admit(view, fingerprint, tag, ref["phase"]), tag), ref
+
+
 def admit(view: View, fingerprint: str, tag: str, phase: str) -> View:
     """The members of a quorum that take part in sync ``tag``: the sites already in the run,
     and the joiners it admits there (the run's settings; the first quorum of a sync of the
@@ -381,7 +468,8 @@ def admit(view: View, fingerprint: str, tag: str, phase: str) -> View:
     the same from the same view."""
     keep = [d for d in view.data if not d.get("join")]
     joiners = []
-    offered = all(d.get("ready") for d in keep)
+    # the members at this sync offer; one elsewhere is left out of it (see check)
+    offered = all(d.get("ready") for d in keep if d["tag"] == tag)
     for d in view.data:
         if d.get("join") and d.get("fp") == fingerprint and phase == "sync" and offered:
             if _joins_at(d, tag):

@@ -41,6 +41,9 @@ log = logging.getLogger("lowcomm")
 LIGHTHOUSE_JOIN_S = 0.5
 _POLL_S = 0.002  # between reads of this site's own store while waiting at a sync
 _AUTO_MARGIN_S = 0.05  # auto grace: added to 3x the slowest step (a loaded host's jitter)
+# while waiting at a sync, how often to write to the expected sites' stores: a site that is gone
+# (its store refuses, or does not answer within 2 s) is no longer waited for
+_PROBE_S = 0.5
 
 
 class Rounds:
@@ -164,7 +167,11 @@ class Rounds:
         returning = [_key(step, f"at{s}") for s in self._behind()]
         deadline = time.monotonic() + self.membership.elastic.timeout_s
         quorum_at: float | None = None
+        probed = time.monotonic()
         while time.monotonic() < deadline:
+            if time.monotonic() - probed > _PROBE_S:  # a site gone since (exited, or hung)
+                probed = time.monotonic()
+                self._post(_key(step, f"waiting{self._site}"))
             live = [s for s, a in self._stores.items() if a not in self._dead] or [self._site]
             expected = [_key(step, f"at{s}") for s in live]
             if self._own.check(expected) or self._own.check([_key(step, "closed")]):

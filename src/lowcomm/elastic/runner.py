@@ -14,7 +14,7 @@ from typing import TypeVar
 from ..errors import MembershipError
 from ..transport import ByteMeter, Transport
 from . import heal
-from .membership import Membership, View, step_of
+from .membership import Membership, View, committed, step_of
 from .rounds import Rounds
 
 log = logging.getLogger("lowcomm")
@@ -57,7 +57,7 @@ class Runner:
         while True:
             ready = tag in self._offers
             view, self.admitted = self.admitted or self.membership.quorum(tag, ready=ready), None
-            self.membership.check(view, tag)
+            view = self.membership.check(view, tag)
             try:  # the group too: its store's host or a peer may be gone already
                 result, ok = self._attempt(view, tag, collectives), True
             # a peer died or hung inside a collective (torch's collective logger turns the
@@ -72,8 +72,8 @@ class Runner:
             if not ok:  # before the vote: peers blocked on this site fail now, not at timeout_s
                 self._drop()
             commit = self.membership.quorum(tag, ok, phase="commit", ready=ready)
-            self.membership.check(commit, tag)
-            if ok and commit.members == view.members and all(d["ok"] for d in commit.data):
+            commit = self.membership.check(commit, tag)
+            if committed(view, commit, self.membership.generation, ok):
                 self._settled(tag, view)
                 self._offers.pop(tag, None)
                 return result  # type: ignore[return-value]

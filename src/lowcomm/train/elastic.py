@@ -22,15 +22,18 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, SyncConfig, TrainConfig
-from ..elastic.faults import adds, joins, parse_faults
+from ..elastic.faults import adds, joins, parse_faults, paused
 from ..elastic.membership import check_rounds
 from ..elastic.rounds import LIGHTHOUSE_JOIN_S
 from ..errors import LowCommError
-from .entry import run_entry, user_errors
+from .entry import error_file, run_entry, user_errors
 from .join_site import RUN_FILE, run_site, write_run_file
 from .site_role import SiteRole
 
 PER_STEP = ("ddp", "loco")
+# after one site finished the run, how long the launcher waits for the others to finish too
+# (they end at the same sync, within a moment) before it stops those still behind
+FINISH_GRACE_S = 30.0
 
 
 class SitesFailed(LowCommError):
@@ -174,8 +177,9 @@ def run_sites(
         gate.set()
         return p
 
+    pausing = {s for s in range(len(procs)) if paused(roles[0].faults, s)}
     try:
-        codes = _wait(procs, out_dir, restart)
+        codes = _wait(procs, out_dir, restart, pausing)
     finally:
         # a second Ctrl-C must not cut the clean-up short (stale workers.json, live sites)
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -236,12 +240,17 @@ def _lighthouse(cfg: TrainConfig, min_replicas: int) -> Any:
 
 
 def _wait(
-    procs: list[Any], out_dir: Path, restart: Callable[[int], Any] | None = None
+    procs: list[Any],
+    out_dir: Path,
+    restart: Callable[[int], Any] | None = None,
+    pausing: set[int] = frozenset(),  # type: ignore[assignment]
 ) -> list[int | None]:
-    """Wait until every site has exited (or is stopped while the rest are done); a site that
-    ``restart`` starts again (it returns the new process) is waited for anew."""
+    """Wait until every site has exited (or is stopped while the rest are done: a hang); a
+    site that ``restart`` starts again (it returns the new process) is waited for anew, and a
+    stopped site in ``pausing`` (a ``pause:`` fault) is still running: it comes back."""
     _write_workers(procs, out_dir)
     reported: set[int] = set()
+    finished: float | None = None  # when the first site finished the run
     while True:
         for i, p in enumerate(procs):
             if p.exitcode is not None and i not in reported:
@@ -250,17 +259,46 @@ def _wait(
                     why = f"signal {-p.exitcode}" if p.exitcode < 0 else f"exit {p.exitcode}"
                     others = any(q.exitcode is None for q in procs)
                     tail = "; the others go on" if others and p.exitcode < 0 else ""
-                    print(f"lowcomm: site {i} is gone ({why}){tail}", flush=True)
+                    print(f"lowcomm: site {i} is gone ({why}){tail}{_said(out_dir, i)}",
+                          flush=True)  # fmt: skip
                 if p.exitcode in (0, -signal.SIGKILL) and restart is not None:
                     again = restart(i)
                     if again is not None:
                         procs[i] = again
                         reported.discard(i)
                 _write_workers(procs, out_dir)
-        running = [p for p in procs if p.exitcode is None and not _stopped(p.pid)]
+        running = [
+            p
+            for i, p in enumerate(procs)
+            if p.exitcode is None and (i in pausing or not _stopped(p.pid))
+        ]
         if not running:
             return [p.exitcode for p in procs]
+        if finished is None and any(p.exitcode == 0 for p in procs):
+            finished = time.monotonic()
+        if finished is not None and time.monotonic() - finished > FINISH_GRACE_S:
+            _end_laggards(procs)
+            return [p.exitcode for p in procs]
         time.sleep(0.2)
+
+
+def _end_laggards(procs: list[Any]) -> None:
+    """The run is over (a site finished it) but these sites are still at an earlier sync
+    (back from a pause, late in quorum rounds): nothing is left for them to join."""
+    for i, p in enumerate(procs):
+        if p.exitcode is None:
+            print(f"lowcomm: site {i} was still behind {FINISH_GRACE_S:g} s after the run "
+                  f"finished: stopped", flush=True)  # fmt: skip
+            p.kill()
+            p.join()
+
+
+def _said(out_dir: Path, site: int) -> str:
+    """': ' and the one line a site that stopped itself left (its error file), or ''."""
+    with contextlib.suppress(OSError):
+        text = error_file(out_dir, site).read_text().strip()
+        return f": {text}" if text else ""
+    return ""
 
 
 def _stopped(pid: int) -> bool:

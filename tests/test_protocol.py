@@ -1,0 +1,149 @@
+"""The membership protocol's decisions, computed from lighthouse views built by hand.
+
+Every member computes these from the same quorum data, so they must be pure functions of it:
+which sync the run is at, who takes part in it, and whether an attempt's commit vote stands.
+Each case here is one the lighthouse can hand out and that once split or stopped a run.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lowcomm.elastic.membership import (
+    Elastic,
+    Membership,
+    View,
+    admit,
+    admitted_at,
+    committed,
+    in_sync,
+    run_tag,
+)
+from lowcomm.errors import MembershipError
+
+
+def _d(site: int, tag: str, phase: str = "sync", ok: bool = True, gen: int = 0, **kw) -> dict:
+    return {"site": site, "tag": tag, "phase": phase, "ok": ok, "gen": gen, "join": False,
+            "join_from": 0, **kw}  # fmt: skip
+
+
+def _view(*data: dict, qid: int = 7) -> View:
+    return View(qid, [d["site"] for d in data], list(data))
+
+
+class _Checker(Membership):
+    """Membership's decisions without a lighthouse or a store."""
+
+    def __init__(self, site: int, sites: int = 4, min_workers: int = 2) -> None:
+        self.elastic = Elastic(lighthouse="http://unused", site=site, sites=sites,
+                               min_workers=min_workers)  # fmt: skip
+
+
+def test_a_site_paused_past_its_heartbeat_stops_alone_and_the_others_go_on():
+    # site 2 was stopped (SIGSTOP) at sync@190; the others went on without it and it came back
+    view = _view(_d(0, "sync@200"), _d(1, "sync@200"), _d(2, "sync@190"), _d(3, "sync@200"))
+    for site in (0, 1, 3):
+        got = _Checker(site).check(view, "sync@200")
+        assert got.members == [0, 1, 3]
+        assert [d["site"] for d in got.data] == [0, 1, 3]
+    with pytest.raises(MembershipError, match="site 2 is at sync@190 while the run is at sync@200"):
+        _Checker(2).check(view, "sync@190")
+
+
+def test_two_sites_at_different_syncs_the_newest_is_the_run():
+    view = _view(_d(0, "sync@40"), _d(1, "sync@30"))
+    assert run_tag(view) == "sync@40"
+    assert _Checker(0, sites=2, min_workers=1).check(view, "sync@40").members == [0]
+    with pytest.raises(MembershipError, match="stops here"):
+        _Checker(1, sites=2, min_workers=1).check(view, "sync@30")
+
+
+def test_too_few_left_in_the_sync_still_stops_the_run():
+    view = _view(_d(0, "sync@20"), _d(1, "sync@20"), _d(2, "sync@10"))
+    with pytest.raises(MembershipError, match="fewer than min_workers=3"):
+        _Checker(0, sites=3, min_workers=3).check(view, "sync@20")
+
+
+def test_joiners_are_not_counted_as_elsewhere():
+    joiner = {"site": 4, "tag": "join", "phase": "join", "ok": True, "join": True}
+    view = View(3, [0, 1, 4], [_d(0, "sync@50"), _d(1, "sync@50"), joiner], joiners=[4])
+    assert run_tag(view) == "sync@50"
+    assert in_sync(view, "sync@50") is view
+
+
+def test_the_commit_stands_only_on_votes_of_the_same_phase_and_attempt():
+    attempt = _view(_d(0, "sync@60"), _d(1, "sync@60"), _d(2, "sync@60"))
+    votes = [_d(s, "sync@60", phase="commit", gen=1) for s in (0, 1, 2)]
+    assert committed(attempt, _view(*votes), generation=1, ok=True)
+    # a stale sync-phase request (ok defaults to True) re-registered into the commit quorum
+    stale = [*votes[:2], _d(2, "sync@60", phase="sync", gen=1)]
+    assert not committed(attempt, _view(*stale), generation=1, ok=True)
+    # a commit request of an earlier attempt
+    old = [*votes[:2], _d(2, "sync@60", phase="commit", gen=0)]
+    assert not committed(attempt, _view(*old), generation=1, ok=True)
+    # a member that failed its collectives, or this site itself
+    failed = [*votes[:2], _d(2, "sync@60", phase="commit", ok=False, gen=1)]
+    assert not committed(attempt, _view(*failed), generation=1, ok=True)
+    assert not committed(attempt, _view(*votes), generation=1, ok=False)
+    # fewer voters than the attempt had
+    assert not committed(attempt, _view(*votes[:2]), generation=1, ok=True)
+
+
+class _Participant:
+    def __init__(self, data):
+        self.data = data
+
+
+class _Quorum:
+    def __init__(self, *data):
+        self.quorum_id, self.participants = 9, [_Participant(d) for d in data]
+
+
+class _Lighthouse:
+    def __init__(self, *data):
+        self.answer = _Quorum(*data)
+
+    def quorum(self, **_):
+        return self.answer
+
+
+def _asker(site: int, *data: dict, fp: str = "run-a") -> Membership:
+    m = _Checker(site)
+    m.fingerprint, m._refused, m._join_at, m.generation = fp, set(), "", 0
+    m.store_address, m.incarnation, m._client = "127.0.0.1:1", "x", _Lighthouse(*data)
+    return m
+
+
+def test_malformed_lighthouse_data_is_no_member_instead_of_a_crash():
+    good = [_d(s, "sync@10", fp="run-a") for s in (0, 1)]
+    bad = [
+        {"tag": "sync@10", "phase": "sync", "gen": 0, "join_from": 0, "fp": "run-a"},  # no site
+        {**_d(3, "sync@10", fp="run-a"), "join_from": "soon"},
+        {**_d(4, "sync@10", fp="run-a"), "site": "4"},
+        None,
+    ]
+    view = _asker(0, *good, *bad)._ask("sync@10", True, "sync", join=False, ready=False)
+    assert view.members == [0, 1]
+
+
+def test_a_member_of_another_run_on_the_same_lighthouse_is_no_member():
+    data = [_d(0, "sync@10", fp="run-a"), _d(1, "sync@10", fp="run-a"), _d(2, "sync@10", fp="b")]
+    view = _asker(0, *data)._ask("sync@10", True, "sync", join=False, ready=False)
+    assert view.members == [0, 1]
+    # a joiner still sees the others' settings, to say why it is refused
+    joined = _asker(3, *data)._ask("join", True, "join", join=True, ready=False)
+    assert joined.members == [0, 1, 2]
+
+
+def test_a_joiner_and_the_members_agree_on_who_is_in_when_a_member_is_elsewhere():
+    # site 3 is back from a pause at an old sync; site 2 asks back in at the run's sync@110
+    joiner = {"site": 2, "tag": "join", "phase": "join", "gen": 0, "join": True, "fp": "a",
+              "join_from": 0, "join_at": "sync@110", "ok": True}  # fmt: skip
+    data = [_d(0, "sync@110", fp="a", ready=True), _d(1, "sync@110", fp="a", ready=True),
+            joiner, _d(3, "sync@100", fp="a", ready=False)]  # fmt: skip
+    view = View(4, [0, 1, 2, 3], data)
+    theirs = _Checker(0).check(admit(view, "a", "sync@110", "sync"), "sync@110")
+    mine, ref = admitted_at(view, "a")
+    assert theirs.members == mine.members == [0, 1, 2]
+    assert theirs.joiners == mine.joiners == [2]
+    assert ref["tag"] == "sync@110"
