@@ -253,8 +253,8 @@ def _in_flight_worker(rank: int, world: int) -> dict:
     opt = adamw(model)
     data = batches(rank, world)
     sync = lowcomm.CO2(model, opt, sync_every=3)
-    gate = StepGate(sync.transport)
     with sync:
+        gate = StepGate(sync.transport)  # the engine's transport exists once the block began
         for _ in range(9):
             gate.step()
             x, y = data.next()
@@ -271,4 +271,4 @@ def test_round_r_collective_in_flight_during_round_r_plus_1(workers):
         done = [p for what, p, _ in r["events"] if what == "completed"]
         assert len(sent) == 3 and len(done) == 3
         # each round's exchange ran only after round r+1's first step had begun
-        assert r["held"] == [True, True, True]
+        assert len(r["held"]) >= 3 and all(r["held"]), r["held"]

@@ -211,12 +211,14 @@ class Membership:
         (it missed this one too)."""
         step = step_of(tag)
         self._join_at = tag
+        alone_since: float | None = None
         try:
             while True:
+                asked = time.monotonic()
                 view = self._ask_to_join()
                 old = [d for d in view.data if not d.get("join")] if view else []
-                if view is None or not old:
-                    time.sleep(self.elastic.heartbeat_s)
+                if view is None or not old:  # the others gone (the run over) stops it here
+                    alone_since = self._alone(asked, alone_since, view is not None, tag)
                     continue
                 admitted, ref = admitted_at(view, self.fingerprint)
                 if self.elastic.site in admitted.joiners:
@@ -244,14 +246,22 @@ class Membership:
                 raise  # at once: the lighthouse is gone
             return None
 
-    def _alone(self, asked: float, since: float | None, answered: bool) -> float | None:
+    def _alone(
+        self, asked: float, since: float | None, answered: bool, back_at: str = ""
+    ) -> float | None:
         """Only joiners asked. The lighthouse answers a lone joiner at once only when no other
         site beats (the run is over, or not on this lighthouse): give up after ``timeout_s``
-        of that. Returns since when this joiner has been alone (None: others are alive)."""
+        of that. Returns since when this joiner has been alone (None: others are alive).
+        ``back_at``: a site asking back in at that sync (it missed the one before)."""
         e = self.elastic
         now = time.monotonic()
         since = (since or asked) if answered and now - asked < e.timeout_s / 2 else None
         if since is not None and now - since > e.timeout_s:
+            if back_at:
+                raise MembershipError(
+                    f"site {e.site} missed a sync and asked back in at {back_at}, but no other "
+                    f"site has been in the run for {e.timeout_s:g} s (it is over): it stops here"
+                )
             raise MembershipError(
                 f"site {e.site} found no run to join at {e.lighthouse} (run id {e.run_id}): "
                 f"start it while the run is going"

@@ -34,6 +34,7 @@ from .run import Run, init_distributed, lr_lambda, resolve_device, set_up, wrap_
 from .site_role import SiteRole, record_membership
 from .sites import full_state_dict, rows_of
 from .summary import RunSummary
+from .synclog import SyncLog
 
 __all__ = [
     "run_worker",
@@ -92,6 +93,7 @@ def run_worker(
                 after_step(run, run.start_step - 1, log)  # the others' control collectives
             step = run.start_step
             run.loop_started = time.perf_counter()
+            synclog = SyncLog(run.out, run.site.replica, run.engine) if role else None
             while step <= cfg.steps:
                 act(faults, run.site.replica, step)
                 started, synced = time.perf_counter(), _sync_s(run)
@@ -100,6 +102,8 @@ def run_worker(
                 took = time.perf_counter() - started - (_sync_s(run) - synced)
                 pace(faults, run.site.replica, step, took)
                 step = _follow(run, step, log)
+                if synclog is not None:
+                    synclog.after_step(step)
                 after_step(run, step, log)
                 step += 1
             finish(run)

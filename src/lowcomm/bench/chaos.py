@@ -1,0 +1,221 @@
+"""``lowcomm bench chaos``: seeded random fault schedules against the membership protocol, each
+run checked by invariants read from what every site recorded, not from the run's own verdict.
+
+Each seed draws one schedule, reproducible from the seed alone: a method (DiLoCo, Streaming
+with a fragment in flight, SparseLoCo, CO2) and a round mode (lock-step or quorum), stratified
+over the seeds, and one to three overlapping faults from the ``--faults`` grammar (kill, a kill
+with a later join, hang, pause, slow, an added site), at most ``sites - min_workers`` of them
+taking a site away for good. The run is ``lowcomm train ... elastic=true`` on this machine.
+
+The checker, per run:
+
+1. *No split*: every site logs a checksum of the global copy after each sync it applied
+   (``DIR/sites/siteN.syncs.jsonl``); for every step, all sites that logged it agree.
+2. *No needless stop*: while at least ``min_workers`` sites stay able (not killed for good,
+   not hung), the run ends with exit 0 and a summary.
+3. *Bounded*: the run ends within ``--limit`` seconds (else it is a hang, and is killed).
+4. *Accounted*: the summary's ``tokens`` is at most what the sites' steps could have read.
+
+Sizing on 2 cores: a schedule on ``tiny`` with 4 sites and 100 steps takes 25-45 s; run them
+one at a time (parallel runs starve the heartbeats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+TRAIN = [sys.executable, "-m", "lowcomm.cli", "train"]
+METHODS = {
+    "diloco": [],
+    "streaming": ["fragments=2", "overlap=1"],
+    "sparseloco": [],
+    "co2": [],
+}
+ROUNDS = ("lockstep", "quorum")
+KINDS = ("kill", "rejoin", "hang", "pause", "slow", "add")
+MIN_WORKERS = 2
+BATCH, SEQ = 4, 64
+
+
+@dataclass
+class Schedule:
+    """One seed's run: what to train, how rounds close, and the faults."""
+
+    seed: int
+    method: str
+    rounds: str
+    sites: int
+    steps: int
+    faults: list[str] = field(default_factory=list)
+    lost: int = 0  # sites taken away for good (killed without a join, hung)
+
+    def command(self, out: Path) -> list[str]:
+        """The ``lowcomm train`` command that runs this schedule into ``out``."""
+        args = [*TRAIN, "--strategy", self.method, "--workers", str(self.sites), "--model",
+                "tiny", "--steps", str(self.steps), "--out", str(out), "sync_every=10",
+                f"batch_size={BATCH}", f"seq_len={SEQ}", "eval_every=0", "progress=false",
+                "elastic=true", f"min_workers={MIN_WORKERS}", "heartbeat_timeout_s=1",
+                "timeout_s=10", f"rounds={self.rounds}", f"seed={self.seed}",
+                *METHODS[self.method]]  # fmt: skip
+        if self.faults:
+            args += ["--faults", ",".join(self.faults)]
+        return args
+
+
+def draw(seed: int, methods: list[str], rounds: list[str], sites: int, steps: int) -> Schedule:
+    """The schedule of ``seed``: method and round mode stratified, faults at random."""
+    rng = random.Random(seed)
+    method = methods[seed % len(methods)]
+    mode = rounds[(seed // len(methods)) % len(rounds)]
+    sched = Schedule(seed, method, mode, sites, steps)
+    spare = sites - MIN_WORKERS  # how many sites may go for good
+    busy: set[int] = set()
+    for _ in range(rng.randint(1, 3)):
+        kind = rng.choice(KINDS)
+        free = [s for s in range(1, sites) if s not in busy]  # site 0 too, now and then
+        if rng.random() < 0.25 and 0 not in busy:
+            free = [0]
+        if not free:
+            break
+        site, at = rng.choice(free), rng.randint(15, steps - 25)
+        if kind in ("kill", "hang") and sched.lost >= spare:
+            kind = "pause"
+        busy.add(site)
+        if kind == "kill":
+            sched.faults.append(f"kill:{site}@{at}")
+            sched.lost += 1
+        elif kind == "rejoin":
+            back = min(at + rng.randint(5, 30), steps - 5)
+            sched.faults += [f"kill:{site}@{at}", f"join:{site}@{back}"]
+        elif kind == "hang":
+            sched.faults.append(f"hang:{site}@{at}")
+            sched.lost += 1
+        elif kind == "pause":
+            sched.faults.append(f"pause:{site}@{at}x{rng.choice([2, 4, 8])}")
+        elif kind == "slow":
+            sched.faults.append(f"slow:{site}@{at}x{rng.choice([2, 3])}")
+        elif not any(f.startswith("add:") for f in sched.faults):
+            sched.faults.append(f"add:{sites}@{at}")
+    return sched
+
+
+def check(sched: Schedule, out: Path, code: int | None, wall_s: float, limit: float) -> list[str]:
+    """The invariants this run broke (empty: none), read from the sites' own records."""
+    broken = []
+    if code is None:
+        broken.append(f"bounded: still running after {limit:g} s (killed)")
+    elif code != 0 and sched.sites - sched.lost >= MIN_WORKERS:
+        broken.append(f"no needless stop: exit {code} with {sched.sites - sched.lost} able sites")
+    split = _split(out)
+    if split:
+        broken.append(f"no split: {split}")
+    summary = out / "summary.json"
+    if code == 0 and not summary.exists():
+        broken.append("no needless stop: exit 0 without a summary")
+    if summary.exists():
+        tokens = int(json.loads(summary.read_text()).get("tokens", 0))
+        most = (sched.sites + 1) * sched.steps * BATCH * SEQ
+        if not 0 < tokens <= most:
+            broken.append(f"accounted: tokens {tokens} outside (0, {most}]")
+    return broken
+
+
+def _split(out: Path) -> str:
+    """'' when every site that logged a step logged the same global copy there."""
+    by_step: dict[int, dict[str, str]] = {}
+    for f in sorted((out / "sites").glob("site*.syncs.jsonl")):
+        for line in f.read_text().splitlines():
+            rec = json.loads(line)
+            by_step.setdefault(int(rec["step"]), {})[f.name.split(".")[0]] = rec["theta"]
+    for step in sorted(by_step):
+        if len(set(by_step[step].values())) > 1:
+            return f"at step {step}: {by_step[step]}"
+    if not by_step:
+        return "no site logged a sync"
+    return ""
+
+
+def run_one(sched: Schedule, out: Path, limit: float) -> dict[str, Any]:
+    """Run one schedule and check it; its row."""
+    import shutil
+
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    t0 = time.monotonic()
+    with open(out.parent / f"{out.name}.log", "w") as log:
+        # a session of its own: a hung run's sites (the launcher's forkserver children) end too
+        proc = subprocess.Popen(
+            sched.command(out), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            code: int | None = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            code = None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # a stopped (hung) site left behind too
+        proc.wait()
+    wall = time.monotonic() - t0
+    broken = check(sched, out, code, wall, limit)
+    loss = None
+    if (out / "summary.json").exists():
+        loss = json.loads((out / "summary.json").read_text()).get("final_val_loss")
+    return {**asdict(sched), "exit": code, "wall_s": round(wall, 1), "loss": loss,
+            "violations": broken}  # fmt: skip
+
+
+def _seeds(text: str) -> list[int]:
+    if "-" in text:
+        lo, hi = text.split("-")
+        return list(range(int(lo), int(hi) + 1))
+    return [int(s) for s in text.split(",") if s]
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="lowcomm bench chaos", description=__doc__.split("\n")[0])
+    p.add_argument("--seeds", default="0-39", help="A-B or a comma list")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--rounds", default=",".join(ROUNDS))
+    p.add_argument("--sites", type=int, default=4)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--limit", type=float, default=240.0, help="seconds before a run is a hang")
+    p.add_argument("--out", default="runs/bench-chaos")
+    p.add_argument("--dry-run", action="store_true", help="print the schedules, run nothing")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    """Run every seed's schedule one at a time; a line per run; exit 1 on any violation."""
+    a = _args(argv)
+    methods, rounds = a.methods.split(","), a.rounds.split(",")
+    unknown = sorted(set(methods) - set(METHODS)) + sorted(set(rounds) - set(ROUNDS))
+    if unknown:
+        raise SystemExit(f"lowcomm bench chaos: unknown {unknown}: use {list(METHODS)}, {ROUNDS}")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for seed in _seeds(a.seeds):
+        sched = draw(seed, methods, rounds, a.sites, a.steps)
+        if a.dry_run:
+            print(json.dumps(asdict(sched)))
+            continue
+        row = run_one(sched, out / f"seed{seed}", a.limit)
+        rows.append(row)
+        verdict = "ok" if not row["violations"] else "; ".join(row["violations"])
+        print(f"seed {seed} {sched.method} {sched.rounds} {','.join(sched.faults)}: exit "
+              f"{row['exit']} in {row['wall_s']} s: {verdict}", flush=True)  # fmt: skip
+        (out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
+    bad = [r for r in rows if r["violations"]]
+    if rows:
+        print(f"{len(rows)} schedules, {len(bad)} with violations")
+    return 1 if bad else 0

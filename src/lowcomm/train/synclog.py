@@ -1,0 +1,31 @@
+"""Each elastic site's record of the global copy after every sync it applied
+(``DIR/sites/siteN.syncs.jsonl``): what a checker reads to find a split, site by site, without
+trusting the run's own verdict (``lowcomm bench chaos``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..engine.guards import checksum
+
+
+class SyncLog:
+    """Appends ``{"step", "syncs", "theta"}`` whenever the engine's sync count grew."""
+
+    def __init__(self, out: Path, site: int, engine: Any) -> None:
+        self.engine = engine
+        self.path = out / "sites" / f"site{site}.syncs.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._seen = engine.stats.syncs
+
+    def after_step(self, step: int) -> None:
+        """After inner step ``step``: one line if a sync was applied during it."""
+        syncs = self.engine.stats.syncs
+        if syncs == self._seen:
+            return
+        self._seen = syncs
+        theta = sum(checksum(f.global_flat) for f in self.engine.fragments) % 2**64
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, "syncs": syncs, "theta": f"{theta:016x}"}) + "\n")
