@@ -86,6 +86,7 @@ SLOW = {
     ("diloco", True),  # co2's kill inside is the harder case (a round in flight)
     ("sparseloco", False),  # DiLoCo's path with its codec (its buffers: the join test)
     ("streaming_tau1", False),  # co2-between_syncs takes the overlapped path, a round in flight
+    ("diloco", False),  # a blocking site killed between syncs: the CLI's kill -9 test
 }
 STEPS, KILLED, KILL_AT = 30, 2, 12
 

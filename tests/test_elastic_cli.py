@@ -336,14 +336,14 @@ def test_quorum_rounds_leave_a_slow_site_behind_and_count_what_each_site_trained
 
 @pytest.mark.parametrize("rounds", ["lockstep", "quorum"])
 def test_a_site_paused_past_its_heartbeat_never_stops_the_others(tmp_path, rounds):
-    """SIGSTOP for 4 s, then SIGCONT (a GC pause, a VM migration): the others leave it out
+    """SIGSTOP for 2.5 s, then SIGCONT (a GC pause, a VM migration): the others leave it out
     and go on; back, it stops alone with one line (lock-step: the run is syncs ahead, or
     over) or heals back in (quorum rounds: it asks back in at its next sync). Before the fix every
     site stopped ("... this site was left out ... and stops here", from each of them)."""
     out = tmp_path / rounds
-    # timeout_s=5: a site back after the others finished waits that long for company
-    elastic = ["elastic=true", "min_workers=2", "heartbeat_timeout_s=1", "timeout_s=5"]
-    done = _train(*RUN, *elastic, f"rounds={rounds}", "--faults", "pause:1@40x4",
+    # timeout_s=3: a site back after the others finished waits that long for company
+    elastic = ["elastic=true", "min_workers=2", "heartbeat_timeout_s=1", "timeout_s=3"]
+    done = _train(*RUN, *elastic, f"rounds={rounds}", "--faults", "pause:1@40x2.5",
                   "--out", str(out))  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     summary = json.loads((out / "summary.json").read_text())

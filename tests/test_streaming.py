@@ -208,7 +208,9 @@ def test_collective_in_flight_while_training_continues(workers):
         done = [p for what, p, _ in r["events"] if what == "completed"]
         assert len(sent) == len(done) >= 3  # one comm thread: completions come in send order
         assert sent == done
-        assert len(r["held"]) >= len(sent) and all(r["held"]), r["held"]
+        # the jobs handed to the comm thread while training (sends that land after the last
+        # step are drained on leaving the block)
+        assert len(r["held"]) >= 3 and all(r["held"]), r["held"]
 
 
 def _streamed_topk_worker(rank: int, world: int) -> dict:

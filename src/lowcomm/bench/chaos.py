@@ -217,5 +217,29 @@ def main(argv: list[str]) -> int:
         (out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
     bad = [r for r in rows if r["violations"]]
     if rows:
-        print(f"{len(rows)} schedules, {len(bad)} with violations")
+        print(summarize(rows))
+        (out / "summary.md").write_text(summarize(rows) + "\n")
     return 1 if bad else 0
+
+
+def summarize(rows: list[dict[str, Any]]) -> str:
+    """Markdown: schedules and violations by method and round mode, and by fault kind."""
+    lines = ["| method | rounds | schedules | violations | median wall s |"]
+    lines.append("|---|---|---|---|---|")
+    for m in METHODS:
+        for r in ROUNDS:
+            sel = [x for x in rows if x["method"] == m and x["rounds"] == r]
+            if sel:
+                walls = sorted(x["wall_s"] for x in sel)
+                bad = sum(bool(x["violations"]) for x in sel)
+                lines.append(f"| {m} | {r} | {len(sel)} | {bad} | {walls[len(walls) // 2]} |")
+    lines += ["", "| fault kind | schedules with it | violations |", "|---|---|---|"]
+    for kind in ("kill", "join", "hang", "pause", "slow", "add"):
+        sel = [x for x in rows if any(f.startswith(kind + ":") for f in x["faults"])]
+        bad = sum(bool(x["violations"]) for x in sel)
+        lines.append(f"| {kind} | {len(sel)} | {bad} |")
+    bad = [x for x in rows if x["violations"]]
+    lines += ["", f"{len(rows)} schedules, {len(bad)} with violations"]
+    lines += [f"- seed {x['seed']} ({x['method']}, {x['rounds']}, {','.join(x['faults'])}): "
+              f"{'; '.join(x['violations'])}" for x in bad]  # fmt: skip
+    return "\n".join(lines)

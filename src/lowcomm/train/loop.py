@@ -93,7 +93,7 @@ def run_worker(
                 after_step(run, run.start_step - 1, log)  # the others' control collectives
             step = run.start_step
             run.loop_started = time.perf_counter()
-            synclog = SyncLog(run.out, run.site.replica, run.engine) if role else None
+            synclog = SyncLog.of(run.out, run.site.replica, run.engine) if role else None
             while step <= cfg.steps:
                 act(faults, run.site.replica, step)
                 started, synced = time.perf_counter(), _sync_s(run)

@@ -20,6 +20,11 @@ class SyncLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._seen = engine.stats.syncs
 
+    @classmethod
+    def of(cls, out: Path, site: int, engine: Any) -> SyncLog | None:
+        """A log for ``engine``, or None for one that is not lowcomm's (torchft's DiLoCo)."""
+        return cls(out, site, engine) if hasattr(engine, "fragments") else None
+
     def after_step(self, step: int) -> None:
         """After inner step ``step``: one line if a sync was applied during it."""
         syncs = self.engine.stats.syncs
