@@ -5,7 +5,9 @@ Each seed draws one schedule, reproducible from the seed alone: a method (DiLoCo
 with a fragment in flight, SparseLoCo, CO2) and a round mode (lock-step or quorum), stratified
 over the seeds, and one to three overlapping faults from the ``--faults`` grammar (kill, a kill
 with a later join, hang, pause, slow, an added site), at most ``sites - min_workers`` of them
-taking a site away for good. The run is ``lowcomm train ... elastic=true`` on this machine.
+taking a site away (killed, even if it joins later; hung; paused, which may end it), so the run
+never has fewer able sites than ``min_workers``. The run is ``lowcomm train ... elastic=true``
+on this machine.
 
 The checker, per run:
 
@@ -58,7 +60,7 @@ class Schedule:
     sites: int
     steps: int
     faults: list[str] = field(default_factory=list)
-    lost: int = 0  # sites taken away for good (killed without a join, hung)
+    lost: int = 0  # sites away at some point (killed, hung, paused): at most sites - min_workers
 
     def command(self, out: Path) -> list[str]:
         """The ``lowcomm train`` command that runs this schedule into ``out``."""
@@ -89,18 +91,21 @@ def draw(seed: int, methods: list[str], rounds: list[str], sites: int, steps: in
         if not free:
             break
         site, at = rng.choice(free), rng.randint(15, steps - 25)
-        if kind in ("kill", "hang") and sched.lost >= spare:
-            kind = "pause"
+        # a site killed (even if it joins later), hung or paused (back, it may only stop) is
+        # not able while it is away: never fewer able sites than min_workers at any moment
+        if kind in ("kill", "rejoin", "hang", "pause"):
+            if sched.lost >= spare:
+                kind = "slow"
+            else:
+                sched.lost += 1
         busy.add(site)
         if kind == "kill":
             sched.faults.append(f"kill:{site}@{at}")
-            sched.lost += 1
         elif kind == "rejoin":
             back = min(at + rng.randint(5, 30), steps - 5)
             sched.faults += [f"kill:{site}@{at}", f"join:{site}@{back}"]
         elif kind == "hang":
             sched.faults.append(f"hang:{site}@{at}")
-            sched.lost += 1
         elif kind == "pause":
             sched.faults.append(f"pause:{site}@{at}x{rng.choice([2, 4, 8])}")
         elif kind == "slow":
