@@ -7,7 +7,12 @@ Each case here is one the lighthouse can hand out and that once split or stopped
 
 from __future__ import annotations
 
+import threading
+from datetime import timedelta
+from types import SimpleNamespace
+
 import pytest
+import torch.distributed as dist
 
 from lowcomm.elastic.membership import (
     Elastic,
@@ -147,3 +152,41 @@ def test_a_joiner_and_the_members_agree_on_who_is_in_when_a_member_is_elsewhere(
     assert theirs.members == mine.members == [0, 1, 2]
     assert theirs.joiners == mine.joiners == [2]
     assert ref["tag"] == "sync@110"
+
+
+class _HungStore:
+    """A peer's store whose process was stopped (SIGSTOP): a write never returns."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    def add(self, key, value):
+        self.released.wait()
+
+    def set(self, key, value):
+        self.released.wait()
+
+
+def test_a_hung_peer_store_holds_up_no_hint_to_the_other_sites(monkeypatch):
+    """Quorum rounds deliver arrival hints to every peer's store. One shared posting thread
+    stalled on a hung peer's store, every later hint waited behind it, and every sync after a
+    hang waited timeout_s (300 s by default) for arrivals never delivered: a crawl."""
+    from lowcomm.elastic import rounds as rounds_mod
+
+    own = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    good = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    hung, real = _HungStore(), dist.TCPStore
+
+    def store(host, port, is_master=False, timeout=None, **kw):
+        return hung if port == 1 else real(host, port, is_master=is_master, timeout=timeout)
+
+    monkeypatch.setattr(rounds_mod.dist, "TCPStore", store)
+    elastic = Elastic(lighthouse="http://unused", site=0, sites=3, rounds="quorum")
+    rounds = rounds_mod.Rounds(SimpleNamespace(elastic=elastic, store=own))
+    rounds._stores = {0: "own", 1: "127.0.0.1:1", 2: f"127.0.0.1:{good.port}"}  # hung first
+    try:
+        rounds._post("lowcomm-rounds/60/arrived")
+        good.wait(["lowcomm-rounds/60/arrived"], timedelta(seconds=60))
+        assert good.add("lowcomm-rounds/60/arrived", 0) == 1
+    finally:
+        hung.released.set()

@@ -66,9 +66,10 @@ class Rounds:
         self._recent: collections.deque[float] = collections.deque(maxlen=9)
         self._told = 0.0  # the step time last told to the others
         self._own = membership.store
-        self._clients: dict[str, Any] = {}
-        self._posts: queue.Queue[tuple[str, str, str]] = queue.Queue()
-        threading.Thread(target=self._post_loop, name="lowcomm-rounds", daemon=True).start()
+        # one posting thread per peer store: a peer that hangs (SIGSTOP) holds up only the
+        # hints to itself (one shared thread once stalled every hint behind it, and every sync
+        # then waited timeout_s for arrivals that were never delivered)
+        self._posts: dict[str, queue.Queue[tuple[str, str]]] = {}
 
     # -- what the engine calls -------------------------------------------------------------------
     def stepped(self, sync_s: float) -> None:
@@ -201,29 +202,35 @@ class Rounds:
         return int(self._own.add(_key(step, "arrived"), 0))
 
     def _post(self, key: str, value: str = "1") -> None:
-        """Add this hint to this site's store now and to every expected site's store from the
-        posting thread (a peer that hung must not hold this site up)."""
+        """Add this hint to this site's store now and to every expected site's store from that
+        store's posting thread (a peer that hung must not hold this site, or the hints to the
+        other peers, up)."""
         self._write(self._own, key, value)
         for site, address in self._stores.items():
             if site != self._site and address not in self._dead:
-                self._posts.put((address, key, value))
+                self._queue(address).put((key, value))
 
-    def _post_loop(self) -> None:
-        while True:
-            address, key, value = self._posts.get()
-            if address in self._dead:  # queued before its first failure: one try is enough
-                continue
+    def _queue(self, address: str) -> queue.Queue[tuple[str, str]]:
+        posts = self._posts.get(address)
+        if posts is None:
+            posts = self._posts[address] = queue.Queue()
+            threading.Thread(target=self._post_loop, args=(address, posts),
+                             name=f"lowcomm-rounds-{address}", daemon=True).start()  # fmt: skip
+        return posts
+
+    def _post_loop(self, address: str, posts: queue.Queue[tuple[str, str]]) -> None:
+        """Deliver the hints for one peer's store, in order, until that store fails once."""
+        client = None
+        while address not in self._dead:
+            key, value = posts.get()
             try:
-                client = self._clients.get(address)
                 if client is None:
                     host, port = address.rsplit(":", 1)
                     client = dist.TCPStore(
                         host, int(port), is_master=False, timeout=timedelta(seconds=2)
                     )
-                    self._clients[address] = client
                 self._write(client, key, value)
             except Exception as err:  # a lost site: its hints no longer matter
-                self._clients.pop(address, None)
                 self._dead.add(address)
                 log.debug("site %d: hint %s to %s failed: %s", self._site, key, address, err)
 

@@ -1,0 +1,57 @@
+"""The fault campaign (`lowcomm bench chaos`): its schedules, its checker, and one run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lowcomm.bench.chaos import MIN_WORKERS, Schedule, check, draw, run_one
+from lowcomm.elastic.faults import parse_faults
+
+METHODS, ROUNDS = ["diloco", "streaming", "sparseloco", "co2"], ["lockstep", "quorum"]
+
+
+def test_a_seed_draws_one_schedule_that_never_leaves_too_few_sites():
+    for seed in range(300):
+        a, b = (draw(seed, METHODS, ROUNDS, 4, 100) for _ in range(2))
+        assert a == b  # reproducible from the seed alone
+        assert a.method == METHODS[seed % 4] and a.rounds == ROUNDS[(seed // 4) % 2]
+        parse_faults(",".join(a.faults), 4, 100)  # the trainer's own grammar accepts it
+        away = {
+            f.split(":")[1].split("@")[0] for f in a.faults if not f.startswith(("slow", "add"))
+        }
+        assert len(away) == a.lost <= 4 - MIN_WORKERS
+
+
+def _site(out, site: int, thetas: dict[int, str]) -> None:
+    (out / "sites").mkdir(parents=True, exist_ok=True)
+    lines = [
+        json.dumps({"step": s, "syncs": i, "theta": t}) for i, (s, t) in enumerate(thetas.items())
+    ]
+    (out / "sites" / f"site{site}.syncs.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_the_checker_reads_a_split_a_needless_stop_and_a_hang_from_the_records(tmp_path):
+    sched = Schedule(0, "diloco", "lockstep", 3, 100, ["kill:2@40"], lost=1)
+    _site(tmp_path, 0, {10: "a", 20: "b"})
+    _site(tmp_path, 1, {10: "a", 20: "c"})  # the same sync, another global copy
+    (tmp_path / "summary.json").write_text(json.dumps({"tokens": 1000}))
+    found = check(sched, tmp_path, 0, 10.0, 60.0)
+    assert len(found) == 1 and found[0].startswith("no split: at step 20")
+    _site(tmp_path, 1, {10: "a", 20: "b"})
+    assert check(sched, tmp_path, 0, 10.0, 60.0) == []
+    assert check(sched, tmp_path, 1, 10.0, 60.0) == ["no needless stop: exit 1 with 2 able sites"]
+    assert check(sched, tmp_path, None, 60.0, 60.0)[0].startswith("bounded")
+    (tmp_path / "summary.json").write_text(json.dumps({"tokens": 0}))
+    assert check(sched, tmp_path, 0, 10.0, 60.0)[0].startswith("accounted")
+
+
+@pytest.mark.skipif(pytest.importorskip("torchft") is None, reason="needs torchft")
+def test_one_seeded_schedule_runs_clean(tmp_path):
+    # seed 2: SparseLoCo, lock-step, site 0 (the one that hosts the first group's store and
+    # writes the run's files) killed at step 62
+    sched = draw(2, METHODS, ROUNDS, 4, 100)
+    assert sched.faults == ["kill:0@62"]
+    row = run_one(sched, tmp_path / "seed2", limit=180.0)
+    assert row["exit"] == 0 and row["violations"] == [], row
