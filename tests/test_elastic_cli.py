@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -349,10 +350,10 @@ def test_a_site_paused_past_its_heartbeat_never_stops_the_others(tmp_path, round
     summary = json.loads((out / "summary.json").read_text())
     events = summary["membership"]
     assert events[0]["left"] == [1] and events[0]["members"] == [0, 2]
-    if rounds == "lockstep":  # back while the others train on, or after they finished
-        alone = ("site 1 is at sync@40 while the run is at", "only 1 sites remain ([1])")
-        assert any(f"site 1 is gone (exit 1): {line}" in done.stdout for line in alone)
-        assert len(events) == 1
-    else:  # healed back in, or late for every sync until the run ended, then stopped alone
-        back = any(e.get("joined") == [1] for e in events[1:])
-        assert back or "site 1 is gone (exit 1): site 1 missed a sync" in done.stdout, events
+    # back while the others train on, or after they finished: it stops alone with one line
+    # (the run is at another sync; it missed its sync and found no run; no one left to sync
+    # with) or, in quorum rounds, heals back in at its next sync
+    alone = re.search(r"site 1 is gone \(exit 1\): (site 1 (is at|missed)|only 1 sites remain)",
+                      done.stdout)  # fmt: skip
+    back = any(e.get("joined") == [1] for e in events[1:])
+    assert alone or (back and rounds == "quorum"), (events, done.stdout[-2000:])

@@ -179,7 +179,7 @@ def run_sites(
 
     pausing = {s for s in range(len(procs)) if paused(roles[0].faults, s)}
     try:
-        codes = _wait(procs, out_dir, restart, pausing)
+        codes = _wait(procs, out_dir, restart, pausing, started)
     finally:
         # a second Ctrl-C must not cut the clean-up short (stale workers.json, live sites)
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -243,11 +243,14 @@ def _wait(
     procs: list[Any],
     out_dir: Path,
     restart: Callable[[int], Any] | None = None,
-    pausing: set[int] = frozenset(),  # type: ignore[assignment]
+    pausing: frozenset[int] | set[int] = frozenset(),
+    started: float | None = None,
 ) -> list[int | None]:
     """Wait until every site has exited (or is stopped while the rest are done: a hang); a
     site that ``restart`` starts again (it returns the new process) is waited for anew, and a
-    stopped site in ``pausing`` (a ``pause:`` fault) is still running: it comes back."""
+    stopped site in ``pausing`` (a ``pause:`` fault) is still running: it comes back. Once the
+    run's summary (written at ``started`` or later) exists, sites still running after
+    ``FINISH_GRACE_S`` are behind for good and are ended."""
     _write_workers(procs, out_dir)
     reported: set[int] = set()
     finished: float | None = None  # when the first site finished the run
@@ -274,12 +277,19 @@ def _wait(
         ]
         if not running:
             return [p.exitcode for p in procs]
-        if finished is None and any(p.exitcode == 0 for p in procs):
-            finished = time.monotonic()
+        if finished is None and started is not None and _summarized(out_dir, started):
+            finished = time.monotonic()  # a site that left on purpose (a replay) exits 0 too
         if finished is not None and time.monotonic() - finished > FINISH_GRACE_S:
             _end_laggards(procs)
             return [p.exitcode for p in procs]
         time.sleep(0.2)
+
+
+def _summarized(out_dir: Path, started: float) -> bool:
+    """Whether this run's summary has been written: the run is over."""
+    with contextlib.suppress(OSError):
+        return (out_dir / "summary.json").stat().st_mtime >= started
+    return False
 
 
 def _end_laggards(procs: list[Any]) -> None:
