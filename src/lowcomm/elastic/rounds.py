@@ -41,8 +41,8 @@ log = logging.getLogger("lowcomm")
 LIGHTHOUSE_JOIN_S = 0.5
 _POLL_S = 0.002  # between reads of this site's own store while waiting at a sync
 _AUTO_MARGIN_S = 0.05  # auto grace: added to 3x the slowest step (a loaded host's jitter)
-# while waiting at a sync, how often to write to the expected sites' stores: a site that is gone
-# (its store refuses, or does not answer within 2 s) is no longer waited for
+# while waiting at a sync, how often to write to the expected sites' stores: a site that exited
+# (its store refuses) is no longer waited for (a hung one stalls only its own posting thread)
 _PROBE_S = 0.5
 
 
@@ -170,7 +170,7 @@ class Rounds:
         quorum_at: float | None = None
         probed = time.monotonic()
         while time.monotonic() < deadline:
-            if time.monotonic() - probed > _PROBE_S:  # a site gone since (exited, or hung)
+            if time.monotonic() - probed > _PROBE_S:  # a site that exited since
                 probed = time.monotonic()
                 self._post(_key(step, f"waiting{self._site}"))
             live = [s for s, a in self._stores.items() if a not in self._dead] or [self._site]
