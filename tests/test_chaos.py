@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -55,3 +56,30 @@ def test_one_seeded_schedule_runs_clean(tmp_path):
     assert sched.faults == ["kill:0@62"]
     row = run_one(sched, tmp_path / "seed2", limit=180.0)
     assert row["exit"] == 0 and row["violations"] == [], row
+
+
+def test_a_sites_sync_record_belongs_to_one_run_and_matches_the_replica_checksum(tmp_path):
+    import torch
+
+    from lowcomm.engine.guards import checksum
+    from lowcomm.train.synclog import SyncLog
+
+    frag = SimpleNamespace(global_flat=torch.arange(5, dtype=torch.float32))
+    engine = SimpleNamespace(stats=SimpleNamespace(syncs=0), fragments=[frag])
+    old = tmp_path / "sites" / "site1.syncs.jsonl"
+    old.parent.mkdir()
+    old.write_text('{"step": 10, "syncs": 1, "theta": "0"}\n')  # a run before, same folder
+    log = SyncLog.of(tmp_path, 1, engine, fresh=True)
+    log.after_step(3)  # no sync applied: nothing written
+    engine.stats.syncs = 1
+    log.after_step(4)
+    (rec,) = [json.loads(x) for x in old.read_text().splitlines()]
+    # an independent reading of the same checksum: the bits as int64 (+ the odd last as int32)
+    bits = int(frag.global_flat[:4].view(torch.int64).sum()) + int(
+        frag.global_flat[4:].view(torch.int32)
+    )
+    assert rec == {"step": 4, "syncs": 1, "theta": f"{bits % 2**64:016x}"}
+    assert int(rec["theta"], 16) == checksum(frag.global_flat)
+    SyncLog.of(tmp_path, 1, engine, fresh=False)  # a resume or a joiner keeps the record
+    assert old.read_text().count("\n") == 1
+    assert SyncLog.of(tmp_path, 1, SimpleNamespace(stats=engine.stats), fresh=True) is None

@@ -87,6 +87,11 @@ def checksum(flat: torch.Tensor) -> int:
     return total % 2**64
 
 
+def global_checksum(frags: list[Fragment]) -> int:
+    """:func:`checksum` of the whole global copy, over every fragment (unsigned 64-bit)."""
+    return sum(checksum(f.global_flat) for f in frags) % 2**64
+
+
 class ReplicaCheck:
     """Hash the global copies after a sync, compare every worker's hash later."""
 
@@ -103,7 +108,7 @@ class ReplicaCheck:
         one element that differs changes it, and it reads the copy once at memory speed (a
         SHA-256 of it cost about 10 memory passes, and a copy to bytes).
         """
-        mine = torch.tensor([sum(checksum(f.global_flat) for f in frags) % 2**64 - 2**63])
+        mine = torch.tensor([global_checksum(frags) - 2**63])
         # queued behind any exchange in flight, so it never stalls the overlap
         self._gathered = self.transport.submit(
             lambda: self.on_group(tag, lambda t, _: t.all_gather(mine, control=True))

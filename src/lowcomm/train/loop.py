@@ -93,7 +93,8 @@ def run_worker(
                 after_step(run, run.start_step - 1, log)  # the others' control collectives
             step = run.start_step
             run.loop_started = time.perf_counter()
-            synclog = SyncLog.of(run.out, run.site.replica, run.engine) if role else None
+            fresh = saved is None and role is not None and not role.join
+            synclog = SyncLog.of(run.out, run.site.replica, run.engine, fresh) if role else None
             while step <= cfg.steps:
                 act(faults, run.site.replica, step)
                 started, synced = time.perf_counter(), _sync_s(run)

@@ -8,22 +8,25 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..engine.guards import checksum
+from ..engine.guards import global_checksum
 
 
 class SyncLog:
     """Appends ``{"step", "syncs", "theta"}`` whenever the engine's sync count grew."""
 
-    def __init__(self, out: Path, site: int, engine: Any) -> None:
+    def __init__(self, out: Path, site: int, engine: Any, fresh: bool) -> None:
         self.engine = engine
         self.path = out / "sites" / f"site{site}.syncs.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if fresh:  # a new run into a used folder: an older run's records are not this run's
+            self.path.unlink(missing_ok=True)
         self._seen = engine.stats.syncs
 
     @classmethod
-    def of(cls, out: Path, site: int, engine: Any) -> SyncLog | None:
-        """A log for ``engine``, or None for one that is not lowcomm's (torchft's DiLoCo)."""
-        return cls(out, site, engine) if hasattr(engine, "fragments") else None
+    def of(cls, out: Path, site: int, engine: Any, fresh: bool) -> SyncLog | None:
+        """A log for ``engine``, or None for one that is not lowcomm's (torchft's DiLoCo).
+        ``fresh``: the run starts here (not a resume, not a site joining it)."""
+        return cls(out, site, engine, fresh) if hasattr(engine, "fragments") else None
 
     def after_step(self, step: int) -> None:
         """After inner step ``step``: one line if a sync was applied during it."""
@@ -31,6 +34,6 @@ class SyncLog:
         if syncs == self._seen:
             return
         self._seen = syncs
-        theta = sum(checksum(f.global_flat) for f in self.engine.fragments) % 2**64
+        theta = global_checksum(self.engine.fragments)
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, "syncs": syncs, "theta": f"{theta:016x}"}) + "\n")
