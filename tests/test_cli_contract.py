@@ -30,27 +30,17 @@ def launched(monkeypatch):
 
     calls = []
 
-    def fake(
-        strategy,
-        sync_cfg,
-        train_cfg,
-        out,
-        workers,
-        port=None,
-        name=None,
-        resume=None,
-        on_checked=None,
-    ):
+    def fake(spec, workers, port=None, on_checked=None):
         if on_checked is not None:
             on_checked()
         calls.append(
             {
-                "strategy": strategy,
-                "sync": sync_cfg,
-                "train": train_cfg,
-                "out": out,
+                "strategy": spec.strategy.name,
+                "sync": spec.sync,
+                "train": spec.train,
+                "out": spec.out,
                 "workers": workers,
-                "resume": resume,
+                "resume": spec.resume,
             }
         )
 

@@ -72,16 +72,16 @@ def test_the_syncs_own_work_counts_as_not_computing(monkeypatch):
     waits = [0.0]
     run = SimpleNamespace(
         engine=SimpleNamespace(stats=stats), hook_state=None, blocked_s=lambda: waits[0]
-    )
+    )  # a Comm as the clock sees it
     clock = run_mod.Clock()
-    with clock.segment(lambda: run_mod.Run.not_computing_s(run)):
+    with clock.segment(lambda: run_mod.Comm.not_computing_s(run)):
         fake.now += 2.0
         stats.outer_s += 0.3  # the engine encoded, decoded, stepped and merged for 0.3 s
         waits[0] += 0.2  # and waited on the network for 0.2 s
     assert clock.compute_s == pytest.approx(1.5) and clock.wall_s == pytest.approx(2.0)
     hook = SimpleNamespace(work_s=0.0)
     run = SimpleNamespace(engine=None, hook_state=hook, blocked_s=lambda: 0.0)
-    with clock.segment(lambda: run_mod.Run.not_computing_s(run)):
+    with clock.segment(lambda: run_mod.Comm.not_computing_s(run)):
         fake.now += 1.0
         hook.work_s += 0.25  # LoCo's hook compressing gradients during backward
     assert clock.compute_s == pytest.approx(1.5 + 0.75)

@@ -168,12 +168,12 @@ def test_compare_goes_on_after_a_lost_run_and_fails_at_the_end(tmp_path, monkeyp
 
     ran = []
 
-    def fake_launch(strategy, sync_cfg, train_cfg, out, workers, port, name):
-        ran.append(name)
-        if name == "diloco":
+    def fake_launch(spec, workers, port):
+        ran.append(spec.name)
+        if spec.name == "diloco":
             raise LaunchError("worker 1 failed with exit code -6")
-        _finished(out.parent, name, strategy, 2.0)
-        return json.loads((out / "summary.json").read_text())
+        _finished(spec.out.parent, spec.name, spec.strategy.name, 2.0)
+        return json.loads((spec.out / "summary.json").read_text())
 
     monkeypatch.setattr(compare, "launch", fake_launch)
     entries = compare.parse_entries("ddp,diloco,sparseloco")
@@ -183,8 +183,8 @@ def test_compare_goes_on_after_a_lost_run_and_fails_at_the_end(tmp_path, monkeyp
     table = (tmp_path / "results.md").read_text()
     assert "| ddp |" in table and "| sparseloco |" in table and "| diloco |" not in table
 
-    def user_error(*args, name, **kwargs):
-        ran.append(name)
+    def user_error(spec, *args, **kwargs):
+        ran.append(spec.name)
         raise LaunchError("worker 0 stopped on a user error", 2)
 
     ran.clear()
@@ -193,8 +193,8 @@ def test_compare_goes_on_after_a_lost_run_and_fails_at_the_end(tmp_path, monkeyp
         compare.run_compare(entries, {"model": "tiny", "steps": 30}, 2, [0], tmp_path / "again")
     assert ran == ["ddp"]  # a user error would hit every run: stop at once
 
-    def interrupted(*args, name, **kwargs):
-        ran.append(name)
+    def interrupted(spec, *args, **kwargs):
+        ran.append(spec.name)
         raise Interrupted("interrupted at step 3")
 
     from lowcomm.train.launch import Interrupted

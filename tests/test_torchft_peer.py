@@ -11,6 +11,7 @@ from lowcomm.config import ConfigError, build_configs
 from lowcomm.peers import torchft as torchft_peer
 from lowcomm.presets import preset_config
 from lowcomm.train.launch import launch
+from lowcomm.train.spec import RunSpec
 from lowcomm.train.model import build_model
 
 
@@ -39,7 +40,7 @@ def test_torchft_diloco_equals_our_diloco(tmp_path) -> None:
     out = {}
     for strategy in ("diloco", "torchft-diloco"):
         sync_cfg, train_cfg = build_configs(common, sync=preset_config(strategy))
-        out[strategy] = launch(strategy, sync_cfg, train_cfg, tmp_path / strategy, 2)
+        out[strategy] = launch(RunSpec.of(strategy, sync_cfg, train_cfg, tmp_path / strategy), 2)
     ours, theirs = out["diloco"], out["torchft-diloco"]
     assert theirs["syncs"] == ours["syncs"] == 3
     # ours carries one extra FP32 element per sync (the all-present flag), ring cost 1x at M = 2
@@ -53,7 +54,7 @@ def _run_both(tmp_path, strategies: tuple[str, str], **settings) -> list[dict]:
     out = []
     for strategy in strategies:
         sync_cfg, train_cfg = build_configs(common, sync=preset_config(strategy))
-        out.append(launch(strategy, sync_cfg, train_cfg, tmp_path / strategy, 2))
+        out.append(launch(RunSpec.of(strategy, sync_cfg, train_cfg, tmp_path / strategy), 2))
     return out
 
 

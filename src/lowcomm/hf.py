@@ -258,16 +258,17 @@ def make_engine(
 
     ``kwargs`` are SyncConfig knobs (``sync_every=50``) or LowComm options (``timeout_s``).
     """
+    from . import strategies
     from .engine import LowComm
-    from .presets import PER_STEP_STRATEGIES, preset_config
 
-    if strategy in PER_STEP_STRATEGIES:
+    method = strategies.get(strategy)
+    if method.per_step:
         raise ConfigError(
             f"strategy '{strategy}' is per-step gradient reduction: with the HF "
             f"Trainer use plain DDP (transformers.Trainer) instead of lowcomm"
         )
     sync_kw, other = split_sync_kwargs(kwargs)
-    return LowComm(model, optimizer, preset_config(strategy, **sync_kw), **other)
+    return LowComm(model, optimizer, method.config(**sync_kw), **other)
 
 
 def _is_ddp(model: Any) -> bool:

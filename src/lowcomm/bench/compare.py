@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import strategies
 from ..config import ConfigError, build_configs
-from ..peers import torchft as torchft_peer
-from ..presets import STRATEGIES, preset_config
 from ..train.launch import LaunchError, launch
+from ..train.spec import RunSpec
 from ..train.summary import RunSummary
 from .report import (  # noqa: F401  (re-exported: the report's names were importable from here)
     _fmt_bytes,
@@ -56,11 +56,7 @@ def parse_entries(spec: str) -> list[Entry]:
     out: list[Entry] = []
     for item in [s.strip() for s in spec.split(",") if s.strip()]:
         parts = item.split(":")
-        strategy = parts[0]
-        if strategy not in STRATEGIES:
-            raise ConfigError(
-                f"unknown strategy '{strategy}': choose one of {', '.join(STRATEGIES)}"
-            )
+        strategy = strategies.get(parts[0]).name
         overrides: dict[str, str] = {}
         for kv in parts[1:]:
             if "=" not in kv:
@@ -118,15 +114,8 @@ def run_compare(
                 )
                 try:
                     if net is None:
-                        raw = launch(
-                            e.strategy,
-                            sync_cfg,
-                            train_cfg,
-                            out_dir / name,
-                            workers,
-                            port,
-                            name=name,
-                        )
+                        spec = RunSpec.of(e.strategy, sync_cfg, train_cfg, out_dir / name, name)
+                        raw = launch(spec, workers, port)
                     else:
                         raw = launch_shaped(net, e.strategy, values, out_dir / name, name)
                         raw.update(
@@ -172,11 +161,9 @@ def _plan(
     for seed in seeds:
         for e in entries:
             values = {**common, **e.overrides, "seed": seed}
-            sync_cfg, train_cfg = build_configs(
-                values, sync=preset_config(e.strategy, workers=workers)
-            )
-            if torchft_peer.is_peer(e.strategy):
-                torchft_peer.check_config(sync_cfg, train_cfg.checkpoint_every, None)
+            strategy = strategies.get(e.strategy)
+            sync_cfg, train_cfg = build_configs(values, sync=strategy.config(workers))
+            strategy.check(sync_cfg, train_cfg, None)
             plans.append((e, seed, values, sync_cfg, train_cfg))
     return plans
 

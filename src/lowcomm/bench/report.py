@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from .. import strategies
 from ..train.summary import RunSummary
 
 
@@ -72,14 +73,16 @@ def results_table(results: list[RunSummary]) -> str:
     return "\n".join(lines)
 
 
+def _is_baseline(r: RunSummary) -> bool:
+    """A run of the data-parallel baseline under its own name (not a variant of it)."""
+    method = strategies.find(r.strategy)
+    return method is not None and method.baseline and r.entry in (None, method.name)
+
+
 def ddp_reference(results: list[RunSummary], run: RunSummary) -> float | None:
     """Mean final loss of the DDP runs trained on the same problem as ``run`` (None if none)."""
     key = run.problem_key()
-    losses = [
-        r.final_val_loss
-        for r in results
-        if r.strategy == "ddp" and r.entry in (None, "ddp") and r.problem_key() == key
-    ]
+    losses = [r.final_val_loss for r in results if _is_baseline(r) and r.problem_key() == key]
     return sum(losses) / len(losses) if losses else None
 
 

@@ -376,15 +376,21 @@ def _table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _engine_preset(method: Any) -> bool:
+    """Whether ``method`` (a Strategy or None) is one of the engine's own outer-loop presets."""
+    return method is not None and not (method.per_step or method.peer)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print a markdown table (or JSON)."""
-    from ..presets import STRATEGY_CONFIGS
+    from .. import strategies
 
     p = _parser()
     args = p.parse_args(argv)
-    bad = [s for s in args.strategies.split(",") if s not in STRATEGY_CONFIGS]
+    bad = [s for s in args.strategies.split(",") if not _engine_preset(strategies.find(s))]
     if bad:
-        p.error(f"unknown strategies {bad}: choose from {', '.join(STRATEGY_CONFIGS)}")
+        ours = strategies.names(peers=False, per_step=False)
+        p.error(f"unknown strategies {bad}: choose from {', '.join(ours)}")
     if min(args.workers, args.sync_every, args.repeats, args.inner_steps) < 1 or args.warmup < 0:
         p.error("--workers, --sync-every, --repeats, --inner-steps must be >= 1, --warmup >= 0")
     if args.inner_steps > args.sync_every:

@@ -35,37 +35,26 @@ def _print_summary(summary: dict[str, Any] | None, out: Path) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """`lowcomm train`: one run of one strategy (or `--resume DIR` to continue one)."""
-    from ..presets import STRATEGIES, preset_config
+    from .. import strategies
     from ..train.launch import launch
+    from ..train.spec import RunSpec
 
     if args.resume:
         return _resume(args)
     if args.strategy is None:
         raise UsageError("lowcomm train: --strategy is required (or --resume DIR)")
-    if args.strategy not in STRATEGIES:
-        raise ConfigError(
-            f"unknown strategy '{args.strategy}': choose one of {', '.join(STRATEGIES)}"
-        )
+    strategy = strategies.get(args.strategy)
     args.workers = 2 if args.workers_given is None else args.workers_given
     if args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
-    sync_cfg, train_cfg = build_configs(
-        _values(args), sync=preset_config(args.strategy, workers=args.workers)
-    )
+    sync_cfg, train_cfg = build_configs(_values(args), sync=strategy.config(args.workers))
     _check_model(train_cfg.model)
     _check_data(train_cfg.data)
     old = _existing_run(args.out, args.overwrite)
     out = _check_out_dir(args.out)
     # the old run goes only once the new one's settings, model and data have passed their checks
-    summary = launch(
-        args.strategy,
-        sync_cfg,
-        train_cfg,
-        out,
-        args.workers,
-        args.port,
-        on_checked=lambda: _remove(old),
-    )
+    spec = RunSpec.of(strategy, sync_cfg, train_cfg, out)
+    summary = launch(spec, args.workers, args.port, on_checked=lambda: _remove(old))
     _print_summary(summary, out)
     return 0
 
@@ -98,6 +87,7 @@ def _resume(args: argparse.Namespace) -> int:
     """`lowcomm train --resume DIR`: continue the newest complete checkpoint of DIR."""
     from ..config import SAVED_BEFORE, SyncConfig, TrainConfig, config_fields
     from ..train.launch import find_resume, launch
+    from ..train.spec import RunSpec
 
     last, meta = find_resume(args.resume)
     run = meta["run"]
@@ -143,14 +133,9 @@ def _resume(args: argparse.Namespace) -> int:
     out = Path(args.resume)
     _print_summary(
         launch(
-            run["strategy"],
-            sync_cfg,
-            train_cfg,
-            out,
+            RunSpec.of(run["strategy"], sync_cfg, train_cfg, out, run.get("name"), last),
             workers,
             args.port,
-            name=run.get("name"),
-            resume=str(last),
         ),
         out,
     )

@@ -48,15 +48,6 @@ from ..elastic import Elastic
 from ..engine import SyncStats
 from ..transport import ByteMeter, ring_all_reduce_bytes
 
-STRATEGY = "torchft-diloco"
-STREAMING = "torchft-streaming"
-STRATEGIES = (STRATEGY, STREAMING)
-
-
-def is_peer(strategy: str) -> bool:
-    """Whether ``strategy`` names one of torchft's methods run as a peer."""
-    return strategy in STRATEGIES
-
 
 def _import_torchft() -> Any:
     if not os.environ.get("LOWCOMM_DEBUG"):
@@ -72,7 +63,7 @@ def _import_torchft() -> Any:
         from torchft.process_group import ProcessGroupGloo
     except ImportError as e:
         raise ConfigError(
-            f"the {' and '.join(STRATEGIES)} entries need torchft: pip install 'lowcomm[torchft]' "
+            f"the torchft entries need torchft: pip install 'lowcomm[torchft]' "
             f"(or pip install torchft-nightly==2026.10.26) ({e})"
         ) from None
     return SimpleNamespace(

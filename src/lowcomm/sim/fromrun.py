@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import strategies
 from ..train.summary import RunSummary
 from .model import Link, Strategy, Workload
 
-PER_STEP = ("ddp", "loco")
-OUTER = ("diloco", "streaming", "sparseloco", "co2")
 # Keys where a run may record the bandwidth of its shaped link, with their unit in Gbit/s.
 _BANDWIDTH_KEYS = {
     "bandwidth_gbps": 1.0,
@@ -134,10 +133,10 @@ def load_run(
     file, summary = _read_summary(path)
     _check_fields(file, summary, layers, step_time_s, params)
     name = str(summary.strategy)
-    if name not in PER_STEP + OUTER:
-        raise RunError(
-            f"{file}: unknown strategy '{name}' (expected one of {', '.join(PER_STEP + OUTER)})"
-        )
+    method = strategies.find(name)
+    if method is None or method.peer:
+        ours = ", ".join(strategies.names(peers=False))
+        raise RunError(f"{file}: unknown strategy '{name}' (expected one of {ours})")
     inner_steps, workers = int(summary.inner_steps), int(summary.workers)
     n_layers = int(layers if layers is not None else summary.n_layers)
     n_params = float(params if params is not None else summary.params)
@@ -211,7 +210,8 @@ def _strategy(
 ) -> tuple[Strategy, float, float]:
     """The simulator's strategy for the run, its wire bits per parameter per send, and sends."""
     config = summary.config
-    if name in PER_STEP:
+    method = strategies.get(name)
+    if method.per_step:
         sync_every, overlap, groups, pattern = 1, 0, 1, "strided"
     else:
         sync_every = int(config.get("sync_every") or 1)
@@ -235,6 +235,6 @@ def _strategy(
         strategy = Strategy(name, sync_every, groups, pattern, overlap, wire_bits, "wire")
         return strategy, wire_bits, sends
     payload_bits = 8.0 * float(summary.payload_bytes_per_worker) / (n_params * sends)
-    collective = "allgather" if name == "sparseloco" else "allreduce"
+    collective = "allgather" if method.sends_selection else "allreduce"
     strategy = Strategy(name, sync_every, groups, pattern, overlap, payload_bits, collective)
     return strategy, strategy.wire_bits_per_param(workers), sends

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, SyncConfig, TrainConfig
+from ..config import ConfigError, TrainConfig
 from ..elastic.faults import adds, joins, parse_faults, paused
 from ..elastic.membership import check_rounds
 from ..elastic.rounds import LIGHTHOUSE_JOIN_S
@@ -29,8 +29,8 @@ from ..errors import LowCommError
 from .entry import error_file, run_entry, user_errors
 from .join_site import RUN_FILE, run_site, write_run_file
 from .site_role import SiteRole
+from .spec import RunSpec
 
-PER_STEP = ("ddp", "loco")
 # after one site finished the run, how long the launcher waits for the others to finish too
 # (they end at the same sync, within a moment) before it stops those still behind
 FINISH_GRACE_S = 30.0
@@ -44,42 +44,28 @@ class SitesFailed(LowCommError):
         self.exitcode = exitcode
 
 
-def check_elastic(
-    strategy: str, cfg: TrainConfig, workers: int, sync_cfg: SyncConfig | None = None
-) -> None:
+def check_elastic(spec: RunSpec, workers: int) -> None:
     """One-line refusals of what elastic mode does not do, before any site starts."""
+    cfg = spec.train
+    faults = parse_faults(cfg.faults, workers, cfg.steps)
+    rejoin = {**joins(faults), **adds(faults)}
     if not cfg.elastic:
-        faults = parse_faults(cfg.faults, workers, cfg.steps)
-        if joins(faults) or adds(faults):
+        if rejoin:
             raise ConfigError(
                 "--faults join/add: a site can join only an elastic run: add elastic=true"
             )
         return
-    if strategy in PER_STEP:
-        raise ConfigError(
-            f"elastic=true needs an outer-loop strategy: {strategy} all-reduces every inner "
-            f"step and stays stop-the-world (use diloco, streaming, sparseloco or co2)"
-        )
-    if strategy.startswith("torchft") and strategy != "torchft-diloco":
-        raise ConfigError(f"elastic=true runs torchft-diloco of torchft's methods, not {strategy}")
-    if strategy.startswith("torchft") and cfg.replay:
-        raise ConfigError("--replay re-enacts lowcomm's own membership, not torchft's: drop it")
+    if cfg.replay:
+        rejoin = rejoin or replay_joins(cfg.replay, workers)
+    spec.strategy.check_elastic(cfg, bool(rejoin))
     if cfg.ranks_per_worker != 1:
         raise ConfigError("elastic=true runs one rank per site for now: set ranks_per_worker=1")
     if cfg.min_workers > workers:
         raise ConfigError(f"min_workers={cfg.min_workers} is more than --workers {workers}")
     if cfg.rounds == "quorum":
-        if strategy.startswith("torchft"):
-            raise ConfigError("rounds=quorum runs lowcomm's own methods, not torchft-diloco")
         if cfg.replay:  # where a round is cut short depends on timing, not on the record
             raise ConfigError("--replay re-enacts lock-step membership: drop rounds=quorum")
         check_rounds(cfg.rounds, cfg.quorum, cfg.grace, cfg.late, workers)
-    faults = parse_faults(cfg.faults, workers, cfg.steps)
-    rejoin = {**joins(faults), **adds(faults)}
-    if cfg.replay:
-        rejoin = rejoin or replay_joins(cfg.replay, workers)
-    if rejoin and strategy.startswith("torchft"):
-        raise ConfigError("a site joins lowcomm's own methods only, not torchft-diloco")
 
 
 def replay_leaves(path: str, sites: int) -> dict[int, str]:
@@ -116,34 +102,27 @@ def _replayed(path: str, sites: int) -> tuple[dict[int, str], dict[int, str]]:
     return leaves, joined
 
 
-def run_sites(
-    strategy: str,
-    sync_cfg: SyncConfig,
-    cfg: TrainConfig,
-    out_dir: Path,
-    workers: int,
-    name: str | None,
-    resume: str | None = None,
-) -> dict[str, Any] | None:
+def run_sites(spec: RunSpec, workers: int) -> dict[str, Any] | None:
     """Start the lighthouse and one process per site; wait for the survivors; their summary.
 
-    ``resume``: a checkpoint folder; every site continues from its global copy."""
+    ``spec.resume``: a checkpoint folder; every site continues from its global copy."""
+    cfg, out_dir = spec.train, spec.out
     servers = []
     address = cfg.lighthouse
     if not address:
         servers.append(_lighthouse(cfg, min_replicas=1))  # lowcomm checks min_workers itself
         address = servers[-1].address()
     peer = ""
-    if strategy.startswith("torchft"):  # torchft's Managers: a lighthouse of their own
+    if spec.strategy.peer:  # torchft's Managers: a lighthouse of their own
         servers.append(_lighthouse(cfg, min_replicas=cfg.min_workers))
         peer = servers[-1].address()
     roles, again, added = _plan(cfg, workers, address, peer)
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob(".error-rank*"):  # left by a launcher that was killed
         stale.unlink(missing_ok=True)
-    if not strategy.startswith("torchft"):  # `lowcomm join DIR` starts another site from it
+    if spec.strategy.joinable:  # `lowcomm join DIR` starts another site from it
         planned = sorted([*again, *(r.site for r in added)])
-        write_run_file(out_dir, strategy, sync_cfg, cfg, name, roles[0], address, planned)
+        write_run_file(spec, roles[0], address, planned)
     started = time.time()
     # sites fork from one server that imported torch and the trainer once: on a small machine
     # that saves each site its own ~2 s of imports (the server starts no threads, so a fork
@@ -153,8 +132,8 @@ def run_sites(
 
     def start(role: SiteRole) -> Any:
         # a joiner heals from a live peer: it never reads the checkpoint
-        args = (role, strategy, sync_cfg, cfg, str(out_dir), name, None if role.join else resume)
-        p = ctx.Process(target=_site_main, args=args)
+        own = spec.replace(resume=None) if role.join else spec
+        p = ctx.Process(target=_site_main, args=(role, own))
         p.start()
         return p
 
@@ -339,19 +318,9 @@ def _outcome(codes: list[int | None], out_dir: Path, started: float) -> dict[str
     raise SitesFailed(messages or f"every site failed (exit codes {codes})", code)
 
 
-def _site_main(
-    role: SiteRole,
-    strategy: str,
-    sync_cfg: SyncConfig,
-    cfg: TrainConfig,
-    out_dir: str,
-    name: str | None,
-    resume: str | None,
-) -> None:
+def _site_main(role: SiteRole, spec: RunSpec) -> None:
     """One site's process: the trainer with membership, its errors as a launched worker's."""
-    run_entry(
-        out_dir, role.site, lambda: run_site(role, strategy, sync_cfg, cfg, out_dir, name, resume)
-    )
+    run_entry(str(spec.out), role.site, lambda: run_site(role, spec))
     # done, its files written: skip the native teardown (gloo, stores, the lighthouse client's
     # runtime), which took ~1.6 s a site here; the launcher waits for every site's exit
     sys.stdout.flush()

@@ -26,27 +26,23 @@ from ..config import (
     build_configs,
     config_fields,
 )
-from .resume import settings
 from .site_role import SiteRole
+from .spec import RunSpec
 
 RUN_FILE = "elastic.json"
 
 
-def write_run_file(
-    out_dir: Path, strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, name: str | None,
-    role: SiteRole, lighthouse: str, planned: list[int],
-) -> None:  # fmt: skip
+def write_run_file(spec: RunSpec, role: SiteRole, lighthouse: str, planned: list[int]) -> None:
     """DIR/elastic.json: what ``lowcomm join DIR`` needs (the launcher removes it at the end);
     ``role``: a starting site's, for the run's sites; ``planned``: the sites the launcher
     itself starts again or adds (``join:``, ``add:``, a replay's), never free to take."""
-    run = settings(strategy, name, sync_cfg, cfg)
     record = {
-        "run": run, "sites": role.sites, "starting": role.starting or role.sites,
+        "run": spec.settings(), "sites": role.sites, "starting": role.starting or role.sites,
         "lighthouse": lighthouse, "launcher": os.getpid(), "planned": planned,
     }  # fmt: skip
-    tmp = out_dir / f"{RUN_FILE}.tmp"
+    tmp = spec.out / f"{RUN_FILE}.tmp"
     tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(out_dir / RUN_FILE)
+    tmp.replace(spec.out / RUN_FILE)
 
 
 def join_site(run_dir: str, site: int | None = None) -> None:
@@ -69,7 +65,7 @@ def join_site(run_dir: str, site: int | None = None) -> None:
     lock.write_text(f"{os.getpid()}\n")
     print(f"lowcomm: site {site} joins the run in {folder} at its next sync", flush=True)
     try:
-        run_site(role, run["strategy"], sync_cfg, cfg, str(folder), run.get("name"), None)
+        run_site(role, RunSpec.of(run["strategy"], sync_cfg, cfg, folder, run.get("name")))
     finally:
         lock.unlink(missing_ok=True)
 
@@ -118,20 +114,17 @@ def _free_site(folder: Path, sites: int, asked: int | None, planned: set[int]) -
     return free[0]
 
 
-def run_site(
-    role: SiteRole, strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, out_dir: str,
-    name: str | None, resume: str | None,
-) -> None:  # fmt: skip
+def run_site(role: SiteRole, spec: RunSpec) -> None:
     """The trainer as one site, in a torch.distributed world of its own (the launcher's sites
     and a site started by hand alike)."""
     from .loop import run_worker
 
     dist.init_process_group(
         "gloo", store=dist.HashStore(), rank=0, world_size=1,
-        timeout=timedelta(seconds=cfg.timeout_s),
+        timeout=timedelta(seconds=spec.train.timeout_s),
     )  # fmt: skip
     try:
-        run_worker(strategy, sync_cfg, cfg, out_dir, name, resume, role=role)
+        run_worker(spec, role=role)
     finally:
         dist.destroy_process_group()
 

@@ -16,11 +16,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, SyncConfig, TrainConfig
+from ..config import ConfigError, TrainConfig
 from ..errors import LowCommError
-from ..peers import torchft as torchft_peer
 from .elastic import SitesFailed, check_elastic, run_sites
 from .entry import error_file, run_entry, user_errors
+from .spec import RunSpec
 
 
 class LaunchError(RuntimeError):
@@ -66,26 +66,17 @@ class Interrupted(LaunchError):
         super().__init__(message, 130)
 
 
-def _entry(
-    strategy: str,
-    sync_cfg: SyncConfig,
-    cfg: TrainConfig,
-    out_dir: str,
-    name: str | None,
-    resume: str | None,
-) -> Any:
+def _entry(spec: RunSpec) -> Any:
     from .loop import run_worker
 
     rank = os.environ.get("RANK", "0")
-    return run_entry(
-        out_dir, rank, lambda: run_worker(strategy, sync_cfg, cfg, out_dir, name, resume)
-    )
+    return run_entry(str(spec.out), rank, lambda: run_worker(spec))
 
 
 _error_file, _user_errors = error_file, user_errors  # the names tests and callers know
 
 
-def preflight(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, workers: int) -> list[str]:
+def preflight(spec: RunSpec, workers: int) -> list[str]:
     """Check device, model, fragment schedule and data before any worker starts.
 
     Raises ConfigError for what cannot work; returns warnings (e.g. a corpus read many times
@@ -94,14 +85,14 @@ def preflight(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, workers: in
     import torch
 
     from .log import check_log_backend
-    from .sites import check_site_strategy
 
+    cfg = spec.train
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("device=cuda but no CUDA device is available: use device=cpu")
     if cfg.device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", cfg.device):
         raise ConfigError(f"device={cfg.device!r}: choose auto, cpu, cuda or cuda:N")
     check_log_backend(cfg.log)
-    check_site_strategy(strategy, cfg)
+    spec.strategy.check_sites(cfg)
     warnings = []
     vocab = 256
     if cfg.data.startswith("hf:") and importlib.util.find_spec("datasets") is None:
@@ -114,7 +105,7 @@ def preflight(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, workers: in
         warn = _repeat_warning(corpus, cfg, workers)
         if warn:
             warnings.append(warn)
-    _check_schedule(strategy, sync_cfg, cfg, vocab)
+    _check_schedule(spec, vocab)
     return warnings
 
 
@@ -134,16 +125,13 @@ def _repeat_warning(corpus: Any, cfg: TrainConfig, workers: int) -> str | None:
     return repeat_warning(corpus, cfg.steps * cfg.batch_size * cfg.seq_len * workers)
 
 
-def _check_schedule(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, vocab: int) -> None:
-    """Build the model without memory (meta device) and the engine's fragment schedule on it."""
+def _check_schedule(spec: RunSpec, vocab: int) -> None:
+    """Build the model without memory (meta device) and the strategy's schedule on it."""
     import torch
 
-    from ..engine import LowComm
-    from ..presets import PER_STEP_STRATEGIES
     from .build import build_model
 
-    if strategy in PER_STEP_STRATEGIES or strategy == torchft_peer.STRATEGY:
-        return
+    cfg = spec.train
     try:
         with torch.device("meta"):
             model = build_model(cfg.model, vocab_size=vocab, max_seq_len=max(cfg.seq_len, 1))
@@ -151,76 +139,64 @@ def _check_schedule(strategy: str, sync_cfg: SyncConfig, cfg: TrainConfig, vocab
         raise
     except Exception:  # a model that cannot be built without memory: the workers check it
         return
-    if strategy == torchft_peer.STREAMING:  # torchft's own limits on H, P and tau
-        torchft_peer.check_fragments(model, sync_cfg)
-        return
-    # the constructor checks the config and the fragments; nothing is sent before start()
-    LowComm(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_cfg)
+    spec.strategy.check_schedule(model, spec.sync)
 
 
 def launch(
-    strategy: str,
-    sync_cfg: SyncConfig,
-    cfg: TrainConfig,
-    out_dir: str | Path,
+    spec: RunSpec,
     workers: int,
     port: int | None = None,
-    name: str | None = None,
-    resume: str | None = None,
     on_checked: Callable[[], None] | None = None,
 ) -> dict[str, Any] | None:
     """Run a training job; returns rank 0's summary (None on other ranks under torchrun).
 
-    ``resume`` is a checkpoint folder (from :func:`find_resume`) to continue from. Config,
+    ``spec.resume`` is a checkpoint folder (from :func:`find_resume`) to continue from. Config,
     device, model, schedule and data errors are raised here, before any worker starts;
     ``on_checked`` runs once they have passed, just before the workers start.
     """
-    if torchft_peer.is_peer(strategy):
-        torchft_peer.check_config(sync_cfg, cfg.checkpoint_every, resume)
+    cfg = spec.train
+    spec.strategy.check(spec.sync, cfg, spec.resume)
     if under_torchrun():
-        if cfg.elastic:
-            raise ConfigError(
-                "elastic=true under torchrun is not supported yet: start the sites with "
-                "lowcomm train --workers M elastic=true"
-            )
-        from .loop import run_worker
-        from .sites import site_of
-
-        world = int(os.environ["WORLD_SIZE"])
-        site_of(int(os.environ.get("RANK", "0")), world, cfg.ranks_per_worker)  # N divides it
-        preflight(strategy, sync_cfg, cfg, world // cfg.ranks_per_worker)
-        if on_checked is not None:
-            on_checked()
-        return run_worker(strategy, sync_cfg, cfg, out_dir, name, resume)
+        return _under_torchrun(spec, on_checked)
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {workers}")
     if port is not None:
         check_port(port)
-    check_elastic(strategy, cfg, workers, sync_cfg)
-    for warning in preflight(strategy, sync_cfg, cfg, workers):
+    check_elastic(spec, workers)
+    for warning in preflight(spec, workers):
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     if on_checked is not None:
         on_checked()
     if cfg.elastic:
         try:
-            return run_sites(strategy, sync_cfg, cfg, Path(out_dir), workers, name, resume)
+            return run_sites(spec, workers)
         except SitesFailed as e:
             raise LaunchError(str(e), e.exitcode) from None
         except KeyboardInterrupt:
-            raise Interrupted(interrupted_message(out_dir)) from None
-    return _run_local(strategy, sync_cfg, cfg, Path(out_dir), workers, port, name, resume)
+            raise Interrupted(interrupted_message(spec.out)) from None
+    return _run_local(spec, workers, port)
 
 
-def _run_local(
-    strategy: str,
-    sync_cfg: SyncConfig,
-    cfg: TrainConfig,
-    out_dir: Path,
-    workers: int,
-    port: int | None,
-    name: str | None,
-    resume: str | None,
-) -> dict[str, Any] | None:
+def _under_torchrun(spec: RunSpec, on_checked: Callable[[], None] | None) -> dict[str, Any] | None:
+    """This process is one rank of the world torchrun made: check, then train on it."""
+    cfg = spec.train
+    if cfg.elastic:
+        raise ConfigError(
+            "elastic=true under torchrun is not supported yet: start the sites with "
+            "lowcomm train --workers M elastic=true"
+        )
+    from .loop import run_worker
+    from .sites import site_of
+
+    world = int(os.environ["WORLD_SIZE"])
+    site_of(int(os.environ.get("RANK", "0")), world, cfg.ranks_per_worker)  # N divides it
+    preflight(spec, world // cfg.ranks_per_worker)
+    if on_checked is not None:
+        on_checked()
+    return run_worker(spec)
+
+
+def _run_local(spec: RunSpec, workers: int, port: int | None) -> dict[str, Any] | None:
     """Start ``workers`` local processes with torch's elastic launcher; rank 0's summary."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -229,6 +205,7 @@ def _run_local(
     if not os.environ.get("LOWCOMM_DEBUG"):
         # we report a failed worker in one line ourselves; LOWCOMM_DEBUG=1 shows torch's logs
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    cfg, out_dir = spec.train, spec.out
     for stale in out_dir.glob(".error-rank*"):  # left by a launcher that was killed
         stale.unlink(missing_ok=True)
     lc = LaunchConfig(
@@ -243,7 +220,7 @@ def _run_local(
         start_method="spawn",
     )
     try:
-        results = elastic_launch(lc, _entry)(strategy, sync_cfg, cfg, str(out_dir), name, resume)
+        results = elastic_launch(lc, _entry)(spec)
     except (KeyboardInterrupt, SignalException):
         raise Interrupted(interrupted_message(out_dir)) from None
     except ChildFailedError as e:

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import SyncConfig, TrainConfig
 from ..elastic.faults import act, pace, parse_faults
 from ..transport import ring_all_reduce_bytes, shutdown
 from .log import RunLog
@@ -33,6 +32,7 @@ from .resume import load_state, restore, save_checkpoint
 from .run import Run, init_distributed, lr_lambda, resolve_device, set_up, wrap_for_strategy
 from .site_role import SiteRole, record_membership
 from .sites import full_state_dict, rows_of
+from .spec import RunSpec
 from .summary import RunSummary
 from .synclog import SyncLog
 
@@ -50,35 +50,29 @@ __all__ = [
 ]
 
 
-def run_worker(
-    strategy: str,
-    sync_cfg: SyncConfig,
-    cfg: TrainConfig,
-    out_dir: str | Path,
-    name: str | None = None,
-    resume: str | None = None,
-    role: SiteRole | None = None,
-) -> dict[str, Any] | None:
+def run_worker(spec: RunSpec, role: SiteRole | None = None) -> dict[str, Any] | None:
     """Train on this process's rank; returns the summary on rank 0 (None elsewhere).
 
-    ``resume`` names a checkpoint folder to continue from
+    ``spec.resume`` names a checkpoint folder to continue from
     (see :func:`lowcomm.train.resume.restore`). ``role``: this process is a site of an
     elastic run (:mod:`lowcomm.train.elastic`).
     """
-    run = set_up(strategy, sync_cfg, cfg, out_dir, name, role)
+    cfg = spec.train
+    run = set_up(spec, role)
     if role is None:
         _write_workers_json(run)  # an elastic run's launcher keeps it
     wrap_for_strategy(run)
-    faults = role.faults if role else parse_faults(cfg.faults, run.site.replicas, cfg.steps)
-    saved = load_state(run, resume) if resume is not None else None
+    site = run.place.site
+    faults = role.faults if role else parse_faults(cfg.faults, site.replicas, cfg.steps)
+    saved = load_state(run, spec.resume) if spec.resume is not None else None
     if saved is not None:
-        run.start_step = int(saved["step"]) + 1
+        run.progress.start_step = int(saved["step"]) + 1
     log = RunLog(
-        run.out,
-        run.rank,
-        start_step=run.start_step,
+        spec.out,
+        run.place.rank,
+        start_step=run.progress.start_step,
         total_steps=cfg.steps,
-        desc=name or strategy,
+        desc=spec.label,
         progress=cfg.progress,
         backend=cfg.log,
     )
@@ -90,23 +84,8 @@ def run_worker(
                 restore(run, saved)
             if role is not None and role.join:
                 _joined(run)
-                after_step(run, run.start_step - 1, log)  # the others' control collectives
-            step = run.start_step
-            run.loop_started = time.perf_counter()
-            fresh = saved is None and role is not None and not role.join
-            synclog = SyncLog.of(run.out, run.site.replica, run.engine, fresh) if role else None
-            while step <= cfg.steps:
-                act(faults, run.site.replica, step)
-                started, synced = time.perf_counter(), _sync_s(run)
-                train_step(run)
-                # a slow: fault stretches the step's compute, not the sync inside it
-                took = time.perf_counter() - started - (_sync_s(run) - synced)
-                pace(faults, run.site.replica, step, took)
-                step = _follow(run, step, log)
-                if synclog is not None:
-                    synclog.after_step(step)
-                after_step(run, step, log)
-                step += 1
+                after_step(run, run.progress.start_step - 1, log)  # the others' collectives
+            _train_loop(run, faults, log, fresh=saved is None)
             finish(run)
         summary = summarize(run, log)
     finally:
@@ -115,36 +94,59 @@ def run_worker(
     return summary.to_dict() if summary is not None else None
 
 
+def _train_loop(run: Run, faults: Any, log: RunLog, fresh: bool) -> None:
+    """Every inner step from the start step to the last, with the faults a test planned;
+    ``fresh``: not resumed (a starting elastic site begins its sync record afresh)."""
+    role, replica, steps = run.place.role, run.place.site.replica, run.spec.train.steps
+    step = run.progress.start_step
+    run.progress.loop_started = time.perf_counter()
+    synclog = None
+    if role is not None:
+        synclog = SyncLog.of(run.spec.out, replica, run.comm.engine, fresh and not role.join)
+    while step <= steps:
+        act(faults, replica, step)
+        started, synced = time.perf_counter(), _sync_s(run)
+        train_step(run)
+        # a slow: fault stretches the step's compute, not the sync inside it
+        took = time.perf_counter() - started - (_sync_s(run) - synced)
+        pace(faults, replica, step, took)
+        step = _follow(run, step, log)
+        if synclog is not None:
+            synclog.after_step(step)
+        after_step(run, step, log)
+        step += 1
+
+
 def _sync_s(run: Run) -> float:
     """Seconds the engine has spent in syncs so far, its own work and its waits on the others
     (0 without one)."""
-    stats = getattr(run.engine, "stats", None)
-    return float(getattr(stats, "outer_s", 0.0)) + (run.blocked_s() if stats else 0.0)
+    stats = getattr(run.comm.engine, "stats", None)
+    return float(getattr(stats, "outer_s", 0.0)) + (run.comm.blocked_s() if stats else 0.0)
 
 
 def _joined(run: Run) -> None:
     """A site that joined a running run (healed on entering the block) goes on from the run's
     step: its own shard's batches from there and the LR schedule's position; its inner
     optimizer starts fresh."""
-    step = run.engine.step
-    run.start_step = step + 1
+    step = run.comm.engine.step
+    run.progress.start_step = step + 1
     _go_to(run, step)
 
 
 def _go_to(run: Run, step: int) -> None:
     """Batches and the LR schedule at the run's ``step`` (a joiner, or a round cut short)."""
-    run.batches.step = step
+    run.data.batches.step = step
     with warnings.catch_warnings():  # "scheduler stepped before the optimizer": on purpose
         warnings.simplefilter("ignore")
-        run.sched.last_epoch = step - 1
-        run.sched.step()
+        run.learner.sched.last_epoch = step - 1
+        run.learner.sched.step()
 
 
 def _follow(run: Run, step: int, log: RunLog) -> int:
     """The step this site is at after training ``step``: under quorum rounds the engine may
     have cut the round short (a quorum of sites reached the sync first) and jumped to the
     sync; the skipped steps are counted as done, their batches and LR steps skipped."""
-    at = getattr(run.engine, "step", step)
+    at = getattr(run.comm.engine, "step", step)
     if at <= step:
         return step
     _go_to(run, at)
@@ -155,32 +157,32 @@ def _follow(run: Run, step: int, log: RunLog) -> int:
 
 def train_step(run: Run) -> None:
     """One inner step: forward, backward, optimizer (the engine's outer step runs inside it)."""
-    hook = run.hook_state
-    with run.clock.segment(run.not_computing_s) as waited:
-        x, y = (rows_of(t, run.site) for t in run.batches.next())
-        x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
+    hook = run.comm.hook_state
+    with run.progress.clock.segment(run.not_computing_s) as waited:
+        x, y = (rows_of(t, run.place.site) for t in run.data.batches.next())
+        x, y = x.to(run.place.device, non_blocking=True), y.to(run.place.device, non_blocking=True)
         with run.autocast():
-            loss = run.train_model(x, y)
+            loss = run.learner.train_model(x, y)
         if hook is not None:
             hook.last_launch = 0.0
         loss.backward()
         if hook is not None and hook.last_launch:
             # backward returned this long after its last bucket was launched: network wait
             waited.append(time_since(hook.last_launch))
-        if run.cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.grad_clip)
-        run.opt.step()  # the engine's hook runs the outer step here when due
-        run.sched.step()
-        run.opt.zero_grad(set_to_none=True)
-        run.loss_sum[0] += loss.detach().item()
-        run.loss_sum[1] += 1
-        if run.device.type == "cuda":
+        if run.spec.train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(run.learner.model.parameters(), run.spec.train.grad_clip)
+        run.learner.opt.step()  # the engine's hook runs the outer step here when due
+        run.learner.sched.step()
+        run.learner.opt.zero_grad(set_to_none=True)
+        run.progress.loss_sum[0] += loss.detach().item()
+        run.progress.loss_sum[1] += 1
+        if run.place.device.type == "cuda":
             torch.cuda.synchronize()
 
 
 def after_step(run: Run, step: int, log: RunLog) -> None:
     """Between steps, outside the timed segments: log, evaluate, checkpoint."""
-    cfg = run.cfg
+    cfg = run.spec.train
     record: dict[str, Any] | None = None
     if _behind(run):  # out of the run's quorum until its next sync: no collectives with it
         log.step_done()
@@ -191,17 +193,19 @@ def after_step(run: Run, step: int, log: RunLog) -> None:
         record = record or {"step": step, "tokens": step * run.tokens_per_step}
         record["val_loss"] = run.evaluate()
     if cfg.checkpoint_every and _due(run, step, cfg.checkpoint_every):
-        run.pending_checkpoint = True
-    if run.pending_checkpoint and (run.engine is None or run.engine.last_sync_step == step):
+        run.progress.pending_checkpoint = True
+    if run.progress.pending_checkpoint and (
+        run.comm.engine is None or run.comm.engine.last_sync_step == step
+    ):
         t0 = time.perf_counter()
         save_checkpoint(run, step)
-        run.checkpoint_s += time.perf_counter() - t0
-        run.pending_checkpoint = False
+        run.progress.checkpoint_s += time.perf_counter() - t0
+        run.progress.pending_checkpoint = False
     events = run.membership.events if run.membership is not None else []
-    if len(events) > run.events_logged:  # a site left: the record marks it
+    if len(events) > run.progress.events_logged:  # a site left: the record marks it
         record = record or {"step": step, "tokens": step * run.tokens_per_step}
-        record["membership"] = events[run.events_logged :]
-        run.events_logged = len(events)
+        record["membership"] = events[run.progress.events_logged :]
+        run.progress.events_logged = len(events)
     if record is not None:
         record["elapsed_s"] = _elapsed(run)
         log.record(record)
@@ -211,7 +215,11 @@ def after_step(run: Run, step: int, log: RunLog) -> None:
 def _elapsed(run: Run) -> float:
     """Seconds since the training loop began, everything included (logging, evaluation and
     waits outside the timed steps: ``wall_s`` leaves those out)."""
-    return round(time.perf_counter() - run.loop_started, 3) if run.loop_started else 0.0
+    return (
+        round(time.perf_counter() - run.progress.loop_started, 3)
+        if run.progress.loop_started
+        else 0.0
+    )
 
 
 def _behind(run: Run) -> bool:
@@ -225,36 +233,36 @@ def _due(run: Run, step: int, every: int) -> bool:
     """Whether a logging or evaluation due every ``every`` steps falls at ``step``. Under quorum
     rounds these collectives move to the end of the round that holds them: a site cut short
     skips the steps inside a round, and the others must not wait for it there."""
-    if run.cfg.rounds != "quorum" or run.engine is None:
+    if run.spec.train.rounds != "quorum" or run.comm.engine is None:
         return step % every == 0
-    round_steps = run.sync_cfg.sync_every
+    round_steps = run.spec.sync.sync_every
     return step % round_steps == 0 and step // every > (step - round_steps) // every
 
 
 def _train_record(run: Run, step: int) -> dict[str, Any]:
     """The metrics record of a logged step: mean train loss since the last one, bytes, times."""
-    run.control.all_reduce(run.loss_sum, control=True)
-    train_loss = float(run.loss_sum[0] / max(run.loss_sum[1], 1))
-    run.loss_sum.zero_()
+    run.comm.control.all_reduce(run.progress.loss_sum, control=True)
+    train_loss = float(run.progress.loss_sum[0] / max(run.progress.loss_sum[1], 1))
+    run.progress.loss_sum.zero_()
     totals = run.meter_totals()
     return {
         "step": step,
         "tokens": step * run.tokens_per_step,
         "train_loss": train_loss,
-        "lr": run.sched.get_last_lr()[0],
+        "lr": run.learner.sched.get_last_lr()[0],
         "bytes_sent": totals.get("sent_bytes", 0),
         "payload_bytes": totals.get("payload_bytes", 0),
-        "wall_s": run.clock.wall_s,
-        "compute_s": run.clock.compute_s,
+        "wall_s": run.progress.clock.wall_s,
+        "compute_s": run.progress.clock.compute_s,
         "blocked_s": totals["blocked_s"],
     }
 
 
 def finish(run: Run) -> None:
     """Drain the engine's in-flight results: the last sync ends the timed loop."""
-    if run.engine is not None:
-        with run.clock.segment(run.not_computing_s):
-            run.engine.finish()
+    if run.comm.engine is not None:
+        with run.progress.clock.segment(run.not_computing_s):
+            run.comm.engine.finish()
 
 
 def summarize(run: Run, log: RunLog) -> RunSummary | None:
@@ -263,10 +271,10 @@ def summarize(run: Run, log: RunLog) -> RunSummary | None:
     totals = run.meter_totals()
     log.record(
         {
-            "step": run.cfg.steps,
-            "tokens": run.cfg.steps * run.tokens_per_step,
+            "step": run.spec.train.steps,
+            "tokens": run.spec.train.steps * run.tokens_per_step,
             "val_loss": val_loss,
-            "wall_s": run.clock.wall_s,
+            "wall_s": run.progress.clock.wall_s,
             "elapsed_s": _elapsed(run),
             "final": True,
         }
@@ -278,38 +286,46 @@ def summarize(run: Run, log: RunLog) -> RunSummary | None:
             totals.get("received_bytes", 0),
             totals.get("payload_bytes", 0),
             totals["control_sent_bytes"],
-            run.clock.wall_s,
-            run.clock.compute_s,
+            run.progress.clock.wall_s,
+            run.progress.clock.compute_s,
             totals["blocked_s"],
-            run.inner_meter.sent_bytes,
+            run.comm.inner_meter.sent_bytes,
         ],
         dtype=torch.float64,
     )
     vec = torch.cat([vec, torch.ones(1, dtype=torch.float64)])  # counts the ranks present
-    run.control.all_reduce(vec, control=True)
+    run.comm.control.all_reduce(vec, control=True)
     vec = vec[:-1] / vec[-1]
     rss = torch.tensor(
         [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64
     )
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     rounds = _rounds_table(run)  # a collective: before the other sites may have left
-    state = full_state_dict(run.model)  # a collective when sharded: every rank gathers
+    state = full_state_dict(run.learner.model)  # a collective when sharded: every rank gathers
     if not run.writes:
         return None
     summary = _build_summary(run, val_loss, vec.tolist(), int(rss.item()))
-    if run.checkpoint_s:
-        summary.extra["checkpoint_s"] = round(run.checkpoint_s, 3)  # writing them, this site
+    if run.progress.checkpoint_s:
+        summary.extra["checkpoint_s"] = round(
+            run.progress.checkpoint_s, 3
+        )  # writing them, this site
     if run.membership is not None:
-        per_step = run.cfg.batch_size * run.cfg.seq_len
+        per_step = run.spec.train.batch_size * run.spec.train.seq_len
         events = run.membership.events
-        starting = run.role.starting if run.role is not None else 0
+        starting = run.place.role.starting if run.place.role is not None else 0
         record_membership(
-            events, run.world, run.cfg.steps, per_step, run.out, summary, starting=starting
+            events,
+            run.place.world,
+            run.spec.train.steps,
+            per_step,
+            run.spec.out,
+            summary,
+            starting=starting,
         )
     if rounds is not None:
-        _record_rounds(summary, rounds, run.cfg.batch_size * run.cfg.seq_len)
+        _record_rounds(summary, rounds, run.spec.train.batch_size * run.spec.train.seq_len)
     save_model(run, state)
-    summary.write(run.out / "summary.json")
+    summary.write(run.spec.out / "summary.json")
     return summary
 
 
@@ -320,10 +336,10 @@ def _rounds_table(run: Run) -> torch.Tensor | None:
     """Quorum rounds: every site's trained steps, syncs it took part in, rounds cut short,
     steps skipped and syncs missed (one row per site; None in lock-step)."""
     rounds = getattr(run.membership, "rounds", None)
-    if run.cfg.rounds != "quorum" or rounds is None:
+    if run.spec.train.rounds != "quorum" or rounds is None:
         return None
-    table = torch.zeros((run.world, len(ROUND_COLUMNS)), dtype=torch.float64)
-    stats = run.engine.stats
+    table = torch.zeros((run.place.world, len(ROUND_COLUMNS)), dtype=torch.float64)
+    stats = run.comm.engine.stats
     mine = [
         stats.trained_steps,
         stats.syncs,
@@ -331,8 +347,8 @@ def _rounds_table(run: Run) -> torch.Tensor | None:
         rounds.cut_steps,
         rounds.late_syncs,
     ]
-    table[run.site.replica] = torch.tensor(mine, dtype=torch.float64)
-    run.control.all_reduce(table, control=True)
+    table[run.place.site.replica] = torch.tensor(mine, dtype=torch.float64)
+    run.comm.control.all_reduce(table, control=True)
     return table
 
 
@@ -349,22 +365,22 @@ def _record_rounds(summary: RunSummary, table: torch.Tensor, tokens_per_site_ste
 def _build_summary(run: Run, val_loss: float, means: list[float], rss: int) -> RunSummary:
     """The RunSummary of this run from the ranks' mean figures (see :func:`summarize`); byte
     figures per worker are its ranks' together."""
-    cfg, steps, n_params = run.cfg, run.cfg.steps, count_params(run.model)
-    n, replicas = run.site.ranks_per_worker, run.site.replicas
+    cfg, steps, n_params = run.spec.train, run.spec.train.steps, count_params(run.learner.model)
+    n, replicas = run.place.site.ranks_per_worker, run.place.site.replicas
     sent, recv, payload, control_sent, wall, compute, blocked, inner = means
     per_rank = sent
     sent, recv, payload, inner = sent * n, recv * n, payload * n, inner * n
     # per-step strategies too: LoCo's knobs live in the sync config, and a row's command
     # (RunSummary.command) must spell them out
-    config = {**dataclasses.asdict(cfg), **dataclasses.asdict(run.sync_cfg)}
-    engine = run.engine
+    config = {**dataclasses.asdict(cfg), **dataclasses.asdict(run.spec.sync)}
+    engine = run.comm.engine
     outer = getattr(engine, "outer", None)
     return RunSummary(
-        name=run.name or run.strategy,
-        strategy=run.strategy,
+        name=run.spec.label,
+        strategy=run.spec.strategy.name,
         workers=replicas,
         params=n_params,
-        n_layers=len(getattr(run.model, "blocks", [])),
+        n_layers=len(getattr(run.learner.model, "blocks", [])),
         tokens=steps * run.tokens_per_step,
         inner_steps=steps,
         final_val_loss=val_loss,
@@ -389,13 +405,13 @@ def _build_summary(run: Run, val_loss: float, means: list[float], rss: int) -> R
         peak_rss_bytes=rss,
         seed=cfg.seed,
         config=config,
-        data=run.corpus,
+        data=run.data.description,
         torch_version=torch.__version__,
         git_rev=git_rev(),
-        device=str(run.device),
+        device=str(run.place.device),
         outer_clipped_elements=getattr(outer, "clipped_elements", None),
         outer_penalized_elements=getattr(outer, "penalized_elements", None),
-        vocab_size=run.vocab_size,
+        vocab_size=run.learner.vocab_size,
     )
 
 
@@ -406,20 +422,20 @@ def save_model(run: Run, state: dict[str, torch.Tensor]) -> None:
     by :func:`lowcomm.load_model`) and, for Hugging Face models, ``DIR/hf/`` (read back by
     ``from_pretrained``, with the tokenizer when the run trained one).
     """
-    torch.save(state, run.out / "model.pt")
-    if hasattr(run.model, "save_pretrained"):
-        run.model.save_pretrained(
-            run.out / "hf", tokenizer_file=run.tokenizer_file, state_dict=state
+    torch.save(state, run.spec.out / "model.pt")
+    if hasattr(run.learner.model, "save_pretrained"):
+        run.learner.model.save_pretrained(
+            run.spec.out / "hf", tokenizer_file=run.data.tokenizer_file, state_dict=state
         )
 
 
 def _tear_down(run: Run) -> None:
     """Drop workers.json, wait for every rank, and leave the process group we created."""
-    if run.rank == 0:
+    if run.place.rank == 0:
         with contextlib.suppress(FileNotFoundError):
-            (run.out / "workers.json").unlink()
+            (run.spec.out / "workers.json").unlink()
     dist.barrier()
-    if run.owns_group:
+    if run.place.owns_group:
         # Tear gloo down while the interpreter is whole (see transport.shutdown): left to exit,
         # its threads can abort the process after the summary was written.
         shutdown()
@@ -427,13 +443,13 @@ def _tear_down(run: Run) -> None:
 
 def _write_workers_json(run: Run) -> None:
     """DIR/workers.json: rank and pid of each live local worker, for operators and scripts."""
-    entries: list[Any] = [None] * run.world
-    me = {"rank": run.rank, "pid": os.getpid(), "host": os.uname().nodename}
+    entries: list[Any] = [None] * run.place.world
+    me = {"rank": run.place.rank, "pid": os.getpid(), "host": os.uname().nodename}
     dist.all_gather_object(entries, me)
-    if run.rank == 0:
-        tmp = run.out / "workers.json.tmp"
+    if run.place.rank == 0:
+        tmp = run.spec.out / "workers.json.tmp"
         tmp.write_text(json.dumps(entries, indent=2) + "\n")
-        tmp.replace(run.out / "workers.json")
+        tmp.replace(run.spec.out / "workers.json")
 
 
 def time_since(t: float) -> float:

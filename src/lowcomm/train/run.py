@@ -1,4 +1,4 @@
-"""The run object: everything one worker's training run holds, built in two steps.
+"""The run object: one worker's training run as named parts, built in two steps.
 
 :func:`set_up` makes the model, optimizer, schedule, data and control transport;
 :func:`wrap_for_strategy` adds what the strategy needs: DistributedDataParallel with a metered
@@ -15,25 +15,26 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..config import ConfigError, SyncConfig, TrainConfig
+from .. import checkpoint as ckpt
+from ..config import ConfigError, TrainConfig
 from ..elastic import Elastic
 from ..engine import LowComm
+from ..engine.state import RunState, StatePart
 from ..loco import GradReduceState, LoCoState, TorchHookState, allreduce_hook, loco_hook, torch_hook
 from ..peers import torchft
-from ..presets import PER_STEP_STRATEGIES
 from ..protocols import SyncEngine
 from ..transport import ByteMeter, Transport
 from .build import build_model
 from .data import Batches, load_corpus, val_batches
 from .site_role import QuorumControl, SiteRole
 from .sites import Site, build_mesh, shard_model, site_of
+from .spec import RunSpec
 
 
 class Clock:
@@ -80,79 +81,114 @@ class Clock:
 
 
 @dataclass
-class Run:
-    """One worker's run: settings, model and optimizer state, data, strategy and clocks."""
+class Place:
+    """Where this process runs: device, rank and world, its site (elastic) and replica."""
 
-    strategy: str
-    sync_cfg: SyncConfig
-    cfg: TrainConfig
-    out: Path
-    name: str | None
     device: torch.device
     rank: int
     world: int
     owns_group: bool
     """True when this run created the process group (and so destroys it at the end)."""
+    site: Site
+    """This rank's replica and place in it (several ranks per worker: FSDP2 inside)."""
+    role: SiteRole | None = None
+    """This process's site in an elastic run (None: a fixed world)."""
+
+
+@dataclass
+class Learner:
+    """What trains: the model, what its forward pass runs on, the inner optimizer and schedule."""
+
     model: nn.Module
     """The bare model: its parameters are the ones the engine syncs and model.pt stores."""
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
     vocab_size: int
-    corpus: str
+    train_model: nn.Module | None = None
+    """What the forward pass runs on: a DDP wrapper for per-step strategies, else ``model``."""
+
+    def register(self, state: RunState, sharded: bool) -> None:
+        """The LR schedule, the model and the inner optimizer; an FSDP2 worker's shards go
+        through torch.distributed.checkpoint beside the files (saved and loaded apart)."""
+        sched, model, opt = self.sched, self.model, self.opt
+        state.register("scheduler", StatePart(sched.state_dict, sched.load_state_dict))
+        if sharded:
+            state.register("model", StatePart(dict, lambda v: None))
+            state.register("optimizer", StatePart(dict, lambda v: None))
+            return
+        weights = lambda: {k: v.detach().clone() for k, v in model.state_dict().items()}  # noqa: E731
+        state.register("model", StatePart(weights, model.load_state_dict))
+        state.register("optimizer", StatePart(opt.state_dict, opt.load_state_dict))
+
+
+@dataclass
+class Data:
+    """The corpus this rank trains and evaluates on."""
+
+    description: str
     """One line describing the corpus (source, token counts, split)."""
     tokenizer_file: str | None
     """The tokenizer that made the tokens (saved with Hugging Face models); None for bytes."""
-    opt: torch.optim.Optimizer
-    sched: torch.optim.lr_scheduler.LambdaLR
     batches: Batches
     val: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def register(self, state: RunState) -> None:
+        """Where the batches are (so a resume reads the next ones, not the first)."""
+        state.register("data", StatePart(self.batches.state_dict, self.batches.load_state_dict))
+
+
+@dataclass
+class Comm:
+    """How this rank communicates: the strategy's engine or DDP hook, and the meters."""
+
     control: Transport
     """Loss logging and summaries: counted as control traffic."""
-    site: Site
-    """This rank's replica and place in it (several ranks per worker: FSDP2 inside)."""
     inner_meter: ByteMeter
     """FSDP2's traffic inside the worker (nothing with one rank per worker)."""
     hsdp_meter: ByteMeter | None = None
     """HSDP's all-reduce between workers: the per-step baseline's traffic with FSDP2 inside."""
-    train_model: nn.Module | None = None
-    """What the forward pass runs on: a DDP wrapper for per-step strategies, else ``model``."""
     engine: SyncEngine | None = None  # LowComm, or a peer library's outer loop
     """LowComm (or a peer with the same surface) for outer-step strategies; None for per-step."""
     hook_state: GradReduceState | None = None
     """The DDP comm hook's state for per-step strategies; None otherwise."""
-    clock: Clock = field(default_factory=Clock)
-    start_step: int = 1
-    loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
-    pending_checkpoint: bool = False
-    """A checkpoint is due: taken at the next sync boundary."""
-    role: SiteRole | None = None
-    """This process's site in an elastic run (None: a fixed world)."""
-    events_logged: int = 0
-    loop_started: float = 0.0  # perf_counter when the training loop began (elapsed_s in records)
-    checkpoint_s: float = 0.0
-    """Seconds spent writing checkpoints (this rank)."""
-    """Membership events already marked in metrics.jsonl."""
 
-    @property
-    def membership(self) -> Any:
-        """The engine's membership runner in an elastic run (who is in), else None."""
-        return getattr(self.engine, "membership", None) if self.role is not None else None
+    def register(self, state: RunState) -> None:
+        """The engine's state, a LoCo hook's error buffers, and every meter's totals."""
+        engine, hook = self.engine, self.hook_state
+        if engine is not None:  # a peer's engine is never checkpointed (refused before start)
+            state.register(
+                "engine",
+                StatePart(lambda: engine.state_dict(), lambda v: engine.load_state_dict(v)),
+            )
+        else:
+            state.register("engine", StatePart(dict, lambda v: None))
+        if isinstance(hook, LoCoState):
+            state.register("hook", StatePart(hook.state_dict, self._load_hook))
+        else:
+            state.register("hook", StatePart(dict, lambda v: None))
+        state.register("meters", StatePart(self._meters, self._load_meters))
 
-    @property
-    def writes(self) -> bool:
-        """Whether this rank writes the run's files: rank 0, or the lowest live site."""
-        members = self.membership.members if self.membership is not None else None
-        if self.role is not None and members:
-            return members[0] == self.role.site
-        return self.rank == 0
+    def _load_hook(self, saved: dict[str, Any]) -> None:
+        if saved:  # empty when saved before the hook kept state
+            assert isinstance(self.hook_state, LoCoState)
+            self.hook_state.load_state_dict(saved)
 
-    @property
-    def per_step(self) -> bool:
-        """True for strategies that communicate every step (DDP and its hooks)."""
-        return self.strategy in PER_STEP_STRATEGIES
+    def _meters(self) -> dict[str, dict[str, Any]]:
+        hook, hsdp = self.hook_state, self.hsdp_meter
+        return {
+            "hook": hook.transport.meter.as_dict() if hook is not None else {},
+            "control": self.control.meter.as_dict(),
+            "inner": self.inner_meter.as_dict(),
+            "hsdp": hsdp.as_dict() if hsdp is not None else {},
+        }
 
-    @property
-    def tokens_per_step(self) -> int:
-        """Tokens trained per inner step over all workers."""
-        return self.cfg.batch_size * self.cfg.seq_len * self.site.replicas
+    def _load_meters(self, saved: dict[str, dict[str, Any]]) -> None:
+        if self.hook_state is not None:
+            self.hook_state.transport.meter.load_dict(saved["hook"])
+        self.control.meter.load_dict(saved["control"])
+        self.inner_meter.load_dict(saved.get("inner", {}))
+        if self.hsdp_meter is not None:
+            self.hsdp_meter.load_dict(saved.get("hsdp", {}))
 
     def blocked_s(self) -> float:
         """The engine meter's total waiting time (HSDP's all-reduce wait with FSDP2 inside a
@@ -171,18 +207,9 @@ class Run:
             work = getattr(self.hook_state, "work_s", 0.0)
         return self.blocked_s() + work
 
-    def sync_context(self) -> contextlib.AbstractContextManager[Any]:
-        """The engine's ``with`` block (start-up broadcast, then hooks), or nothing."""
-        return self.engine if self.engine is not None else contextlib.nullcontext()
-
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """bf16 autocast on CUDA; nothing on CPU."""
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
-    def meter_totals(self) -> dict[str, float]:
-        """The strategy's meter (engine or hook) plus the control traffic, as one dict."""
+    def meter_totals(self, blocked_extra: float) -> dict[str, float]:
+        """The strategy's meter (engine or hook) plus the control traffic, as one dict;
+        ``blocked_extra``: waiting the meters did not see."""
         meter = (
             self.engine.transport.meter
             if self.engine is not None and self.engine.transport is not None
@@ -193,8 +220,84 @@ class Run:
         totals = meter.as_dict() if meter is not None else {}
         for k in ("control_payload_bytes", "control_sent_bytes", "control_received_bytes"):
             totals[k] = totals.get(k, 0) + getattr(self.control.meter, k)
-        totals["blocked_s"] = totals.get("blocked_s", 0.0) + self.clock.blocked_extra
+        totals["blocked_s"] = totals.get("blocked_s", 0.0) + blocked_extra
         return totals
+
+
+@dataclass
+class Progress:
+    """How far the run is and what it has counted: clocks, losses, pending work."""
+
+    clock: Clock = field(default_factory=Clock)
+    start_step: int = 1
+    loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
+    pending_checkpoint: bool = False
+    """A checkpoint is due: taken at the next sync boundary."""
+    events_logged: int = 0
+    """Membership events already marked in metrics.jsonl."""
+    loop_started: float = 0.0
+    """perf_counter when the training loop began (elapsed_s in records)."""
+    checkpoint_s: float = 0.0
+    """Seconds spent writing checkpoints (this rank)."""
+
+    def register(self, state: RunState) -> None:
+        """The clock's totals (utilization goes on from where it was)."""
+        state.register("clock", StatePart(self.clock.state_dict, self.clock.load_state_dict))
+
+
+@dataclass
+class Run:
+    """One worker's run, as named parts: what was asked (``spec``), where it runs (``place``),
+    what trains (``learner``), on what (``data``), how it communicates (``comm``), how far it
+    is (``progress``)."""
+
+    spec: RunSpec
+    place: Place
+    learner: Learner
+    data: Data
+    comm: Comm
+    progress: Progress = field(default_factory=Progress)
+    state: RunState = field(default_factory=RunState)
+    """What a checkpoint holds and a resume loads, registered by the parts that own it
+    (:func:`register_state`, once the strategy is attached)."""
+
+    @property
+    def membership(self) -> Any:
+        """The engine's membership runner in an elastic run (who is in), else None."""
+        engine = self.comm.engine
+        return engine.membership if self.place.role is not None and engine is not None else None
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank writes the run's files: rank 0, or the lowest live site."""
+        members = self.membership.members if self.membership is not None else None
+        if self.place.role is not None and members:
+            return members[0] == self.place.role.site
+        return self.place.rank == 0
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens trained per inner step over all workers."""
+        return self.spec.train.batch_size * self.spec.train.seq_len * self.place.site.replicas
+
+    def not_computing_s(self) -> float:
+        """Seconds so far not spent on inner steps (see :meth:`Comm.not_computing_s`)."""
+        return self.comm.not_computing_s()
+
+    def meter_totals(self) -> dict[str, float]:
+        """The strategy's meter plus the control traffic and the waits the meters missed."""
+        return self.comm.meter_totals(self.progress.clock.blocked_extra)
+
+    def sync_context(self) -> contextlib.AbstractContextManager[Any]:
+        """The engine's ``with`` block (start-up broadcast, then hooks), or nothing."""
+        engine = self.comm.engine
+        return engine if engine is not None else contextlib.nullcontext()
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """bf16 autocast on CUDA; nothing on CPU."""
+        if self.place.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def evaluate(self) -> float:
         """Mean validation loss on the global parameters; batches split across workers.
@@ -202,34 +305,28 @@ class Run:
         Every rank of a worker runs its worker's batches (FSDP2's forward is collective inside
         a worker); each adds the same losses, so the mean over all ranks is unchanged.
         """
-        engine = self.engine
+        engine, model, val = self.comm.engine, self.learner.model, self.data.val
         ctx = engine.global_parameters() if engine is not None else contextlib.nullcontext()
-        self.model.eval()
+        model.eval()
         total = torch.zeros(2, dtype=torch.float64)
-        first, every = self.site.replica, self.site.replicas
+        first, every = self.place.site.replica, self.place.site.replicas
         members = self.membership.members if self.membership is not None else None
         if members:  # an elastic run: the live sites share all the batches
-            first, every = members.index(self.site.replica), len(members)
+            first, every = members.index(self.place.site.replica), len(members)
         with ctx, torch.no_grad(), self.autocast():
-            for i in range(first, len(self.val), every):
-                x, y = self.val[i]
-                total[0] += self.model(x.to(self.device), y.to(self.device)).item()
+            for i in range(first, len(val), every):
+                x, y = val[i]
+                total[0] += model(x.to(self.place.device), y.to(self.place.device)).item()
                 total[1] += 1
-        self.model.train()
-        self.control.all_reduce(total, control=True)
+        model.train()
+        self.comm.control.all_reduce(total, control=True)
         return float(total[0] / max(total[1], 1))
 
 
-def set_up(
-    strategy: str,
-    sync_cfg: SyncConfig,
-    cfg: TrainConfig,
-    out_dir: str | Path,
-    name: str | None = None,
-    role: SiteRole | None = None,
-) -> Run:
+def set_up(spec: RunSpec, role: SiteRole | None = None) -> Run:
     """Join the process group and build the model, optimizer, schedule and data of this rank
     (of this site, in an elastic run)."""
+    cfg = spec.train
     device = resolve_device(cfg.device)
     if device.type == "cpu":
         torch.set_num_threads(cfg.threads)
@@ -238,17 +335,16 @@ def set_up(
     if role is not None:
         rank, world = role.site, role.sites
     site = site_of(rank, world, cfg.ranks_per_worker)
-    out = Path(out_dir)
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
+        spec.out.mkdir(parents=True, exist_ok=True)
     corpus = load_corpus(cfg.data, tokenizer=cfg.tokenizer)
     if rank == 0:
-        corpus.save_description(out)  # prints it once and writes DIR/corpus.json
+        corpus.save_description(spec.out)  # prints it once and writes DIR/corpus.json
     torch.manual_seed(cfg.seed)
     vocab = max(corpus.vocab_size, 1)
     model = build_model(cfg.model, vocab_size=vocab, max_seq_len=max(cfg.seq_len, 1)).to(device)
     inner_meter = ByteMeter()
-    hsdp_meter = _shard_for_site(model, site, strategy, device, inner_meter, cfg.inner_parallel)
+    hsdp_meter = _shard_for_site(model, site, spec, device, inner_meter)
     opt = torch.optim.AdamW(
         model.parameters(),
         lr=cfg.inner_lr,
@@ -257,57 +353,30 @@ def set_up(
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     batches = Batches(
-        corpus.train,
-        cfg.batch_size,
-        cfg.seq_len,
-        site.replica,
-        site.replicas,
-        cfg.seed,
+        corpus.train, cfg.batch_size, cfg.seq_len, site.replica, site.replicas, cfg.seed,
         shard=cfg.shard,
-    )
+    )  # fmt: skip
     val = val_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches, seed=cfg.seed)
     return Run(
-        strategy=strategy,
-        sync_cfg=sync_cfg,
-        cfg=cfg,
-        out=out,
-        name=name,
-        device=device,
-        rank=rank,
-        world=world,
-        owns_group=owns_group,
-        model=model,
-        vocab_size=vocab,
-        corpus=corpus.description,
-        tokenizer_file=corpus.tokenizer_file,
-        opt=opt,
-        sched=sched,
-        batches=batches,
-        val=val,
-        control=Transport(),
-        site=site,
-        inner_meter=inner_meter,
-        hsdp_meter=hsdp_meter,
-        role=role,
+        spec=spec,
+        place=Place(device, rank, world, owns_group, site, role),
+        learner=Learner(model, opt, sched, vocab),
+        data=Data(corpus.description, corpus.tokenizer_file, batches, val),
+        comm=Comm(Transport(), inner_meter, hsdp_meter),
     )
 
 
 def _shard_for_site(
-    model: nn.Module,
-    site: Site,
-    strategy: str,
-    device: torch.device,
-    meter: ByteMeter,
-    inner: str,
+    model: nn.Module, site: Site, spec: RunSpec, device: torch.device, meter: ByteMeter
 ) -> ByteMeter | None:
     """FSDP2 inside a multi-rank worker (HSDP for per-step DDP); the HSDP meter, if any.
     With DDP inside, only the mesh: the model is wrapped in wrap_for_strategy."""
     if not site.sharded:
         return None
     build_mesh(site, device)
-    if inner == "ddp":
+    if spec.train.inner_parallel == "ddp":
         return None
-    hsdp = strategy in PER_STEP_STRATEGIES
+    hsdp = spec.strategy.per_step
     between = ByteMeter() if hsdp else meter
     shard_model(model, site, hsdp=hsdp, meter=meter, between=between)
     return between if hsdp else None
@@ -324,58 +393,82 @@ def comm_delay_for_tests() -> float:
 
 def wrap_for_strategy(run: Run) -> None:
     """Give the run its communication: DDP and a metered hook, or the engine (or a peer)."""
-    cfg, sync_cfg = run.cfg, run.sync_cfg
-    if not run.per_step:
-        run.train_model = run.model
-        if torchft.is_peer(run.strategy):  # its settings were checked by launch()
-            run.engine = torchft.TorchftDiLoCo(
-                run.model,
-                run.opt,
-                sync_cfg,
-                timeout_s=cfg.timeout_s,
-                streaming=run.strategy == torchft.STREAMING,
-                elastic=_elastic(run),
-                peer_lighthouse=run.role.peer_lighthouse if run.role else "",
-            )
-        else:
-            run.engine = LowComm(
-                _ddp_inside(run),
-                run.opt,
-                sync_cfg,
-                mesh=run.site.mesh,
-                timeout_s=cfg.timeout_s,
-                comm_delay_s=comm_delay_for_tests(),
-                elastic=_elastic(run),
-            )
-        if run.role is not None:
-            run.control = QuorumControl(run.engine)
-        return
-    if run.site.sharded and cfg.inner_parallel == "fsdp":
-        run.train_model = run.model  # HSDP: FSDP2 reduces inside a worker, all-reduces between
+    if not run.spec.strategy.per_step:
+        _attach_engine(run)
+    else:
+        _attach_ddp(run)
+    register_state(run)
+
+
+def _attach_ddp(run: Run) -> None:
+    """A per-step strategy: DDP with the strategy's metered comm hook (HSDP with FSDP2 inside)."""
+    model, place = run.learner.model, run.place
+    if place.site.sharded and run.spec.train.inner_parallel == "fsdp":
+        run.learner.train_model = model  # HSDP: FSDP2 reduces inside a worker, all-reduces between
         return
     grad_transport = Transport(
         dist.new_group(backend=dist.get_backend()), delay_s=comm_delay_for_tests()
     )
     # our own metered broadcast of the initial weights (DDP's would go uncounted)
     with torch.no_grad():
-        for p in run.model.parameters():
+        for p in model.parameters():
             grad_transport.broadcast(p.data, src=0, control=True)
     ddp_kw: dict[str, Any] = {}
     if "init_sync" in nn.parallel.DistributedDataParallel.__init__.__code__.co_varnames:
         ddp_kw["init_sync"] = False
-    run.train_model = nn.parallel.DistributedDataParallel(
-        run.model,
-        device_ids=[run.device.index] if run.device.type == "cuda" else None,
+    ddp = nn.parallel.DistributedDataParallel(
+        model,
+        device_ids=[place.device.index] if place.device.type == "cuda" else None,
         process_group=grad_transport.group,
         **ddp_kw,
     )
-    run.hook_state, hook = _ddp_hook(run, grad_transport)
-    run.train_model.register_comm_hook(run.hook_state, hook)
+    run.learner.train_model = ddp
+    run.comm.hook_state, hook = _ddp_hook(run, grad_transport)
+    ddp.register_comm_hook(run.comm.hook_state, hook)
+
+
+def register_state(run: Run) -> None:
+    """Each part declares its own state, in load order: data, engine and meters, schedule,
+    model and optimizer, clock, then the random generators."""
+    state = run.state
+    run.data.register(state)
+    run.comm.register(state)
+    run.learner.register(state, run.place.site.sharded)
+    run.progress.register(state)
+    state.register("rng", StatePart(ckpt.rng_state, ckpt.set_rng_state))
+
+
+def _attach_engine(run: Run) -> None:
+    """An outer-loop strategy: our engine around the model (or a peer library's)."""
+    spec, role = run.spec, run.place.role
+    run.learner.train_model = run.learner.model
+    if spec.strategy.peer:  # its settings were checked by launch()
+        run.comm.engine = torchft.TorchftDiLoCo(
+            run.learner.model,
+            run.learner.opt,
+            spec.sync,
+            timeout_s=spec.train.timeout_s,
+            streaming=spec.strategy.streaming,
+            elastic=_elastic(run),
+            peer_lighthouse=role.peer_lighthouse if role else "",
+        )
+    else:
+        run.comm.engine = LowComm(
+            _ddp_inside(run),
+            run.learner.opt,
+            spec.sync,
+            mesh=run.place.site.mesh,
+            timeout_s=spec.train.timeout_s,
+            comm_delay_s=comm_delay_for_tests(),
+            elastic=_elastic(run),
+        )
+    if role is not None:
+        run.comm.control = QuorumControl(run.comm.engine)
 
 
 def _elastic(run: Run) -> Elastic | None:
     """Membership settings of an elastic run's site (None in a fixed world)."""
-    role, cfg = run.role, run.cfg
+    role, cfg = run.place.role, run.spec.train
     if role is None:
         return None
     return Elastic(
@@ -390,27 +483,30 @@ def _elastic(run: Run) -> Elastic | None:
 def _ddp_inside(run: Run) -> nn.Module:
     """The model the engine syncs: with DDP inside a multi-rank worker, the model wrapped in DDP
     over the worker's ranks (also what trains); else the bare model."""
-    if not (run.site.sharded and run.cfg.inner_parallel == "ddp"):
-        return run.model
-    group = run.site.mesh["shard"].get_group()
-    run.train_model = nn.parallel.DistributedDataParallel(
-        run.model,
-        device_ids=[run.device.index] if run.device.type == "cuda" else None,
+    place = run.place
+    if not (place.site.sharded and run.spec.train.inner_parallel == "ddp"):
+        return run.learner.model
+    group = place.site.mesh["shard"].get_group()
+    ddp = nn.parallel.DistributedDataParallel(
+        run.learner.model,
+        device_ids=[place.device.index] if place.device.type == "cuda" else None,
         process_group=group,
     )
+    run.learner.train_model = ddp
     # the gradient all-reduce inside the worker, metered apart (not waiting on the slow link)
-    inner = GradReduceState(Transport(group, meter=run.inner_meter))
-    run.train_model.register_comm_hook(inner, allreduce_hook)
-    return run.train_model
+    inner = GradReduceState(Transport(group, meter=run.comm.inner_meter))
+    ddp.register_comm_hook(inner, allreduce_hook)
+    return ddp
 
 
 def _ddp_hook(run: Run, transport: Transport) -> tuple[GradReduceState, Callable[..., Any]]:
     """The comm hook of a per-step strategy and its state: LoCo, one of PyTorch's, or FP32."""
-    cfg, s = run.cfg, run.sync_cfg
-    if run.strategy == "loco":
+    cfg, s = run.spec.train, run.spec.sync
+    hook = run.spec.strategy.hook(cfg)
+    if hook == "loco":
         reduce = s.reduce if s.reduce in ("gather", "two-phase") else "auto"
         state = LoCoState(
-            run.model,
+            run.learner.model,
             transport,
             bits=s.loco_bits,
             beta=s.loco_beta,
@@ -422,9 +518,9 @@ def _ddp_hook(run: Run, transport: Transport) -> tuple[GradReduceState, Callable
             compress_1d=s.loco_compress_1d,
         )
         return state, loco_hook
-    if cfg.ddp_hook != "allreduce":
+    if hook != "allreduce":
         state = TorchHookState(
-            transport, cfg.ddp_hook, rank=cfg.powersgd_rank, start_iter=cfg.powersgd_start
+            transport, hook, rank=cfg.powersgd_rank, start_iter=cfg.powersgd_start
         )
         return state, torch_hook
     return GradReduceState(transport), allreduce_hook

@@ -56,23 +56,6 @@ def site_of(rank: int, world: int, ranks_per_worker: int) -> Site:
     return Site(world // n, n, rank // n, rank % n)
 
 
-def check_site_strategy(strategy: str, cfg: Any) -> None:
-    """What a multi-rank worker supports: outer-loop strategies, and plain DDP (as HSDP)."""
-    n = cfg.ranks_per_worker
-    if n == 1:
-        return
-    if (
-        strategy == "loco"
-        or strategy.startswith("torchft")
-        or (strategy == "ddp" and cfg.ddp_hook != "allreduce")
-    ):
-        what = f"ddp_hook={cfg.ddp_hook}" if strategy == "ddp" else strategy
-        raise ConfigError(
-            f"{what} does not run inside a worker of {n} ranks yet (FSDP2 does that traffic): "
-            f"use ranks_per_worker=1, or an outer-loop strategy or plain ddp"
-        )
-
-
 def build_mesh(site: Site, device: torch.device) -> None:
     """The ("replicate", "shard") mesh of a multi-rank site (every rank calls this)."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -1,0 +1,76 @@
+"""torchft's DiLoCo and Streaming DiLoCo, run by our trainer as peers for comparison.
+
+Same knobs as our own DiLoCo and Streaming DiLoCo; torchft's streaming sends FP32 (its low-bit
+path needs CUDA). The implementation is :mod:`lowcomm.peers.torchft` (an optional extra).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..config import ConfigError, SyncConfig
+from .base import Strategy, register
+from .ddp import raise_inside
+from .diloco import DiLoCo
+from .streaming import SETTINGS as STREAMING
+
+if TYPE_CHECKING:
+    from ..config import TrainConfig
+
+
+class _Peer(Strategy):
+    """A torchft method: checked by torchft's own limits, no checkpoints, no joins."""
+
+    peer = True
+    streaming = False
+    """Whether torchft syncs our fragments in turn (its Streaming DiLoCo)."""
+
+    def check(self, sync_cfg: SyncConfig, cfg: TrainConfig, resume: str | None) -> None:
+        """torchft installed, and settings its DiLoCo runs (no checkpoints)."""
+        from ..peers import torchft
+
+        torchft.check_config(sync_cfg, cfg.checkpoint_every, resume)
+
+    def check_sites(self, cfg: TrainConfig) -> None:
+        """One rank per worker: torchft's replica groups are ours of size 1."""
+        if cfg.ranks_per_worker > 1:
+            raise_inside(self.name, cfg.ranks_per_worker)
+
+    def check_schedule(self, model: Any, sync_cfg: SyncConfig) -> None:
+        """torchft's own limits on H, P and tau (its DiLoCo syncs the whole model otherwise)."""
+        if self.streaming:
+            from ..peers import torchft
+
+            torchft.check_fragments(model, sync_cfg)
+
+
+@register
+class TorchftDiLoCo(_Peer):
+    """torchft's ``DiLoCo`` with the whole model as one fragment."""
+
+    name = "torchft-diloco"
+    summary = "torchft's DiLoCo (peer, for comparison)"
+    settings = DiLoCo.settings
+
+    def check_elastic(self, cfg: TrainConfig, rejoin: bool) -> None:
+        """torchft's own Managers keep membership: no replay, quorum rounds or joins of ours."""
+        if cfg.replay:
+            raise ConfigError("--replay re-enacts lowcomm's own membership, not torchft's: drop it")
+        if cfg.rounds == "quorum":
+            raise ConfigError("rounds=quorum runs lowcomm's own methods, not torchft-diloco")
+        if rejoin:
+            raise ConfigError("a site joins lowcomm's own methods only, not torchft-diloco")
+
+
+@register
+class TorchftStreaming(_Peer):
+    """torchft's ``DiLoCo`` given our fragments: its Streaming DiLoCo, FP32 on the wire."""
+
+    name = "torchft-streaming"
+    summary = "torchft's Streaming DiLoCo (peer, for comparison; FP32 on CPU)"
+    settings = {**STREAMING, "codec": "fp32"}
+    streaming = True
+
+    def check_elastic(self, cfg: TrainConfig, rejoin: bool) -> None:
+        """Of torchft's methods, only its DiLoCo runs elastic."""
+        raise ConfigError(f"elastic=true runs torchft-diloco of torchft's methods, not {self.name}")
