@@ -110,6 +110,20 @@ def test_registry_declarations_match_the_classes_and_the_wire():
     assert "lut" not in CODEC_NAMES  # a building block: no codec=lut
 
 
+def test_config_choices_come_from_the_registry():
+    from lowcomm.config import CODECS, DENSE_CODECS, ConfigError, SyncConfig
+
+    assert CODECS == CODEC_NAMES and DENSE_CODECS == ("fp32", "bf16", "fp16")
+    assert all(name in SyncConfig.__dataclass_fields__["codec"].metadata["help"] for name in CODECS)
+    with pytest.raises(ConfigError, match="unknown codec 'int3': choose one of fp32, bf16"):
+        SyncConfig(codec="int3")
+    with pytest.raises(ConfigError, match="codec must be one of fp32"):
+        SyncConfig(codec=4)
+    with pytest.raises(ConfigError, match="two-phase needs an element-wise codec"):
+        SyncConfig(codec="topk", reduce="two-phase")
+    assert SyncConfig(codec="topk").resolved_aggregation == "selected-mean"
+
+
 # ---- sizes -------------------------------------------------------------------------------------
 
 
