@@ -97,16 +97,16 @@ def test_registry_declarations_match_the_classes_and_the_wire():
     from lowcomm.codecs import specs
     from lowcomm.codecs._format import CODEC_IDS
 
-    assert CODEC_IDS == {
+    assert CODEC_IDS.items() >= {
         "fp32": 1, "bf16": 2, "fp16": 3, "int8": 4, "int4": 5, "int2": 6, "fp4": 7,
         "topk": 8, "lut": 9, "int4-authors": 10,
-    }  # fmt: skip
+    }.items()  # fmt: skip
     for name in CODEC_NAMES:
         spec, c = specs()[name], make_codec(name)
         assert c.name == (spec.alias_of or name)
         assert c.elementwise is spec.elementwise
         assert spec.sparse is hasattr(c, "decode_sparse")
-        assert spec.dense is (getattr(c, "dtype", None) is not None)
+        assert not spec.dense or isinstance(c.dtype, torch.dtype)  # allreduce sums in it
     assert "lut" not in CODEC_NAMES  # a building block: no codec=lut
 
 
