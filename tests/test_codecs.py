@@ -92,6 +92,38 @@ def test_registry_names_and_errors():
     assert make_codec("topk", density=1 / 32, block_size=None).density == 1 / 32
 
 
+def test_registry_declarations_match_the_classes_and_the_wire():
+    """Each @register is what its class does; the wire ids are the format's (never renumber)."""
+    from lowcomm.codecs import specs
+    from lowcomm.codecs._format import CODEC_IDS
+
+    assert CODEC_IDS.items() >= {
+        "fp32": 1, "bf16": 2, "fp16": 3, "int8": 4, "int4": 5, "int2": 6, "fp4": 7,
+        "topk": 8, "lut": 9, "int4-authors": 10,
+    }.items()  # fmt: skip
+    for name in CODEC_NAMES:
+        spec, c = specs()[name], make_codec(name)
+        assert c.name == (spec.alias_of or name)
+        assert c.elementwise is spec.elementwise
+        assert spec.sparse is hasattr(c, "decode_sparse")
+        assert not spec.dense or isinstance(c.dtype, torch.dtype)  # allreduce sums in it
+    assert "lut" not in CODEC_NAMES  # a building block: no codec=lut
+
+
+def test_config_choices_come_from_the_registry():
+    from lowcomm.config import CODECS, DENSE_CODECS, ConfigError, SyncConfig
+
+    assert CODECS == CODEC_NAMES and DENSE_CODECS == ("fp32", "bf16", "fp16")
+    assert all(name in SyncConfig.__dataclass_fields__["codec"].metadata["help"] for name in CODECS)
+    with pytest.raises(ConfigError, match="unknown codec 'int3': choose one of fp32, bf16"):
+        SyncConfig(codec="int3")
+    with pytest.raises(ConfigError, match="codec must be one of fp32"):
+        SyncConfig(codec=4)
+    with pytest.raises(ConfigError, match="two-phase needs an element-wise codec"):
+        SyncConfig(codec="topk", reduce="two-phase")
+    assert SyncConfig(codec="topk").resolved_aggregation == "selected-mean"
+
+
 # ---- sizes -------------------------------------------------------------------------------------
 
 

@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from ..compensation import Compensation
 
 METHODS = ("allreduce", "gather", "two-phase")
-_DENSE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def aggregator_for(
@@ -52,9 +51,11 @@ def make_aggregator(cfg: SyncConfig, world_size: int) -> Aggregator:
     method = cfg.reduce
     if method == "auto":
         method = "allreduce" if cfg.codec in DENSE_CODECS else "gather"
-    if method == "allreduce":
-        return aggregator_for("allreduce", None, world_size, dense_dtype=_DENSE_DTYPES[cfg.codec])
     from ..codecs import make_codec  # the codec registry
+
+    if method == "allreduce":  # a dense codec: its values are summed in its dtype
+        dtype = make_codec(cfg.codec).dtype
+        return aggregator_for("allreduce", None, world_size, dense_dtype=dtype)
     from ..compensation import make_compensation
 
     codec = make_codec(

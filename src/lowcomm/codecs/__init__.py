@@ -1,90 +1,48 @@
 """Codecs: a tensor <-> the bytes that really go on the wire.
 
-``make_codec(name, **opts)`` builds one by its config name:
-
-==========  =====================================================  ============================
-name        format                                                 options
-==========  =====================================================  ============================
-fp32        dense IEEE float32 (exact)                             --
-bf16        dense bfloat16 (round to nearest even)                 --
-fp16        dense float16 (round to nearest even)                  --
-int8/4/2    symmetric absmax per block, offset-binary codes        block_size=256, stochastic,
-                                                                   generator
-loco        int4 (the codec LoCo's compensation wraps)             as int4
-fp4         FP4 E3M0, absmax per block                             block_size=256, stochastic,
-                                                                   generator
-topk        chunked top-k (64x64 tiles), packed indices + values   density=1/64, value_bits=2,
-                                                                   value_codec=None (2-bit LUT)
-==========  =====================================================  ============================
-
-``int4-authors`` is the LoCo authors' int4 (absmax/8, codes -8..7 with the top clipped, round
-half to even; option block_size=256); see ``int4_authors``.
+``make_codec(name, **opts)`` builds one by its config name. Each codec's file declares it with
+``@register(name, wire_id=..., options=..., ...)`` on its class (see ``registry``) and describes
+its format in its docstring; ``CODEC_NAMES`` and every other list of codecs derive from those
+declarations. Today: fp32/bf16/fp16 (dense), int8/int4/int2 and fp4 (absmax per block; ``loco``
+is int4), topk (chunked top-k, SparseLoCo) and int4-authors (the LoCo authors' int4).
 
 A config may pass every codec knob to every codec: options of *other* codecs and options given
 as None are ignored, while a name no codec knows (a typo) raises ValueError. Every payload
-starts with a 16-byte header
-(see ``_format``); block scales are fp32 and counted in ``nbytes``.
+starts with a 16-byte header (see ``_format``); block scales are fp32 and counted in ``nbytes``.
+
+Importing this package does not import torch (the config reads the registry); the codec
+classes below load on first use.
 """
 
 from __future__ import annotations
 
-from .base import Codec, PayloadError
-from .dense import DenseCodec
-from .fp4 import FP4Codec
-from .int4_authors import AuthorsInt4Codec, authors_group_size
-from .lut import LutCodec
-from .topk import TopKCodec
-from .uniform import UniformCodec
+import importlib
+from typing import Any
 
-CODEC_NAMES: tuple[str, ...] = (
-    "fp32",
-    "bf16",
-    "fp16",
-    "int8",
-    "int4",
-    "int2",
-    "fp4",
-    "topk",
-    "loco",
-    "int4-authors",
-)
+from ..errors import PayloadError
+from .registry import CodecSpec, codec_names, make_codec, register, specs
 
-_OPTIONS = {
-    "fp32": (),
-    "bf16": (),
-    "fp16": (),
-    "int8": ("block_size", "stochastic", "generator"),
-    "int4": ("block_size", "stochastic", "generator"),
-    "int2": ("block_size", "stochastic", "generator"),
-    "loco": ("block_size", "stochastic", "generator"),
-    "fp4": ("block_size", "stochastic", "generator"),
-    "int4-authors": ("block_size",),
-    "topk": ("density", "value_bits", "value_codec"),
+#: the names ``make_codec`` and ``codec=NAME`` accept, in the order configs list them
+CODEC_NAMES: tuple[str, ...] = codec_names()
+
+# public name -> the module that defines it (imported on first access: those import torch)
+_LAZY = {
+    "AuthorsInt4Codec": "int4_authors",
+    "authors_group_size": "int4_authors",
+    "Codec": "base",
+    "DenseCodec": "dense",
+    "FP4Codec": "fp4",
+    "LutCodec": "lut",
+    "TopKCodec": "topk",
+    "UniformCodec": "uniform",
 }
 
 
-def make_codec(name: str, **opts) -> Codec:
-    """Build the codec called ``name`` (one of CODEC_NAMES) with its options."""
-    if name not in _OPTIONS:
-        raise ValueError(f"unknown codec {name!r}; valid names: {', '.join(CODEC_NAMES)}")
-    known = {o for os_ in _OPTIONS.values() for o in os_}
-    unknown = sorted(set(opts) - known)
-    if unknown:
-        raise ValueError(f"unknown codec option(s) {unknown}; valid options: {sorted(known)}")
-    opts = {k: v for k, v in opts.items() if v is not None and k in _OPTIONS[name]}
-    if name in ("fp32", "bf16", "fp16"):
-        return DenseCodec(name)
-    if name in ("int8", "int4", "int2", "loco"):
-        bits = 4 if name == "loco" else int(name[3:])
-        return UniformCodec(bits, **opts)
-    if name == "int4-authors":
-        return AuthorsInt4Codec(**opts)
-    if name == "fp4":
-        return FP4Codec(**opts)
-    if isinstance(opts.get("value_codec"), str):
-        # a codec name is resolved here, by the registry: topk.py cannot import it (a cycle)
-        opts["value_codec"] = make_codec(opts["value_codec"])
-    return TopKCodec(**opts)
+def __getattr__(name: str) -> Any:
+    """Load a codec class (and torch) when it is first asked for."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
 
 
 __all__ = [
@@ -92,11 +50,15 @@ __all__ = [
     "authors_group_size",
     "CODEC_NAMES",
     "Codec",
+    "CodecSpec",
     "DenseCodec",
     "FP4Codec",
     "LutCodec",
     "PayloadError",
     "TopKCodec",
     "UniformCodec",
+    "codec_names",
     "make_codec",
+    "register",
+    "specs",
 ]

@@ -22,6 +22,7 @@ import sys
 import torch
 
 from .base import PayloadError
+from .registry import specs
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian torch platform in use
     raise ImportError("lowcomm codecs assume a little-endian host")
@@ -29,18 +30,9 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian torch platform
 HEADER_BYTES = 16
 MAGIC = b"LC"
 VERSION = 1
-CODEC_IDS = {
-    "fp32": 1,
-    "bf16": 2,
-    "fp16": 3,
-    "int8": 4,
-    "int4": 5,
-    "int2": 6,
-    "fp4": 7,
-    "topk": 8,
-    "lut": 9,
-    "int4-authors": 10,
-}
+# codec name -> header byte 3: each codec's ``@register(wire_id=...)`` (an alias writes its
+# target's, under the target's name)
+CODEC_IDS = {s.name: s.wire_id for s in specs().values() if s.wire_id is not None}
 _ID_NAMES = {v: k for k, v in CODEC_IDS.items()}
 _STRUCT = struct.Struct("<2sBBIQ")
 

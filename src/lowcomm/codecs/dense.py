@@ -12,13 +12,15 @@ import torch
 
 from ._format import HEADER_BYTES, check_payload, numel_of, write_header
 from .base import Codec
+from .registry import register
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+@register("fp32", wire_id=1, dense=True, args={"name": "fp32"})
+@register("bf16", wire_id=2, dense=True, args={"name": "bf16"})
+@register("fp16", wire_id=3, dense=True, args={"name": "fp16"})
 class DenseCodec(Codec):
-    elementwise = True
-
     def __init__(self, name: str = "fp32") -> None:
         if name not in _DTYPES:
             raise ValueError(f"dense codec must be one of {sorted(_DTYPES)}, got {name!r}")

@@ -29,6 +29,7 @@ from . import _native
 from ._block import MIN_SCALE, BlockCodec, dither
 from ._format import HEADER_BYTES, check_finite_scales, check_payload, numel_of
 from .bitpack import PLANE_BYTES
+from .registry import register
 
 
 def _encode_table() -> torch.Tensor:
@@ -64,8 +65,8 @@ def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return _TABLES[device]
 
 
+@register("fp4", wire_id=7, options=("block_size", "stochastic", "generator"))
 class FP4Codec(BlockCodec):
-    name = "fp4"
     bits = 4
     pad_code = 0
     invalid_codes = "0b1000, negative zero"

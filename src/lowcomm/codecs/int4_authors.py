@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ._block import DEFAULT_BLOCK_SIZE, BlockCodec
+from .registry import register
 
 _MAGIC = float(2**23)
 
@@ -35,11 +36,11 @@ def authors_group_size(shape: torch.Size | tuple[int, ...], fallback: int) -> in
     return max(1, min(rows, cols))
 
 
+@register("int4-authors", wire_id=10, options=("block_size",))
 class AuthorsInt4Codec(BlockCodec):
     """absmax/8 int4, codes -8..7 (top clipped), round half to even, per ``block_size`` group."""
 
     bits = 4
-    name = "int4-authors"
     pad_code = 8  # the zero code
     invalid_codes = "none: all 16 codes are valid"
 

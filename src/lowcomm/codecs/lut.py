@@ -36,17 +36,16 @@ from ._format import (
 )
 from .base import Codec
 from .bitpack import pack_bits, packed_nbytes, unpack_bits
+from .registry import register
 
 
+@register("lut", wire_id=9, config=False)  # only as top-k's value codec
 class LutCodec(Codec):
-    elementwise = True
-
     def __init__(self, bits: int = 2) -> None:
         if not 1 <= bits <= 8:
             raise ValueError(f"lookup codec bits must be in 1..8, got {bits}")
         self.bits = bits
         self.levels = 2**bits
-        self.name = "lut"
 
     def __repr__(self) -> str:
         return f"LutCodec(bits={self.bits})"

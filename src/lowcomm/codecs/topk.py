@@ -39,6 +39,7 @@ from ._format import (
 from .base import Codec, PayloadError
 from .bitpack import bits_for, pack_bits, packed_nbytes, unpack_bits
 from .lut import LutCodec
+from .registry import make_codec, register
 
 MAX_SIDE = 64
 
@@ -140,10 +141,14 @@ def _lowest_among_ties(mag: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return idx
 
 
+@register(
+    "topk",
+    wire_id=8,
+    options=("density", "value_bits", "value_codec"),
+    elementwise=False,
+    sparse=True,
+)
 class TopKCodec(Codec):
-    name = "topk"
-    elementwise = False
-
     def __init__(
         self,
         density: float = 1 / 64,
@@ -155,11 +160,8 @@ class TopKCodec(Codec):
         self.density = float(density)
         if value_codec is None:
             value_codec = LutCodec(value_bits)
-        elif isinstance(value_codec, str):  # names are make_codec's job: the registry is above
-            raise ValueError(
-                f"top-k values need a codec, got the name {value_codec!r}: pass "
-                f"make_codec({value_codec!r}), or value_codec={value_codec!r} to make_codec('topk')"
-            )
+        elif isinstance(value_codec, str):  # a codec name (value_codec="fp32" in make_codec)
+            value_codec = make_codec(value_codec)
         if not isinstance(value_codec, Codec) or not value_codec.elementwise:
             raise ValueError(f"top-k values need an element-wise codec, got {value_codec!r}")
         self.value_codec = value_codec

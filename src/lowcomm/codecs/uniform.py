@@ -25,10 +25,16 @@ from __future__ import annotations
 import torch
 
 from ._block import DEFAULT_BLOCK_SIZE, BlockCodec, dither
+from .registry import register
 
 _MAGIC = float(2**23)
+_OPTIONS = ("block_size", "stochastic", "generator")
 
 
+@register("int8", wire_id=4, options=_OPTIONS, args={"bits": 8})
+@register("int4", wire_id=5, options=_OPTIONS, args={"bits": 4})
+@register("int2", wire_id=6, options=_OPTIONS, args={"bits": 2})
+@register("loco", alias_of="int4")  # the codec LoCo's compensation wraps
 class UniformCodec(BlockCodec):
     def __init__(
         self,

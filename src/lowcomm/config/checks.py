@@ -11,7 +11,7 @@ from typing import Any, Literal, get_args
 
 from ..errors import ConfigError
 from . import choices
-from .choices import DENSE_CODECS
+from .choices import CODECS, DENSE_CODECS, ELEMENTWISE_CODECS, SPARSE_CODECS
 
 # annotation name -> its Literal: every Literal that choices.py defines
 _LITERALS = {
@@ -19,6 +19,8 @@ _LITERALS = {
     for name, value in vars(choices).items()
     if getattr(value, "__origin__", None) is Literal
 }
+# annotation name -> its choices: the Literals' and the codec registry's names
+_CHOICES = {name: get_args(lit) for name, lit in _LITERALS.items()} | {"Codec": CODECS}
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -30,13 +32,14 @@ def check_types(cfg: Any) -> None:
     """ConfigError unless every field of the dataclass ``cfg`` holds a value of its declared kind.
 
     ints must be ints (not bools, not 10.5), floats may be given as ints, bools must be bools,
-    and Literal fields one of their choices; the message names the field and what to pass.
+    and Literal fields (and ``codec``, the registry's names) one of their choices; the message
+    names the field and what to pass.
     """
     for f in fields(cfg):
         value = getattr(cfg, f.name)
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-        if kind in _LITERALS:
-            allowed = get_args(_LITERALS[kind])
+        if kind in _CHOICES:
+            allowed = _CHOICES[kind]
             if not isinstance(value, str):
                 raise ConfigError(f"{f.name} must be one of {', '.join(allowed)}; got {value!r}")
             _choice(f.name, value, allowed)
@@ -104,15 +107,16 @@ def validate_sync(cfg: Any) -> None:
             f"reduce=allreduce needs a dense codec ({', '.join(DENSE_CODECS)}), "
             f"got codec={cfg.codec}: use reduce=gather or reduce=two-phase"
         )
-    if cfg.aggregation == "selected-mean" and cfg.codec != "topk":
+    if cfg.aggregation == "selected-mean" and cfg.codec not in SPARSE_CODECS:
         raise ConfigError(
-            f"aggregation=selected-mean needs codec=topk (got codec={cfg.codec}): "
+            f"aggregation=selected-mean needs codec={'|'.join(SPARSE_CODECS)} "
+            f"(got codec={cfg.codec}): "
             f"use aggregation=mean or auto"
         )
-    if cfg.reduce == "two-phase" and cfg.codec == "topk":
+    if cfg.reduce == "two-phase" and cfg.codec not in ELEMENTWISE_CODECS:
         raise ConfigError(
-            "reduce=two-phase needs an element-wise codec; top-k tiles whole "
-            "tensors: use reduce=gather"
+            f"reduce=two-phase needs an element-wise codec; {cfg.codec} encodes whole "
+            f"tensors: use reduce=gather"
         )
 
 

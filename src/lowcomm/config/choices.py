@@ -1,15 +1,17 @@
 """The closed choices of the config: one ``Literal`` per multiple-choice knob (the Literal is the
-list of choices), and the codec names."""
+list of choices), and the codec names, which the codec registry declares (torch-free)."""
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Literal
+
+from ..codecs.registry import codec_names
 
 # The closed choices of SyncConfig: one list each (the Literal is the list).
 FragmentPattern = Literal["strided", "sequential"]
-Codec = Literal[
-    "fp32", "bf16", "fp16", "int8", "int4", "int2", "fp4", "topk", "loco", "int4-authors"
-]
+# a codec's name: one of CODECS, checked at run time (checks.check_types); no Literal, as the
+# registry is the one list and a new codec's file adds its name
+Codec = str
 Reduce = Literal["auto", "allreduce", "gather", "two-phase"]
 Aggregation = Literal["auto", "mean", "selected-mean"]
 Compensation = Literal["none", "ef", "loco"]
@@ -27,5 +29,8 @@ InnerParallel = Literal["fsdp", "ddp"]
 Rounds = Literal["lockstep", "quorum"]
 Late = Literal["carry", "drop"]
 
-CODECS: tuple[str, ...] = get_args(Codec)
-DENSE_CODECS = ("fp32", "bf16", "fp16")
+# the codec names by the properties their @register declares
+CODECS: tuple[str, ...] = codec_names()
+DENSE_CODECS: tuple[str, ...] = codec_names(dense=True)
+ELEMENTWISE_CODECS: tuple[str, ...] = codec_names(elementwise=True)
+SPARSE_CODECS: tuple[str, ...] = codec_names(sparse=True)

@@ -14,6 +14,8 @@ from typing import Any
 
 from . import checks
 from .choices import (
+    CODECS,
+    SPARSE_CODECS,
     Aggregation,
     Buffers,
     ClipMode,
@@ -77,9 +79,7 @@ class SyncConfig:
         "(the alpha-mix above) or continue (the new global copy plus the "
         "steps taken since the send). CO2's whole-round overlap uses co2_merge.",
     )
-    codec: Codec = knob(
-        "fp32", "What goes on the wire: fp32|bf16|fp16|int8|int4|int2|fp4|topk|loco|int4-authors."
-    )
+    codec: Codec = knob("fp32", f"What goes on the wire: {'|'.join(CODECS)}.")
     codec_block: int = knob(128, "Elements per scale block for the int-k and fp4 codecs.")
     density: float = knob(
         1 / 64, "Top-k codec: fraction of entries kept per chunk (1/64 = 64 of 4096)."
@@ -196,7 +196,7 @@ class SyncConfig:
         """``aggregation`` with auto resolved: selected-mean for top-k payloads, mean otherwise."""
         if self.aggregation != "auto":
             return self.aggregation
-        return "selected-mean" if self.codec == "topk" else "mean"
+        return "selected-mean" if self.codec in SPARSE_CODECS else "mean"
 
     @property
     def tau(self) -> int:
