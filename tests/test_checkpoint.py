@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from lowcomm.checkpoint import (
+from lowcomm.train.checkpoint import (
     CheckpointError,
     CheckpointWarning,
     check_weights_only_safe,

@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lowcomm import checkpoint as ckpt
 from lowcomm import cli
 from lowcomm.config import build_configs
 from lowcomm.presets import preset_config
+from lowcomm.train import checkpoint as ckpt
 
 LOWCOMM = [sys.executable, "-m", "lowcomm.cli"]
 TINY = ["--model", "tiny", "batch_size=2", "seq_len=16", "eval_batches=2", "progress=false"]

@@ -11,8 +11,8 @@ from lowcomm.config import ConfigError, build_configs
 from lowcomm.peers import torchft as torchft_peer
 from lowcomm.presets import preset_config
 from lowcomm.train.launch import launch
-from lowcomm.train.spec import RunSpec
 from lowcomm.train.model import build_model
+from lowcomm.train.spec import RunSpec
 
 
 def test_missing_torchft_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

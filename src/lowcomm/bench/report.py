@@ -22,7 +22,7 @@ def _write_json(results: list[RunSummary], path: Path) -> None:
 
 def provenance(command: str | None = None) -> str:
     """One line naming what produced a table or plot: the command, the commit and the date."""
-    from ..train.loop import git_rev
+    from ..provenance import git_rev
 
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     cmd = command if command is not None else "lowcomm " + " ".join(sys.argv[1:])

@@ -251,7 +251,7 @@ def _worker_failure(e: Any, out_dir: Path) -> LaunchError:
 
 def interrupted_message(out_dir: str | Path) -> str:
     """'interrupted at step N; last checkpoint ...; resume with ...' for a stopped run."""
-    from .. import checkpoint as ckpt
+    from . import checkpoint as ckpt
 
     out = Path(out_dir)
     step = _last_logged_step(out)
@@ -303,7 +303,7 @@ def peer_lost_message(e: BaseException, out_dir: str | Path | None) -> str | Non
 
 
 def _last_checkpoint_hint(out_dir: str | Path) -> str:
-    from .. import checkpoint as ckpt
+    from . import checkpoint as ckpt
 
     try:
         last = ckpt.latest_complete(Path(out_dir), checksums=False)
@@ -318,7 +318,7 @@ def find_resume(run_dir: str | Path) -> tuple[Path, dict[str, Any]]:
     """The newest complete checkpoint of a run folder and its saved run config, or ConfigError."""
     import warnings
 
-    from .. import checkpoint as ckpt
+    from . import checkpoint as ckpt
 
     run = Path(run_dir)
     if not run.is_dir():

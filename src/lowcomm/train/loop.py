@@ -15,16 +15,15 @@ import dataclasses
 import json
 import os
 import resource
-import subprocess
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..elastic.faults import act, pace, parse_faults
+from ..provenance import git_rev
 from ..transport import ring_all_reduce_bytes, shutdown
 from .log import RunLog
 from .model import count_params
@@ -455,22 +454,3 @@ def _write_workers_json(run: Run) -> None:
 def time_since(t: float) -> float:
     """Seconds elapsed since the ``time.perf_counter()`` reading ``t``."""
     return time.perf_counter() - t
-
-
-def git_rev() -> str:
-    """The source tree's git revision (with -dirty), LOWCOMM_GIT_REV if set, or 'unknown'."""
-    if os.environ.get("LOWCOMM_GIT_REV"):  # benchmarks run from a snapshot of the tree
-        return os.environ["LOWCOMM_GIT_REV"]
-    here = Path(__file__).resolve().parent
-
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", "-C", str(here), *args], capture_output=True, text=True, timeout=5
-        ).stdout.strip()
-
-    try:
-        rev = git("rev-parse", "--short", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
-        return (rev + ("-dirty" if dirty else "")) if rev else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"

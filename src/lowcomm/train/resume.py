@@ -1,6 +1,6 @@
 """Checkpoints of a running trainer: what a run saves at a sync boundary and how it continues.
 
-The file format (per-rank files, meta.json, checksums, pruning) is :mod:`lowcomm.checkpoint`;
+The file format (per-rank files, meta.json, checksums, pruning) is :mod:`lowcomm.train.checkpoint`;
 this module decides what goes in them for a :class:`~lowcomm.train.run.Run`.
 """
 
@@ -13,9 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import checkpoint as ckpt
 from ..config import ConfigError
 from ..loco import TorchHookState
+from . import checkpoint as ckpt
 from .run import Run
 
 KEEP = 3

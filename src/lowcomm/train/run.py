@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import checkpoint as ckpt
 from ..config import ConfigError, TrainConfig
 from ..elastic import Elastic
 from ..engine import LowComm
@@ -30,6 +29,7 @@ from ..loco import GradReduceState, LoCoState, TorchHookState, allreduce_hook, l
 from ..peers import torchft
 from ..protocols import SyncEngine
 from ..transport import ByteMeter, Transport
+from . import checkpoint as ckpt
 from .build import build_model
 from .data import Batches, load_corpus, val_batches
 from .site_role import QuorumControl, SiteRole

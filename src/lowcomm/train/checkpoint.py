@@ -58,7 +58,7 @@ _MAPPINGS = (dict, collections.OrderedDict)  # model.state_dict() is an OrderedD
 _SEQUENCES = (list, tuple, torch.Size)
 
 
-from .errors import CheckpointError  # noqa: E402,F401  (re-exported)
+from ..errors import CheckpointError  # noqa: E402,F401  (re-exported)
 
 
 class CheckpointWarning(UserWarning):
