@@ -11,6 +11,8 @@ Codec = Literal[
     "fp32", "bf16", "fp16", "int8", "int4", "int2", "fp4", "topk", "loco", "int4-authors"
 ]
 Reduce = Literal["auto", "allreduce", "gather", "two-phase"]
+# auto + the combine rules' names: the rules (aggregate/rules/) register themselves, but they
+# import torch and this module must not, so the list is kept here; tests/test_combine.py checks it
 Aggregation = Literal["auto", "mean", "selected-mean"]
 Compensation = Literal["none", "ef", "loco"]
 OuterKind = Literal["nesterov", "sgd", "co2"]
