@@ -8,18 +8,26 @@ from typing import TYPE_CHECKING
 import torch
 
 from .base import Aggregator, Encoded, Reduced, contribution, numel
+from .combine import Combine, SumCombine
 
 if TYPE_CHECKING:
     from ..transport import Transport
 
 
 class AllReduceAggregator(Aggregator):
-    """Averages by casting to ``dense_dtype`` and summing with one all-reduce (no codec)."""
+    """Casts to ``dense_dtype``, sums with one all-reduce (no codec) and lets the rule (a sum
+    rule, the mean by default) finish the sum."""
 
     method = "allreduce"
+    rule: SumCombine  # checked in Aggregator.__init__
 
-    def __init__(self, world_size: int, dense_dtype: torch.dtype = torch.float32) -> None:
-        super().__init__(None, world_size)
+    def __init__(
+        self,
+        world_size: int,
+        dense_dtype: torch.dtype = torch.float32,
+        aggregation: str | Combine = "mean",
+    ) -> None:
+        super().__init__(None, world_size, aggregation)
         self.dense_dtype = dense_dtype
 
     def encode(
@@ -50,8 +58,9 @@ class AllReduceAggregator(Aggregator):
     def exchange(
         self, enc: Encoded, transport: Transport, weights: list[float] | None = None
     ) -> Reduced:
-        """All-reduce and divide by the summed flags (weighted: each worker scales its
-        payload and flag by its weight first, so the flags sum to the total weight).
+        """All-reduce, then the rule finishes the sum with the summed flags (weighted: each
+        worker scales its payload and flag by its weight first, so the flags sum to the total
+        weight).
 
         The all-reduce sums ``enc.payload`` in place (a model-sized copy saved) unless
         ``enc.local`` was asked for, which may share its memory.
@@ -61,11 +70,10 @@ class AllReduceAggregator(Aggregator):
             buf.mul_(weights[transport.rank])
         self._timed(transport.all_reduce, buf)
         if weights is not None:
-            total = float(buf[-1])
             valid = sum(1 for w in weights if w > 0)
-            return Reduced(buf[:-1].float().div_(total if total > 0 else 1.0), valid)
+            return Reduced(self.rule.finish(buf[:-1].float(), float(buf[-1])), valid)
         count = int(round(float(buf[-1])))
-        return Reduced(buf[:-1].float().div_(max(count, 1)), count)
+        return Reduced(self.rule.finish(buf[:-1].float(), count), count)
 
     def payload_nbytes(self, shapes: list[torch.Size]) -> int:
         """``(numel + 1)`` elements of ``dense_dtype``."""

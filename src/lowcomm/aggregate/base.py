@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from ..codecs.base import Codec, PayloadError
+from .combine import Combine, check_sum_only, combine_for
 
 if TYPE_CHECKING:  # the math never calls the transport's module, only the object handed in
     from ..compensation import Compensation
@@ -39,20 +40,27 @@ class Encoded:
 class Reduced:
     """The result of one exchange."""
 
-    mean: torch.Tensor  # flat FP32 average over the valid workers
+    mean: torch.Tensor  # flat FP32: the rule's combination (the mean) of the valid workers
     valid_workers: int  # how many workers contributed
 
 
 class Aggregator(ABC):
-    """Averages flat groups of tensors across workers through one codec and one exchange.
+    """Combines flat groups of tensors across workers through one codec, one exchange and one
+    combine rule (:mod:`~lowcomm.aggregate.combine`, chosen here, once).
 
     Subclasses are the exchanges (all-reduce, gather, two-phase); ``method`` names which.
     """
 
     method: str  # "allreduce", "gather" or "two-phase": for callers that report or branch on it
+    sums_only = True  # the exchange can only sum: it runs sum-decomposable rules only
 
-    def __init__(self, codec: Codec | None, world_size: int) -> None:
+    def __init__(
+        self, codec: Codec | None, world_size: int, aggregation: str | Combine = "mean"
+    ) -> None:
         self.codec, self.world_size = codec, world_size
+        self.rule = combine_for(aggregation)
+        if self.sums_only:
+            check_sum_only(self.rule, self.method)
         # only the two-phase reduce quantises twice; elsewhere there is nothing to compensate
         self.reduce_compensation: Compensation | None = None
         # seconds inside the collectives of exchange(): the rest of it is decoding and summing
@@ -84,11 +92,11 @@ class Aggregator(ABC):
     def exchange(
         self, enc: Encoded, transport: Transport, weights: list[float] | None = None
     ) -> Reduced:
-        """Run the collectives and return the flat FP32 average over the valid workers.
+        """Run the collectives and return the rule's flat FP32 combination of the valid workers.
 
-        ``weights`` (one per worker, every worker the same list): the weighted mean
-        ``sum w_j x_j / sum w_j`` over the valid workers instead of the plain one (quorum
-        rounds weight each site by the inner steps its pseudo-gradient holds).
+        ``weights`` (one per worker, every worker the same list): the rule weighs each valid
+        worker's contribution (the mean: ``sum w_j x_j / sum w_j``); quorum rounds weight each
+        site by the inner steps its pseudo-gradient holds.
         The blocking part: it may run on the transport's comm thread.
         """
 
@@ -111,12 +119,6 @@ class Aggregator(ABC):
             return collective(arg)
         finally:
             self.collective_s += time.perf_counter() - t0
-
-
-def check_selected_mean(codec: Codec | None, aggregation: str) -> None:
-    """Raise ValueError if ``aggregation`` is selected-mean and ``codec`` is not sparse."""
-    if aggregation == "selected-mean" and not hasattr(codec, "decode_sparse"):
-        raise ValueError("aggregation=selected-mean needs a sparse codec (codec=topk)")
 
 
 def flag(byte: torch.Tensor, who: str) -> bool:

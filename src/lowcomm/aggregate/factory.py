@@ -1,5 +1,10 @@
-"""Choose the aggregator once: by method name (:func:`aggregator_for`) or from a SyncConfig
-(:func:`make_aggregator`, which also resolves reduce=auto and builds the codec)."""
+"""Choose the aggregator and its combine rule once: by method name (:func:`aggregator_for`) or
+from a SyncConfig (:func:`make_aggregator`, which also resolves reduce=auto and builds the codec).
+
+Which codec fits which exchange and rule is checked once, by the config's validation
+(:func:`lowcomm.config.checks.validate_sync`); only what the rule object alone knows (whether it
+is a sum, which the all-reduce and two-phase exchanges need) is checked when the aggregator is
+built (:func:`~lowcomm.aggregate.combine.check_sum_only`)."""
 
 from __future__ import annotations
 
@@ -9,9 +14,10 @@ import torch
 
 from ..config import DENSE_CODECS, SyncConfig
 from .allreduce import AllReduceAggregator
-from .base import Aggregator, check_selected_mean
+from .base import Aggregator
+from .combine import Combine, combine_for
 from .gather import GatherAggregator
-from .two_phase import TwoPhaseAggregator, check_elementwise
+from .two_phase import TwoPhaseAggregator
 
 if TYPE_CHECKING:
     from ..codecs.base import Codec
@@ -24,30 +30,30 @@ def aggregator_for(
     method: str,
     codec: Codec | None,
     world_size: int,
-    aggregation: str = "mean",
+    aggregation: str | Combine = "mean",
     dense_dtype: torch.dtype = torch.float32,
     reduce_compensation: Compensation | None = None,
 ) -> Aggregator:
-    """The aggregator for ``method`` ("allreduce", "gather" or "two-phase"); ValueError if the
-    settings do not fit it. Settings the chosen exchange does not use are ignored."""
+    """The aggregator for ``method`` ("allreduce", "gather" or "two-phase") combining by the
+    rule ``aggregation``; ValueError if the method is unknown or lacks its codec, ConfigError
+    if it cannot run the rule. Settings the chosen exchange does not use are ignored."""
     if method not in METHODS:
         raise ValueError(f"unknown reduce method {method}")
     if method != "allreduce" and codec is None:
         raise ValueError(f"reduce={method} needs a codec")
-    # the checks in the order they always ran, so a config that breaks two rules names the same
-    if method == "two-phase" and codec is not None:
-        check_elementwise(codec)
-    check_selected_mean(codec, aggregation)
+    rule = combine_for(aggregation)
     if method == "allreduce":
-        return AllReduceAggregator(world_size, dense_dtype=dense_dtype)
+        return AllReduceAggregator(world_size, dense_dtype=dense_dtype, aggregation=rule)
     assert codec is not None
     if method == "gather":
-        return GatherAggregator(codec, world_size, aggregation=aggregation)
-    return TwoPhaseAggregator(codec, world_size, reduce_compensation=reduce_compensation)
+        return GatherAggregator(codec, world_size, aggregation=rule)
+    return TwoPhaseAggregator(
+        codec, world_size, reduce_compensation=reduce_compensation, aggregation=rule
+    )
 
 
 def make_aggregator(cfg: SyncConfig, world_size: int) -> Aggregator:
-    """The aggregator for a config: resolves reduce=auto and builds the codec."""
+    """The aggregator for a (validated) config: resolves reduce=auto and builds the codec."""
     method = cfg.reduce
     if method == "auto":
         method = "allreduce" if cfg.codec in DENSE_CODECS else "gather"
@@ -55,7 +61,9 @@ def make_aggregator(cfg: SyncConfig, world_size: int) -> Aggregator:
 
     if method == "allreduce":  # a dense codec: its values are summed in its dtype
         dtype = make_codec(cfg.codec).dtype
-        return aggregator_for("allreduce", None, world_size, dense_dtype=dtype)
+        return aggregator_for(
+            "allreduce", None, world_size, aggregation=cfg.resolved_aggregation, dense_dtype=dtype
+        )
     from ..compensation import make_compensation
 
     codec = make_codec(

@@ -17,20 +17,17 @@ import torch
 
 from ..codecs.base import Codec
 from .base import Aggregator, Encoded, Reduced, contribution, flag, numel
+from .combine import Combine, Parts
 
 if TYPE_CHECKING:
     from ..compensation import Compensation
     from ..transport import Transport
 
 
-def check_elementwise(codec: Codec) -> None:
-    """Raise ValueError if ``codec`` cannot be cut into shards (it is not element-wise)."""
-    if not codec.elementwise:
-        raise ValueError(f"codec {codec.name} is not element-wise: use reduce=gather")
-
-
 class TwoPhaseAggregator(Aggregator):
-    """Averages by reduce-scatter (all-to-all of encoded shards) then all-gather of the means."""
+    """Combines by reduce-scatter (all-to-all of encoded shards, each owner combining its shard
+    by the rule) then all-gather of the combined shards. The codec must be element-wise (the
+    config checks it) and the rule a sum (a shard's sum is the sum's shard)."""
 
     method = "two-phase"
     codec: Codec  # always set here (None only for all-reduce)
@@ -40,9 +37,9 @@ class TwoPhaseAggregator(Aggregator):
         codec: Codec,
         world_size: int,
         reduce_compensation: Compensation | None = None,
+        aggregation: str | Combine = "mean",
     ) -> None:
-        check_elementwise(codec)
-        super().__init__(codec, world_size)
+        super().__init__(codec, world_size, aggregation)
         self.reduce_compensation = reduce_compensation
 
     # -- encode (compute thread) -----------------------------------------------------------------
@@ -116,24 +113,27 @@ class TwoPhaseAggregator(Aggregator):
     def reduce_scatter(
         self, enc: Encoded, transport: Transport, weights: list[float] | None = None
     ) -> Reduced:
-        """Two-phase, first half only: the FP32 average of this worker's shard (one quantisation).
+        """Two-phase, first half only: the rule's FP32 combination of this worker's shard (one
+        quantisation).
 
         The shard's length is ``enc.shard_numel``; FSDP's reduce-scatter is exactly this.
         """
         received = self._timed(transport.all_to_all, list(enc.payload.unbind(0)))
         shape = torch.Size([enc.shard_numel])
         mine = torch.zeros(shape, dtype=torch.float32, device=enc.payload.device)
-        valid, weight_sum = 0, 0.0
-        for w, p in enumerate(received):
-            if flag(p[-1], f"worker {w}"):
-                dec = self.codec.decode(p[:-1], shape, f"shard {transport.rank} from worker {w}")
-                weight = weights[w] if weights is not None else 1.0
-                mine += dec * weight if weights is not None else dec
-                valid += 1
-                weight_sum += weight
-        if weights is not None:
-            return Reduced(mine.div_(weight_sum if weight_sum > 0 else 1.0), valid)
-        return Reduced(mine.div_(max(valid, 1)), valid)
+        senders = [w for w, p in enumerate(received) if flag(p[-1], f"worker {w}")]
+        if senders:
+            self.rule.combine(
+                Parts(
+                    self.codec,
+                    [received[w][:-1] for w in senders],
+                    shape,
+                    [f"shard {transport.rank} from worker {w}" for w in senders],
+                    [weights[w] for w in senders] if weights is not None else None,
+                ),
+                mine,
+            )
+        return Reduced(mine, len(senders))
 
     def payload_nbytes(self, shapes: list[torch.Size]) -> int:
         """M shard payloads, each with its flag byte."""

@@ -102,6 +102,7 @@ def validate_sync(cfg: Any) -> None:
         raise ConfigError(f"codec_block must be >= 1, got {cfg.codec_block}")
     if cfg.bucket_mb <= 0:
         raise ConfigError(f"bucket_mb must be > 0, got {cfg.bucket_mb}")
+    # which codec fits which exchange and rule: checked here only (the aggregate relies on it)
     if cfg.reduce == "allreduce" and cfg.codec not in DENSE_CODECS:
         raise ConfigError(
             f"reduce=allreduce needs a dense codec ({', '.join(DENSE_CODECS)}), "

@@ -13,6 +13,8 @@ FragmentPattern = Literal["strided", "sequential"]
 # registry is the one list and a new codec's file adds its name
 Codec = str
 Reduce = Literal["auto", "allreduce", "gather", "two-phase"]
+# auto + the combine rules' names: the rules (aggregate/rules/) register themselves, but they
+# import torch and this module must not, so the list is kept here; tests/test_combine.py checks it
 Aggregation = Literal["auto", "mean", "selected-mean"]
 Compensation = Literal["none", "ef", "loco"]
 OuterKind = Literal["nesterov", "sgd", "co2"]

@@ -1,0 +1,118 @@
+"""How the decoded contributions become one tensor: the :class:`Combine` rule, apart from the
+exchange that moves the bytes (all-reduce, gather, two-phase).
+
+A rule is one class in one file under ``aggregate/rules/``: it sets ``name`` (which registers
+it in :data:`COMBINES`) and implements :meth:`Combine.combine`, which sees one tensor's
+contributions, one per site that sent one, each decoded when read (:class:`Parts`), with the
+sites' weights. The rule is chosen once, when the aggregator is built (:func:`combine_for`).
+
+The all-reduce and two-phase exchanges can only sum: they run a rule only if it is a
+:class:`SumCombine` (the result is ``finish(sum_j w_j x_j, sum_j w_j)``); anything else needs
+the gather exchange, which hands the rule every contribution.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..codecs.base import Codec
+
+#: every rule by its name (the config's ``aggregation``), filled by the classes themselves
+COMBINES: dict[str, type[Combine]] = {}
+
+
+class Parts(Sequence[torch.Tensor]):
+    """One tensor's contributions from the sites that sent one: ``parts[j]`` decodes site j's
+    payload into a flat FP32 tensor when read (one at a time: a rule that needs them all at
+    once stacks them); ``sparse(j)`` gives a sparse codec's (indices, values) instead."""
+
+    def __init__(
+        self,
+        codec: Codec,
+        payloads: list[torch.Tensor],
+        shape: torch.Size,
+        names: list[str],
+        weights: list[float] | None,
+    ) -> None:
+        self.codec, self.payloads, self.shape, self.names = codec, payloads, shape, names
+        self.weights = weights  # one per part, or None: every part counts once
+
+    def __len__(self) -> int:
+        return len(self.payloads)
+
+    def __getitem__(self, j: int) -> torch.Tensor:  # type: ignore[override]
+        if not -len(self) <= j < len(self):
+            raise IndexError(j)  # ends iteration
+        return self.codec.decode(self.payloads[j], self.shape, self.names[j]).reshape(-1)
+
+    def sparse(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Part ``j`` as the (indices, values) a sparse codec sent (``decode_sparse``)."""
+        decode = self.codec.decode_sparse  # type: ignore[attr-defined]
+        return decode(self.payloads[j], self.shape, self.names[j])
+
+    def total_weight(self) -> float:
+        """The sum of the parts' weights (their count when unweighted)."""
+        return sum(self.weights) if self.weights is not None else len(self)
+
+
+class Combine(ABC):
+    """A rule that turns the decoded contributions of one tensor into one tensor."""
+
+    name: ClassVar[str]  # the config's ``aggregation`` value
+    sum_decomposable: ClassVar[bool] = False  # set by SumCombine: all-reduce/two-phase can run it
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:  # a concrete rule, not a helper base
+            COMBINES[cls.name] = cls
+
+    @abstractmethod
+    def combine(self, parts: Parts, out: torch.Tensor) -> torch.Tensor:
+        """Write the combination of ``parts`` (at least one) into ``out`` (flat FP32, as long
+        as one part, contents unspecified) and return it. Weighted by ``parts.weights``."""
+
+
+class SumCombine(Combine):
+    """A rule that needs only ``sum_j w_j x_j`` and ``sum_j w_j``, which an all-reduce can
+    give: it implements :meth:`finish`; :meth:`combine` sums the parts and finishes."""
+
+    sum_decomposable = True
+
+    @abstractmethod
+    def finish(self, total: torch.Tensor, weight: float) -> torch.Tensor:
+        """The result, in place in ``total`` (``sum_j w_j x_j``), from ``weight`` (``sum_j w_j``;
+        the count of contributions when unweighted, 0 when there were none)."""
+
+    def combine(self, parts: Parts, out: torch.Tensor) -> torch.Tensor:
+        out.zero_()
+        for j, x in enumerate(parts):
+            # unweighted, the plain sum: x * 1.0 would round the same, but costs a copy
+            out += x * parts.weights[j] if parts.weights is not None else x
+        return self.finish(out, parts.total_weight())
+
+
+def combine_for(rule: str | Combine) -> Combine:
+    """The rule named ``rule`` (a rule object is returned as it is); ConfigError if none is."""
+    if isinstance(rule, Combine):
+        return rule
+    from . import rules  # noqa: F401  (importing the rules registers them)
+
+    if rule not in COMBINES:
+        raise ConfigError(f"unknown aggregation '{rule}': choose one of {', '.join(COMBINES)}")
+    return COMBINES[rule]()
+
+
+def check_sum_only(rule: Combine, method: str) -> None:
+    """ConfigError if the exchange ``method`` (which can only sum) cannot run ``rule``."""
+    if not rule.sum_decomposable:
+        raise ConfigError(
+            f"aggregation={rule.name} is not a sum and reduce={method} can only sum: "
+            f"use reduce=gather"
+        )

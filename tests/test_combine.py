@@ -1,0 +1,51 @@
+"""The combine rules apart from the exchanges: the registry the config's choices follow, the
+sum-only exchanges' refusal, and a rule seeing each contribution with its weight."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import get_args
+
+import pytest
+import torch
+
+from lowcomm.aggregate import COMBINES, GatherAggregator, aggregator_for
+from lowcomm.codecs import make_codec
+from lowcomm.config import Aggregation
+from lowcomm.errors import ConfigError
+
+
+def test_the_configs_choices_are_the_registered_rules():
+    """The config stays free of torch, so it keeps its Literal: it must name exactly the rules
+    that register themselves (a fresh process: only the rules lowcomm ships)."""
+    code = "import lowcomm.aggregate as a; print(' '.join(sorted(a.COMBINES)))"
+    shipped = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout.split()
+    assert sorted(c for c in get_args(Aggregation) if c != "auto") == shipped
+    assert set(shipped) <= set(COMBINES)
+
+
+@pytest.mark.parametrize("method", ["allreduce", "two-phase"])
+def test_a_rule_that_is_not_a_sum_is_refused_by_the_exchanges_that_only_sum(method):
+    codec = None if method == "allreduce" else make_codec("int8")
+    with pytest.raises(ConfigError, match="use reduce=gather") as info:
+        aggregator_for(method, codec, 2, aggregation="selected-mean")
+    assert "\n" not in str(info.value) and "aggregation=selected-mean" in str(info.value)
+
+
+def test_an_unknown_rule_is_a_config_error():
+    with pytest.raises(ConfigError, match="unknown aggregation 'nope': choose one of .*mean"):
+        aggregator_for("gather", make_codec("int8"), 2, aggregation="nope")
+
+
+def test_gather_hands_the_rule_each_valid_contribution_with_its_weight():
+    """Three fake sites' payloads, the middle one left out: the rule's mean is over the others."""
+    codec = make_codec("fp32")
+    agg = GatherAggregator(codec, 3)
+    xs = [torch.full((5,), float(v)) for v in (1.0, 100.0, 4.0)]
+    payloads = [agg.encode([x], valid=j != 1).payload for j, x in enumerate(xs)]
+    red = agg._sum_gathered(payloads, [torch.Size([5])], 5, weights=[1.0, 7.0, 2.0])
+    assert red.valid_workers == 2
+    assert torch.equal(red.mean, torch.full((5,), (1.0 + 2 * 4.0) / 3))
