@@ -71,6 +71,12 @@ class Combine(ABC):
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         if "name" in cls.__dict__:  # a concrete rule, not a helper base
+            module = cls.__module__.rpartition(".")
+            if module[0] == __package__ + ".rules" and module[2].replace("_", "-") != cls.name:
+                # the config lists the rules by their files' names, without importing them
+                raise ValueError(
+                    f"combine rule {cls.name!r} must live in rules/{module[2]}.py's name"
+                )
             COMBINES[cls.name] = cls
 
     @abstractmethod

@@ -11,7 +11,7 @@ from typing import Any, Literal, get_args
 
 from ..errors import ConfigError
 from . import choices
-from .choices import CODECS, DENSE_CODECS, ELEMENTWISE_CODECS, SPARSE_CODECS
+from .choices import AGGREGATIONS, CODECS, DENSE_CODECS, ELEMENTWISE_CODECS, SPARSE_CODECS
 
 # annotation name -> its Literal: every Literal that choices.py defines
 _LITERALS = {
@@ -19,8 +19,11 @@ _LITERALS = {
     for name, value in vars(choices).items()
     if getattr(value, "__origin__", None) is Literal
 }
-# annotation name -> its choices: the Literals' and the codec registry's names
-_CHOICES = {name: get_args(lit) for name, lit in _LITERALS.items()} | {"Codec": CODECS}
+# annotation name -> its choices: the Literals', the codec registry's and the combine rules' names
+_CHOICES = {name: get_args(lit) for name, lit in _LITERALS.items()} | {
+    "Codec": CODECS,
+    "Aggregation": AGGREGATIONS,
+}
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -3,6 +3,7 @@ list of choices), and the codec names, which the codec registry declares (torch-
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from ..codecs.registry import codec_names
@@ -13,9 +14,8 @@ FragmentPattern = Literal["strided", "sequential"]
 # registry is the one list and a new codec's file adds its name
 Codec = str
 Reduce = Literal["auto", "allreduce", "gather", "two-phase"]
-# auto + the combine rules' names: the rules (aggregate/rules/) register themselves, but they
-# import torch and this module must not, so the list is kept here; tests/test_combine.py checks it
-Aggregation = Literal["auto", "mean", "selected-mean"]
+# a combine rule's name, or auto: one of AGGREGATIONS, checked at run time (checks.check_types)
+Aggregation = str
 Compensation = Literal["none", "ef", "loco"]
 OuterKind = Literal["nesterov", "sgd", "co2"]
 ClipMode = Literal["element", "norm"]
@@ -36,3 +36,15 @@ CODECS: tuple[str, ...] = codec_names()
 DENSE_CODECS: tuple[str, ...] = codec_names(dense=True)
 ELEMENTWISE_CODECS: tuple[str, ...] = codec_names(elementwise=True)
 SPARSE_CODECS: tuple[str, ...] = codec_names(sparse=True)
+
+
+def _rule_names() -> tuple[str, ...]:
+    """The combine rules' names: one file each in lowcomm/aggregate/rules/, named after it
+    (``_`` read as ``-``; the rule class checks it carries its file's name). Read from the
+    folder, not imported: the rules import torch and the config must not."""
+    folder = Path(__file__).resolve().parent.parent / "aggregate" / "rules"
+    files = (p.stem for p in folder.glob("*.py") if not p.stem.startswith("_"))
+    return tuple(sorted(stem.replace("_", "-") for stem in files))
+
+
+AGGREGATIONS: tuple[str, ...] = ("auto", *_rule_names())
