@@ -149,17 +149,7 @@ def restore(run: Run, state: dict[str, Any]) -> None:
         _restore_everything(run, state)
         return
     if run.engine is not None:
-        run.engine.load_state_dict(
-            dict(
-                state["engine"],
-                pending={},
-                compensation={},
-                left_out=[],
-                local=None,
-                snapshot={},
-                reduce_compensation={},
-            )
-        )
+        run.engine.load_state_dict(state["engine"], new_world=True)
         params = dict(run.model.named_parameters())
         with torch.no_grad():
             for name, value in run.engine.global_state().items():
