@@ -118,8 +118,8 @@ def run_worker(
 def _sync_s(run: Run) -> float:
     """Seconds the engine has spent in syncs so far, its own work and its waits on the others
     (0 without one)."""
-    stats = getattr(run.engine, "stats", None)
-    return float(getattr(stats, "outer_s", 0.0)) + (run.blocked_s() if stats else 0.0)
+    stats = run.engine.stats if run.engine is not None else None
+    return float(stats.outer_s if stats else 0.0) + (run.blocked_s() if stats else 0.0)
 
 
 def _joined(run: Run) -> None:
@@ -144,7 +144,7 @@ def _follow(run: Run, step: int, log: RunLog) -> int:
     """The step this site is at after training ``step``: under quorum rounds the engine may
     have cut the round short (a quorum of sites reached the sync first) and jumped to the
     sync; the skipped steps are counted as done, their batches and LR steps skipped."""
-    at = getattr(run.engine, "step", step)
+    at = run.engine.step if run.engine is not None else step
     if at <= step:
         return step
     _go_to(run, at)
@@ -358,7 +358,7 @@ def _build_summary(run: Run, val_loss: float, means: list[float], rss: int) -> R
     # (RunSummary.command) must spell them out
     config = {**dataclasses.asdict(cfg), **dataclasses.asdict(run.sync_cfg)}
     engine = run.engine
-    outer = getattr(engine, "outer", None)
+    outer = engine.outer if engine is not None else None
     return RunSummary(
         name=run.name or run.strategy,
         strategy=run.strategy,

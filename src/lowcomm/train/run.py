@@ -134,7 +134,7 @@ class Run:
     @property
     def membership(self) -> Any:
         """The engine's membership runner in an elastic run (who is in), else None."""
-        return getattr(self.engine, "membership", None) if self.role is not None else None
+        return self.engine.membership if self.role is not None and self.engine else None
 
     @property
     def writes(self) -> bool:
