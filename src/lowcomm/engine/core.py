@@ -28,7 +28,7 @@ from .placement import Placement
 from .quorum import cut_short, in_round
 from .state import RunState, StatePart
 from .stats import SyncStats, SyncTimes, Unblocked
-from .wiring import Parts, wire
+from .wiring import Parts, fingerprint, wire
 
 
 class LowComm:
@@ -167,6 +167,11 @@ class LowComm:
             join_run(self._parts, self.state, view, tag)
             check_healed_at(tag, self.step)
             self.run_due(self.step)
+
+    def fingerprint(self) -> str:
+        """What every site of this run must share, hashed (:func:`.wiring.fingerprint`); the
+        empty string without elastic=."""
+        return fingerprint(self._placement.elastic, self.config, self._by_name, self.fragment_names)
 
     def _load_step(self, value: Any) -> None:
         """The step counter's state part loads here: the engine owns its step."""

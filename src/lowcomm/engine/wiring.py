@@ -66,9 +66,7 @@ def wire(engine: LowComm, step: StatePart) -> tuple[Parts, tuple[View, str] | No
     a running run gets none here (it heals next) and is also given the view and sync that
     admitted it (else None)."""
     cfg, placement, state = engine.config, engine._placement, engine.state
-    group = placement.join(
-        fingerprint(placement.elastic, cfg, engine._by_name, engine.fragment_names)
-    )
+    group = placement.join(engine.fingerprint())
     admission = placement.admission
     transport = Transport(group, delay_s=engine._comm_delay_s)
     buffer_transport = Transport(group)  # its own meter: buffer bytes apart
