@@ -496,14 +496,13 @@ def test_a_joiner_with_no_run_to_join_stops_with_one_line(lighthouse):
 def test_the_fingerprint_tells_apart_what_a_joiner_must_share():
     """Run id, model shape, strategy and codec each change it; where a site keeps its state
     does not (no lighthouse is contacted: the engine is not started)."""
-    from lowcomm.engine.wiring import fingerprint
 
     def fp(model_seed=0, width=None, preset="DiLoCo", run_id="lowcomm", **kw):
         model = tiny_model(seed=model_seed)
         if width is not None:
             model.head = torch.nn.Linear(model.head.in_features, width, bias=False)
         elastic = lowcomm.Elastic(lighthouse="http://nowhere:1", site=0, sites=2, run_id=run_id)
-        return fingerprint(getattr(lowcomm, preset)(model, adamw(model), elastic=elastic, **kw))
+        return getattr(lowcomm, preset)(model, adamw(model), elastic=elastic, **kw).fingerprint()
 
     base = fp()
     assert fp(model_seed=1) == base  # the same shapes: weights come with the heal

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,9 @@ from torch import nn
 
 from .config import split_sync_kwargs
 from .errors import ConfigError
+
+if TYPE_CHECKING:  # the engine is imported when one is made (lowcomm.hf stays light)
+    from .engine import LowComm
 
 try:  # an optional extra: pip install 'lowcomm[hf]'
     from transformers import (
@@ -253,7 +256,7 @@ def build_hf_model(
 
 def make_engine(
     model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str = "diloco", **kwargs: Any
-) -> Any:
+) -> LowComm:
     """The lowcomm engine of a named strategy (diloco, streaming, sparseloco, co2) on ``model``.
 
     ``kwargs`` are SyncConfig knobs (``sync_every=50``) or LowComm options (``timeout_s``).
@@ -307,7 +310,7 @@ class LowCommCallback(TrainerCallback):
     def __init__(self, strategy: str = "diloco", **kwargs: Any) -> None:
         self.strategy = strategy
         self.kwargs = kwargs
-        self.engine: Any = None
+        self.engine: LowComm | None = None
         self.active = False
         self._checked = False
 
@@ -409,7 +412,7 @@ class LowCommTrainer(Trainer):
         self.accelerator.prepare_model = _prepare_model_without_ddp(self.accelerator.prepare_model)
 
     @property
-    def lowcomm(self) -> Any:
+    def lowcomm(self) -> LowComm | None:
         """The engine of the current (or last) training run, or None before the first."""
         return self.lowcomm_callback.engine
 

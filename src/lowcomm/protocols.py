@@ -9,7 +9,12 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # annotations only: the engine imports nothing from here at run time
+    from .engine.stats import SyncStats
+    from .outer import OuterOptimizer
 
 
 class Meter(Protocol):
@@ -28,13 +33,38 @@ class HasMeter(Protocol):
     meter: Meter
 
 
+class Link(HasMeter, Protocol):
+    """An engine's transport as the trainer uses it: its meter, and a call run on its comm
+    thread behind the syncs queued there (:class:`lowcomm.transport.Transport`)."""
+
+    def blocking(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the comm thread and return its result."""
+        ...
+
+
+class SiteMembership(Protocol):
+    """Who is in an elastic run, as the trainer reads it (:class:`lowcomm.elastic.Runner`, or
+    :class:`lowcomm.peers.torchft.PeerMembership`)."""
+
+    members: list[int] | None  # the sites of the last sync (or control collective) that stood
+    events: list[dict]  # membership changes: the sync, who left or joined, the time lost
+
+    def run(self, tag: str, collectives: Callable[..., Any]) -> Any:
+        """Run ``collectives`` (training and buffer transport) on the live sites, as ``tag``."""
+        ...
+
+
 @runtime_checkable
 class SyncEngine(Protocol):
-    """An outer loop around (model, inner optimizer) that the reference trainer can drive."""
+    """An outer loop around (model, inner optimizer) that the reference trainer can drive:
+    every attribute here is one the trainer reads (so it needs no ``getattr``)."""
 
-    transport: Any  # has ``.meter`` (a :class:`Meter`) once started
-    stats: Any  # a :class:`lowcomm.engine.SyncStats`
+    transport: Link | None  # None before lowcomm's engine first starts
+    stats: SyncStats
+    step: int  # inner steps so far, the run's (a joiner's or a cut-short round's jumps)
     last_sync_step: int  # the last inner step at which anything was sent or applied
+    outer: OuterOptimizer | None  # None: a peer library's own outer step, no counters of ours
+    membership: SiteMembership | None  # with elastic sites (once started), else None
 
     def __enter__(self) -> Any:
         """Join the workers and hook the inner optimizer."""
@@ -65,6 +95,7 @@ class CheckpointableEngine(SyncEngine, Protocol):
         """This worker's run state, for a checkpoint."""
         ...
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`."""
+    def load_state_dict(self, sd: dict[str, Any], new_world: bool = False) -> None:
+        """Continue from :meth:`state_dict`; ``new_world``: on another number of workers
+        (every worker starts afresh from the global copy)."""
         ...

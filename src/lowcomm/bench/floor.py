@@ -23,9 +23,12 @@ at the memory-copy bandwidth measured in the same run (a copy is a read and a wr
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..config import SyncConfig
+
+if TYPE_CHECKING:
+    from ..engine import LowComm
 
 FLOOR_STAGES = ("encode", "decode_sum", "outer", "merge")
 
@@ -69,11 +72,11 @@ def floor_passes(
     return out
 
 
-def engine_floor(engine: Any, workers: int) -> dict[str, float]:
+def engine_floor(engine: LowComm, workers: int) -> dict[str, float]:
     """:func:`floor_passes` for a built engine: its merge rule, exchange and payload size."""
     from ..engine.merge import AlphaMix, Continue
 
-    rule = engine._apply.merge
+    rule = engine.parts.apply.merge
     merge = (
         "continue"
         if isinstance(rule, Continue)

@@ -45,17 +45,18 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .floor import FLOOR_STAGES, engine_floor
 from .spawn import run_workers_json
 
+if TYPE_CHECKING:
+    from ..engine import LowComm
+
 STAGES = ("encode", "collective", "decode_sum", "outer", "merge")
 DEFAULT_STRATEGIES = "diloco,streaming,sparseloco,co2"
-# What the engine's state_dict() holds beyond the local weights (which the plain loop has too).
-_ENGINE_STATE = ("global", "snapshot", "outer", "compensation", "reduce_compensation", "pending")
 
 
 # -- memory ------------------------------------------------------------------------------------
@@ -100,11 +101,12 @@ def tensor_bytes(obj: Any) -> int:
     return 0
 
 
-def engine_buffers(engine: Any) -> dict[str, int]:
-    """Bytes of the tensors the engine keeps, by kind (global copy, snapshot, outer state,
-    error buffers, results in flight)."""
+def engine_buffers(engine: LowComm) -> dict[str, int]:
+    """Bytes of the tensors the engine keeps beside the model's own weights (which the plain
+    loop has too), by state part (global copy, snapshot, outer state, error buffers, results
+    in flight): the parts that declare themselves model-sized."""
     sd = engine.state_dict()
-    return {k: tensor_bytes(sd.get(k)) for k in _ENGINE_STATE}
+    return {k: tensor_bytes(sd[k]) for k in engine.state.names(buffer=True)}
 
 
 # -- timing ------------------------------------------------------------------------------------
@@ -181,18 +183,18 @@ def copy_seconds(numel: int, repeats: int = 3) -> list[float]:
     return out
 
 
-def _times(engine: Any) -> dict[str, float]:
+def _times(engine: LowComm) -> dict[str, float]:
     t = engine.sync_times
     return {**{s: getattr(t, s) for s in STAGES}, "total": t.total}
 
 
-def _drain(engine: Any) -> None:
+def _drain(engine: LowComm) -> None:
     """Wait for the engine's comm thread (an overlapped exchange) to finish its queue."""
     if engine.transport is not None:
         engine.transport.blocking(lambda: None)
 
 
-def _round(engine: Any, st: Stepper, clock: HookClock, args: argparse.Namespace) -> tuple:
+def _round(engine: LowComm, st: Stepper, clock: HookClock, args: argparse.Namespace) -> tuple:
     """H inner steps (the first few real); returns (stage deltas, the real steps' times)."""
     import torch.distributed as dist
 

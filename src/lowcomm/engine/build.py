@@ -135,12 +135,16 @@ def register_optimizer_state(
 ) -> None:
     """Declare the state of the math parts, which know nothing of the run state: the outer
     optimizer (shared), the error compensation and the two-phase reduce's own (per site)."""
-    state.register("outer", StatePart(outer.state_dict, outer.load_state_dict, shared=True))
+    state.register(
+        "outer", StatePart(outer.state_dict, outer.load_state_dict, shared=True, buffer=True)
+    )
     state.register(
         "compensation",
         StatePart(
             lambda: compensation.state_dict() if compensation is not None else {},
             lambda v: compensation.load_state_dict(v) if compensation is not None and v else None,
+            fresh={},  # error buffers of a world that is gone: a fresh worker starts at zero
+            buffer=True,
         ),
     )
     reduce_comp = aggregator.reduce_compensation
@@ -155,4 +159,6 @@ def register_optimizer_state(
         if reduce_comp is not None and saved:
             reduce_comp.load_state_dict(saved)
 
-    state.register("reduce_compensation", StatePart(save_reduce, load_reduce))
+    state.register(
+        "reduce_compensation", StatePart(save_reduce, load_reduce, fresh={}, buffer=True)
+    )

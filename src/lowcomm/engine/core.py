@@ -14,20 +14,21 @@ import torch.nn as nn
 
 from ..aggregate import Aggregator, Encoded
 from ..config import ConfigError, SyncConfig
-from ..elastic import Elastic
+from ..elastic import Elastic, Runner
+from ..elastic.rounds import Rounds
 from ..outer import OuterOptimizer, make_outer
 from ..schedule import Schedule
 from ..transport import Transport
 from .build import check_arguments, resolve_fragments, trainable_params
 from .fragment import Fragment
 from .inflight import Result, in_hand
-from .join import join_run
+from .join import check_healed_at, join_run, rejoin
 from .merge import make_merge
 from .placement import Placement
 from .quorum import cut_short, in_round
-from .state import RunState
+from .state import RunState, StatePart
 from .stats import SyncStats, SyncTimes, Unblocked
-from .wiring import wire
+from .wiring import Parts, fingerprint, wire
 
 
 class LowComm:
@@ -75,22 +76,56 @@ class LowComm:
         self.schedule = Schedule(self.config.sync_every, len(self.fragment_names), self.config.tau)
         self._merge = make_merge(self.config, self.schedule)
         self._comm_delay_s = comm_delay_s
-        self.fragments: list[Fragment] = []
         self._hook: Any = None
         self.step = 0
         self.last_sync_step = -1  # the last step at which anything was sent or applied
         self.stats = SyncStats()
         self.sync_times = SyncTimes()  # always on: a few perf_counter calls per sync
-        self.transport: Transport | None = None
-        self.aggregator: Aggregator | None = None
         self.outer: OuterOptimizer = make_outer(self.config)
-        self.compensation: Any = None
-        self.membership: Any = None  # with elastic=: who is in each sync (an elastic.Runner)
         # (what, fragment, time) for sent / completed / applied: lets tests and users see overlap
         self.events: list[tuple[str, int, float]] = []
         self.state = RunState()
+        # the parts built on the joined group at the first start (None until then: they need
+        # the group, which only exists inside the block)
+        self._parts: Parts | None = None
         self._started = False
-        self._loaded: dict[str, Any] | None = None  # a state_dict loaded before start()
+        # a state_dict loaded before start(), and whether it is for a world of another size
+        self._loaded: tuple[dict[str, Any], bool] | None = None
+
+    # -- the parts -------------------------------------------------------------------------------
+    @property
+    def parts(self) -> Parts:
+        """Every part built on the joined group (:class:`.wiring.Parts`); once started."""
+        if self._parts is None:
+            raise ConfigError("the engine's parts exist once it has started: enter the block")
+        return self._parts
+
+    @property
+    def transport(self) -> Transport | None:
+        """The sync exchanges' transport (its ``meter``: the training bytes); None before the
+        first start."""
+        return self._parts.transport if self._parts is not None else None
+
+    @property
+    def aggregator(self) -> Aggregator | None:
+        """The codec and reduce of the run; None before the first start."""
+        return self._parts.aggregator if self._parts is not None else None
+
+    @property
+    def compensation(self) -> Any:
+        """The error compensation (None without one, or before the first start)."""
+        return self._parts.compensation if self._parts is not None else None
+
+    @property
+    def membership(self) -> Runner | None:
+        """With elastic=: who is in each sync (an elastic.Runner); else, or before the first
+        start, None."""
+        return self._parts.membership if self._parts is not None else None
+
+    @property
+    def fragments(self) -> list[Fragment]:
+        """The fragments in schedule order (empty before the first start)."""
+        return self._parts.fragments if self._parts is not None else []
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> LowComm:
@@ -110,20 +145,37 @@ class LowComm:
         """
         if self._started:
             return
-        if not self.fragments:
+        if self._parts is None:
             self._first_start()
         else:
-            self._local.reenter()
-        self._local.started = True
+            self._parts.local.reenter()
+        self.parts.local.started = True
         self._hook = self.inner_optimizer.register_step_post_hook(self._after_inner_step)
         self._started = True
 
     def _first_start(self) -> None:
-        """Build the parts on the joined group (:func:`.wiring.wire`); a site that joins a
-        running run then heals from a live peer and takes part in the sync that admitted it."""
-        admission = wire(self)
+        """Build the parts on the joined group (:func:`.wiring.wire`) and load a state_dict
+        given before; a site that joins a running run then heals from a live peer and takes
+        part in the sync that admitted it."""
+        step = StatePart(lambda: self.step, self._load_step, kept=False, shared=True)
+        self._parts, admission = wire(self, step)
+        if self._loaded is not None:
+            (sd, new_world), self._loaded = self._loaded, None
+            self._load(sd, new_world)
         if admission is not None:
-            join_run(self, *admission)
+            view, tag = admission
+            join_run(self._parts, self.state, view, tag)
+            check_healed_at(tag, self.step)
+            self.run_due(self.step)
+
+    def fingerprint(self) -> str:
+        """What every site of this run must share, hashed (:func:`.wiring.fingerprint`); the
+        empty string without elastic=."""
+        return fingerprint(self._placement.elastic, self.config, self._by_name, self.fragment_names)
+
+    def _load_step(self, value: Any) -> None:
+        """The step counter's state part loads here: the engine owns its step."""
+        self.step = int(value)
 
     def finish(self) -> None:
         """Leave the block: wait for every worker, then load the consolidated model
@@ -131,18 +183,19 @@ class LowComm:
         if not self._started:
             return
         self._remove_hook()
-        meter = self.transport.meter
+        parts = self.parts
+        meter = parts.transport.meter
         with Unblocked(meter) as spent:
-            unsent, last = self._leave.join_peers(self.step, self.run_due)
-            self._replica.collect()
+            unsent, last = parts.leave.join_peers(self.step, self.run_due)
+            parts.replica.collect()
             kept = self.state.keep()
             sent0 = meter.sent_bytes
-            self._leave.drain(self._apply.one)
-            self._leave.final_outer_step(unsent, last, self._encoder.encode)
-            self._leave.sync_buffers(last)
+            parts.leave.drain(parts.apply.one)
+            parts.leave.final_outer_step(unsent, last, parts.encoder.encode)
+            parts.leave.sync_buffers(last)
             self.stats.final_syncs += 1
             self.stats.final_sync_bytes_sent += meter.sent_bytes - sent0
-            self._local.publish()
+            parts.local.publish()
             self.state.restore(kept)
         self.stats.outer_s += spent.seconds
         self.close()
@@ -150,10 +203,10 @@ class LowComm:
     def close(self) -> None:
         """Remove the optimizer hook and stop the comm thread (no final sync: after an error)."""
         self._remove_hook()
-        if self.transport is not None:
-            self.transport.close()
+        if self._parts is not None:
+            self._parts.transport.close()
             self._update_stats()
-            self._local.started = False
+            self._parts.local.started = False
         self._started = False
 
     def _remove_hook(self) -> None:
@@ -166,20 +219,34 @@ class LowComm:
         self.step += 1
         self.stats.inner_steps = self.step
         self.stats.trained_steps += 1
-        for frag in self.fragments:
+        parts = self.parts
+        for frag in parts.fragments:
             frag.unsent += 1
-        self._encoder.count_step(self.transport)
+        parts.encoder.count_step(parts.transport)
         t0 = time.perf_counter()
         self.run_due(self.step)
         rounds = self._rounds
         if rounds is not None:
             rounds.stepped(time.perf_counter() - t0)  # its step time is the time outside syncs
-            cut_short(self, rounds)
+            cut_short(rounds, self.schedule, self.step, self._skip_to)
+
+    def _skip_to(self, target: int) -> None:
+        """A quorum round cut short: step on to ``target`` now, running what each skipped
+        step has due (results applied as they would have been), no inner step taken."""
+        while self.step < target:
+            self.step += 1
+            self.run_due(self.step)
+        self.stats.inner_steps = self.step
 
     @property
-    def _rounds(self) -> Any:
+    def _rounds(self) -> Rounds | None:
         """The quorum rounds of this site (None in lock-step)."""
-        return getattr(self.membership, "rounds", None)
+        runner = self.membership
+        return runner.rounds if runner is not None else None
+
+    def _rejoin(self, tag: str, carry: bool) -> bool:
+        """Quorum rounds: heal at sync ``tag`` after missing one (:func:`.join.rejoin`)."""
+        return rejoin(self.parts, self.state, self._placement, tag, carry)
 
     def run_due(self, step: int, joining: bool = False) -> torch.Tensor | None:
         """Do what the schedule says is due after inner step ``step``: take the results due,
@@ -188,27 +255,32 @@ class LowComm:
         ``joining``: this worker has left its loop and only mirrors its peers' syncs. Returns
         the control flags when that showed every worker has left (nothing was exchanged).
         """
+        parts = self.parts
         sends = self.schedule.sends_at(step)
-        if sends and not joining and not in_round(self, step):
+        if (
+            sends
+            and not joining
+            and not in_round(self._rounds, step, parts.transport.meter, self._rejoin)
+        ):
             sends = []  # quorum rounds: this sync closed without this site
-        due = self._inflight.due(step, sends)
+        due = parts.inflight.due(step, sends)
         if not sends and (joining or not due):
             # a worker that has left mirrors collectives only: results due are applied by the
             # next sync or the drain, so a run that re-enters applies them at the same step
             return None
-        with Unblocked(self.transport.meter) as spent:
-            self._replica.collect()
+        with Unblocked(parts.transport.meter) as spent:
+            parts.replica.collect()
             flags = None
             if sends and joining:
-                flags = self._exchange.gather_flags(
-                    self._exchange.flags(step, done=True), f"flags@{step}"
+                flags = parts.exchange.gather_flags(
+                    parts.exchange.flags(step, done=True), f"flags@{step}"
                 )
-                if self._leave.everyone_left(flags):
+                if parts.leave.everyone_left(flags):
                     return flags  # every worker has left: stop before exchanging anything
-            results = {p: self._inflight.take(p) for p in due}
+            results = {p: parts.inflight.take(p) for p in due}
             if sends:
                 self._send(sends, step, flags, results)
-            self._apply.results(sends, results, self.transport.world_size, step)
+            parts.apply.results(sends, results, parts.transport.world_size, step)
             self.last_sync_step = step
             if sends:
                 self._count_sync(len(sends), step)
@@ -221,26 +293,27 @@ class LowComm:
         self, sends: list[int], step: int, flags: torch.Tensor | None, results: dict[int, Result]
     ) -> None:
         """Encode the fragments due and start (or, without overlap, run) their exchange."""
+        parts, frags = self.parts, self.parts.fragments
         encoded: dict[int, list[Encoded]] = {}
         owns: dict[int, torch.Tensor | None] = {}
         nonfinite = False
         # quorum rounds weight each contribution by the steps it holds (encoding resets them)
-        covered = {p: self.fragments[p].unsent for p in sends} if self._exchange.weighted else None
+        covered = {p: frags[p].unsent for p in sends} if parts.exchange.weighted else None
         with self.sync_times.stage("encode"):
             for p in sends:
-                encoded[p], owns[p], bad = self._encoder.encode(self.fragments[p], step)
+                encoded[p], owns[p], bad = parts.encoder.encode(frags[p], step)
                 nonfinite |= bad
-        mine = None if flags is not None else self._exchange.flags(step, False, nonfinite, covered)
+        mine = None if flags is not None else parts.exchange.flags(step, False, nonfinite, covered)
         tag = f"sync@{step}"
-        job = self._exchange.job(encoded, mine, flags, tag)
+        job = parts.exchange.job(encoded, mine, flags, tag)
         healing = self._offer_heal(tag, step, results)
         if self.schedule.overlap == 0:
-            event = self.transport.blocking(job)
+            event = parts.transport.blocking(job)
             results.update({p: (event.reduced[p], owns[p], event) for p in sends})
         else:
-            self._inflight.submit(job, step, self.schedule.apply_step(step), owns)
+            parts.inflight.submit(job, step, self.schedule.apply_step(step), owns)
             if healing:  # the heal reads the state on the comm thread: it must hold still
-                self.transport.wait(self._inflight.pending[sends[0]].future)
+                parts.transport.wait(parts.inflight.pending[sends[0]].future)
         for p in sends:
             self.events.append(("sent", p, time.perf_counter()))
 
@@ -267,7 +340,7 @@ class LowComm:
         self.stats.fragment_syncs += n_fragments
         every = self.config.replica_check_every
         if every and self.schedule.syncs_through(step) % every == 0:  # the run's count
-            self._replica.start(self.fragments, f"check@{step}")
+            self.parts.replica.start(self.fragments, f"check@{step}")
 
     # -- the run state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -277,23 +350,28 @@ class LowComm:
         awaited and stored as pending, not applied early, so a resumed run applies them at the
         same step as an uninterrupted one would.
         """
-        if not self.fragments:
+        if self._parts is None:
             raise ConfigError("state_dict() needs a started run: enter the with block first")
-        self._replica.collect()
+        self._parts.replica.collect()
         self._update_stats()
         return self.state.state_dict()
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
+    def load_state_dict(self, sd: dict[str, Any], new_world: bool = False) -> None:
         """Continue a run saved with ``state_dict()`` (this rank's file).
 
         Before the block: applied when it starts (after the start-up broadcast). Inside or
-        between blocks: applied now. ``local=None`` (a resume on another number of workers)
-        starts every worker from the global copy.
+        between blocks: applied now. ``new_world``: the run resumes on another number of
+        workers (``sd`` is one worker's): the run's global state carries over and every worker
+        starts afresh from the global copy (:meth:`.state.RunState.afresh`; ``local=None`` in
+        ``sd`` alone does the latter).
         """
-        if not self.fragments:
-            self._loaded = sd
+        if self._parts is None:
+            self._loaded = (sd, new_world)
             return
-        self.state.load_state_dict(sd)
+        self._load(sd, new_world)
+
+    def _load(self, sd: dict[str, Any], new_world: bool) -> None:
+        self.state.load_state_dict(self.state.afresh(sd) if new_world else sd)
 
     # -- inspection ------------------------------------------------------------------------------
     def global_parameters(self) -> contextlib.AbstractContextManager[nn.Module]:
@@ -303,12 +381,12 @@ class LowComm:
         """
         if not self._started:
             return contextlib.nullcontext(self.model)
-        return self._local.global_loaded()
+        return self.parts.local.global_loaded()
 
     def global_state(self) -> dict[str, torch.Tensor]:
         """The global parameters by name: the run's global copy inside the block, the
         consolidated model that leaving loaded into every worker outside it."""
-        published = self._local.published if self.fragments else None
+        published = self._parts.local.published if self._parts is not None else None
         if not self._started and published is not None:
             return dict(published)
         return {n: v for f in self.fragments for n, v in zip(f.names, f.global_views)}
@@ -320,11 +398,11 @@ class LowComm:
         return torch.cat([state[n].reshape(-1).float() for f in self.fragments for n in f.names])
 
     def _update_stats(self) -> None:
-        if self.transport is None:
+        if self._parts is None:
             return
         self.stats.read_meters(
-            self.transport.meter,
-            self._buffer_transport.meter,
+            self._parts.transport.meter,
+            self._parts.buffer_transport.meter,
             self._placement.inner,
             self.sync_times,
         )

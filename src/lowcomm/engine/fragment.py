@@ -103,6 +103,7 @@ def register_fragment_state(state: RunState, frags: list[Fragment]) -> None:
             lambda: {f.key: f.global_flat.clone() for f in frags},
             lambda v: _load_global(frags, v),
             shared=True,
+            buffer=True,
         ),
     )
     state.register(
@@ -110,6 +111,8 @@ def register_fragment_state(state: RunState, frags: list[Fragment]) -> None:
         StatePart(
             lambda: {f.key: f.snapshot.clone() for f in frags if f.snapshot is not None},
             lambda v: _load_snapshots(frags, v or {}),
+            fresh={},  # a fresh worker starts it at the global copy
+            buffer=True,
         ),
     )
     state.register(

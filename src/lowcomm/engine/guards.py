@@ -30,7 +30,7 @@ class NonFiniteGuard:
         self.streak = 0
         state.register(
             "left_out",
-            StatePart(lambda: sorted(self.left_out), lambda v: self._load_left_out(v)),
+            StatePart(lambda: sorted(self.left_out), lambda v: self._load_left_out(v), fresh=[]),
         )
         state.register(
             "nonfinite_streak",

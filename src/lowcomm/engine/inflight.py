@@ -39,7 +39,11 @@ class InFlight:
         self.pending: dict[int, Pending] = {}
         # shared: the averages in flight are the same on every site (each one's own send
         # is not, and a joiner has none: see ``shared``)
-        state.register("pending", StatePart(self.save, self.load, shared=True, share=self.shared))
+        # a fresh worker of a world of another size: those results are dropped
+        state.register(
+            "pending",
+            StatePart(self.save, self.load, shared=True, share=self.shared, fresh={}, buffer=True),
+        )
 
     def due(self, step: int, sends: list[int]) -> list[int]:
         """Fragments whose result must be applied now: due at ``step``, or sent again now."""

@@ -8,7 +8,7 @@ every other result before the next send), so it applies them at the same step as
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,29 +16,35 @@ from ..elastic import View
 from ..errors import ConfigError
 from .tensors import views
 
+if TYPE_CHECKING:  # wiring imports the parts this module's functions take
+    from ..elastic import Runner
+    from .placement import Placement
+    from .state import RunState
+    from .wiring import Parts
 
-def join_run(engine: Any, view: View, tag: str) -> None:
-    """Heal ``engine`` from the run's lowest old member on the admitting ``view``'s group,
-    start its local weights from the global copy, then run sync ``tag`` with the others."""
-    runner = engine.membership
-    state = engine.state
+
+def join_run(parts: Parts, state: RunState, view: View, tag: str) -> None:
+    """Heal from the run's lowest old member on the admitting ``view``'s group and start the
+    local weights from the global copy; the engine then runs sync ``tag`` with the others."""
 
     def load(shared: dict[str, Any]) -> dict[str, Any]:
         state.load_shared(shared)
-        engine._local.load(None)  # per-site state starts fresh: local weights := global
-        for frag in engine.fragments:  # ... and nothing of its own sent (continue merge)
+        parts.local.load(None)  # per-site state starts fresh: local weights := global
+        for frag in parts.fragments:  # ... and nothing of its own sent (continue merge)
             if frag.snapshot is not None:
                 frag.take_snapshot()
         return state.shared_state_dict()  # what this engine now holds, for the digest
 
-    runner.heal_in(view, tag, load)
-    step = engine.step
+    _runner(parts).heal_in(view, tag, load)
+
+
+def check_healed_at(tag: str, step: int) -> None:
+    """A heal at sync ``tag`` must have loaded the run's ``step`` of that sync."""
     if tag != f"sync@{step}":
         raise ConfigError(f"healed at {tag} but the run's step is {step}: a lowcomm bug")
-    engine.run_due(step)
 
 
-def rejoin(engine: Any, tag: str, carry: bool) -> bool:
+def rejoin(parts: Parts, state: RunState, placement: Placement, tag: str, carry: bool) -> bool:
     """Quorum rounds: a site that missed a sync heals at sync ``tag`` from the run's shared
     state as a joiner does; False when the others had already gone past ``tag``.
 
@@ -47,7 +53,7 @@ def rejoin(engine: Any, tag: str, carry: bool) -> bool:
     it started from, and its unsent steps stay: the merge weights it by all of them. Otherwise
     (``late=drop``, and merges that keep a snapshot of what was sent, CO2's) it starts again
     from the run's model, its work since its last sync dropped."""
-    state, frags = engine.state, engine.fragments
+    frags = parts.fragments
     keep = carry and all(f.snapshot is None for f in frags)
 
     def load(shared: dict[str, Any]) -> dict[str, Any]:
@@ -59,13 +65,21 @@ def rejoin(engine: Any, tag: str, carry: bool) -> bool:
                     moved = f.global_flat - old
                     for p, d in zip(f.params, views(moved, f.params)):
                         p.add_(d.to(device=p.device, dtype=p.dtype))
-            engine._placement.share_parts(frags)
+            placement.share_parts(frags)
         else:
-            engine._local.load(None)
+            parts.local.load(None)
             for frag in frags:
                 frag.unsent = 0
                 if frag.snapshot is not None:
                     frag.take_snapshot()
         return state.shared_state_dict()
 
-    return bool(engine.membership.rejoin(tag, load))
+    return bool(_runner(parts).rejoin(tag, load))
+
+
+def _runner(parts: Parts) -> Runner:
+    """The membership runner: joining and rejoining exist only with elastic=."""
+    runner = parts.membership
+    if runner is None:
+        raise ConfigError("a site joins a run only with elastic=: a lowcomm bug")
+    return runner

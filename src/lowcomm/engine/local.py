@@ -28,7 +28,9 @@ class LocalWeights:
         self.kept: dict[str, torch.Tensor] | None = None  # local weights while outside a block
         self.published: dict[str, torch.Tensor] | None = None  # the model loaded on leaving
         state.register(
-            "local", StatePart(self.save, self.load, restore=lambda v: setattr(self, "kept", v))
+            # fresh (None): a worker of a world of another size starts from the global copy
+            "local",
+            StatePart(self.save, self.load, restore=lambda v: setattr(self, "kept", v), fresh=None),
         )
 
     def save(self) -> dict[str, torch.Tensor]:

@@ -2,14 +2,18 @@
 
 ``state_dict`` (a checkpoint), ``load_state_dict`` (a resume), ``keep`` and ``restore`` (what
 leaving the block must not change) all walk the one list of :class:`StatePart`, so a new piece
-of state is one ``register`` call beside the code that owns it.
+of state is one ``register`` call beside the code that owns it. What a worker starting afresh
+loads (:meth:`RunState.afresh`) and which parts cost model-sized memory
+(:meth:`RunState.names`) are declared there too, so no caller outside the engine names parts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
+
+CARRIED: Final = object()  # a part's ``fresh``: its saved value carries over to a new world
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,11 @@ class StatePart:
     shared: bool = False  # identical on every live site, so any healthy peer can hand it over
     restore: Callable[[Any], None] | None = None  # how a kept copy goes back, when not ``load``
     share: Callable[[], Any] | None = None  # a shared part as every site holds it (default: save)
+    # what it loads when the run resumes on another number of workers and every worker starts
+    # afresh from the global copy (its own progress, error buffers and results in flight
+    # belong to a world that is gone); CARRIED: the saved value (rank 0's) carries over
+    fresh: Any = CARRIED
+    buffer: bool = False  # model-sized tensors the engine holds beside the model's own weights
 
 
 class RunState:
@@ -36,9 +45,19 @@ class RunState:
             raise ValueError(f"state part {name!r} registered twice")
         self._parts[name] = part
 
-    def names(self, shared: bool | None = None) -> list[str]:
-        """The registered names, in load order; ``shared`` keeps only shared or per-site ones."""
-        return [n for n, p in self._parts.items() if shared is None or p.shared == shared]
+    def names(self, shared: bool | None = None, buffer: bool | None = None) -> list[str]:
+        """The registered names, in load order; ``shared`` keeps only shared or per-site ones,
+        ``buffer`` only those that do (or do not) hold model-sized tensors."""
+        return [
+            n
+            for n, p in self._parts.items()
+            if (shared is None or p.shared == shared) and (buffer is None or p.buffer == buffer)
+        ]
+
+    def afresh(self, sd: dict[str, Any]) -> dict[str, Any]:
+        """``sd`` (one worker's state_dict) as a worker of a world of another size loads it:
+        each part that declares a ``fresh`` value takes it, the rest carry over."""
+        return {**sd, **{n: p.fresh for n, p in self._parts.items() if p.fresh is not CARRIED}}
 
     def state_dict(self) -> dict[str, Any]:
         """Every part's saved copy, by name."""

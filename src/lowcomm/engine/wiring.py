@@ -1,23 +1,29 @@
 """Building an engine's parts once its group is known: each part declares its own state when
-built, in load order, so checkpoints, heals and leaving the block all read one list."""
+built, in load order, so checkpoints, heals and leaving the block all read one list.
+
+:func:`wire` returns the parts as one :class:`Parts`, which ``LowComm`` keeps as its own
+attribute: nothing here sets anything on the engine."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-from ..aggregate import make_aggregator
+import torch
+
+from ..aggregate import Aggregator, make_aggregator
 from ..compensation import make_compensation
 from ..config import SyncConfig
-from ..elastic import View
+from ..elastic import Elastic, View
 from ..transport import Transport
 from .apply import Apply
 from .build import build_fragments, register_optimizer_state
 from .encode import Encoder
 from .exchange import Exchange
-from .fragment import register_fragment_state
+from .fragment import Fragment, register_fragment_state
 from .guards import NonFiniteGuard, ReplicaCheck
 from .inflight import InFlight
 from .leave import Leave
@@ -25,78 +31,106 @@ from .local import LocalWeights
 from .state import StatePart
 from .stats import register_counters
 
+if TYPE_CHECKING:  # core imports this module: the engine's type only for annotations
+    from ..compensation import ErrorFeedback, MovingAverageCompensation
+    from ..elastic import Runner
+    from .core import LowComm
 
-def wire(engine: Any) -> tuple[View, str] | None:
-    """Join the group and build every part of ``engine`` on it. A fixed world or a starting
-    site gets every worker's parameters from rank 0; a site joining a running run gets none
-    here (it heals next) and is told the view and sync that admitted it. (``engine`` is the
-    LowComm being started, typed loosely: core imports this module.)"""
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """Every part of a started engine, built once on its group by :func:`wire`. Frozen: a
+    part is never swapped for another while the run goes on (their state is, by loading)."""
+
+    transport: Transport  # the sync exchanges and control flags (its meter: training bytes)
+    buffer_transport: Transport  # buffer averaging, on a meter of its own
+    aggregator: Aggregator  # codec and reduce, chosen for the run's starting size
+    compensation: ErrorFeedback | MovingAverageCompensation | None  # error feedback, if any
+    fragments: list[Fragment]  # global copies, snapshots and unsent counts, schedule order
+    inflight: InFlight  # results sent and not yet applied
+    nonfinite: NonFiniteGuard  # non-finite pseudo-gradients left out, and their streak
+    local: LocalWeights  # this worker's weights, kept or published outside the block
+    encoder: Encoder  # compensate and encode a fragment's pseudo-gradient
+    membership: Runner | None  # with elastic=: runs each sync on the live quorum
+    exchange: Exchange  # the collectives of one sync
+    replica: ReplicaCheck  # the periodic check that every worker holds the same global copy
+    apply: Apply  # outer step and merge of a result
+    leave: Leave  # the exit path of the with block
+
+
+def wire(engine: LowComm, step: StatePart) -> tuple[Parts, tuple[View, str] | None]:
+    """Join the group and build every part of ``engine`` on it; ``step`` is the engine's own
+    step counter as a state part (registered here, at its place in the load order).
+
+    A fixed world or a starting site gets every worker's parameters from rank 0; a site joining
+    a running run gets none here (it heals next) and is also given the view and sync that
+    admitted it (else None)."""
     cfg, placement, state = engine.config, engine._placement, engine.state
-    group = placement.join(fingerprint(engine))
+    group = placement.join(engine.fingerprint())
     admission = placement.admission
-    engine.transport = transport = Transport(group, delay_s=engine._comm_delay_s)
-    engine._buffer_transport = Transport(group)  # its own meter: buffer bytes apart
+    transport = Transport(group, delay_s=engine._comm_delay_s)
+    buffer_transport = Transport(group)  # its own meter: buffer bytes apart
     # the codec and reduce chosen for the run's starting size, the same on a joiner
     size = placement.elastic.sites if placement.elastic is not None else transport.world_size
-    engine.aggregator = make_aggregator(cfg, size)
-    engine.compensation = make_compensation(cfg, _compensation_device(cfg))
-    engine.fragments = frags = build_fragments(
+    aggregator = make_aggregator(cfg, size)
+    compensation = make_compensation(cfg, _compensation_device(cfg))
+    frags = build_fragments(
         engine.fragment_names, engine._by_name, cfg, placement,
         None if admission is not None else transport, engine._merge,
     )  # fmt: skip
     register_fragment_state(state, frags)
-    register_optimizer_state(state, engine.outer, engine.compensation, engine.aggregator, transport)
-    state.register(
-        "step",
-        StatePart(
-            lambda: engine.step, lambda v: setattr(engine, "step", int(v)), kept=False, shared=True
-        ),
-    )
-    engine._inflight = InFlight(transport, engine.events, state)
-    engine._nonfinite = NonFiniteGuard(cfg.nonfinite_patience, engine.stats, state)
+    register_optimizer_state(state, engine.outer, compensation, aggregator, transport)
+    state.register("step", step)
+    inflight = InFlight(transport, engine.events, state)
+    nonfinite = NonFiniteGuard(cfg.nonfinite_patience, engine.stats, state)
     register_counters(state, engine.stats, transport.meter)
-    engine._local = LocalWeights(engine.model, frags, placement, state)
-    engine._encoder = Encoder(
-        engine.aggregator, engine.compensation, engine._nonfinite, transport.rank,
+    local = LocalWeights(engine.model, frags, placement, state)
+    encoder = Encoder(
+        aggregator, compensation, nonfinite, transport.rank,
         in_flight=2 if engine.schedule.is_round_overlap() else 1,
     )  # fmt: skip
-    engine.membership = runner = placement.runner(
-        engine.aggregator, transport, engine._buffer_transport
-    )
-    engine._exchange = Exchange(
-        engine.model, frags, cfg.buffers, engine.aggregator, transport, engine._buffer_transport,
+    runner = placement.runner(aggregator, transport, buffer_transport)
+    exchange = Exchange(
+        engine.model, frags, cfg.buffers, aggregator, transport, buffer_transport,
         engine.stats, engine.sync_times, engine.events, runner,
     )  # fmt: skip
-    engine._replica = ReplicaCheck(transport, engine._exchange.on_group, engine.stats)
-    engine._apply = Apply(
+    replica = ReplicaCheck(transport, exchange.on_group, engine.stats)
+    apply = Apply(
         engine.model, engine.inner_optimizer, frags, engine.outer, engine._merge,
-        engine.schedule.is_round_overlap(), engine._inflight, engine._nonfinite, placement,
-        engine.sync_times,
+        engine.schedule.is_round_overlap(), inflight, nonfinite, placement, engine.sync_times,
     )  # fmt: skip
-    engine._leave = Leave(
-        engine.model, frags, placement, transport, engine._exchange, engine._inflight,
-        engine.outer, engine.events, 0 if engine._merge.needs_snapshot else engine.schedule.overlap,
+    leave = Leave(
+        engine.model, frags, placement, transport, exchange, inflight, engine.outer,
+        engine.events, 0 if engine._merge.needs_snapshot else engine.schedule.overlap,
     )  # fmt: skip
-    if engine._loaded is not None:
-        sd, engine._loaded = engine._loaded, None
-        state.load_state_dict(sd)
-    return admission
+    parts = Parts(
+        transport=transport, buffer_transport=buffer_transport, aggregator=aggregator,
+        compensation=compensation, fragments=frags, inflight=inflight, nonfinite=nonfinite,
+        local=local, encoder=encoder, membership=runner, exchange=exchange, replica=replica,
+        apply=apply, leave=leave,
+    )  # fmt: skip
+    return parts, admission
 
 
-def fingerprint(engine: Any) -> str:
+def fingerprint(
+    elastic: Elastic | None,
+    cfg: SyncConfig,
+    by_name: Mapping[str, torch.Tensor],
+    fragment_names: list[list[str]],
+) -> str:
     """What every site of one run must share, hashed: the run id, the sync settings (but where
-    a site keeps its state) and the fragments' parameter names, shapes and dtypes."""
-    elastic = engine._placement.elastic
+    a site keeps its state) and the fragments' parameter names, shapes and dtypes ("" without
+    ``elastic``: a fixed world checks nothing here)."""
     if elastic is None:
         return ""
-    cfg: dict[str, Any] = dataclasses.asdict(engine.config)
-    cfg.pop("state_device", None)
+    settings: dict[str, Any] = dataclasses.asdict(cfg)
+    settings.pop("state_device", None)
     shapes = [
-        [(n, list(engine._by_name[n].shape), str(engine._by_name[n].dtype)) for n in frag]
-        for frag in engine.fragment_names
+        [(n, list(by_name[n].shape), str(by_name[n].dtype)) for n in frag]
+        for frag in fragment_names
     ]
     rounds = [elastic.rounds, elastic.late]  # how contributions are merged: the same everywhere
-    text = json.dumps([elastic.run_id, cfg, shapes, rounds], sort_keys=True, default=str)
+    text = json.dumps([elastic.run_id, settings, shapes, rounds], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -166,7 +166,7 @@ class TorchftDiLoCo:
         meter = ByteMeter()
         self.transport = SimpleNamespace(meter=meter, blocking=lambda fn: fn())
         self.stats = SyncStats()
-        self.outer = SimpleNamespace()  # no clipping or penalty counters
+        self.outer = None  # torchft runs its own outer step: no clipping or penalty counters
         self.last_sync_step = -1
         self._step = 0
         timeout = timedelta(seconds=timeout_s)

@@ -119,8 +119,8 @@ def _train_loop(run: Run, faults: Any, log: RunLog, fresh: bool) -> None:
 def _sync_s(run: Run) -> float:
     """Seconds the engine has spent in syncs so far, its own work and its waits on the others
     (0 without one)."""
-    stats = getattr(run.comm.engine, "stats", None)
-    return float(getattr(stats, "outer_s", 0.0)) + (run.comm.blocked_s() if stats else 0.0)
+    stats = run.comm.engine.stats if run.comm.engine is not None else None
+    return float(stats.outer_s if stats else 0.0) + (run.comm.blocked_s() if stats else 0.0)
 
 
 def _joined(run: Run) -> None:
@@ -145,7 +145,7 @@ def _follow(run: Run, step: int, log: RunLog) -> int:
     """The step this site is at after training ``step``: under quorum rounds the engine may
     have cut the round short (a quorum of sites reached the sync first) and jumped to the
     sync; the skipped steps are counted as done, their batches and LR steps skipped."""
-    at = getattr(run.comm.engine, "step", step)
+    at = run.comm.engine.step if run.comm.engine is not None else step
     if at <= step:
         return step
     _go_to(run, at)
@@ -373,7 +373,7 @@ def _build_summary(run: Run, val_loss: float, means: list[float], rss: int) -> R
     # (RunSummary.command) must spell them out
     config = {**dataclasses.asdict(cfg), **dataclasses.asdict(run.spec.sync)}
     engine = run.comm.engine
-    outer = getattr(engine, "outer", None)
+    outer = engine.outer if engine is not None else None
     return RunSummary(
         name=run.spec.label,
         strategy=run.spec.strategy.name,

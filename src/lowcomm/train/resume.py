@@ -117,17 +117,7 @@ def restore(run: Run, state: dict[str, Any]) -> None:
     run.learner.sched.load_state_dict(state["scheduler"])
     run.data.batches.load_state_dict(state["data"])
     if run.comm.engine is not None:
-        run.comm.engine.load_state_dict(
-            dict(
-                state["engine"],
-                pending={},
-                compensation={},
-                left_out=[],
-                local=None,
-                snapshot={},
-                reduce_compensation={},
-            )
-        )
+        run.comm.engine.load_state_dict(state["engine"], new_world=True)
         params = dict(run.learner.model.named_parameters())
         with torch.no_grad():
             for name, value in run.comm.engine.global_state().items():

@@ -14,6 +14,7 @@ from ..elastic.faults import Fault
 from ..transport import ByteMeter
 
 if TYPE_CHECKING:
+    from ..protocols import SyncEngine
     from .summary import RunSummary
 
 
@@ -39,7 +40,7 @@ class QuorumControl:
     """The trainer's control collectives (loss logging, evaluation, the summary) on the live
     quorum, through the engine's membership; every site issues them in the same order."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: SyncEngine) -> None:
         self.engine = engine  # its membership runner exists once the block was entered
         self.meter = ByteMeter()  # their bytes are in the engine's meter, counted as control
         self._count, self._step = 0, -1  # control collectives so far at this step

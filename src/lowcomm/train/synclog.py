@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..engine.guards import global_checksum
+
+if TYPE_CHECKING:
+    from ..engine import LowComm
+    from ..protocols import SyncEngine
 
 
 class SyncLog:
     """Appends ``{"step", "syncs", "theta"}`` whenever the engine's sync count grew."""
 
-    def __init__(self, out: Path, site: int, engine: Any, fresh: bool) -> None:
+    def __init__(self, out: Path, site: int, engine: LowComm, fresh: bool) -> None:
         self.engine = engine
         self.path = out / "sites" / f"site{site}.syncs.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -23,7 +27,7 @@ class SyncLog:
         self._seen = engine.stats.syncs
 
     @classmethod
-    def of(cls, out: Path, site: int, engine: Any, fresh: bool) -> SyncLog | None:
+    def of(cls, out: Path, site: int, engine: SyncEngine, fresh: bool) -> SyncLog | None:
         """A log for ``engine``, or None for one that is not lowcomm's (torchft's DiLoCo).
         ``fresh``: the run starts here (not a resume, not a site joining it)."""
         return cls(out, site, engine, fresh) if hasattr(engine, "fragments") else None

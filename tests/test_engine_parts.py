@@ -1,0 +1,66 @@
+"""The engine's parts are one typed value it owns (``LowComm.parts``), and the run state says
+what a worker starting afresh loads and which parts are model-sized, so no caller names them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from lowcomm.engine.state import CARRIED, RunState, StatePart
+from lowcomm.engine.wiring import Parts
+
+
+def test_afresh_replaces_only_the_parts_that_declare_a_fresh_value():
+    state = RunState()
+    state.register("kept", StatePart(lambda: 1, lambda v: None))
+    state.register("dropped", StatePart(lambda: {"x": 1}, lambda v: None, fresh={}))
+    state.register("none", StatePart(lambda: 2, lambda v: None, fresh=None))
+    sd = {"kept": 1, "dropped": {"x": 1}, "none": 2}
+    assert state.afresh(sd) == {"kept": 1, "dropped": {}, "none": None}
+    assert sd["dropped"] == {"x": 1}  # the caller's dict is left as it was
+    assert StatePart(lambda: 0, lambda v: None).fresh is CARRIED
+
+
+def _started(rank: int, world: int) -> dict:
+    from helpers import adamw, tiny_model
+
+    from lowcomm.engine import LowComm
+
+    torch.manual_seed(0)
+    model = tiny_model()
+    sync = LowComm(model, adamw(model), sync_every=2, compensation="ef", codec="int8")
+    before = set(vars(sync))
+    with sync:
+        parts = sync.parts
+        out = {
+            "new_attributes": sorted(set(vars(sync)) - before),
+            "same": [
+                sync.transport is parts.transport,
+                sync.aggregator is parts.aggregator,
+                sync.compensation is parts.compensation,
+                sync.fragments is parts.fragments,
+                sync.membership is None,
+            ],
+            "fresh": sorted(k for k, v in sync.state.afresh({}).items()),
+            "buffers": sync.state.names(buffer=True),
+        }
+    return out
+
+
+def test_the_engine_assigns_its_parts_itself_and_names_what_a_new_world_resets(workers):
+    for r in workers(_started, 2):
+        # only the engine's own slots change on entering (its parts, hook and flags)
+        assert r["new_attributes"] == [], r["new_attributes"]
+        assert all(r["same"])
+        # what a resume on another number of workers resets (the trainer once listed these)
+        assert r["fresh"] == sorted(
+            ["pending", "compensation", "left_out", "local", "snapshot", "reduce_compensation"]
+        )
+        assert r["buffers"] == [
+            "global", "snapshot", "outer", "compensation", "reduce_compensation", "pending",
+        ]  # fmt: skip
+
+
+def test_parts_are_frozen():
+    assert dataclasses.fields(Parts) and Parts.__dataclass_params__.frozen  # type: ignore[attr-defined]
