@@ -12,23 +12,31 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..aggregate import Aggregator, Encoded
 from ..config import ConfigError, SyncConfig
-from ..elastic import Elastic, Runner
+from ..elastic import Elastic
 from ..elastic.rounds import Rounds
 from ..outer import OuterOptimizer, make_outer
 from ..schedule import Schedule
-from ..transport import Transport
 from .build import check_arguments, resolve_fragments, trainable_params
-from .fragment import Fragment
-from .inflight import Result, in_hand
 from .join import check_healed_at, join_run, rejoin
 from .merge import make_merge
 from .placement import Placement
 from .quorum import cut_short, in_round
+from .send import counted, send
 from .state import RunState, StatePart
 from .stats import SyncStats, SyncTimes, Unblocked
 from .wiring import Parts, fingerprint, wire
+
+
+def _part(name: str, before: Any, doc: str) -> Any:
+    """A read-only attribute of the engine that is one of its parts (``before`` until the
+    first start builds them)."""
+
+    def get(engine: LowComm) -> Any:
+        parts = engine._parts
+        return getattr(parts, name) if parts is not None else before
+
+    return property(get, doc=f"{doc} {before!r} before the first start.")
 
 
 class LowComm:
@@ -100,32 +108,11 @@ class LowComm:
             raise ConfigError("the engine's parts exist once it has started: enter the block")
         return self._parts
 
-    @property
-    def transport(self) -> Transport | None:
-        """The sync exchanges' transport (its ``meter``: the training bytes); None before the
-        first start."""
-        return self._parts.transport if self._parts is not None else None
-
-    @property
-    def aggregator(self) -> Aggregator | None:
-        """The codec and reduce of the run; None before the first start."""
-        return self._parts.aggregator if self._parts is not None else None
-
-    @property
-    def compensation(self) -> Any:
-        """The error compensation (None without one, or before the first start)."""
-        return self._parts.compensation if self._parts is not None else None
-
-    @property
-    def membership(self) -> Runner | None:
-        """With elastic=: who is in each sync (an elastic.Runner); else, or before the first
-        start, None."""
-        return self._parts.membership if self._parts is not None else None
-
-    @property
-    def fragments(self) -> list[Fragment]:
-        """The fragments in schedule order (empty before the first start)."""
-        return self._parts.fragments if self._parts is not None else []
+    transport = _part("transport", None, "The sync exchanges' transport (its meter: the bytes).")
+    aggregator = _part("aggregator", None, "The codec and reduce of the run.")
+    compensation = _part("compensation", None, "The error compensation, if any.")
+    membership = _part("membership", None, "With elastic=: who is in each sync (a Runner).")
+    fragments = _part("fragments", [], "The fragments in schedule order.")
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> LowComm:
@@ -279,68 +266,17 @@ class LowComm:
                     return flags  # every worker has left: stop before exchanging anything
             results = {p: parts.inflight.take(p) for p in due}
             if sends:
-                self._send(sends, step, flags, results)
+                send(parts, self.schedule, self.sync_times, self.events, self.state, sends, step,
+                     flags, results)  # fmt: skip
             parts.apply.results(sends, results, parts.transport.world_size, step)
             self.last_sync_step = step
             if sends:
-                self._count_sync(len(sends), step)
+                counted(parts, self.stats, self.schedule, self.config.replica_check_every,
+                        len(sends), step)  # fmt: skip
         self.stats.outer_s += spent.seconds
         self.sync_times.caller += spent.seconds
         self._update_stats()
         return None
-
-    def _send(
-        self, sends: list[int], step: int, flags: torch.Tensor | None, results: dict[int, Result]
-    ) -> None:
-        """Encode the fragments due and start (or, without overlap, run) their exchange."""
-        parts, frags = self.parts, self.parts.fragments
-        encoded: dict[int, list[Encoded]] = {}
-        owns: dict[int, torch.Tensor | None] = {}
-        nonfinite = False
-        # quorum rounds weight each contribution by the steps it holds (encoding resets them)
-        covered = {p: frags[p].unsent for p in sends} if parts.exchange.weighted else None
-        with self.sync_times.stage("encode"):
-            for p in sends:
-                encoded[p], owns[p], bad = parts.encoder.encode(frags[p], step)
-                nonfinite |= bad
-        mine = None if flags is not None else parts.exchange.flags(step, False, nonfinite, covered)
-        tag = f"sync@{step}"
-        job = parts.exchange.job(encoded, mine, flags, tag)
-        healing = self._offer_heal(tag, step, results)
-        if self.schedule.overlap == 0:
-            event = parts.transport.blocking(job)
-            results.update({p: (event.reduced[p], owns[p], event) for p in sends})
-        else:
-            parts.inflight.submit(job, step, self.schedule.apply_step(step), owns)
-            if healing:  # the heal reads the state on the comm thread: it must hold still
-                parts.transport.wait(parts.inflight.pending[sends[0]].future)
-        for p in sends:
-            self.events.append(("sent", p, time.perf_counter()))
-
-    def _offer_heal(self, tag: str, step: int, results: dict[int, Result]) -> bool:
-        """Let a site join at sync ``tag``: its quorum may admit a joiner only if every member
-        offers the run's shared state as of now (results due at this step taken, not yet
-        applied: nothing else is in flight at a send, by the overlap rule). With overlap the
-        sync then blocks, so the offer is made only while a site is waiting to join."""
-        runner = self.membership
-        if runner is None or not (self.schedule.overlap == 0 or runner.joiner_expected(tag)):
-            return False
-
-        def shared() -> dict[str, Any]:
-            # this sync's own exchange is in the table by then: the results in hand instead
-            state = self.state.shared_state_dict(skip=("pending",))
-            state["pending"] = in_hand(results, step - self.schedule.overlap, step)
-            return state
-
-        runner.offer(tag, shared)
-        return True
-
-    def _count_sync(self, n_fragments: int, step: int) -> None:
-        self.stats.syncs += 1
-        self.stats.fragment_syncs += n_fragments
-        every = self.config.replica_check_every
-        if every and self.schedule.syncs_through(step) % every == 0:  # the run's count
-            self.parts.replica.start(self.fragments, f"check@{step}")
 
     # -- the run state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -386,10 +322,7 @@ class LowComm:
     def global_state(self) -> dict[str, torch.Tensor]:
         """The global parameters by name: the run's global copy inside the block, the
         consolidated model that leaving loaded into every worker outside it."""
-        published = self._parts.local.published if self._parts is not None else None
-        if not self._started and published is not None:
-            return dict(published)
-        return {n: v for f in self.fragments for n, v in zip(f.names, f.global_views)}
+        return self._parts.local.global_state() if self._parts is not None else {}
 
     def global_flat(self) -> torch.Tensor:
         """All global parameters (as :meth:`global_state`) as one flat FP32 tensor,
@@ -398,11 +331,6 @@ class LowComm:
         return torch.cat([state[n].reshape(-1).float() for f in self.fragments for n in f.names])
 
     def _update_stats(self) -> None:
-        if self._parts is None:
-            return
-        self.stats.read_meters(
-            self._parts.transport.meter,
-            self._parts.buffer_transport.meter,
-            self._placement.inner,
-            self.sync_times,
-        )
+        if (parts := self._parts) is not None:
+            meters = (parts.transport.meter, parts.buffer_transport.meter)
+            self.stats.read_meters(*meters, self._placement.inner, self.sync_times)

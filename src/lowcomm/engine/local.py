@@ -68,6 +68,13 @@ class LocalWeights:
             n: v.detach().clone() for f in self.frags for n, v in zip(f.names, f.global_views)
         }
 
+    def global_state(self) -> dict[str, torch.Tensor]:
+        """The global parameters by name: the global copies inside a block, the published
+        (consolidated) model outside it once one was published."""
+        if not self.started and self.published is not None:
+            return dict(self.published)
+        return {n: v for f in self.frags for n, v in zip(f.names, f.global_views)}
+
     def reenter(self) -> None:
         """Second and later blocks: the model must still hold what leaving published; then the
         kept local weights go back in. (After a block left by an exception nothing was kept:

@@ -10,7 +10,7 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -31,10 +31,39 @@ from .local import LocalWeights
 from .state import StatePart
 from .stats import register_counters
 
-if TYPE_CHECKING:  # core imports this module: the engine's type only for annotations
+if TYPE_CHECKING:
     from ..compensation import ErrorFeedback, MovingAverageCompensation
     from ..elastic import Runner
-    from .core import LowComm
+    from ..outer import OuterOptimizer
+    from ..schedule import Schedule
+    from .merge import Merge
+    from .placement import Placement
+    from .state import RunState
+    from .stats import SyncStats, SyncTimes
+
+
+class Built(Protocol):
+    """What :func:`wire` reads of an engine built but not started (a LowComm: core imports
+    this module, so the engine is described here rather than imported)."""
+
+    config: SyncConfig
+    model: torch.nn.Module
+    inner_optimizer: torch.optim.Optimizer
+    fragment_names: list[list[str]]
+    schedule: Schedule
+    outer: OuterOptimizer
+    state: RunState
+    stats: SyncStats
+    sync_times: SyncTimes
+    events: list[tuple[str, int, float]]
+    _placement: Placement
+    _by_name: dict[str, torch.Tensor]
+    _merge: Merge
+    _comm_delay_s: float
+
+    def fingerprint(self) -> str:
+        """What every site of the run must share, hashed."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +87,7 @@ class Parts:
     leave: Leave  # the exit path of the with block
 
 
-def wire(engine: LowComm, step: StatePart) -> tuple[Parts, tuple[View, str] | None]:
+def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None]:
     """Join the group and build every part of ``engine`` on it; ``step`` is the engine's own
     step counter as a state part (registered here, at its place in the load order).
 
