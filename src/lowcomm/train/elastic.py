@@ -55,9 +55,7 @@ def check_elastic(spec: RunSpec, workers: int) -> None:
                 "--faults join/add: a site can join only an elastic run: add elastic=true"
             )
         return
-    if cfg.replay:
-        rejoin = rejoin or replay_joins(cfg.replay, workers)
-    spec.strategy.check_elastic(cfg, bool(rejoin))
+    spec.strategy.check_elastic(cfg, bool(rejoin))  # a replay's joins: refused with replay
     if cfg.ranks_per_worker != 1:
         raise ConfigError("elastic=true runs one rank per site for now: set ranks_per_worker=1")
     if cfg.min_workers > workers:
@@ -66,6 +64,8 @@ def check_elastic(spec: RunSpec, workers: int) -> None:
         if cfg.replay:  # where a round is cut short depends on timing, not on the record
             raise ConfigError("--replay re-enacts lock-step membership: drop rounds=quorum")
         check_rounds(cfg.rounds, cfg.quorum, cfg.grace, cfg.late, workers)
+    if cfg.replay:
+        replay_joins(cfg.replay, workers)  # the record read now: its errors before any start
 
 
 def replay_leaves(path: str, sites: int) -> dict[int, str]:
