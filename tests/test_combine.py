@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from lowcomm.aggregate import COMBINES, GatherAggregator, aggregator_for
+from lowcomm.aggregate import COMBINES, GatherAggregator, aggregator_for, combine_for
 from lowcomm.codecs import make_codec
 from lowcomm.config.choices import AGGREGATIONS
 from lowcomm.errors import ConfigError
@@ -48,3 +48,22 @@ def test_gather_hands_the_rule_each_valid_contribution_with_its_weight():
     red = agg._sum_gathered(payloads, [torch.Size([5])], 5, weights=[1.0, 7.0, 2.0])
     assert red.valid_workers == 2
     assert torch.equal(red.mean, torch.full((5,), (1.0 + 2 * 4.0) / 3))
+
+
+def test_a_payload_that_fails_to_decode_is_named_by_its_sender():
+    """Every receiver decodes the parts in the same order: the first that fails on its own is
+    the one named, so all receivers blame the same sender (here group rank 5 of 0, 5, 2)."""
+    from lowcomm.aggregate.combine import Parts
+    from lowcomm.errors import PayloadError
+
+    codec = make_codec("int8")
+    payloads = [codec.encode(torch.full((64,), float(v))) for v in (1, 2, 3)]
+    payloads[1] = payloads[1].clone()
+    payloads[1][0] ^= 0xFF  # a flipped header byte
+    parts = Parts(codec, payloads, torch.Size([64]), ["t"] * 3, None, senders=[0, 5, 2])
+    with pytest.raises(PayloadError) as info:
+        try:
+            combine_for("mean").combine(parts, torch.empty(64))
+        except PayloadError as err:
+            raise parts.blame(err) from None
+    assert info.value.sender == 5

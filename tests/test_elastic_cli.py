@@ -357,3 +357,36 @@ def test_a_site_paused_past_its_heartbeat_never_stops_the_others(tmp_path, round
                       done.stdout)  # fmt: skip
     back = any(e.get("joined") == [1] for e in events[1:])
     assert alone or (back and rounds == "quorum"), (events, done.stdout[-2000:])
+
+
+@pytest.mark.parametrize("codec", ["int8", pytest.param("topk", marks=pytest.mark.slow)])
+def test_a_site_whose_payload_is_refused_is_named_and_excluded_and_the_others_go_on(
+    tmp_path, codec
+):
+    """A corrupt payload fails the same way on every try: instead of retrying it until every
+    site stops, the members read the accusation from their commit vote, exclude the sender
+    alike, and retry the sync without it; it stops alone with one line. The record names it
+    as excluded, and its replay (the site leaving there) ends bit for bit the same."""
+    live, again_dir = tmp_path / "live", tmp_path / "replay"
+    extra = [f"codec={codec}", "reduce=gather"]
+    done = _train(*RUN, *ELASTIC, *extra, "--faults", "corrupt:1@35", "--out", str(live))
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = done.stdout + done.stderr
+    assert "site 1 is excluded from the run at sync@40" in said, said[-3000:]
+    assert "validity flag 127" in said
+    (event,) = json.loads((live / "summary.json").read_text())["membership"]
+    assert event["left"] == [1] and event["excluded"] == [1] and event["members"] == [0, 2]
+    assert event["at"] == "sync@40" and event["last_step"] == 30
+    log = str(live / "membership.jsonl")
+    again = _train(*RUN, *ELASTIC, *extra, "--replay", log, "--out", str(again_dir))
+    assert again.returncode == 0, again.stderr[-3000:]
+    a, b = _model(live), _model(again_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_corrupt_fault_needs_payloads_that_are_decoded(capsys, tmp_path):
+    from lowcomm import cli
+
+    code = cli.main(["train", *RUN, *ELASTIC, "--faults", "corrupt:1@35", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "all-reduces sums: use a codec sent by reduce=gather" in err, err

@@ -20,6 +20,7 @@ from lowcomm.elastic.membership import (
     View,
     admit,
     admitted_at,
+    blamed,
     committed,
     in_sync,
     run_tag,
@@ -42,6 +43,7 @@ class _Checker(Membership):
     def __init__(self, site: int, sites: int = 4, min_workers: int = 2) -> None:
         self.elastic = Elastic(lighthouse="http://unused", site=site, sites=sites,
                                min_workers=min_workers)  # fmt: skip
+        self.excluded, self._blame = {}, None
 
 
 def test_a_site_paused_past_its_heartbeat_stops_alone_and_the_others_go_on():
@@ -190,3 +192,27 @@ def test_a_hung_peer_store_holds_up_no_hint_to_the_other_sites(monkeypatch):
         assert good.add("lowcomm-rounds/60/arrived", 0) == 1
     finally:
         hung.released.set()
+
+
+def test_a_blamed_site_is_excluded_by_every_member_from_one_complete_vote():
+    """The accusation rides in the commit vote; every member reads the same vote, so all
+    exclude the same site, and only from a vote every member of the attempt cast."""
+    view = _view(_d(0, "sync@40"), _d(1, "sync@40"), _d(2, "sync@40"))
+    why = "payload from worker 1 has validity flag 127, expected 0 or 1"
+    accuse = {"blame": 1, "why": why}
+    votes = [_d(0, "sync@40", "commit", ok=False, **accuse), _d(1, "sync@40", "commit"),
+             _d(2, "sync@40", "commit", ok=False, **accuse)]  # fmt: skip
+    assert blamed(view, _view(*votes), generation=0) == {1: why}
+    assert blamed(view, _view(*votes[:2]), generation=0) == {}  # site 2 voted elsewhere
+    assert blamed(view, _view(*votes), generation=1) == {}  # another attempt's vote
+    odd = [_d(0, "sync@40", "commit", blame=7), _d(1, "sync@40", "commit", blame=True),
+           _d(2, "sync@40", "commit", blame="1")]  # fmt: skip
+    assert blamed(view, _view(*odd), generation=0) == {}  # no member, or not a site number
+    for site in (0, 2):
+        member = _Checker(site)
+        member.exclude(blamed(view, _view(*votes), 0), "sync@40")
+        assert member.check(view, "sync@40").members == [0, 2]
+    accused = _Checker(1)
+    accused.exclude({1: why}, "sync@40")
+    with pytest.raises(MembershipError, match="site 1 is excluded from the run at sync@40"):
+        accused.check(view, "sync@40")

@@ -23,7 +23,14 @@ class ReplicaMismatchError(LowCommError, RuntimeError):
 
 
 class PayloadError(LowCommError, ValueError):
-    """A payload failed validation on decode (peers' payloads are untrusted input)."""
+    """A payload failed validation on decode (peers' payloads are untrusted input).
+
+    ``sender``: the group rank whose payload it was, when known. The same bytes fail the same
+    way on every retry, so an elastic run excludes that sender instead of retrying it."""
+
+    def __init__(self, message: str, sender: int | None = None) -> None:
+        super().__init__(message)
+        self.sender = sender
 
 
 class CheckpointError(LowCommError, RuntimeError):

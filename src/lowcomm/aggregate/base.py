@@ -121,11 +121,14 @@ class Aggregator(ABC):
             self.collective_s += time.perf_counter() - t0
 
 
-def flag(byte: torch.Tensor, who: str) -> bool:
-    """The validity flag of ``who``'s payload: True if it contributed (PayloadError if not 0/1)."""
+def flag(byte: torch.Tensor, sender: int) -> bool:
+    """The validity flag of group rank ``sender``'s payload: True if it contributed
+    (PayloadError naming the sender if not 0/1)."""
     v = int(byte)
     if v not in (0, 1):
-        raise PayloadError(f"payload from {who} has validity flag {v}, expected 0 or 1")
+        raise PayloadError(
+            f"payload from worker {sender} has validity flag {v}, expected 0 or 1", sender
+        )
     return v == 1
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, PayloadError
 
 if TYPE_CHECKING:
     from ..codecs.base import Codec
@@ -40,9 +40,11 @@ class Parts(Sequence[torch.Tensor]):
         shape: torch.Size,
         names: list[str],
         weights: list[float] | None,
+        senders: list[int] | None = None,
     ) -> None:
         self.codec, self.payloads, self.shape, self.names = codec, payloads, shape, names
         self.weights = weights  # one per part, or None: every part counts once
+        self.senders = senders  # each part's group rank, to name the sender of a bad payload
 
     def __len__(self) -> int:
         return len(self.payloads)
@@ -56,6 +58,20 @@ class Parts(Sequence[torch.Tensor]):
         """Part ``j`` as the (indices, values) a sparse codec sent (``decode_sparse``)."""
         decode = self.codec.decode_sparse  # type: ignore[attr-defined]
         return decode(self.payloads[j], self.shape, self.names[j])
+
+    def blame(self, err: PayloadError) -> PayloadError:
+        """``err`` (raised while combining) with the sender of the first part that fails to
+        decode on its own: every receiver tries the parts in the same order, so all name the
+        same one (``err`` as it is when no part fails alone, or the senders are unknown)."""
+        if err.sender is not None or self.senders is None:
+            return err
+        alone = self.sparse if hasattr(self.codec, "decode_sparse") else self.__getitem__
+        for j, sender in enumerate(self.senders):
+            try:
+                alone(j)
+            except PayloadError as bad:
+                return PayloadError(str(bad), sender)
+        return err
 
     def total_weight(self) -> float:
         """The sum of the parts' weights (their count when unweighted)."""

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import DENSE_CODECS, SyncConfig
+from ..config import SyncConfig
 from .allreduce import AllReduceAggregator
 from .base import Aggregator
 from .combine import Combine, combine_for
@@ -54,9 +54,7 @@ def aggregator_for(
 
 def make_aggregator(cfg: SyncConfig, world_size: int) -> Aggregator:
     """The aggregator for a (validated) config: resolves reduce=auto and builds the codec."""
-    method = cfg.reduce
-    if method == "auto":
-        method = "allreduce" if cfg.codec in DENSE_CODECS else "gather"
+    method = cfg.resolved_reduce
     from ..codecs import make_codec  # the codec registry
 
     if method == "allreduce":  # a dense codec: its values are summed in its dtype

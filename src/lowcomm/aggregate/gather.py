@@ -78,8 +78,8 @@ class GatherAggregator(Aggregator):
         """The rule's combination of the gathered payloads, written into ``out`` if given."""
         senders = []  # the workers that contributed
         for w, payload in enumerate(gathered):
-            self._check_len(payload[:-1], shapes, f"worker {w}")
-            if flag(payload[-1], f"worker {w}"):
+            self._check_len(payload[:-1], shapes, w)
+            if flag(payload[-1], w):
                 senders.append(w)
         dev = gathered[0].device if gathered else None
         total = out if out is not None else torch.empty(total_numel, device=dev)
@@ -91,9 +91,11 @@ class GatherAggregator(Aggregator):
             nb, n = self.codec.nbytes(shape), numel(shape)
             pieces = [gathered[w][offset_b : offset_b + nb] for w in senders]
             names = [f"tensor {i} from worker {w}" for w in senders]
-            self.rule.combine(
-                Parts(self.codec, pieces, shape, names, ws), total[offset_e : offset_e + n]
-            )
+            parts = Parts(self.codec, pieces, shape, names, ws, senders)
+            try:
+                self.rule.combine(parts, total[offset_e : offset_e + n])
+            except PayloadError as err:
+                raise parts.blame(err) from None
             offset_b += nb
             offset_e += n
         return Reduced(total, len(senders))
@@ -118,7 +120,10 @@ class GatherAggregator(Aggregator):
             oe += n
         return out
 
-    def _check_len(self, payload: torch.Tensor, shapes: list[torch.Size], who: str) -> None:
+    def _check_len(self, payload: torch.Tensor, shapes: list[torch.Size], sender: int) -> None:
         want = sum(self.codec.nbytes(s) for s in shapes)
         if payload.numel() != want:
-            raise PayloadError(f"payload from {who} has {payload.numel()} bytes, expected {want}")
+            raise PayloadError(
+                f"payload from worker {sender} has {payload.numel()} bytes, expected {want}",
+                sender,
+            )

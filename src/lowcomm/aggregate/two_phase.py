@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..codecs.base import Codec
+from ..errors import PayloadError
 from .base import Aggregator, Encoded, Reduced, contribution, flag, numel
 from .combine import Combine, Parts
 
@@ -105,10 +106,15 @@ class TwoPhaseAggregator(Aggregator):
             comp.after_send(key, h, self.codec.decode(payload, h.shape, "own averaged shard"))
         gathered = self._timed(transport.all_gather, payload)
         shape = mine.shape
-        out = torch.cat(
-            [self.codec.decode(p, shape, f"averaged shard {w}") for w, p in enumerate(gathered)]
-        )
+        out = torch.cat([self._averaged(p, shape, w) for w, p in enumerate(gathered)])
         return Reduced(out[: enc.numel], red.valid_workers)
+
+    def _averaged(self, payload: torch.Tensor, shape: torch.Size, owner: int) -> torch.Tensor:
+        """Worker ``owner``'s averaged shard, decoded (a bad one names its owner)."""
+        try:
+            return self.codec.decode(payload, shape, f"averaged shard {owner}")
+        except PayloadError as err:
+            raise PayloadError(str(err), owner) from None
 
     def reduce_scatter(
         self, enc: Encoded, transport: Transport, weights: list[float] | None = None
@@ -121,18 +127,20 @@ class TwoPhaseAggregator(Aggregator):
         received = self._timed(transport.all_to_all, list(enc.payload.unbind(0)))
         shape = torch.Size([enc.shard_numel])
         mine = torch.zeros(shape, dtype=torch.float32, device=enc.payload.device)
-        senders = [w for w, p in enumerate(received) if flag(p[-1], f"worker {w}")]
+        senders = [w for w, p in enumerate(received) if flag(p[-1], w)]
         if senders:
-            self.rule.combine(
-                Parts(
-                    self.codec,
-                    [received[w][:-1] for w in senders],
-                    shape,
-                    [f"shard {transport.rank} from worker {w}" for w in senders],
-                    [weights[w] for w in senders] if weights is not None else None,
-                ),
-                mine,
+            parts = Parts(
+                self.codec,
+                [received[w][:-1] for w in senders],
+                shape,
+                [f"shard {transport.rank} from worker {w}" for w in senders],
+                [weights[w] for w in senders] if weights is not None else None,
+                senders,
             )
+            try:
+                self.rule.combine(parts, mine)
+            except PayloadError as err:
+                raise parts.blame(err) from None
         return Reduced(mine, len(senders))
 
     def payload_nbytes(self, shapes: list[torch.Size]) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 from . import checks
 from .choices import (
     CODECS,
+    DENSE_CODECS,
     SPARSE_CODECS,
     Aggregation,
     Buffers,
@@ -192,6 +193,13 @@ class SyncConfig:
         return self
 
     @property
+    def resolved_reduce(self) -> str:
+        """``reduce`` with auto resolved: allreduce for dense codecs, gather otherwise."""
+        if self.reduce != "auto":
+            return self.reduce
+        return "allreduce" if self.codec in DENSE_CODECS else "gather"
+
+    @property
     def resolved_aggregation(self) -> str:
         """``aggregation`` with auto resolved: selected-mean for top-k payloads, mean otherwise."""
         if self.aggregation != "auto":
@@ -329,7 +337,8 @@ class TrainConfig:
         "",
         "Faults on purpose, KIND:SITE@STEP comma-separated, sites 0-based: kill:2@35 "
         "(SIGKILL before step 35), hang:2@55 (SIGSTOP), pause:2@40x8 (SIGSTOP, SIGCONT 8 s "
-        "later). Also --faults.",
+        "later), join:2@60, add:3@60, slow:1x3, corrupt:1@35 (a payload the others refuse). "
+        "Also --faults.",
     )
     replay: str = knob(
         "",

@@ -13,6 +13,12 @@
 - ``add:3@60``   a new site, 3 (of a run started with 3: sites are numbered on from the
   run's), joins at the run's first sync at or after step 60 (it heals from a live peer). The
   run's data is cut into as many shards as it will have sites, so every site has its own;
+- ``corrupt:1@40`` site 1 spoils what it sends at its first sync from step 40 (the validity
+  flag of every payload it sends there: an invalid byte, as a bit flip or a faulty encoder
+  would leave). Every receiver refuses it the same way, so the site is named and excluded, and
+  the others retry the sync without it; it stops alone, with one line. For runs whose payloads
+  are decoded (``reduce=gather`` or ``two-phase``; an all-reduce sums numbers, and a spoilt sum
+  is the subject of robust merges, not of the protocol);
 - ``slow:1x3``   site 1 computes 3x slower (from step 1, or ``slow:1@40x3`` from step 40): after
   each inner step it sleeps twice that step's compute time. Sleeping frees the CPU, so on a
   machine with fewer cores than sites the others do not slow down with it.
@@ -30,10 +36,11 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import ConfigError
 
-KINDS = ("kill", "hang", "pause", "join", "add", "slow")
+KINDS = ("kill", "hang", "pause", "join", "add", "slow", "corrupt")
 LATER = ("slowlink",)
 _FAULT = re.compile(r"^(?P<kind>[a-z]+):(?P<site>\d+)(@(?P<step>\d+))?(x(?P<factor>[0-9.]+))?$")
 
@@ -129,16 +136,37 @@ def adds(faults: list[Fault]) -> dict[int, int]:
     return {f.site: int(f.step or 0) for f in faults if f.kind == "add"}
 
 
+_armed: set[str] = set()  # faults this process acts out on what it sends next (corrupt)
+
+
 def act(faults: list[Fault], site: int, step: int) -> None:
     """Before inner step ``step`` of ``site``: carry out the faults due now, on this process."""
     for f in faults:
         if f.site != site or f.step != step:
             continue
+        if f.kind == "corrupt":
+            _armed.add("corrupt")
         if f.kind == "pause":  # the helper outlives nothing: it wakes this process, then ends
             pid = os.getpid()
             subprocess.Popen(["sh", "-c", f"sleep {f.factor:g}; kill -CONT {pid}"])
         if f.kind in ("kill", "hang", "pause"):
             os.kill(os.getpid(), signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
+
+
+def spoil_if_armed(payloads: list[Any]) -> bool:
+    """A ``corrupt:`` fault armed on this process: spoil the validity flag (the last byte of
+    each row) of every payload of the sync about to be sent, once. Returns whether it did."""
+    if "corrupt" not in _armed:
+        return False
+    _armed.discard("corrupt")
+    for payload in payloads:
+        payload[..., -1] = 0x7F  # neither 0 (left out) nor 1 (valid): refused on decode
+    return True
+
+
+def decoded(faults: list[Fault]) -> list[Fault]:
+    """The faults that need the payloads decoded by their receivers (``corrupt:``)."""
+    return [f for f in faults if f.kind == "corrupt"]
 
 
 def paused(faults: list[Fault], site: int) -> bool:

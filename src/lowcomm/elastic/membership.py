@@ -125,6 +125,9 @@ class Membership:
         self._refused: set[int] = set()  # sites already told they were refused
         self.joiner_waiting = False  # a site with this run's settings asked to join, last quorum
         self._join_at = ""  # a late site asking back in: the sync it asks for (see rejoin)
+        # sites excluded from the run (a payload every member refused), with the reason
+        self.excluded: dict[int, str] = {}
+        self._blame: tuple[int, str] | None = None  # this site's accusation in its next vote
         timeout = timedelta(seconds=elastic.timeout_s)
         self._client = LighthouseClient(elastic.lighthouse, connect_timeout=timeout)
         self._beat_client = LighthouseClient(elastic.lighthouse, connect_timeout=timeout)
@@ -146,7 +149,10 @@ class Membership:
             except Exception as e:  # the lighthouse is gone: the next quorum says so
                 log.debug("heartbeat failed: %s", e)
 
-    def quorum(self, tag: str, ok: bool = True, phase: str = "sync", ready: bool = False) -> View:
+    def quorum(
+        self, tag: str, ok: bool = True, phase: str = "sync", ready: bool = False,
+        blame: tuple[int, str] | None = None,
+    ) -> View:  # fmt: skip
         """Wait for the next quorum, reporting ``tag`` (which sync), ``phase`` (its collectives
         or their commit), ``ok`` (did this site complete them) and ``ready`` (does it offer a
         heal here: a joiner is admitted only where every member does); raises MembershipError when
@@ -154,7 +160,10 @@ class Membership:
         admitted here (the same settings, at a sync they may join at): see :func:`admit`.
 
         A quorum of fewer than ``min_workers`` is asked again for up to ``timeout_s``: a live
-        site whose heartbeat lapsed for a moment (a loaded host) is back in the next one."""
+        site whose heartbeat lapsed for a moment (a loaded host) is back in the next one.
+        ``blame``: (site, why) when this site's attempt failed on that site's payload (a
+        commit vote carries it; see :func:`blamed`)."""
+        self._blame = blame
         deadline = time.monotonic() + self.elastic.timeout_s
         view = self._member_view(tag, ok, phase, ready)
         while len(view.members) < self.elastic.min_workers and time.monotonic() < deadline:
@@ -277,6 +286,8 @@ class Membership:
             "join_from": e.join_from, "join_at": self._join_at or e.join_at,
             "inc": self.incarnation, "ready": ready,
         }  # fmt: skip
+        if self._blame is not None and phase == "commit":
+            data.update(blame=self._blame[0], why=self._blame[1][:200])
         # a live peer may reach the vote up to timeout_s late (a collective waiting on a lost
         # site) after connect_s at a group, and the lighthouse waits timeout_s for stragglers:
         # a wait of exactly timeout_s would give up on a peer about to arrive
@@ -329,6 +340,9 @@ class Membership:
         member alike. Stops this site, with one line, if it is the one elsewhere (see
         :func:`run_tag`) or too few remain."""
         e = self.elastic
+        if e.site in self.excluded:
+            raise MembershipError(self.excluded[e.site])
+        view = without(view, self.excluded)
         current = run_tag(view)
         if current is not None and current != tag:
             raise MembershipError(
@@ -342,6 +356,18 @@ class Membership:
                 f"s, fewer than min_workers={e.min_workers}: the run stops"
             )
         return view
+
+    def exclude(self, sites: dict[int, str], tag: str) -> None:
+        """Exclude ``sites`` (site -> what its accuser saw) from the run from sync ``tag`` on:
+        every member does so from the same vote (:func:`blamed`); an excluded site stops at
+        its next check, with one line."""
+        for site, why in sites.items():
+            self.excluded[site] = (
+                f"site {site} is excluded from the run at {tag}: the others refused its payload "
+                f"({why}); it stops here, the others go on"
+            )
+            log.warning("site %d: site %d excluded at %s: its payload was refused (%s)",
+                        self.elastic.site, site, tag, why)  # fmt: skip
 
     def group(self, view: View, generation: int = 0) -> dist.ProcessGroup:
         """The gloo group of ``view``'s members for attempt ``generation`` (made once each).
@@ -459,6 +485,35 @@ def committed(view: View, commit: View, generation: int, ok: bool) -> bool:
         and len(commit.members) == len(votes) + len(commit.joiners)
         and all(d.get("ok") is True for d in votes)
     )
+
+
+def blamed(view: View, commit: View, generation: int) -> dict[int, str]:
+    """The sites every member excludes after a failed attempt: those a member's commit vote
+    blames (its payload failed to decode the same way on every try), read only from a
+    complete vote (every member of the attempt's ``view`` voted in this attempt), which every
+    member reads alike. Site -> the first accuser's reason."""
+    votes = [
+        d
+        for d in commit.data
+        if d.get("phase") == "commit" and d.get("gen") == generation and not d.get("join")
+    ]
+    if [int(d["site"]) for d in votes] != view.members:
+        return {}
+    out: dict[int, str] = {}
+    for d in votes:
+        site = d.get("blame")
+        if isinstance(site, int) and not isinstance(site, bool) and site in view.members:
+            out.setdefault(site, str(d.get("why", "")))
+    return out
+
+
+def without(view: View, excluded: dict[int, str]) -> View:
+    """``view`` without the excluded sites (as members or joiners)."""
+    if not any(s in excluded for s in view.members):
+        return view
+    keep = [d for d in view.data if d["site"] not in excluded]
+    members = [int(d["site"]) for d in keep]
+    return View(view.quorum_id, members, keep, [j for j in view.joiners if j in members])
 
 
 def admitted_at(view: View, fingerprint: str) -> tuple[View, dict[str, Any]]:

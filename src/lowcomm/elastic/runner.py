@@ -11,10 +11,10 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from ..errors import MembershipError
+from ..errors import MembershipError, PayloadError
 from ..transport import ByteMeter, Transport
 from . import heal
-from .membership import Membership, View, committed, step_of
+from .membership import Membership, View, blamed, committed, step_of
 from .rounds import Rounds
 
 log = logging.getLogger("lowcomm")
@@ -58,12 +58,16 @@ class Runner:
             ready = tag in self._offers
             view, self.admitted = self.admitted or self.membership.quorum(tag, ready=ready), None
             view = self.membership.check(view, tag)
+            blame = None
             try:  # the group too: its store's host or a peer may be gone already
                 result, ok = self._attempt(view, tag, collectives), True
             # a peer died or hung inside a collective (torch's collective logger turns the
-            # error of a group outside its world map into a ValueError)
+            # error of a group outside its world map into a ValueError); or a peer's payload
+            # failed to decode, which its same bytes would do on every try: blamed, not retried
             except (RuntimeError, ValueError) as err:
-                if failed[-(_SAME_FAILURES - 1) :].count(view.members) == _SAME_FAILURES - 1:
+                blame = _accused(view, err)
+                same = failed[-(_SAME_FAILURES - 1) :].count(view.members) == _SAME_FAILURES - 1
+                if blame is None and same:
                     raise  # the same members failed again and again: not a lost site
                 failed.append(view.members)
                 log.warning("site %d: %s failed among %s (%s); retrying", self._site, tag,
@@ -71,12 +75,15 @@ class Runner:
                 result, ok = None, False
             if not ok:  # before the vote: peers blocked on this site fail now, not at timeout_s
                 self._drop()
-            commit = self.membership.quorum(tag, ok, phase="commit", ready=ready)
+            commit = self.membership.quorum(tag, ok, phase="commit", ready=ready, blame=blame)
             commit = self.membership.check(commit, tag)
             if committed(view, commit, self.membership.generation, ok):
                 self._settled(tag, view)
                 self._offers.pop(tag, None)
                 return result  # type: ignore[return-value]
+            # a site whose payload a member refused leaves every next attempt (all read it
+            # from the same vote); it stops itself at its next check
+            self.membership.exclude(blamed(view, commit, self.membership.generation), tag)
             # every member of the commit saw it fail: all start the next attempt on fresh groups
             # (the lighthouse keeps the quorum id when the members did not change)
             self._failed_at = self._failed_at or time.perf_counter()
@@ -175,6 +182,9 @@ class Runner:
             lost = time.perf_counter() - (self._failed_at or self._started)
             event = {"at": tag, "after": self._last_tag, "last_step": self._last_step}
             event["left"] = gone
+            excluded = [s for s in gone if s in self.membership.excluded]
+            if excluded:  # refused for its payload, not lost: said as such in the record
+                event["excluded"] = excluded
             event.update(members=list(view.members), resync_s=round(lost, 3))
             if view.joiners:
                 event["joined"] = list(view.joiners)
@@ -205,3 +215,12 @@ class Runner:
               f"{self._last_tag}, as in the recorded run", flush=True)  # fmt: skip
         self.membership.close()
         os._exit(0)
+
+
+def _accused(view: View, err: BaseException) -> tuple[int, str] | None:
+    """(site, what was wrong) when ``err`` is a payload that failed to decode and names its
+    sender (a group rank of ``view``); None for any other failure."""
+    sender = err.sender if isinstance(err, PayloadError) else None
+    if sender is None or not 0 <= sender < len(view.members):
+        return None
+    return view.members[sender], str(err).splitlines()[0]

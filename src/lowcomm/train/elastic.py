@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, TrainConfig
-from ..elastic.faults import adds, joins, parse_faults, paused
+from ..elastic.faults import adds, decoded, joins, parse_faults, paused
 from ..elastic.membership import check_rounds
 from ..elastic.rounds import LIGHTHOUSE_JOIN_S
 from ..errors import LowCommError
@@ -49,6 +49,12 @@ def check_elastic(spec: RunSpec, workers: int) -> None:
     cfg = spec.train
     faults = parse_faults(cfg.faults, workers, cfg.steps)
     rejoin = {**joins(faults), **adds(faults)}
+    if decoded(faults) and (spec.strategy.per_step or spec.sync.resolved_reduce == "allreduce"):
+        raise ConfigError(
+            f"--faults {decoded(faults)[0]}: a corrupt payload is refused where payloads are "
+            f"decoded; this run all-reduces sums: use a codec sent by reduce=gather or "
+            f"two-phase (e.g. codec=int8)"
+        )
     if not cfg.elastic:
         if rejoin:
             raise ConfigError(
