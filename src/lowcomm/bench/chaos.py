@@ -4,8 +4,9 @@ run checked by invariants read from what every site recorded, not from the run's
 Each seed draws one schedule, reproducible from the seed alone: a method (DiLoCo, Streaming
 with a fragment in flight, SparseLoCo, CO2) and a round mode (lock-step or quorum), stratified
 over the seeds, and one to three overlapping faults from the ``--faults`` grammar (kill, a kill
-with a later join, hang, pause, slow, an added site), at most ``sites - min_workers`` of them
-taking a site away (killed, even if it joins later; hung; paused, which may end it), so the run
+with a later join, hang, pause, slow, an added site, a corrupt payload where payloads are
+decoded), at most ``sites - min_workers`` of them taking a site away (killed, even if it joins
+later; hung; paused, which may end it; excluded for its payload), so the run
 never has fewer able sites than ``min_workers``. The run is ``lowcomm train ... elastic=true``
 on this machine.
 
@@ -45,7 +46,8 @@ METHODS = {
     "co2": [],
 }
 ROUNDS = ("lockstep", "quorum")
-KINDS = ("kill", "rejoin", "hang", "pause", "slow", "add")
+KINDS = ("kill", "rejoin", "hang", "pause", "slow", "add", "corrupt")
+DECODED = ("streaming", "sparseloco")  # their payloads are decoded (gather): corrupt: applies
 MIN_WORKERS = 2
 BATCH, SEQ = 4, 64
 
@@ -85,6 +87,8 @@ def draw(seed: int, methods: list[str], rounds: list[str], sites: int, steps: in
     busy: set[int] = set()
     for _ in range(rng.randint(1, 3)):
         kind = rng.choice(KINDS)
+        if kind == "corrupt" and method not in DECODED:
+            kind = "kill"  # an all-reduce sums numbers: nothing to refuse
         free = [s for s in range(1, sites) if s not in busy]  # site 0 too, now and then
         if rng.random() < 0.25 and 0 not in busy:
             free = [0]
@@ -93,7 +97,7 @@ def draw(seed: int, methods: list[str], rounds: list[str], sites: int, steps: in
         site, at = rng.choice(free), rng.randint(15, steps - 25)
         # a site killed (even if it joins later), hung or paused (back, it may only stop) is
         # not able while it is away: never fewer able sites than min_workers at any moment
-        if kind in ("kill", "rejoin", "hang", "pause"):
+        if kind in ("kill", "rejoin", "hang", "pause", "corrupt"):
             if sched.lost >= spare:
                 kind = "slow"
             else:
@@ -108,6 +112,8 @@ def draw(seed: int, methods: list[str], rounds: list[str], sites: int, steps: in
             sched.faults.append(f"hang:{site}@{at}")
         elif kind == "pause":
             sched.faults.append(f"pause:{site}@{at}x{rng.choice([2, 4, 8])}")
+        elif kind == "corrupt":  # its sender is excluded: away for good
+            sched.faults.append(f"corrupt:{site}@{at}")
         elif kind == "slow":
             sched.faults.append(f"slow:{site}@{at}x{rng.choice([2, 3])}")
         elif not any(f.startswith("add:") for f in sched.faults):
