@@ -390,3 +390,23 @@ def test_a_corrupt_fault_needs_payloads_that_are_decoded(capsys, tmp_path):
     code = cli.main(["train", *RUN, *ELASTIC, "--faults", "corrupt:1@35", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2 and "all-reduces sums: use a codec sent by reduce=gather" in err, err
+
+
+# ~30 s: by hand (pytest -m slow); the heal's other paths run by default
+@pytest.mark.slow
+def test_a_healer_killed_inside_the_hand_over_costs_the_joiner_one_more_ask(tmp_path):
+    """Site 2 was killed and joins again at sync@50; its healer (site 0, the lowest old member)
+    dies after the joiner learnt the state's size and before the state came. The member left
+    retries the sync without it, the joiner asks again and heals from site 1, and the two go on
+    to the end, their global copies the same after every sync (their own records)."""
+    from lowcomm.bench.chaos import _split
+
+    out = tmp_path / "run"
+    faults = "kill:2@25,join:2@45,healer:0@40"
+    done = _train(*RUN, *ELASTIC, "--faults", faults, "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "asking to join again" in done.stderr, done.stderr[-3000:]
+    events = json.loads((out / "summary.json").read_text())["membership"]
+    assert [e["members"] for e in events][-1] == [1, 2]
+    assert any(2 in e.get("joined", []) for e in events)
+    assert _split(out) == ""

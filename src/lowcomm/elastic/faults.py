@@ -19,6 +19,9 @@
   the others retry the sync without it; it stops alone, with one line. For runs whose payloads
   are decoded (``reduce=gather`` or ``two-phase``; an all-reduce sums numbers, and a spoilt sum
   is the subject of robust merges, not of the protocol);
+- ``healer:0@40`` site 0 dies (SIGKILL) inside the first heal it hands over at or after step 40,
+  after the joiner learnt the state's size and before the state itself: the members go on
+  without it and the joiner asks again and heals from another member;
 - ``slow:1x3``   site 1 computes 3x slower (from step 1, or ``slow:1@40x3`` from step 40): after
   each inner step it sleeps twice that step's compute time. Sleeping frees the CPU, so on a
   machine with fewer cores than sites the others do not slow down with it.
@@ -40,7 +43,7 @@ from typing import Any
 
 from ..errors import ConfigError
 
-KINDS = ("kill", "hang", "pause", "join", "add", "slow", "corrupt")
+KINDS = ("kill", "hang", "pause", "join", "add", "slow", "corrupt", "healer")
 LATER = ("slowlink",)
 _FAULT = re.compile(r"^(?P<kind>[a-z]+):(?P<site>\d+)(@(?P<step>\d+))?(x(?P<factor>[0-9.]+))?$")
 
@@ -144,8 +147,8 @@ def act(faults: list[Fault], site: int, step: int) -> None:
     for f in faults:
         if f.site != site or f.step != step:
             continue
-        if f.kind == "corrupt":
-            _armed.add("corrupt")
+        if f.kind in ("corrupt", "healer"):
+            _armed.add(f.kind)
         if f.kind == "pause":  # the helper outlives nothing: it wakes this process, then ends
             pid = os.getpid()
             subprocess.Popen(["sh", "-c", f"sleep {f.factor:g}; kill -CONT {pid}"])
@@ -162,6 +165,13 @@ def spoil_if_armed(payloads: list[Any]) -> bool:
     for payload in payloads:
         payload[..., -1] = 0x7F  # neither 0 (left out) nor 1 (valid): refused on decode
     return True
+
+
+def die_if_armed(kind: str) -> None:
+    """A fault armed on this process that kills it at this point (``healer:``: inside a heal's
+    hand-over), now."""
+    if kind in _armed:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def decoded(faults: list[Fault]) -> list[Fault]:

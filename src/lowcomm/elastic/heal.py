@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..transport import Transport
+from .faults import die_if_armed
 
 
 def pack(state: dict[str, Any]) -> torch.Tensor:
@@ -61,6 +62,8 @@ def hand_over(transport: Transport, src: int, state: dict[str, Any] | None) -> t
     gets it back, unpacked, with its size in bytes."""
     payload = pack(state) if transport.rank == src else torch.empty(0, dtype=torch.uint8)
     size = transport.broadcast(torch.tensor([payload.numel()], dtype=torch.int64), src)
+    if transport.rank == src:
+        die_if_armed("healer")  # a healer:SITE fault: dies here, mid-hand-over
     if transport.rank != src:
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
     transport.broadcast(payload, src)

@@ -166,7 +166,13 @@ class Membership:
         self._blame = blame
         deadline = time.monotonic() + self.elastic.timeout_s
         view = self._member_view(tag, ok, phase, ready)
-        while len(view.members) < self.elastic.min_workers and time.monotonic() < deadline:
+        # a commit vote is never asked again: an attempt's vote among fewer sites fails it, and
+        # the next attempt's quorum (which may admit a joiner) is the one that must be enough
+        while (
+            phase == "sync"
+            and len(view.members) < self.elastic.min_workers
+            and time.monotonic() < deadline
+        ):
             log.debug("site %d: %s quorum of %s, fewer than min_workers; asking again",
                       self.elastic.site, tag, view.members)  # fmt: skip
             time.sleep(self.elastic.heartbeat_s)  # the lighthouse answers a lone asker at once
@@ -334,11 +340,12 @@ class Membership:
             view = self.quorum("start")
         return view
 
-    def check(self, view: View, tag: str) -> View:
+    def check(self, view: View, tag: str, vote: bool = False) -> View:
         """The members of ``view`` that take part in sync ``tag``: a member at another sync
         (paused, or its heartbeat lapsed while the rest went on) is left out of it by every
         member alike. Stops this site, with one line, if it is the one elsewhere (see
-        :func:`run_tag`) or too few remain."""
+        :func:`run_tag`) or excluded, or too few remain (not for a ``vote``: a commit quorum
+        of fewer sites fails its attempt, and the next attempt's quorum decides)."""
         e = self.elastic
         if e.site in self.excluded:
             raise MembershipError(self.excluded[e.site])
@@ -350,7 +357,7 @@ class Membership:
                 f"out (paused, or its heartbeat lapsed) and stops here; the others go on"
             )
         view = in_sync(view, tag)
-        if len(view.members) < e.min_workers:
+        if not vote and len(view.members) < e.min_workers:
             raise MembershipError(
                 f"only {len(view.members)} sites remain ({view.members}) after {e.timeout_s:g} "
                 f"s, fewer than min_workers={e.min_workers}: the run stops"

@@ -76,7 +76,7 @@ class Runner:
             if not ok:  # before the vote: peers blocked on this site fail now, not at timeout_s
                 self._drop()
             commit = self.membership.quorum(tag, ok, phase="commit", ready=ready, blame=blame)
-            commit = self.membership.check(commit, tag)
+            commit = self.membership.check(commit, tag, vote=True)
             if committed(view, commit, self.membership.generation, ok):
                 self._settled(tag, view)
                 self._offers.pop(tag, None)
@@ -132,6 +132,13 @@ class Runner:
         if not heal.agree(transport, loaded):
             raise MembershipError(heal.mismatch(tag))
         self.admitted = view
+
+    def join_again(self) -> tuple[View, str]:
+        """A joiner whose heal failed (its healer died mid-hand-over): this attempt's group
+        dropped, ask to join again; the view and sync that admit it next."""
+        self._drop()
+        self.admitted = None
+        return self.membership.join()
 
     def _heal_joiners(self, view: View, transport: Transport, tag: str) -> None:
         """Sites admitted at this sync get the run's shared state from its lowest old member

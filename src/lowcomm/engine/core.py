@@ -151,7 +151,7 @@ class LowComm:
             self._load(sd, new_world)
         if admission is not None:
             view, tag = admission
-            join_run(self._parts, self.state, view, tag)
+            tag = join_run(self._parts, self.state, view, tag)
             check_healed_at(tag, self.step)
             self.run_due(self.step)
 

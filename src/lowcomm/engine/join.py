@@ -8,13 +8,16 @@ every other result before the next send), so it applies them at the same step as
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..elastic import View
-from ..errors import ConfigError
+from ..errors import ConfigError, MembershipError
 from .tensors import views
+
+log = logging.getLogger("lowcomm")
 
 if TYPE_CHECKING:  # wiring imports the parts this module's functions take
     from ..elastic import Runner
@@ -23,9 +26,11 @@ if TYPE_CHECKING:  # wiring imports the parts this module's functions take
     from .wiring import Parts
 
 
-def join_run(parts: Parts, state: RunState, view: View, tag: str) -> None:
+def join_run(parts: Parts, state: RunState, view: View, tag: str) -> str:
     """Heal from the run's lowest old member on the admitting ``view``'s group and start the
-    local weights from the global copy; the engine then runs sync ``tag`` with the others."""
+    local weights from the global copy; the engine then runs the sync it returns (``tag``, or
+    a later one: a heal whose healer died mid-hand-over is asked for again, and healed from
+    another member, where the run admits this site next)."""
 
     def load(shared: dict[str, Any]) -> dict[str, Any]:
         state.load_shared(shared)
@@ -35,7 +40,17 @@ def join_run(parts: Parts, state: RunState, view: View, tag: str) -> None:
                 frag.take_snapshot()
         return state.shared_state_dict()  # what this engine now holds, for the digest
 
-    _runner(parts).heal_in(view, tag, load)
+    runner = _runner(parts)
+    while True:
+        try:
+            runner.heal_in(view, tag, load)
+            return tag
+        except MembershipError:
+            raise  # the heal was not bit-exact, or this site is out: asking again is no cure
+        except (RuntimeError, ValueError) as err:  # the healer (or a member) went mid-way
+            why = str(err).splitlines()[0][:160]
+            log.warning("the heal at %s failed (%s); asking to join again", tag, why)
+            view, tag = runner.join_again()
 
 
 def check_healed_at(tag: str, step: int) -> None:
