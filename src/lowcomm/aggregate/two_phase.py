@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..codecs.base import Codec
-from .base import Aggregator, Encoded, Reduced, contribution, flag, numel
+from .base import Aggregator, Encoded, Reduced, contribution, flag, numel, scaled_unapplied
 from .combine import Combine, Parts
 
 if TYPE_CHECKING:
@@ -108,7 +108,8 @@ class TwoPhaseAggregator(Aggregator):
         out = torch.cat(
             [self.codec.decode(p, shape, f"averaged shard {w}") for w, p in enumerate(gathered)]
         )
-        return Reduced(out[: enc.numel], red.valid_workers)
+        unapplied = scaled_unapplied(self.rule, enc, weights, transport.rank)
+        return Reduced(out[: enc.numel], red.valid_workers, unapplied)
 
     def reduce_scatter(
         self, enc: Encoded, transport: Transport, weights: list[float] | None = None
