@@ -63,10 +63,20 @@ def site(
         {"global": sync.global_flat(), "syncs": syncs, "trained": sync.stats.trained_steps,
          "late": rounds_.late_syncs if rounds_ else 0, "cut": rounds_.cut_rounds if rounds_ else 0,
          "shared": heal.digest(sync.state.shared_state_dict()).hex(),
+         "shared_but_flags": heal.digest(_but_flags(sync.state.shared_state_dict())).hex(),
          "events": sync.membership.events, "sends": sends, "applies": applies,
          "shapes": [[tuple(p.shape) for p in f.params] for f in sync.fragments]},
         os.path.join(out, f"site{index}.pt"),
     )  # fmt: skip
+
+
+def _but_flags(shared: dict) -> dict:
+    """The shared state less the control flags kept with results in flight: their unsent column
+    holds the weights a quorum-rounds sync used, where lock-step keeps the count after encoding
+    (0 for the fragments sent); nothing reads it back from there."""
+    held = shared["pending"].items()
+    pending = {p: {k: v for k, v in d.items() if k != "flags"} for p, d in held}
+    return {**shared, "pending": pending}
 
 
 def _flat(tensors) -> torch.Tensor:
