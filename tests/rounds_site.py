@@ -3,7 +3,9 @@ tiny model, driven by the engine's step (a round cut short makes it jump), optio
 
 Before every inner step's engine hook it notes the site's global copy, local weights and unsent
 steps; when that step synced, it keeps them with the global copy after it, so the test can
-recompute each sync's token-weighted merge on its own."""
+recompute each sync's token-weighted merge on its own. It also records, around the engine's
+encode and its applying of each result, what each fragment held: the inputs a reference needs
+(global copy, local weights, unsent steps, error buffers) and what the engine made of them."""
 
 from __future__ import annotations
 
@@ -43,7 +45,10 @@ def site(
         )  # fmt: skip
 
     opt.register_step_post_hook(note)
+    sends: list[dict] = []
+    applies: list[dict] = []
     with sync:
+        _record(sync, sends, applies)
         while sync.step < steps:
             time.sleep(step_s if sync.step + 1 >= slow_from else 0.0)
             data.step = sync.step  # a round cut short skips its batches
@@ -58,9 +63,64 @@ def site(
         {"global": sync.global_flat(), "syncs": syncs, "trained": sync.stats.trained_steps,
          "late": rounds_.late_syncs if rounds_ else 0, "cut": rounds_.cut_rounds if rounds_ else 0,
          "shared": heal.digest(sync.state.shared_state_dict()).hex(),
-         "events": sync.membership.events},
+         "shared_but_flags": heal.digest(_but_flags(sync.state.shared_state_dict())).hex(),
+         "events": sync.membership.events, "sends": sends, "applies": applies,
+         "shapes": [[tuple(p.shape) for p in f.params] for f in sync.fragments]},
         os.path.join(out, f"site{index}.pt"),
     )  # fmt: skip
+
+
+def _but_flags(shared: dict) -> dict:
+    """The shared state less the control flags kept with results in flight: their unsent column
+    holds the weights a quorum-rounds sync used, where lock-step keeps the count after encoding
+    (0 for the fragments sent); nothing reads it back from there."""
+    held = shared["pending"].items()
+    pending = {p: {k: v for k, v in d.items() if k != "flags"} for p, d in held}
+    return {**shared, "pending": pending}
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).float() for t in tensors])
+
+
+def _record(sync, sends: list[dict], applies: list[dict]) -> None:
+    """Wrap the engine's encode and its applying of a result (reads only): each send notes the
+    fragment's global copy, local weights, unsent steps and error buffers before it; each
+    result applied notes the sync it came from, the fragment before and after, and its error
+    buffers after."""
+    from lowcomm.engine.exchange import STEP
+
+    parts = sync.parts
+    comp = parts.compensation
+
+    def errors(frag):
+        if comp is None:
+            return None
+        bufs = [comp.buffer(n) for n in frag.names]
+        return _flat(b if b is not None else torch.zeros_like(p)
+                     for b, p in zip(bufs, frag.params))  # fmt: skip
+
+    encode, one = parts.encoder.encode, parts.apply.one
+
+    def encode_(frag, step):
+        # ref: what the pseudo-gradient is measured from (the continue merge's snapshot)
+        rec = dict(step=step, p=frag.index, ref=frag.reference.clone(),
+                   local=_flat(frag.params), unsent=frag.unsent, ef=errors(frag))  # fmt: skip
+        out = encode(frag, step)
+        sends.append(rec)
+        return out
+
+    def one_(p, reduced, own, event, workers=0, step=0, final=False):
+        frag = parts.fragments[p]
+        rec = dict(step=sync.step, p=p, sent_at=int(event.flags[0, STEP]), final=final,
+                   valid=reduced.valid_workers, glob=frag.global_flat.clone(),
+                   local=_flat(frag.params))  # fmt: skip
+        one(p, reduced, own, event, workers=workers, step=step, final=final)
+        rec.update(glob_after=frag.global_flat.clone(), local_after=_flat(frag.params),
+                   ef_after=errors(frag))  # fmt: skip
+        applies.append(rec)
+
+    parts.encoder.encode, parts.apply.one = encode_, one_
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ each sync's weighted merge from what every site held just before it.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -43,12 +44,14 @@ def lighthouse():
     server.shutdown()
 
 
-def _run(tmp_path, lighthouse, rounds, step_s=(0.0, 0.0, 0.0), preset="DiLoCo", kw=None):
+def _run(
+    tmp_path, lighthouse, rounds, step_s=(0.0, 0.0, 0.0), preset="DiLoCo", kw=None, steps=STEPS
+):  # fmt: skip
     """Three sites of one run; each site's saved record."""
     procs = []
     for i in range(3):
         args = dict(index=i, sites=3, lighthouse=lighthouse, out=str(tmp_path), preset=preset,
-                    kw=kw or OUTER, steps=STEPS, rounds=rounds, step_s=step_s[i])  # fmt: skip
+                    kw=kw or OUTER, steps=steps, rounds=rounds, step_s=step_s[i])  # fmt: skip
         procs.append(subprocess.Popen(
             [sys.executable, str(HERE / "rounds_site.py"), json.dumps(args)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE,
@@ -134,3 +137,149 @@ def test_a_late_site_carries_its_work_into_its_next_sync_or_drops_it(tmp_path, l
     _merge_checked(sites, OUTER["outer_lr"], drop=late == "drop")
     joined = [e for e in sites[0]["events"] if 1 in e.get("joined", [])]
     assert joined, "the late site's return is not in the membership record"
+
+
+# -- every method under quorum rounds ------------------------------------------------------------
+# Each method's own settings, on the tiny model; Streaming on an FP32 wire (its FP4 codec is
+# checked elsewhere) so that its reference is exact plain torch.
+METHODS = {
+    "streaming": ("StreamingDiLoCo", {"sync_every": 6, "fragments": 2, "blocks_per_fragment": 0,
+                                      "overlap": 1, "codec": "fp32"}),
+    "sparseloco": ("SparseLoCo", {"sync_every": 5, "density": 1 / 16}),
+    "co2": ("CO2", {"sync_every": 5, "outer_momentum": 0.0}),
+}  # fmt: skip
+METHOD_STEPS = 18
+
+
+def _syncs(sites: list[dict]) -> list[tuple[int, int, list[tuple[dict, dict]]]]:
+    """Every exchange of the run, in order: (fragment, send step, the results applied of it,
+    each with its site's record). A drain or final step when leaving is left out."""
+    held: dict[tuple[int, int], list] = {}
+    for site in sites:
+        for a in site["applies"]:
+            if not a["final"]:
+                held.setdefault((a["sent_at"], a["p"]), []).append((site, a))
+    return [(p, t, held[(t, p)]) for t, p in sorted(held)]
+
+
+def _contributions(sites: list[dict], p: int, t: int) -> list[tuple[int, dict, dict]]:
+    """What each site sent of fragment ``p`` at step ``t`` with steps in it: (weight = its
+    unsent inner steps, its send record, its site)."""
+    return [(r["unsent"], r, site) for site in sites for r in site["sends"]
+            if r["p"] == p and r["step"] == t and r["unsent"] > 0]  # fmt: skip
+
+
+def _weighted(parts: list[tuple[float, torch.Tensor]]) -> torch.Tensor:
+    return sum(w * d for w, d in parts) / sum(w for w, _ in parts)
+
+
+def _split(flat: torch.Tensor, shapes: list[tuple]) -> list[torch.Tensor]:
+    sizes = [math.prod(s) for s in shapes]
+    return [t.reshape(s) for t, s in zip(flat.split(sizes), shapes)]
+
+
+def _check_method(method: str, sites: list[dict]) -> int:
+    """Every exchange of the run recomputed in plain torch from what each site held when it
+    sent (its reference point, local weights, unsent steps, error buffers), by the method's own
+    math with each contribution weighted by its steps, then checked against every site's global
+    copy, local weights (the merge) and error buffers after the result was applied. Returns how
+    many exchanges had unequal weights."""
+    from test_sparseloco import reference_compress
+
+    kw = METHODS[method][1]
+    momentum: dict[int, torch.Tensor] = {}  # Streaming's Nesterov buffer per fragment
+    uneven = 0
+    for p, t, applied in _syncs(sites):
+        glob = applied[0][1]["glob"]
+        after = applied[0][1]["glob_after"]
+        for _, a in applied:  # every site that applied it holds the same before and after
+            assert torch.equal(a["glob"], glob) and torch.equal(a["glob_after"], after), (p, t)
+        parts = _contributions(sites, p, t)
+        assert len(parts) == applied[0][1]["valid"], f"contributors of sync@{t} fragment {p}"
+        weights = [float(w) for w, _, _ in parts]
+        uneven += len(set(weights)) > 1
+        if method == "sparseloco":
+            # e_s <- beta e_s + (theta_hat - theta_s); each site sends C(e_s): per tile its top-k
+            # entries, 2-bit quantised; the selected mean weights each sent entry by its site's
+            # steps over the sites that sent that entry; outer SGD at lr 1
+            beta, shapes = 0.95, sites[0]["shapes"][p]
+            errs, sent, masks = {}, [], []
+            for _, r, site in parts:
+                e = beta * r["ef"] + (r["ref"] - r["local"])
+                pieces = [reference_compress(x, kw["density"]) for x in _split(e, shapes)]
+                errs[id(site)] = e
+                sent.append(torch.cat([d.reshape(-1) for d, _ in pieces]))
+                masks.append(torch.cat([m.reshape(-1) for _, m in pieces]))
+            total = sum(w * d for w, d in zip(weights, sent))
+            wsum = sum(w * m for w, m in zip(weights, masks))
+            mean = torch.where(wsum > 0, total / wsum.clamp(min=1e-30), torch.zeros_like(total))
+            expected = glob - 1.0 * mean
+            # the error buffer keeps what the weighted merge did not apply: the unweighted
+            # selected mean applies v / c of an entry c sites sent, the weighted one w v / W, so
+            # e <- e - (w c / W) v, which is e - v when the weights are equal (lock-step)
+            count = sum(masks)
+            for (w, _, site), d, m in zip(parts, sent, masks):
+                share = torch.where(m > 0, w * count / wsum.clamp(min=1e-30), torch.ones_like(m))
+                keep = errs[id(site)] - share * d
+                mine = [a for s, a in applied if s is site]
+                if mine:
+                    torch.testing.assert_close(mine[0]["ef_after"], keep, rtol=0, atol=1e-6)
+            for _, a in applied:  # replace merge
+                assert torch.equal(a["local_after"], a["glob_after"])
+        elif method == "streaming":
+            # per-fragment weighted mean of theta_hat - theta_s, Nesterov (mu 0.9, lr 0.4; torch
+            # SGD's: the first buffer is the gradient), then theta <- alpha theta + (1-alpha) hat
+            mean = _weighted([(w, r["ref"] - r["local"]) for w, r, _ in parts])
+            buf = momentum[p] = mean.clone() if p not in momentum else 0.9 * momentum[p] + mean
+            expected = glob - 0.4 * (mean + 0.9 * buf)
+            for _, a in applied:
+                mix = 0.5 * a["local"] + 0.5 * a["glob_after"]
+                torch.testing.assert_close(a["local_after"], mix, rtol=0, atol=2e-6)
+        else:  # co2
+            # delta_s = s_s - theta_s (its progress since its last send); outer SGD at lr 1 on the
+            # weighted mean; theta <- theta_hat_new - kappa delta_s (its own round now in flight)
+            mean = _weighted([(w, r["ref"] - r["local"]) for w, r, _ in parts])
+            expected = glob - 1.0 * mean
+            for site, a in applied:
+                own = [r for r in site["sends"] if r["step"] == a["step"]]
+                if own and own[0]["unsent"] > 0:
+                    keep = a["glob_after"] - 0.5 * (own[0]["ref"] - own[0]["local"])
+                    torch.testing.assert_close(a["local_after"], keep, rtol=0, atol=2e-6)
+        torch.testing.assert_close(after, expected, rtol=0, atol=2e-6, msg=f"sync@{t} frag {p}")
+    return uneven
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_a_slow_site_under_every_method_matches_its_weighted_reference(
+    tmp_path, lighthouse, method
+):
+    preset, kw = METHODS[method]
+    sites = _run(tmp_path, lighthouse, {"rounds": "quorum", "quorum": 2},
+                 step_s=(0.0, 0.12, 0.0), preset=preset, kw=kw, steps=METHOD_STEPS)  # fmt: skip
+    assert 0 < sites[1]["trained"] < METHOD_STEPS and sites[1]["cut"] >= 1
+    assert len({s["shared"] for s in sites}) == 1
+    assert _check_method(method, sites) >= 1, "no sync was weighted unevenly"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", list(METHODS))
+def test_equal_sites_under_every_method_give_lockstep_bit_for_bit(tmp_path, lighthouse, method):
+    preset, kw = METHODS[method]
+    (tmp_path / "lock").mkdir()
+    (tmp_path / "quorum").mkdir()
+    server = _lighthouse(30.0)
+    try:
+        lock = _run(tmp_path / "lock", server.address(), {}, preset=preset, kw=kw,
+                    steps=METHOD_STEPS)  # fmt: skip
+    finally:
+        server.shutdown()
+    quorum = _run(tmp_path / "quorum", lighthouse, {"rounds": "quorum", "quorum": 2, "grace": 30},
+                  preset=preset, kw=kw, steps=METHOD_STEPS)  # fmt: skip
+    assert all(s["trained"] == METHOD_STEPS and s["cut"] == 0 for s in quorum)
+    for a, b in zip(lock, quorum):
+        assert torch.equal(a["global"], b["global"])
+        # with overlap a result is still in flight in the kept state: its control flags'
+        # unsent column holds the weights a quorum sync used (lock-step: 0 once sent)
+        assert a["shared_but_flags"] == b["shared_but_flags"]
+    # and every sync of it is the method's own math (unweighted: equal weights)
+    assert _check_method(method, quorum) == 0

@@ -287,6 +287,23 @@ class ErrorFeedback(_Compensation):
         flat.index_add_(0, idx.to(e.device), values.to(e.device, torch.float32), alpha=-1.0)
         self._store.put(key, e)
 
+    def restore(
+        self, key: str, unapplied: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        """``e <- e + u``: ``u`` is what of the sent message a weighted merge did not apply
+        (flat, or (flat indices, values) with 0 elsewhere), so that overall ``e <- e - s D(C(e))``
+        with ``s`` the share applied (docs/algorithms.md, "Token-weighted merge")."""
+        if key not in self._store:
+            raise KeyError(f"no error buffer for {key!r}: nothing was sent")
+        e = self._store.get_for_update(key, self._store.buffers[key])
+        flat = e.view(-1)
+        if isinstance(unapplied, tuple):
+            idx, values = unapplied
+            flat.index_add_(0, idx.to(e.device), values.to(e.device, torch.float32))
+        else:
+            flat.add_(unapplied.to(e.device, torch.float32).reshape(-1))
+        self._store.put(key, e)
+
     def reset(self) -> None:
         """Zero every buffer."""
         self._store.zero()

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .base import Aggregator, Encoded, Reduced, contribution, numel
+from .base import Aggregator, Encoded, Reduced, contribution, numel, scaled_unapplied
 from .combine import Combine, SumCombine
 
 if TYPE_CHECKING:
@@ -71,7 +71,8 @@ class AllReduceAggregator(Aggregator):
         self._timed(transport.all_reduce, buf)
         if weights is not None:
             valid = sum(1 for w in weights if w > 0)
-            return Reduced(self.rule.finish(buf[:-1].float(), float(buf[-1])), valid)
+            mean = self.rule.finish(buf[:-1].float(), float(buf[-1]))
+            return Reduced(mean, valid, scaled_unapplied(self.rule, enc, weights, transport.rank))
         count = int(round(float(buf[-1])))
         return Reduced(self.rule.finish(buf[:-1].float(), count), count)
 

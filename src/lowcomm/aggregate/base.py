@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from ..codecs.base import Codec, PayloadError
-from .combine import Combine, check_sum_only, combine_for
+from .combine import Combine, SumCombine, check_sum_only, combine_for
 
 if TYPE_CHECKING:  # the math never calls the transport's module, only the object handed in
     from ..compensation import Compensation
@@ -34,6 +34,13 @@ class Encoded:
     out: torch.Tensor | None = None  # flat FP32 the exchange may write its mean into
     # sparse codecs asked for sparse_local: per tensor, (indices, values) peers will decode
     sparse: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # error feedback counted this whole message as sent: a weighted exchange hands back what
+    # of it the weighted combination did not apply (Reduced.unapplied)
+    keep_unapplied: bool = False
+
+
+#: per tensor, a flat FP32 tensor or (flat indices, values): see Reduced.unapplied
+Unapplied = list["torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
 
 
 @dataclass
@@ -42,6 +49,10 @@ class Reduced:
 
     mean: torch.Tensor  # flat FP32: the rule's combination (the mean) of the valid workers
     valid_workers: int  # how many workers contributed
+    # weighted, for an Encoded that keeps it: per tensor, what of this worker's message the
+    # weighted combination did not apply, in the unweighted rule's units (Combine.unapplied);
+    # None unweighted (all of it was applied) or when this worker sent nothing
+    unapplied: Unapplied | None = None
 
 
 class Aggregator(ABC):
@@ -163,6 +174,7 @@ def encode_compensated(
     enc = aggregator.encode(
         to_send, need_local=comp is not None, valid=valid, key=key, sparse_local=sparse_ok
     )
+    enc.keep_unapplied = comp is not None and hasattr(comp, "restore")
     if comp is not None and enc.sparse is not None:
         for n, (idx, vals) in zip(names, enc.sparse):
             comp.subtract_sparse(n, idx, vals)  # type: ignore[attr-defined]
@@ -174,6 +186,18 @@ def encode_compensated(
             comp.after_send(n, h, enc.local[offset : offset + h.numel()].view_as(h))
             offset += h.numel()
     return enc
+
+
+def scaled_unapplied(
+    rule: Combine, enc: Encoded, weights: list[float] | None, rank: int
+) -> Unapplied | None:
+    """A sum rule's :meth:`~.combine.Combine.unapplied` of this worker's message (``enc.local``,
+    what peers decode of it), for the exchanges that only sum: per tensor, dense."""
+    if weights is None or not enc.keep_unapplied or enc.local is None or weights[rank] <= 0:
+        return None
+    assert isinstance(rule, SumCombine)
+    kept = enc.local * (1.0 - rule.share(weights, rank))
+    return list(kept.split([numel(s) for s in enc.shapes]))
 
 
 def contribution(

@@ -100,6 +100,14 @@ class Combine(ABC):
         """Write the combination of ``parts`` (at least one) into ``out`` (flat FP32, as long
         as one part, contents unspecified) and return it. Weighted by ``parts.weights``."""
 
+    def unapplied(self, parts: Parts, j: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Of part ``j`` (weighted parts), what the weighted combination did not apply, in the
+        unweighted rule's units: error feedback counted all of it as sent, as it may when the
+        rule is unweighted (then every part is applied as the rule applies one part), and adds
+        this back (docs/algorithms.md, "Token-weighted merge"). A flat FP32 tensor, or (flat
+        indices, values) where the rest is 0. Every rule that takes weights gives it."""
+        raise NotImplementedError(f"aggregation={self.name} does not say what a weight left out")
+
 
 class SumCombine(Combine):
     """A rule that needs only ``sum_j w_j x_j`` and ``sum_j w_j``, which an all-reduce can
@@ -111,6 +119,18 @@ class SumCombine(Combine):
     def finish(self, total: torch.Tensor, weight: float) -> torch.Tensor:
         """The result, in place in ``total`` (``sum_j w_j x_j``), from ``weight`` (``sum_j w_j``;
         the count of contributions when unweighted, 0 when there were none)."""
+
+    def share(self, weights: list[float], j: int) -> float:
+        """Worker ``j``'s weight relative to an unweighted part's: ``n w_j / sum w`` over the
+        ``n`` workers of weight > 0 (1 when they are equal)."""
+        n = sum(1 for w in weights if w > 0)
+        return n * weights[j] / sum(weights)
+
+    def unapplied(self, parts: Parts, j: int) -> torch.Tensor:
+        """``(1 - share) x_j``: the sum applied ``w_j / sum w`` of it where the unweighted rule
+        applies ``1 / n`` (a negative share over-applied: it is taken back)."""
+        assert parts.weights is not None
+        return parts[j] * (1.0 - self.share(parts.weights, j))
 
     def combine(self, parts: Parts, out: torch.Tensor) -> torch.Tensor:
         out.zero_()

@@ -61,7 +61,8 @@ class GatherAggregator(Aggregator):
         """All-gather the payloads and combine the valid ones by the rule (weighted: see
         :meth:`Aggregator.exchange`)."""
         gathered = self._timed(transport.all_gather, enc.payload)
-        return self._sum_gathered(gathered, enc.shapes, enc.numel, weights, enc.out)
+        me = transport.rank if enc.keep_unapplied else None
+        return self._sum_gathered(gathered, enc.shapes, enc.numel, weights, enc.out, me)
 
     def payload_nbytes(self, shapes: list[torch.Size]) -> int:
         """The codec's bytes per tensor, plus the flag byte."""
@@ -74,8 +75,11 @@ class GatherAggregator(Aggregator):
         total_numel: int,
         weights: list[float] | None = None,
         out: torch.Tensor | None = None,
+        me: int | None = None,
     ) -> Reduced:
-        """The rule's combination of the gathered payloads, written into ``out`` if given."""
+        """The rule's combination of the gathered payloads, written into ``out`` if given;
+        weighted, with ``me`` (this worker) a sender, also what of its part the weights left
+        unapplied (:meth:`~.combine.Combine.unapplied`)."""
         senders = []  # the workers that contributed
         for w, payload in enumerate(gathered):
             self._check_len(payload[:-1], shapes, w)
@@ -86,6 +90,8 @@ class GatherAggregator(Aggregator):
         if not senders:
             return Reduced(total.zero_(), 0)
         ws = [weights[w] for w in senders] if weights is not None else None
+        mine = senders.index(me) if ws is not None and me in senders else None
+        unapplied = [] if mine is not None else None
         offset_b = offset_e = 0
         for i, shape in enumerate(shapes):
             nb, n = self.codec.nbytes(shape), numel(shape)
@@ -96,9 +102,11 @@ class GatherAggregator(Aggregator):
                 self.rule.combine(parts, total[offset_e : offset_e + n])
             except PayloadError as err:
                 raise parts.blame(err) from None
+            if unapplied is not None and mine is not None:
+                unapplied.append(self.rule.unapplied(parts, mine))
             offset_b += nb
             offset_e += n
-        return Reduced(total, len(senders))
+        return Reduced(total, len(senders), unapplied)
 
     def _decode_flat(
         self, payload: torch.Tensor, shapes: list[torch.Size], total_numel: int

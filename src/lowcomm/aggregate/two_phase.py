@@ -17,7 +17,7 @@ import torch
 
 from ..codecs.base import Codec
 from ..errors import PayloadError
-from .base import Aggregator, Encoded, Reduced, contribution, flag, numel
+from .base import Aggregator, Encoded, Reduced, contribution, flag, numel, scaled_unapplied
 from .combine import Combine, Parts
 
 if TYPE_CHECKING:
@@ -107,7 +107,8 @@ class TwoPhaseAggregator(Aggregator):
         gathered = self._timed(transport.all_gather, payload)
         shape = mine.shape
         out = torch.cat([self._averaged(p, shape, w) for w, p in enumerate(gathered)])
-        return Reduced(out[: enc.numel], red.valid_workers)
+        unapplied = scaled_unapplied(self.rule, enc, weights, transport.rank)
+        return Reduced(out[: enc.numel], red.valid_workers, unapplied)
 
     def _averaged(self, payload: torch.Tensor, shape: torch.Size, owner: int) -> torch.Tensor:
         """Worker ``owner``'s averaged shard, decoded (a bad one names its owner)."""

@@ -4,6 +4,8 @@ worker's other ranks, and the averaged buffers loaded."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 
@@ -34,6 +36,7 @@ class Apply:
         guard: NonFiniteGuard,
         placement: Placement,
         times: SyncTimes,
+        compensation: Any = None,
     ) -> None:
         self.model, self.inner_optimizer, self.frags = model, inner_optimizer, frags
         self.outer, self.merge, self.inflight = outer, merge, inflight
@@ -41,6 +44,7 @@ class Apply:
         # rule runs all the same on what it just sent
         self.merge_at_first_send = merge_at_first_send
         self.guard, self.placement, self.times = guard, placement, times
+        self.compensation = compensation
 
     def results(
         self, sends: list[int], results: dict[int, Result], workers: int, step: int
@@ -54,6 +58,16 @@ class Apply:
                 for frag in first:
                     self.merge.merge(frag, self.inflight.own(frag.index))
                 self.placement.share_parts(first)
+
+    def restore_unapplied(self, frag: Fragment, reduced: Reduced) -> None:
+        """A weighted exchange applied only part of this worker's message: the rest goes back
+        into its error buffers (error feedback had counted all of it as sent). Here, once the
+        sync committed: an attempt that failed and was retried restores nothing."""
+        if reduced.unapplied is None or not hasattr(self.compensation, "restore"):
+            return
+        names = [frag.names[i] for bucket in frag.buckets for i in bucket]
+        for name, part in zip(names, reduced.unapplied, strict=True):
+            self.compensation.restore(name, part)
 
     def one(
         self,
@@ -72,6 +86,7 @@ class Apply:
         frag = self.frags[p]
         if not final:
             self.guard.track(p, event, workers, step)
+        self.restore_unapplied(frag, reduced)
         with self.times.stage("outer"):
             if reduced.valid_workers > 0:
                 self.outer.step(

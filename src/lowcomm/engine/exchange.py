@@ -50,6 +50,17 @@ def flags_row(step: int, done: bool, nonfinite: bool, unsent: list[int]) -> torc
     return torch.tensor([int(done), step, int(nonfinite)] + unsent, dtype=torch.int64)
 
 
+def _joined(out: list[Reduced]) -> Reduced:
+    """One fragment's buckets' results as one (the unapplied parts, per tensor, in order)."""
+    unapplied = [u for r in out for u in r.unapplied or []]
+    held = any(r.unapplied is not None for r in out)
+    return Reduced(
+        torch.cat([r.mean for r in out]),
+        min(r.valid_workers for r in out),
+        unapplied if held else None,
+    )
+
+
 class Exchange:
     """Builds the job of one sync on the engine's transports, aggregator and counters."""
 
@@ -139,11 +150,7 @@ class Exchange:
             w = self.weights(gathered, p) if self.weighted else None
             out = [aggregator.exchange(e, transport, w) for e in parts]
             exchanging += time.perf_counter() - t1
-            reduced[p] = (
-                out[0]
-                if len(out) == 1
-                else Reduced(torch.cat([r.mean for r in out]), min(r.valid_workers for r in out))
-            )
+            reduced[p] = out[0] if len(out) == 1 else _joined(out)
             self.events.append(("completed", p, time.perf_counter()))
         self.stats.peak_bytes_per_sync = max(
             self.stats.peak_bytes_per_sync, transport.meter.sent_bytes - sent0

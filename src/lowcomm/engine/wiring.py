@@ -127,6 +127,7 @@ def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None
     apply = Apply(
         engine.model, engine.inner_optimizer, frags, engine.outer, engine._merge,
         engine.schedule.is_round_overlap(), inflight, nonfinite, placement, engine.sync_times,
+        compensation,
     )  # fmt: skip
     leave = Leave(
         engine.model, frags, placement, transport, exchange, inflight, engine.outer,

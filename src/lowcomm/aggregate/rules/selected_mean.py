@@ -38,6 +38,22 @@ class SelectedMean(Combine):
             out.index_copy_(0, at, out[at] / counts[at])
         return out
 
+    def unapplied(self, parts: Parts, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """At each entry part ``j`` sent: ``(1 - w_j c / W) v``, with ``c`` the count and ``W``
+        the summed weights of the sites that sent that entry (the unweighted selected mean
+        applies ``v / c`` of it, the weighted one ``w_j v / W``)."""
+        assert parts.weights is not None
+        idx, vals = parts.sparse(j)
+        n = parts.shape.numel()
+        counts = torch.zeros(n, dtype=torch.float32, device=vals.device)
+        total = torch.zeros(n, dtype=torch.float32, device=vals.device)
+        for i, w in enumerate(parts.weights):
+            at = parts.sparse(i)[0]
+            counts.index_add_(0, at, torch.ones(at.numel(), device=vals.device))
+            total.index_add_(0, at, torch.full((at.numel(),), w, device=vals.device))
+        share = counts[idx] * parts.weights[j] / total[idx]
+        return idx, vals * (1.0 - share)
+
 
 def _fused(
     sent: list[tuple[torch.Tensor, torch.Tensor]],
