@@ -26,7 +26,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -37,12 +36,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, MembershipError
+from .link import Link
 
 log = logging.getLogger("lowcomm")
-
-# back after an outage, a site asks the lighthouse only after this many heartbeat periods: every
-# live site's heartbeat (retried every period) has reached the restarted lighthouse by then
-_SETTLE_BEATS = 5
 
 
 @dataclass(frozen=True)
@@ -134,8 +130,6 @@ class Membership:
     """This site's membership: heartbeats, quorums, the commit vote and each quorum's group."""
 
     def __init__(self, elastic: Elastic, fingerprint: str = "") -> None:
-        from torchft.coordination import LighthouseClient
-
         self.elastic = elastic
         self.fingerprint = fingerprint  # the run's settings: a site with others is refused
         self.generation = 0  # the runner's failed commits so far (a joiner adopts the run's)
@@ -143,32 +137,13 @@ class Membership:
         self._refused: set[int] = set()  # sites already told they were refused
         self.joiner_waiting = False  # a site with this run's settings asked to join, last quorum
         self._join_at = ""  # a late site asking back in: the sync it asks for (see rejoin)
-        self.epoch = 0  # lighthouse outages seen (or heard of from a quorum): names groups
-        # when the last heartbeat that found the lighthouse unreachable was sent, and when this
-        # site last found it back: an outage since then is waited out before the next quorum
-        self._lost_at, self._back_at = -1.0, 0.0
-        timeout = timedelta(seconds=elastic.timeout_s)
-        self._client = LighthouseClient(elastic.lighthouse, connect_timeout=timeout)
-        self._beat_client = LighthouseClient(elastic.lighthouse, connect_timeout=timeout)
         # this site hosts a store; the group of a quorum lives on its first member's store
         host = os.environ.get("LOWCOMM_ADDR", "127.0.0.1")
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.store_address = f"{host}:{self._store.port}"
         self._groups: dict[tuple[int, int, str], dist.ProcessGroup] = {}
-        self._stop = threading.Event()
-        self._beat_client.heartbeat(elastic.replica_id)
-        self._beats = threading.Thread(target=self._beat, name="lowcomm-heartbeat", daemon=True)
-        self._beats.start()
+        self._link = Link(elastic)  # heartbeats from now on; quorums wait out an outage
         atexit.register(self.close)  # groups aborted before torch tears itself down
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self.elastic.heartbeat_s):
-            sent = time.monotonic()
-            try:
-                self._beat_client.heartbeat(self.elastic.replica_id)
-            except Exception as e:  # the lighthouse is away: the next quorum waits for it
-                log.debug("heartbeat failed: %s", e)
-                self._lost_at = sent
 
     def quorum(self, tag: str, ok: bool = True, phase: str = "sync", ready: bool = False) -> View:
         """Wait for the next quorum, reporting ``tag`` (which sync), ``phase`` (its collectives
@@ -295,78 +270,22 @@ class Membership:
 
     def _ask(self, tag: str, ok: bool, phase: str, join: bool, ready: bool) -> View:
         e = self.elastic
-        if self._lost_at > self._back_at:  # it was away: back, it must know every live site
-            self._reach(tag, time.monotonic())
+        data = {
+            "site": e.site, "tag": tag, "ok": ok, "store": self.store_address, "phase": phase,
+            "fp": self.fingerprint, "run": e.run_id, "gen": self.generation, "join": join,
+            "join_from": e.join_from, "join_at": self._join_at or e.join_at,
+            "inc": self.incarnation, "ready": ready,
+        }  # fmt: skip
         # a live peer may reach the vote up to timeout_s late (a collective waiting on a lost
         # site) after connect_s at a group, and the lighthouse waits timeout_s for stragglers:
         # a wait of exactly timeout_s would give up on a peer about to arrive
-        wait_s = 2 * e.timeout_s + e.connect_s
-        while True:
-            data = {
-                "site": e.site, "tag": tag, "ok": ok, "store": self.store_address,
-                "phase": phase, "fp": self.fingerprint, "run": e.run_id, "gen": self.generation,
-                "join": join, "join_from": e.join_from, "join_at": self._join_at or e.join_at,
-                "inc": self.incarnation, "ready": ready, "lh": self.epoch,
-            }  # fmt: skip
-            asked = time.monotonic()
-            try:
-                q = self._client.quorum(
-                    replica_id=e.replica_id,
-                    timeout=timedelta(seconds=wait_s),
-                    address=self.store_address,
-                    store_address=self.store_address,
-                    step=0,
-                    world_size=1,
-                    shrink_only=False,
-                    data=data,
-                )
-                break
-            except TimeoutError as err:  # the lighthouse answered: no quorum formed
-                raise MembershipError(
-                    f"site {e.site}: no quorum within {wait_s:g} s at {tag} ({err}): fewer "
-                    f"than min_workers={e.min_workers} sites may remain"
-                ) from None
-            except Exception as err:  # unreachable (refused, reset): it may be restarting
-                log.warning("site %d: the lighthouse at %s is unreachable at %s (%s); asking "
-                            "again for up to %g s", e.site, e.lighthouse, tag,
-                            str(err).splitlines()[0][:120], e.timeout_s)  # fmt: skip
-                self._reach(tag, asked)
+        q = self._link.quorum(tag, data, 2 * e.timeout_s + e.connect_s, self.store_address)
         data = [d for d in (_readable(m.data) for m in q.participants) if d is not None]
         data = sorted(data, key=lambda d: d["site"])
-        self.epoch = max([self.epoch] + [_int(d.get("lh")) for d in data])
+        self._link.adopt([_int(d.get("lh")) for d in data])
         if not join:  # a joiner reads the others' settings to say why it is refused
             data = self._same_run(data)
         return View(int(q.quorum_id), [d["site"] for d in data], data)
-
-    def _reach(self, tag: str, since: float) -> None:
-        """The lighthouse was unreachable (since ``since``): wait until it answers a heartbeat
-        again, for at most ``timeout_s`` (then this site stops with one line naming it); then
-        a new client, once every live site's heartbeat had time to reach it (a restarted
-        lighthouse would otherwise form a quorum of the first site asking), and a new epoch
-        for this site's groups."""
-        from torchft.coordination import LighthouseClient
-
-        e = self.elastic
-        deadline = since + e.timeout_s
-        while True:
-            try:
-                client = LighthouseClient(e.lighthouse, connect_timeout=timedelta(seconds=1))
-                client.heartbeat(e.replica_id)
-                self._back_at = time.monotonic()
-                break
-            except Exception as err:
-                if time.monotonic() >= deadline:
-                    raise MembershipError(
-                        f"site {e.site}: the lighthouse at {e.lighthouse} was unreachable for "
-                        f"{e.timeout_s:g} s (timeout_s) at {tag} ({str(err).splitlines()[0]}): "
-                        f"this site stops here"
-                    ) from None
-                time.sleep(e.heartbeat_s)
-        time.sleep(_SETTLE_BEATS * e.heartbeat_s)
-        self._client = client
-        self.epoch += 1
-        log.warning("site %d: the lighthouse at %s answers again; epoch %d", e.site,
-                    e.lighthouse, self.epoch)  # fmt: skip
 
     def _same_run(self, data: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The requests of this run: a member with other settings or another run id (the
@@ -458,7 +377,7 @@ class Membership:
 
     def close(self) -> None:
         """Stop the heartbeats (the lighthouse then leaves this site out) and the groups."""
-        self._stop.set()
+        self._link.close()
         for group in self._groups.values():
             group.abort()
         self._groups.clear()
