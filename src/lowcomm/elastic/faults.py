@@ -22,6 +22,11 @@
 - ``healer:0@40`` site 0 dies (SIGKILL) inside the first heal it hands over at or after step 40,
   after the joiner learnt the state's size and before the state itself: the members go on
   without it and the joiner asks again and heals from another member;
+- ``lighthouse:0@30x3`` the lighthouse dies when site 0 reaches step 30 (the launcher, asked by
+  that site before its step 30, SIGKILLs the lighthouse's process) and the launcher starts it
+  again at the same address 3 seconds later. The sites train on; their next quorum request
+  waits for it (see docs/reliability.md). Only for a lighthouse the launcher started (no
+  ``lighthouse=``);
 - ``slow:1x3``   site 1 computes 3x slower (from step 1, or ``slow:1@40x3`` from step 40): after
   each inner step it sleeps twice that step's compute time. Sleeping frees the CPU, so on a
   machine with fewer cores than sites the others do not slow down with it.
@@ -39,11 +44,12 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
 
-KINDS = ("kill", "hang", "pause", "join", "add", "slow", "corrupt", "healer")
+KINDS = ("kill", "hang", "pause", "join", "add", "slow", "corrupt", "healer", "lighthouse")
 LATER = ("slowlink",)
 _FAULT = re.compile(r"^(?P<kind>[a-z]+):(?P<site>\d+)(@(?P<step>\d+))?(x(?P<factor>[0-9.]+))?$")
 
@@ -102,14 +108,15 @@ def _checked(
     kind: str, site: int, step: str | None, factor: str | None, item: str, steps: int
 ) -> Fault:
     """One fault whose step and factor suit its kind (``slow`` takes a factor > 1, ``pause``
-    a number of seconds)."""
+    and ``lighthouse`` a number of seconds)."""
     if step is None and kind == "slow":
         step = "1"
     if step is None or not 1 <= int(step) <= steps:
         raise ConfigError(f"--faults: {item!r} needs @STEP with 1 <= STEP <= {steps}")
-    if kind == "pause":
+    if kind in ("pause", "lighthouse"):
         if factor is None or float(factor) <= 0:
-            raise ConfigError(f"--faults: {item!r} needs xSECONDS > 0 (how long it is stopped)")
+            what = "it is stopped" if kind == "pause" else "the lighthouse is away"
+            raise ConfigError(f"--faults: {item!r} needs xSECONDS > 0 (how long {what})")
         return Fault(kind, site, int(step), float(factor))
     if kind != "slow":
         if factor is not None:
@@ -140,15 +147,31 @@ def adds(faults: list[Fault]) -> dict[int, int]:
 
 
 _armed: set[str] = set()  # faults this process acts out on what it sends next (corrupt)
+# a site asks its launcher to kill the lighthouse by writing this file into the run's folder
+LIGHTHOUSE_FAULT = ".fault-lighthouse"
+_ASK_S = 10.0  # how long a site waits for the launcher to take its request (then goes on)
 
 
-def act(faults: list[Fault], site: int, step: int) -> None:
-    """Before inner step ``step`` of ``site``: carry out the faults due now, on this process."""
+def lighthouse_down(faults: list[Fault]) -> bool:
+    """Whether ``faults`` kill the lighthouse (``lighthouse:``)."""
+    return any(f.kind == "lighthouse" for f in faults)
+
+
+def act(faults: list[Fault], site: int, step: int, out: Path | None = None) -> None:
+    """Before inner step ``step`` of ``site``: carry out the faults due now, on this process
+    (``lighthouse:`` on the launcher's, through a file in ``out``, the run's folder: the site
+    goes on once the launcher has killed it, so the fault lands before this very step)."""
     for f in faults:
         if f.site != site or f.step != step:
             continue
         if f.kind in ("corrupt", "healer"):
             _armed.add(f.kind)
+        if f.kind == "lighthouse" and out is not None:
+            ask = out / LIGHTHOUSE_FAULT
+            ask.write_text(f"{f.factor:g}\n")
+            deadline = time.monotonic() + _ASK_S
+            while ask.exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
         if f.kind == "pause":  # the helper outlives nothing: it wakes this process, then ends
             pid = os.getpid()
             subprocess.Popen(["sh", "-c", f"sleep {f.factor:g}; kill -CONT {pid}"])

@@ -4,8 +4,16 @@ The lighthouse (``torchft.coordination.LighthouseServer``, Rust) keeps the membe
 and forms a quorum from the sites that ask for one: every live member of the last quorum, or,
 once a member's heartbeat has lapsed, those still alive. lowcomm asks once per outer sync, not
 per inner step. The bytes never go through the lighthouse: each quorum gets a gloo group of its
-own, built on the store that its first member hosts, under a prefix naming the run, the quorum
-and the attempt (``torch.distributed.PrefixStore``), so two groups never share a connection.
+own, built on the store that its first member hosts, under a prefix naming the run, the
+lighthouse's epoch, the quorum and the attempt (``torch.distributed.PrefixStore``), so two groups
+never share a connection.
+
+The lighthouse may die and come back (the launcher starts it again at the same address): a
+quorum request that cannot reach it is asked again, on a new client, for up to ``timeout_s``;
+the sites train on meanwhile (only a sync waits). A restarted lighthouse counts its quorum ids
+from the start again, so each site counts the outages it saw (its epoch, in every request) and
+a quorum's groups carry the highest epoch of its members: ids of a new lighthouse never meet
+an old group's store keys.
 
 Every exchange is settled by a second quorum, the commit: each member reports whether its
 collectives completed; the result stands only if every member of the commit quorum completed
@@ -18,7 +26,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -29,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, MembershipError
+from .link import Link
 
 log = logging.getLogger("lowcomm")
 
@@ -107,6 +115,12 @@ class View:
         """The rank that hands a joiner the run's state: the lowest site already in the run."""
         return self.rank_of(next(s for s in self.members if s not in self.joiners))
 
+    @property
+    def epoch(self) -> int:
+        """The lighthouse's epoch for this quorum's groups: the highest any member reported (every
+        member computes the same from the same requests)."""
+        return max((_int(d.get("lh")) for d in self.data), default=0)
+
     def rank_of(self, site: int) -> int:
         """This quorum's rank of ``site``."""
         return self.members.index(site)
@@ -116,8 +130,6 @@ class Membership:
     """This site's membership: heartbeats, quorums, the commit vote and each quorum's group."""
 
     def __init__(self, elastic: Elastic, fingerprint: str = "") -> None:
-        from torchft.coordination import LighthouseClient
-
         self.elastic = elastic
         self.fingerprint = fingerprint  # the run's settings: a site with others is refused
         self.generation = 0  # the runner's failed commits so far (a joiner adopts the run's)
@@ -128,26 +140,13 @@ class Membership:
         # sites excluded from the run (a payload every member refused), with the reason
         self.excluded: dict[int, str] = {}
         self._blame: tuple[int, str] | None = None  # this site's accusation in its next vote
-        timeout = timedelta(seconds=elastic.timeout_s)
-        self._client = LighthouseClient(elastic.lighthouse, connect_timeout=timeout)
-        self._beat_client = LighthouseClient(elastic.lighthouse, connect_timeout=timeout)
         # this site hosts a store; the group of a quorum lives on its first member's store
         host = os.environ.get("LOWCOMM_ADDR", "127.0.0.1")
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.store_address = f"{host}:{self._store.port}"
         self._groups: dict[tuple[int, int, str], dist.ProcessGroup] = {}
-        self._stop = threading.Event()
-        self._beat_client.heartbeat(elastic.replica_id)
-        self._beats = threading.Thread(target=self._beat, name="lowcomm-heartbeat", daemon=True)
-        self._beats.start()
+        self._link = Link(elastic)  # heartbeats from now on; quorums wait out an outage
         atexit.register(self.close)  # groups aborted before torch tears itself down
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self.elastic.heartbeat_s):
-            try:
-                self._beat_client.heartbeat(self.elastic.replica_id)
-            except Exception as e:  # the lighthouse is gone: the next quorum says so
-                log.debug("heartbeat failed: %s", e)
 
     def quorum(
         self, tag: str, ok: bool = True, phase: str = "sync", ready: bool = False,
@@ -288,7 +287,7 @@ class Membership:
         e = self.elastic
         data = {
             "site": e.site, "tag": tag, "ok": ok, "store": self.store_address, "phase": phase,
-            "fp": self.fingerprint, "gen": self.generation, "join": join,
+            "fp": self.fingerprint, "run": e.run_id, "gen": self.generation, "join": join,
             "join_from": e.join_from, "join_at": self._join_at or e.join_at,
             "inc": self.incarnation, "ready": ready,
         }  # fmt: skip
@@ -297,34 +296,28 @@ class Membership:
         # a live peer may reach the vote up to timeout_s late (a collective waiting on a lost
         # site) after connect_s at a group, and the lighthouse waits timeout_s for stragglers:
         # a wait of exactly timeout_s would give up on a peer about to arrive
-        wait_s = 2 * e.timeout_s + e.connect_s
-        try:
-            q = self._client.quorum(
-                replica_id=e.replica_id,
-                timeout=timedelta(seconds=wait_s),
-                address=self.store_address,
-                store_address=self.store_address,
-                step=0,
-                world_size=1,
-                shrink_only=False,
-                data=data,
-            )
-        except Exception as err:
-            raise MembershipError(
-                f"site {e.site}: no quorum within {wait_s:g} s at {tag} ({err}): fewer than "
-                f"min_workers={e.min_workers} sites may remain, or the lighthouse is gone"
-            ) from None
+        q = self._link.quorum(tag, data, 2 * e.timeout_s + e.connect_s, self.store_address)
         data = [d for d in (_readable(m.data) for m in q.participants) if d is not None]
         data = sorted(data, key=lambda d: d["site"])
+        self._link.adopt([_int(d.get("lh")) for d in data])
         if not join:  # a joiner reads the others' settings to say why it is refused
             data = self._same_run(data)
         return View(int(q.quorum_id), [d["site"] for d in data], data)
 
     def _same_run(self, data: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The requests of this run: a member with other settings or another run id (the
-        fingerprint holds both), a joiner's aside (see :meth:`join`), is no member of it."""
+        fingerprint holds both), a joiner's aside (see :meth:`join`), is no member of it.
+        A site of this run id that is no joiner (one starting with the run) with other
+        settings stops every site that sees it, itself too, with one line: the run cannot
+        start as asked."""
         keep = [d for d in data if d.get("join") or d.get("fp") == self.fingerprint]
         for d in data:
+            if d not in keep and d.get("run") == self.elastic.run_id:
+                raise MembershipError(
+                    f"site {self.elastic.site}: site {d['site']} of run {self.elastic.run_id} "
+                    f"has other settings (model, strategy or codec: {d.get('fp')} vs "
+                    f"{self.fingerprint}): start every site of a run with the same settings"
+                )
             if d not in keep and d["site"] not in self._refused:
                 self._refused.add(d["site"])
                 log.warning("site %d: a site %d of another run or with other settings (%s) "
@@ -384,10 +377,10 @@ class Membership:
         and a site started again is a new process under its old name. Groups of older quorums
         and attempts are aborted (ids and attempts only grow, so a key never returns after its
         group was aborted, and a store prefix is never used twice)."""
-        key = (view.quorum_id, generation, view.who)
+        key = self.key(view, generation)
         if key in self._groups:
             return self._groups[key]
-        for k in [k for k in self._groups if k[:2] != key[:2]]:  # done with, or broken
+        for k in [k for k in self._groups if k[:3] != key[:3]]:  # done with, or broken
             self._groups.pop(k).abort()
         host, port = view.data[0]["store"].rsplit(":", 1)
         if view.members[0] == self.elastic.site:
@@ -396,17 +389,20 @@ class Membership:
             store = dist.TCPStore(
                 host, int(port), is_master=False, timeout=timedelta(seconds=self.elastic.timeout_s)
             )
-        prefix = dist.PrefixStore(
-            f"{self.elastic.run_id}/q{view.quorum_id}/g{generation}/m{view.who}/", store
-        )
+        prefix = dist.PrefixStore(group_name(self.elastic.run_id, view, generation), store)
         rank, size = view.rank_of(self.elastic.site), len(view.members)
         _arrive(prefix, rank, size, self.elastic.connect_s)
         group = _gloo_group(prefix, rank, size, self.elastic.timeout_s)
         self._groups[key] = group
         return group
 
-    def drop(self, key: tuple[int, int, str]) -> None:
-        """Forget the group of ``key`` (quorum id, attempt, members): once nothing else holds
+    @staticmethod
+    def key(view: View, generation: int) -> tuple[int, int, int, str]:
+        """A group's key: the lighthouse's epoch, the quorum id, the attempt, the members."""
+        return (view.epoch, view.quorum_id, generation, view.who)
+
+    def drop(self, key: tuple[int, int, int, str]) -> None:
+        """Forget the group of ``key`` (see :meth:`key`): once nothing else holds
         it, gloo closes its connections, and peers blocked on them fail at once."""
         group = self._groups.pop(key, None)
         if group is not None:
@@ -414,10 +410,22 @@ class Membership:
 
     def close(self) -> None:
         """Stop the heartbeats (the lighthouse then leaves this site out) and the groups."""
-        self._stop.set()
+        self._link.close()
         for group in self._groups.values():
             group.abort()
         self._groups.clear()
+
+
+def group_name(run_id: str, view: View, generation: int) -> str:
+    """The store prefix of ``view``'s group for attempt ``generation``: the run, the
+    lighthouse's epoch (a restarted lighthouse counts quorum ids from the start again), the
+    quorum, the attempt and the member processes."""
+    return f"{run_id}/e{view.epoch}/q{view.quorum_id}/g{generation}/m{view.who}/"
+
+
+def _int(value: Any) -> int:
+    """A reported number, or 0 (a request without it, or a malformed one)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def check_rounds(rounds: str, quorum: int, grace: float, late: str, sites: int) -> None:

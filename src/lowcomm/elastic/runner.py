@@ -34,9 +34,7 @@ class Runner:
         self.meter, self.buffer_meter, self.delay_s = meter, buffer_meter, delay_s
         self.members: list[int] | None = None  # who took part in the last sync that stood
         self.events: list[dict] = []  # membership changes: step tag, who left, seconds lost
-        self._transports: tuple[tuple[int, int, tuple[int, ...]], Transport, Transport] | None = (
-            None
-        )
+        self._transports: tuple[tuple[int, int, int, str], Transport, Transport] | None = None
         self._failed_at: float | None = None
         self._started = 0.0
         self._last_tag = "start"  # the last sync that stood with this site in it
@@ -169,7 +167,7 @@ class Runner:
 
     def _on(self, view: View) -> tuple[Transport, Transport]:
         """This quorum's transports (made once per quorum), metered with the run's meters."""
-        key = (view.quorum_id, self.membership.generation, view.who)
+        key = self.membership.key(view, self.membership.generation)  # the epoch's too
         if self._transports is None or self._transports[0] != key:
             group = self.membership.group(view, self.membership.generation)
             self._transports = (

@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, TrainConfig
-from ..elastic.faults import adds, decoded, joins, parse_faults, paused
+from ..elastic.faults import adds, decoded, joins, lighthouse_down, parse_faults, paused
 from ..elastic.membership import check_rounds
 from ..elastic.rounds import LIGHTHOUSE_JOIN_S
 from ..errors import LowCommError
 from .entry import error_file, run_entry, user_errors
 from .join_site import RUN_FILE, run_site, write_run_file
+from .lighthouse import Keeper
 from .site_role import SiteRole
 from .spec import RunSpec
 
@@ -60,8 +61,15 @@ def check_elastic(spec: RunSpec, workers: int) -> None:
             raise ConfigError(
                 "--faults join/add: a site can join only an elastic run: add elastic=true"
             )
+        if lighthouse_down(faults):
+            raise ConfigError("--faults lighthouse: only an elastic run has one: add elastic=true")
         return
     spec.strategy.check_elastic(cfg, bool(rejoin))  # a replay's joins: refused with replay
+    if lighthouse_down(faults) and cfg.lighthouse:
+        raise ConfigError(
+            f"--faults lighthouse: kills the lighthouse the launcher started; lighthouse="
+            f"{cfg.lighthouse} is not ours to kill: drop lighthouse= or the fault"
+        )
     if cfg.ranks_per_worker != 1:
         raise ConfigError("elastic=true runs one rank per site for now: set ranks_per_worker=1")
     if cfg.min_workers > workers:
@@ -113,28 +121,29 @@ def run_sites(spec: RunSpec, workers: int) -> dict[str, Any] | None:
 
     ``spec.resume``: a checkpoint folder; every site continues from its global copy."""
     cfg, out_dir = spec.train, spec.out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # sites fork from one server that imported torch and the trainer once: on a small machine
+    # that saves each site its own ~2 s of imports (the server starts no threads, so a fork
+    # from it is as clean as a spawn)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "lowcomm.train.loop", "lowcomm.train.join_site"])
     servers = []
-    address = cfg.lighthouse
-    if not address:
-        servers.append(_lighthouse(cfg, min_replicas=1))  # lowcomm checks min_workers itself
-        address = servers[-1].address()
+    address, keeper = cfg.lighthouse, None
+    if not address:  # ours: at one address for the whole run, started again if it dies
+        keeper = Keeper(ctx, _lighthouse_options(cfg, min_replicas=1), out_dir)
+        keeper.start()  # lowcomm checks min_workers itself (min_replicas=1)
+        address = keeper.address
     peer = ""
     if spec.strategy.peer:  # torchft's Managers: a lighthouse of their own
         servers.append(_lighthouse(cfg, min_replicas=cfg.min_workers))
         peer = servers[-1].address()
     roles, again, added = _plan(cfg, workers, address, peer)
-    out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob(".error-rank*"):  # left by a launcher that was killed
         stale.unlink(missing_ok=True)
     if spec.strategy.joinable:  # `lowcomm join DIR` starts another site from it
         planned = sorted([*again, *(r.site for r in added)])
         write_run_file(spec, roles[0], address, planned)
     started = time.time()
-    # sites fork from one server that imported torch and the trainer once: on a small machine
-    # that saves each site its own ~2 s of imports (the server starts no threads, so a fork
-    # from it is as clean as a spawn)
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "lowcomm.train.loop", "lowcomm.train.join_site"])
 
     def start(role: SiteRole) -> Any:
         # a joiner heals from a live peer: it never reads the checkpoint
@@ -164,7 +173,7 @@ def run_sites(spec: RunSpec, workers: int) -> dict[str, Any] | None:
 
     pausing = {s for s in range(len(procs)) if paused(roles[0].faults, s)}
     try:
-        codes = _wait(procs, out_dir, restart, pausing, started)
+        codes = _wait(procs, out_dir, restart, pausing, started, keeper and keeper.tick)
     finally:
         # a second Ctrl-C must not cut the clean-up short (stale workers.json, live sites)
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -176,6 +185,8 @@ def run_sites(spec: RunSpec, workers: int) -> dict[str, Any] | None:
         (out_dir / RUN_FILE).unlink(missing_ok=True)
         for server in servers:
             server.shutdown()
+        if keeper is not None:
+            keeper.stop()
         signal.signal(signal.SIGINT, previous)
     return _outcome(codes, out_dir, started)
 
@@ -207,21 +218,26 @@ def _plan(
 
 
 def _lighthouse(cfg: TrainConfig, min_replicas: int) -> Any:
-    """A torchft LighthouseServer in this process, with the run's timeouts."""
+    """A torchft LighthouseServer in this process, with the run's timeouts (torchft's own
+    Managers'; the sites' lighthouse is a :class:`Keeper`'s process)."""
     if not os.environ.get("LOWCOMM_DEBUG"):
         os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse logs every quorum at INFO
     from torchft.coordination import LighthouseServer
 
+    return LighthouseServer(bind="[::]:0", **_lighthouse_options(cfg, min_replicas))
+
+
+def _lighthouse_options(cfg: TrainConfig, min_replicas: int) -> dict[str, int]:
+    """A lighthouse's settings for this run's timeouts."""
     # quorum rounds: the sites ask once a sync has closed, so the lighthouse waits only for
     # the rest of those asking (a moment), not for every live site as lock-step does
     join_s = LIGHTHOUSE_JOIN_S if cfg.rounds == "quorum" else cfg.timeout_s
-    return LighthouseServer(
-        bind="[::]:0",
-        min_replicas=min_replicas,
-        join_timeout_ms=int(join_s * 1000),
-        quorum_tick_ms=20,
-        heartbeat_timeout_ms=int(cfg.heartbeat_timeout_s * 1000),
-    )
+    return {
+        "min_replicas": min_replicas,
+        "join_timeout_ms": int(join_s * 1000),
+        "quorum_tick_ms": 20,
+        "heartbeat_timeout_ms": int(cfg.heartbeat_timeout_s * 1000),
+    }
 
 
 def _wait(
@@ -230,12 +246,14 @@ def _wait(
     restart: Callable[[int], Any] | None = None,
     pausing: frozenset[int] | set[int] = frozenset(),
     started: float | None = None,
+    tick: Callable[[], None] | None = None,
 ) -> list[int | None]:
     """Wait until every site has exited (or is stopped while the rest are done: a hang); a
     site that ``restart`` starts again (it returns the new process) is waited for anew, and a
     stopped site in ``pausing`` (a ``pause:`` fault) is still running: it comes back. Once the
     run's summary (written at ``started`` or later) exists, sites still running after
-    ``FINISH_GRACE_S`` are behind for good and are ended."""
+    ``FINISH_GRACE_S`` are behind for good and are ended. ``tick``: called every round (the
+    lighthouse's keeper: it starts a dead lighthouse again)."""
     _write_workers(procs, out_dir)
     reported: set[int] = set()
     finished: float | None = None  # when the first site finished the run
@@ -262,6 +280,8 @@ def _wait(
         ]
         if not running:
             return [p.exitcode for p in procs]
+        if tick is not None:
+            tick()
         if finished is None and started is not None and _summarized(out_dir, started):
             finished = time.monotonic()  # a site that left on purpose (a replay) exits 0 too
         if finished is not None and time.monotonic() - finished > FINISH_GRACE_S:

@@ -103,7 +103,7 @@ def _train_loop(run: Run, faults: Any, log: RunLog, fresh: bool) -> None:
     if role is not None:
         synclog = SyncLog.of(run.spec.out, replica, run.comm.engine, fresh and not role.join)
     while step <= steps:
-        act(faults, replica, step)
+        act(faults, replica, step, run.spec.out)
         started, synced = time.perf_counter(), _sync_s(run)
         train_step(run)
         # a slow: fault stretches the step's compute, not the sync inside it

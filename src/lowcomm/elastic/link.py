@@ -1,0 +1,122 @@
+"""A site's connection to the lighthouse: its heartbeats, and quorum requests that wait out the
+lighthouse's absence (it died and is being started again at the same address).
+
+A request that cannot reach the lighthouse (refused, reset: anything but torchft's own
+TimeoutError, which means the lighthouse answered that no quorum formed) is asked again, on a
+new client, once a heartbeat lands again; for at most ``timeout_s`` from the first failure, then
+the site stops with one line naming the lighthouse. ``epoch`` counts the outages this site saw
+(or heard of: :meth:`Link.adopt`); group names carry it (:func:`.membership.group_name`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from ..errors import MembershipError
+
+log = logging.getLogger("lowcomm")
+
+# back after an outage, a site asks the lighthouse only after this many heartbeat periods: every
+# live site's heartbeat (retried every period) has reached the restarted lighthouse by then
+SETTLE_BEATS = 5
+
+
+class Link:
+    """This site's clients of the lighthouse (one for quorums, one for the heartbeat thread)."""
+
+    def __init__(self, elastic: Any) -> None:  # a membership.Elastic (it imports this module)
+        from torchft.coordination import LighthouseClient
+
+        self.elastic = elastic
+        self.epoch = 0  # lighthouse outages seen (or heard of from a quorum): names groups
+        # when the last heartbeat that found the lighthouse unreachable was sent, and when this
+        # site last found it back: an outage since then is waited out before the next quorum
+        self._lost_at, self._back_at = -1.0, 0.0
+        timeout = timedelta(seconds=elastic.timeout_s)
+        self._client = LighthouseClient(elastic.lighthouse, connect_timeout=timeout)
+        self._beat_client = LighthouseClient(elastic.lighthouse, connect_timeout=timeout)
+        self._stop = threading.Event()
+        self._beat_client.heartbeat(elastic.replica_id)
+        self._beats = threading.Thread(target=self._beat, name="lowcomm-heartbeat", daemon=True)
+        self._beats.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.elastic.heartbeat_s):
+            sent = time.monotonic()
+            try:
+                self._beat_client.heartbeat(self.elastic.replica_id)
+            except Exception as e:  # the lighthouse is away: the next quorum waits for it
+                log.debug("heartbeat failed: %s", e)
+                self._lost_at = sent
+
+    def quorum(self, tag: str, data: dict[str, Any], wait_s: float, address: str) -> Any:
+        """torchft's quorum for this site's request ``data`` (sent with this site's epoch as
+        ``lh``), waiting at most ``wait_s`` for it to form; an unreachable lighthouse is waited
+        for (see the module)."""
+        e = self.elastic
+        if self._lost_at > self._back_at:  # it was away: back, it must know every live site
+            self._reach(tag, time.monotonic())
+        while True:
+            asked = time.monotonic()
+            try:
+                return self._client.quorum(
+                    replica_id=e.replica_id,
+                    timeout=timedelta(seconds=wait_s),
+                    address=address,
+                    store_address=address,
+                    step=0,
+                    world_size=1,
+                    shrink_only=False,
+                    data={**data, "lh": self.epoch},
+                )
+            except TimeoutError as err:  # the lighthouse answered: no quorum formed
+                raise MembershipError(
+                    f"site {e.site}: no quorum within {wait_s:g} s at {tag} ({err}): fewer "
+                    f"than min_workers={e.min_workers} sites may remain"
+                ) from None
+            except Exception as err:  # unreachable (refused, reset): it may be restarting
+                log.warning("site %d: the lighthouse at %s is unreachable at %s (%s); asking "
+                            "again for up to %g s", e.site, e.lighthouse, tag,
+                            str(err).splitlines()[0][:120], e.timeout_s)  # fmt: skip
+                self._reach(tag, asked)
+
+    def adopt(self, epochs: list[int]) -> None:
+        """A quorum's members reported ``epochs``: a higher one is an outage this site missed."""
+        self.epoch = max([self.epoch, *epochs])
+
+    def _reach(self, tag: str, since: float) -> None:
+        """The lighthouse was unreachable (since ``since``): wait until it answers a heartbeat
+        again, for at most ``timeout_s`` (then this site stops with one line naming it); then
+        a new client, once every live site's heartbeat had time to reach it (a restarted
+        lighthouse would otherwise form a quorum of the first site asking), and a new epoch."""
+        from torchft.coordination import LighthouseClient
+
+        e = self.elastic
+        deadline = since + e.timeout_s
+        while True:
+            try:
+                client = LighthouseClient(e.lighthouse, connect_timeout=timedelta(seconds=1))
+                client.heartbeat(e.replica_id)
+                self._back_at = time.monotonic()
+                break
+            except Exception as err:
+                if time.monotonic() >= deadline:
+                    raise MembershipError(
+                        f"site {e.site}: the lighthouse at {e.lighthouse} was unreachable for "
+                        f"{e.timeout_s:g} s (timeout_s) at {tag} ({str(err).splitlines()[0]}): "
+                        f"this site stops here"
+                    ) from None
+                time.sleep(e.heartbeat_s)
+        time.sleep(SETTLE_BEATS * e.heartbeat_s)
+        self._client = client
+        self.epoch += 1
+        log.warning("site %d: the lighthouse at %s answers again; epoch %d", e.site,
+                    e.lighthouse, self.epoch)  # fmt: skip
+
+    def close(self) -> None:
+        """Stop the heartbeats (the lighthouse then leaves this site out)."""
+        self._stop.set()

@@ -1,0 +1,97 @@
+"""The lighthouse of an elastic run that the launcher started: a process of its own at an
+address fixed for the whole run, started again there when it dies (or when a ``lighthouse:``
+fault killed it, after that fault's seconds).
+
+A restarted lighthouse knows nothing of the run: the sites re-register with their next
+heartbeat, ask their pending quorum again (:meth:`lowcomm.elastic.membership.Membership.quorum`
+retries for ``timeout_s``) and name their groups with a new epoch, so the new lighthouse's
+quorum ids, which start again from 1, never meet an old group's store keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from ..elastic.faults import LIGHTHOUSE_FAULT
+
+_UP_S = 30.0  # bound on a (re)started lighthouse's process listening on its port
+
+
+def free_port() -> int:
+    """A port no one listens on now: the lighthouse's for the whole run."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def _serve(port: int, options: dict[str, int]) -> None:
+    """The lighthouse's process: serve until killed (RUST_LOG=warn: see :class:`Keeper`)."""
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind=f"[::]:{port}", **options)  # held: dropped, it stops
+    while server is not None:
+        time.sleep(3600)
+
+
+class Keeper:
+    """The run's lighthouse: started by :meth:`start`, watched by :meth:`tick` (the launcher's
+    wait loop calls it every 0.2 s), ended by :meth:`stop`."""
+
+    def __init__(self, ctx: Any, options: dict[str, int], out_dir: Path) -> None:
+        if not os.environ.get("LOWCOMM_DEBUG"):  # the sites' clients log at INFO too
+            os.environ.setdefault("RUST_LOG", "warn")  # (sites inherit it: set before any fork)
+        self.ctx, self.options, self.out_dir = ctx, options, out_dir
+        self.port = free_port()
+        self.address = f"http://{socket.gethostname()}:{self.port}"
+        self.restarts = 0
+        self._proc: Any = None
+        self._back_at: float | None = None  # a lighthouse: fault's restart time
+
+    def start(self) -> None:
+        """Start the lighthouse's process and wait until it listens (at most ``_UP_S``)."""
+        self._proc = self.ctx.Process(target=_serve, args=(self.port, self.options), daemon=True)
+        self._proc.start()
+        deadline = time.monotonic() + _UP_S
+        while time.monotonic() < deadline and self._proc.exitcode is None:
+            with contextlib.suppress(OSError):
+                socket.create_connection(("localhost", self.port), timeout=0.5).close()
+                return
+            time.sleep(0.02)
+        raise RuntimeError(f"the lighthouse did not start at {self.address} within {_UP_S:g} s")
+
+    def tick(self) -> None:
+        """Act on a site's ``lighthouse:`` request; start a dead lighthouse again."""
+        ask = self.out_dir / LIGHTHOUSE_FAULT
+        with contextlib.suppress(OSError):
+            seconds = float(ask.read_text().strip() or 0)
+            self._proc.kill()
+            self._proc.join()
+            self._back_at = time.monotonic() + seconds
+            ask.unlink()
+            print(f"lowcomm: fault: the lighthouse is killed; it starts again in {seconds:g} s",
+                  flush=True)  # fmt: skip
+        if self._proc.exitcode is None:
+            return
+        if self._back_at is None:  # died by itself (or killed from outside): at once
+            code = self._proc.exitcode
+            why = f"signal {-code}" if code < 0 else f"exit {code}"
+            print(f"lowcomm: the lighthouse is gone ({why}); starting it again at {self.address}",
+                  flush=True)  # fmt: skip
+        elif time.monotonic() < self._back_at:
+            return
+        self._back_at = None
+        self.start()
+        self.restarts += 1
+        print(f"lowcomm: the lighthouse is back at {self.address}", flush=True)
+
+    def stop(self) -> None:
+        """End the lighthouse's process (the run is over)."""
+        if self._proc is not None and self._proc.exitcode is None:
+            self._proc.kill()
+            self._proc.join()
+        (self.out_dir / LIGHTHOUSE_FAULT).unlink(missing_ok=True)

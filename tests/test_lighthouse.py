@@ -1,0 +1,105 @@
+"""The lighthouse is no single point of failure: the launcher starts it again at the same
+address, the sites wait out its absence at their next quorum, and groups carry its epoch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lowcomm.config import ConfigError
+from lowcomm.elastic import membership
+from lowcomm.elastic.faults import Fault, parse_faults
+from lowcomm.elastic.membership import Elastic, Membership, View
+from lowcomm.errors import MembershipError
+
+pytest.importorskip("torchft")
+
+LOWCOMM = [sys.executable, "-m", "lowcomm.cli", "train"]
+RUN = ["--strategy", "diloco", "--workers", "3", "--model", "tiny", "--steps", "60",
+       "sync_every=10", "progress=false", "eval_every=0", "batch_size=4", "seq_len=64",
+       "elastic=true", "min_workers=2", "heartbeat_timeout_s=1", "timeout_s=20"]  # fmt: skip
+
+
+def _bare(site: int = 0, fingerprint: str = "fp") -> Membership:
+    """A Membership with no lighthouse, no store and no heartbeat: what naming and reading
+    requests need."""
+    m = object.__new__(Membership)
+    m.elastic = Elastic(lighthouse="http://nowhere:1", site=site, sites=2)
+    m.fingerprint, m._refused, m._store, m._groups = fingerprint, set(), object(), {}
+    return m
+
+
+def _view(epochs: list[int], quorum_id: int = 1) -> View:
+    data = [{"site": s, "inc": "a", "store": "h:1", "lh": e} for s, e in enumerate(epochs)]
+    return View(quorum_id, list(range(len(epochs))), data)
+
+
+def test_group_names_differ_across_lighthouse_epochs_for_the_same_quorum_id(monkeypatch):
+    """A restarted lighthouse counts quorum ids from 1 again: the same members, quorum id and
+    attempt in a new epoch are a new group under a new store prefix (before the fix: the same
+    prefix, and the group of the old lighthouse's quorum 1 was reused or its keys met)."""
+    names: list[str] = []
+
+    class Group:
+        def abort(self) -> None:
+            pass
+
+    monkeypatch.setattr(membership.dist, "PrefixStore", lambda name, store: names.append(name))
+    monkeypatch.setattr(membership, "_arrive", lambda *a: None)
+    monkeypatch.setattr(membership, "_gloo_group", lambda *a: Group())
+    m = _bare()
+    first, again = m.group(_view([0, 0])), m.group(_view([1, 1]))
+    assert first is not again and len(names) == 2 and names[0] != names[1], names
+    # the members of one quorum name it alike: the highest epoch any of them reported
+    mixed = [membership.group_name("r", _view(e), 0) for e in ([1, 0], [0, 1], [1, 1])]
+    assert len(set(mixed)) == 1 and mixed[0] != membership.group_name("r", _view([0, 0]), 0)
+
+
+def test_a_starting_site_with_other_settings_stops_the_run_with_one_line():
+    """Starting sites' settings are checked at the lighthouse too: one of this run id with
+    another fingerprint stops every site that sees it, itself too (before the fix it was only
+    left out, and every site waited for it at the start for ever). Another run's is ignored."""
+    mine = {"site": 0, "tag": "start", "fp": "aaa", "run": "lowcomm", "join": False}
+    odd = {"site": 1, "tag": "start", "fp": "bbb", "run": "lowcomm", "join": False}
+    other_run = {"site": 1, "tag": "start", "fp": "ccc", "run": "another", "join": False}
+    assert _bare(0, "aaa")._same_run([mine, other_run]) == [mine]
+    with pytest.raises(MembershipError, match="site 1 of run lowcomm has other settings"):
+        _bare(0, "aaa")._same_run([mine, odd])
+    with pytest.raises(MembershipError, match="site 0 of run lowcomm has other settings"):
+        _bare(1, "bbb")._same_run([mine, odd])
+
+
+def test_the_lighthouse_fault_takes_seconds():
+    assert parse_faults("lighthouse:0@30x3", 3, 60) == [Fault("lighthouse", 0, 30, 3.0)]
+    for bad in ("lighthouse:0@30", "lighthouse:0x3", "lighthouse:3@30x3"):
+        with pytest.raises(ConfigError):
+            parse_faults(bad, 3, 60)
+
+
+def _last_theta(out: Path, site: int) -> dict:
+    lines = (out / "sites" / f"site{site}.syncs.jsonl").read_text().splitlines()
+    return json.loads(lines[-1])
+
+
+def test_a_killed_lighthouse_is_started_again_and_every_site_finishes(tmp_path):
+    """The lighthouse is SIGKILLed when site 0 reaches step 30 and is back 2 s later at the
+    same address: the sites wait for it at their sync, and the run ends as if nothing
+    happened (every site, all syncs, the same model). Before the fix the fault did not exist;
+    killing the launcher's lighthouse stopped every site ("no quorum ... lighthouse is gone")."""
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [*LOWCOMM, *RUN, "--faults", "lighthouse:0@30x2", "--out", str(out)],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "the lighthouse is back at" in done.stdout, done.stdout[-2000:]
+    assert "is gone" not in done.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["membership"] == []  # nobody left
+    assert summary["tokens"] == 3 * 60 * 4 * 64
+    last = [_last_theta(out, s) for s in range(3)]
+    assert all(x == last[0] for x in last) and last[0]["syncs"] == 6, last
