@@ -463,16 +463,16 @@ def test_a_site_whose_heartbeat_lapsed_for_a_moment_is_waited_for_not_left_behin
         t.start()
     for t in starts:
         t.join(timeout=30)
-    b._stop.set()  # site 1 stalls: no heartbeat for longer than the lighthouse's 1 s
-    b._beats.join()
+    b._link._stop.set()  # site 1 stalls: no heartbeat for longer than the lighthouse's 1 s
+    b._link._beats.join()
     time.sleep(1.5)
     first = threading.Thread(target=ask, args=(a, "sync@5"))
     first.start()
     time.sleep(1.0)  # site 0 has had its lone quorum by now, and asks again
     assert first.is_alive()
-    b._stop.clear()  # site 1 is back
-    b._beats = threading.Thread(target=b._beat, daemon=True)
-    b._beats.start()
+    b._link._stop.clear()  # site 1 is back
+    b._link._beats = threading.Thread(target=b._link._beat, daemon=True)
+    b._link._beats.start()
     ask(b, "sync@5")
     first.join(timeout=30)
     assert views[a].members == views[b].members == [0, 1]

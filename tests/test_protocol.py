@@ -110,14 +110,17 @@ class _Lighthouse:
     def __init__(self, *data):
         self.answer = _Quorum(*data)
 
-    def quorum(self, **_):
+    def quorum(self, *_, **__):
         return self.answer
+
+    def adopt(self, epochs):  # a Link learns of lighthouse restarts from the quorum: none here
+        pass
 
 
 def _asker(site: int, *data: dict, fp: str = "run-a") -> Membership:
     m = _Checker(site)
     m.fingerprint, m._refused, m._join_at, m.generation = fp, set(), "", 0
-    m.store_address, m.incarnation, m._client = "127.0.0.1:1", "x", _Lighthouse(*data)
+    m.store_address, m.incarnation, m._link = "127.0.0.1:1", "x", _Lighthouse(*data)
     return m
 
 
