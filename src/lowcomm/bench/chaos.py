@@ -5,8 +5,10 @@ Each seed draws one schedule, reproducible from the seed alone: a method (DiLoCo
 with a fragment in flight, SparseLoCo, CO2) and a round mode (lock-step or quorum), stratified
 over the seeds, and one to three overlapping faults from the ``--faults`` grammar (kill, a kill
 with a later join, hang, pause, slow, an added site, a corrupt payload where payloads are
-decoded), at most ``sites - min_workers`` of them taking a site away (killed, even if it joins
-later; hung; paused, which may end it; excluded for its payload), so the run
+decoded; from a stream of their own, the lighthouse killed and restarted, and the healer of a
+rejoining site killed inside its hand-over), at most ``sites - min_workers`` of them taking a
+site away (killed, even if it joins later; hung; paused, which may end it; excluded for its
+payload; a healer killed), so the run
 never has fewer able sites than ``min_workers``. The run is ``lowcomm train ... elastic=true``
 on this machine.
 
@@ -118,7 +120,23 @@ def draw(seed: int, methods: list[str], rounds: list[str], sites: int, steps: in
             sched.faults.append(f"slow:{site}@{at}x{rng.choice([2, 3])}")
         elif not any(f.startswith("add:") for f in sched.faults):
             sched.faults.append(f"add:{sites}@{at}")
+    _draw_more(sched, random.Random(seed * 7919 + 1), busy)
     return sched
+
+
+def _draw_more(sched: Schedule, rng: random.Random, busy: set[int]) -> None:
+    """Faults of the kinds added later, from a stream of their own (the earlier kinds' draws,
+    and the campaigns run on them, stay as they were): the lighthouse killed and started
+    again, and the healer of a rejoining site killed inside the hand-over."""
+    if rng.random() < 0.3:
+        at = rng.randint(15, sched.steps - 25)
+        sched.faults.append(f"lighthouse:{rng.randrange(sched.sites)}@{at}x{rng.choice([1, 3])}")
+    joins = [f for f in sched.faults if f.startswith("join:")]
+    healers = [s for s in range(sched.sites) if s not in busy]
+    if joins and healers and sched.lost < sched.sites - MIN_WORKERS and rng.random() < 0.5:
+        back = int(joins[0].split("@")[1])
+        sched.faults.append(f"healer:{healers[0]}@{max(1, back - 5)}")  # the lowest old member
+        sched.lost += 1
 
 
 def check(sched: Schedule, out: Path, code: int | None, wall_s: float, limit: float) -> list[str]:
