@@ -87,6 +87,7 @@ SLOW = {
     ("sparseloco", False),  # DiLoCo's path with its codec (its buffers: the join test)
     ("streaming_tau1", False),  # co2-between_syncs takes the overlapped path, a round in flight
     ("diloco", False),  # a blocking site killed between syncs: the CLI's kill -9 test
+    ("co2", False),  # co2-inside_collective's round in flight, killed at a harder moment
 }
 STEPS, KILLED, KILL_AT = 30, 2, 12
 
@@ -129,7 +130,7 @@ def test_survivors_finish_identical_after_a_site_is_killed(tmp_path, lighthouse,
 JOINS = [
     pytest.param("diloco", marks=pytest.mark.slow),  # its path: `lowcomm join`, add: (CLI tests)
     "streaming_tau1",
-    "co2",
+    pytest.param("co2", marks=pytest.mark.slow),  # streaming_tau1's path, a whole round
     pytest.param("sparseloco", marks=pytest.mark.slow),
     pytest.param("streaming_tau0", marks=pytest.mark.slow),
     pytest.param("streaming_continue", marks=pytest.mark.slow),
@@ -167,6 +168,9 @@ def test_a_killed_site_joins_again_and_heals_bit_exactly(tmp_path, lighthouse, n
         torch.testing.assert_close(a["global"], glob, atol=1e-4, rtol=0)
 
 
+# 10 s, by hand (-m slow): test_protocol and test_lighthouse check the same refusals on the
+# requests themselves
+@pytest.mark.slow
 def test_a_site_with_another_run_id_is_refused_and_changes_nothing(tmp_path, lighthouse):
     """A stranger asks to join: one line on its side, one on the run's, not a byte of model
     state either way; the run ends exactly as it would have without it."""

@@ -65,7 +65,9 @@ def _kill_after_checkpoint(out: Path, args: list[str]) -> subprocess.CompletedPr
 @pytest.mark.parametrize(
     "strategy,extra",
     [
-        ("diloco", ["sync_every=4"]),
+        # 26 s, by hand (-m slow) like the rest: a resume after a lost worker runs by default
+        # in test_elastic_cli (fewer than min_workers), test_own_loop and test_pinned
+        pytest.param("diloco", ["sync_every=4"], marks=pytest.mark.slow),
         pytest.param("ddp", [], marks=pytest.mark.slow),
         pytest.param("loco", [], marks=pytest.mark.slow),
         # results in flight at the checkpoint (tau = 1; CO2's whole round) are stored as pending

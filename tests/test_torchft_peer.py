@@ -58,6 +58,8 @@ def _run_both(tmp_path, strategies: tuple[str, str], **settings) -> list[dict]:
     return out
 
 
+# 13 s, by hand (-m slow): torchft's DiLoCo comparison runs by default (the same harness)
+@pytest.mark.slow
 def test_torchft_streaming_equals_our_streaming_in_fp32(tmp_path) -> None:
     """torchft's Streaming DiLoCo and ours, FP32, 3 fragments, no overlap: the same math and,
     once torchft's fragment order is matched to ours, the same schedule: the same losses."""
