@@ -156,26 +156,27 @@ def _follow(run: Run, step: int, log: RunLog) -> int:
 
 def train_step(run: Run) -> None:
     """One inner step: forward, backward, optimizer (the engine's outer step runs inside it)."""
-    hook = run.comm.hook_state
+    hook, learner, device = run.comm.hook_state, run.learner, run.place.device
+    clip = run.spec.train.grad_clip
     with run.progress.clock.segment(run.not_computing_s) as waited:
         x, y = (rows_of(t, run.place.site) for t in run.data.batches.next())
-        x, y = x.to(run.place.device, non_blocking=True), y.to(run.place.device, non_blocking=True)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with run.autocast():
-            loss = run.learner.train_model(x, y)
+            loss = learner.train_model(x, y)
         if hook is not None:
             hook.last_launch = 0.0
         loss.backward()
         if hook is not None and hook.last_launch:
             # backward returned this long after its last bucket was launched: network wait
             waited.append(time_since(hook.last_launch))
-        if run.spec.train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(run.learner.model.parameters(), run.spec.train.grad_clip)
-        run.learner.opt.step()  # the engine's hook runs the outer step here when due
-        run.learner.sched.step()
-        run.learner.opt.zero_grad(set_to_none=True)
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(learner.model.parameters(), clip)
+        learner.opt.step()  # the engine's hook runs the outer step here when due
+        learner.sched.step()
+        learner.opt.zero_grad(set_to_none=True)
         run.progress.loss_sum[0] += loss.detach().item()
         run.progress.loss_sum[1] += 1
-        if run.place.device.type == "cuda":
+        if device.type == "cuda":
             torch.cuda.synchronize()
 
 

@@ -35,9 +35,7 @@ def save_checkpoint(run: Run, step: int) -> Path:
         if run.writes:
             _save_one(run, step, d)
         return d
-    if (
-        run.place.site.sharded
-    ):  # FSDP2 shards: through torch.distributed.checkpoint, beside the files
+    if run.place.site.sharded:  # FSDP2 shards: torch.distributed.checkpoint, beside the files
         _save_sharded(run, d)
     state = _rank_state(run, step)
     sha = ckpt.save_rank_state(d, run.place.rank, state)
