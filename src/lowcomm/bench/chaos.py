@@ -49,7 +49,19 @@ METHODS = {
 }
 ROUNDS = ("lockstep", "quorum")
 KINDS = ("kill", "rejoin", "hang", "pause", "slow", "add", "corrupt")
-DECODED = ("streaming", "sparseloco")  # their payloads are decoded (gather): corrupt: applies
+DECODED = ("streaming", "sparseloco")
+# the report's order of fault kinds (every kind a pass drew is listed)
+FAULT_ORDER = (
+    "kill",
+    "join",
+    "hang",
+    "pause",
+    "slow",
+    "add",
+    "corrupt",
+    "healer",
+    "lighthouse",
+)  # their payloads are decoded (gather): corrupt: applies
 MIN_WORKERS = 2
 BATCH, SEQ = 4, 64
 
@@ -263,7 +275,8 @@ def summarize(rows: list[dict[str, Any]]) -> str:
                 bad = sum(bool(x["violations"]) for x in sel)
                 lines.append(f"| {m} | {r} | {len(sel)} | {bad} | {walls[len(walls) // 2]} |")
     lines += ["", "| fault kind | schedules with it | violations |", "|---|---|---|"]
-    for kind in ("kill", "join", "hang", "pause", "slow", "add"):
+    drawn = {f.split(":")[0] for x in rows for f in x["faults"]}
+    for kind in sorted(drawn, key=lambda k: (FAULT_ORDER.index(k) if k in FAULT_ORDER else 99, k)):
         sel = [x for x in rows if any(f.startswith(kind + ":") for f in x["faults"])]
         bad = sum(bool(x["violations"]) for x in sel)
         lines.append(f"| {kind} | {len(sel)} | {bad} |")
