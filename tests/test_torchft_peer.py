@@ -31,6 +31,9 @@ def test_unsupported_settings_are_refused() -> None:
         torchft_peer.check_config(preset_config("torchft-diloco"), 10, None)
 
 
+# 13-16 s, by hand (-m slow) with the streaming comparison below: a benchmark peer's agreement
+# with our DiLoCo, not a path of ours (torchft's settings checks above run by default)
+@pytest.mark.slow
 def test_torchft_diloco_equals_our_diloco(tmp_path) -> None:
     """Two independent implementations of the same math, same data: same losses and bytes."""
     pytest.importorskip("torchft")
@@ -58,7 +61,7 @@ def _run_both(tmp_path, strategies: tuple[str, str], **settings) -> list[dict]:
     return out
 
 
-# 13 s, by hand (-m slow): torchft's DiLoCo comparison runs by default (the same harness)
+# 13 s, by hand (-m slow), with the DiLoCo comparison above
 @pytest.mark.slow
 def test_torchft_streaming_equals_our_streaming_in_fp32(tmp_path) -> None:
     """torchft's Streaming DiLoCo and ours, FP32, 3 fragments, no overlap: the same math and,
