@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import re
-import socket
 import sys
 import uuid
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from ..config import ConfigError, TrainConfig
 from ..errors import LowCommError
 from .elastic import SitesFailed, check_elastic, run_sites
 from .entry import error_file, run_entry, user_errors
+from .ports import check_port, free_port
 from .spec import RunSpec
 
 
@@ -35,28 +35,6 @@ def under_torchrun() -> bool:
     """True when this process is one worker of a world started by torchrun (or similar)."""
     env = os.environ
     return "RANK" in env and "WORLD_SIZE" in env and "LOWCOMM_LAUNCHED" not in env
-
-
-def free_port() -> int:
-    """A TCP port free on loopback right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def check_port(port: int) -> None:
-    """ConfigError when ``port`` is out of range or cannot be bound on this machine."""
-    if not 1 <= port <= 65535:
-        raise ConfigError(
-            f"--port {port} is not a TCP port: give 1-65535, or omit it to pick a free one"
-        )
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            raise ConfigError(
-                f"port {port} is in use: pass another --port or omit it to pick a free one"
-            ) from None
 
 
 class Interrupted(LaunchError):

@@ -12,27 +12,25 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import time
 from pathlib import Path
 from typing import Any
 
 from ..elastic.faults import LIGHTHOUSE_FAULT
+from .ports import free_port
 
 _UP_S = 30.0  # bound on a (re)started lighthouse's process listening on its port
-
-
-def free_port() -> int:
-    """A port no one listens on now: the lighthouse's for the whole run."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 def _serve(port: int, options: dict[str, int]) -> None:
     """The lighthouse's process: serve until killed (RUST_LOG=warn: see :class:`Keeper`)."""
     from torchft.coordination import LighthouseServer
 
+    # Ctrl-C reaches the whole process group: the launcher stops this process itself, after
+    # the sites (a KeyboardInterrupt here would only print a traceback into the run's output)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     server = LighthouseServer(bind=f"[::]:{port}", **options)  # held: dropped, it stops
     while server is not None:
         time.sleep(3600)
@@ -46,9 +44,8 @@ class Keeper:
         if not os.environ.get("LOWCOMM_DEBUG"):  # the sites' clients log at INFO too
             os.environ.setdefault("RUST_LOG", "warn")  # (sites inherit it: set before any fork)
         self.ctx, self.options, self.out_dir = ctx, options, out_dir
-        self.port = free_port()
+        self.port = free_port(host="")  # every interface: the sites may be on other machines
         self.address = f"http://{socket.gethostname()}:{self.port}"
-        self.restarts = 0
         self._proc: Any = None
         self._back_at: float | None = None  # a lighthouse: fault's restart time
 
@@ -86,7 +83,6 @@ class Keeper:
             return
         self._back_at = None
         self.start()
-        self.restarts += 1
         print(f"lowcomm: the lighthouse is back at {self.address}", flush=True)
 
     def stop(self) -> None:
