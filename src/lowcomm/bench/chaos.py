@@ -40,6 +40,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import strategies
+from ..elastic import faults
+
 TRAIN = [sys.executable, "-m", "lowcomm.cli", "train"]
 METHODS = {
     "diloco": [],
@@ -49,19 +52,7 @@ METHODS = {
 }
 ROUNDS = ("lockstep", "quorum")
 KINDS = ("kill", "rejoin", "hang", "pause", "slow", "add", "corrupt")
-DECODED = ("streaming", "sparseloco")
-# the report's order of fault kinds (every kind a pass drew is listed)
-FAULT_ORDER = (
-    "kill",
-    "join",
-    "hang",
-    "pause",
-    "slow",
-    "add",
-    "corrupt",
-    "healer",
-    "lighthouse",
-)  # their payloads are decoded (gather): corrupt: applies
+FAULT_ORDER = faults.KINDS  # the report lists the kinds a pass drew in the grammar's order
 MIN_WORKERS = 2
 BATCH, SEQ = 4, 64
 
@@ -101,7 +92,7 @@ def draw(seed: int, methods: list[str], rounds: list[str], sites: int, steps: in
     busy: set[int] = set()
     for _ in range(rng.randint(1, 3)):
         kind = rng.choice(KINDS)
-        if kind == "corrupt" and method not in DECODED:
+        if kind == "corrupt" and not _decoded(method):
             kind = "kill"  # an all-reduce sums numbers: nothing to refuse
         free = [s for s in range(1, sites) if s not in busy]  # site 0 too, now and then
         if rng.random() < 0.25 and 0 not in busy:
@@ -134,6 +125,13 @@ def draw(seed: int, methods: list[str], rounds: list[str], sites: int, steps: in
             sched.faults.append(f"add:{sites}@{at}")
     _draw_more(sched, random.Random(seed * 7919 + 1), busy)
     return sched
+
+
+def _decoded(method: str) -> bool:
+    """Whether ``method``'s payloads are decoded by their receivers (a corrupt: fault applies;
+    the launcher refuses it where a run all-reduces: the same rule, asked of the preset)."""
+    strategy = strategies.get(method)
+    return not strategy.per_step and strategy.config().resolved_reduce != "allreduce"
 
 
 def _draw_more(sched: Schedule, rng: random.Random, busy: set[int]) -> None:
