@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from types import SimpleNamespace
 
@@ -48,7 +49,7 @@ def test_the_checker_reads_a_split_a_needless_stop_and_a_hang_from_the_records(t
     assert check(sched, tmp_path, 0, 10.0, 60.0)[0].startswith("accounted")
 
 
-@pytest.mark.skipif(pytest.importorskip("torchft") is None, reason="needs torchft")
+@pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="needs torchft")
 def test_one_seeded_schedule_runs_clean(tmp_path):
     # seed 2: SparseLoCo, lock-step, site 0 (the one that hosts the first group's store and
     # writes the run's files) killed at step 62
@@ -69,7 +70,7 @@ def test_a_sites_sync_record_belongs_to_one_run_and_matches_the_replica_checksum
     old = tmp_path / "sites" / "site1.syncs.jsonl"
     old.parent.mkdir()
     old.write_text('{"step": 10, "syncs": 1, "theta": "0"}\n')  # a run before, same folder
-    log = SyncLog.of(tmp_path, 1, engine, fresh=True)
+    log = SyncLog(tmp_path, 1, engine, fresh=True)
     log.after_step(3)  # no sync applied: nothing written
     engine.stats.syncs = 1
     log.after_step(4)
@@ -80,6 +81,5 @@ def test_a_sites_sync_record_belongs_to_one_run_and_matches_the_replica_checksum
     )
     assert rec == {"step": 4, "syncs": 1, "theta": f"{bits % 2**64:016x}"}
     assert int(rec["theta"], 16) == checksum(frag.global_flat)
-    SyncLog.of(tmp_path, 1, engine, fresh=False)  # a resume or a joiner keeps the record
+    SyncLog(tmp_path, 1, engine, fresh=False)  # a resume or a joiner keeps the record
     assert old.read_text().count("\n") == 1
-    assert SyncLog.of(tmp_path, 1, SimpleNamespace(stats=engine.stats), fresh=True) is None

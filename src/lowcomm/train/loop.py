@@ -100,8 +100,8 @@ def _train_loop(run: Run, faults: Any, log: RunLog, fresh: bool) -> None:
     step = run.progress.start_step
     run.progress.loop_started = time.perf_counter()
     synclog = None
-    if role is not None:
-        synclog = SyncLog.of(run.spec.out, replica, run.comm.engine, fresh and not role.join)
+    if role is not None and not run.spec.strategy.peer:  # a peer's engine has no global copy
+        synclog = SyncLog(run.spec.out, replica, run.comm.engine, fresh and not role.join)
     while step <= steps:
         act(faults, replica, step, run.spec.out)
         started, synced = time.perf_counter(), _sync_s(run)

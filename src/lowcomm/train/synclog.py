@@ -12,7 +12,6 @@ from ..engine.guards import global_checksum
 
 if TYPE_CHECKING:
     from ..engine import LowComm
-    from ..protocols import SyncEngine
 
 
 class SyncLog:
@@ -26,11 +25,6 @@ class SyncLog:
             self.path.unlink(missing_ok=True)
         self._seen = engine.stats.syncs
 
-    @classmethod
-    def of(cls, out: Path, site: int, engine: SyncEngine, fresh: bool) -> SyncLog | None:
-        """A log for ``engine``, or None for one that is not lowcomm's (torchft's DiLoCo).
-        ``fresh``: the run starts here (not a resume, not a site joining it)."""
-        return cls(out, site, engine, fresh) if hasattr(engine, "fragments") else None
 
     def after_step(self, step: int) -> None:
         """After inner step ``step``: one line if a sync was applied during it."""
