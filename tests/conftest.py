@@ -32,6 +32,7 @@ def _target(
 ) -> None:
     import torch.distributed as dist
 
+    os.environ.clear()  # exactly the caller's environment, not the server's from its start
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -81,11 +81,14 @@ def site(
 
 
 def _but_flags(shared: dict) -> dict:
-    """The shared state less the control flags kept with results in flight: their unsent column
-    holds the weights a quorum-rounds sync used, where lock-step keeps the count after encoding
-    (0 for the fragments sent); nothing reads it back from there."""
+    """The shared state less the unsent columns of the control flags kept with results in
+    flight: they hold the weights a quorum-rounds sync used, where lock-step keeps the count
+    after encoding (0 for the fragments sent); nothing reads them back from there (the done,
+    step and non-finite columns are read back, and compared)."""
+    from lowcomm.engine.exchange import UNSENT
+
     held = shared["pending"].items()
-    pending = {p: {k: v for k, v in d.items() if k != "flags"} for p, d in held}
+    pending = {p: {**d, "flags": d["flags"][:, :UNSENT]} for p, d in held}
     return {**shared, "pending": pending}
 
 

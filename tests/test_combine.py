@@ -67,3 +67,29 @@ def test_a_payload_that_fails_to_decode_is_named_by_its_sender():
         except PayloadError as err:
             raise parts.blame(err) from None
     assert info.value.sender == 5
+
+
+def test_gather_names_the_sender_of_a_payload_that_fails_to_decode():
+    """The exchange's own path: a flipped header byte in worker 1's payload (its flag valid)
+    is named by its group rank, so every receiver accuses the same sender."""
+    from lowcomm.errors import PayloadError
+
+    agg = GatherAggregator(make_codec("int8"), 3)
+    payloads = [agg.encode([torch.full((64,), float(v))]).payload.clone() for v in (1, 2, 3)]
+    payloads[1][0] ^= 0xFF
+    with pytest.raises(PayloadError) as info:
+        agg._sum_gathered(payloads, [torch.Size([64])], 64)
+    assert info.value.sender == 1
+
+
+def test_an_accused_group_rank_is_the_site_at_that_rank():
+    """Group ranks are positions among the quorum's members, not site numbers."""
+    from lowcomm.elastic.membership import View
+    from lowcomm.elastic.runner import _accused
+    from lowcomm.errors import PayloadError
+
+    view = View(3, [0, 2, 3], [])
+    assert _accused(view, PayloadError("bad flag", 1)) == (2, "bad flag")
+    assert _accused(view, PayloadError("bad flag", 3)) is None  # no such rank
+    assert _accused(view, PayloadError("bad flag")) is None  # sender unknown
+    assert _accused(view, RuntimeError("peer gone")) is None

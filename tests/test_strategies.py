@@ -36,8 +36,13 @@ def _name(node: ast.AST) -> str:
 
 
 def _holds_a_strategy(node: ast.AST) -> bool:
-    n = _name(node)
-    return "strateg" in n and not n.isupper()
+    """An expression that reads a strategy's name: ``strategy``, ``run.spec.strategy.name``,
+    ``row["strategy"]`` (the whole expression is read, not only its last name)."""
+    if isinstance(node, ast.Constant) or _name(node).isupper():
+        return False
+    return (
+        re.search(r"strateg\w*(\.name)?$|\[['\"]strateg\w*['\"]\]$", ast.unparse(node)) is not None
+    )
 
 
 def _literal_or_table(node: ast.AST) -> bool:
@@ -60,6 +65,8 @@ def _names_of_strategies(path: Path) -> list[str]:
             )
             if table or named:
                 hits.append(f"{path.relative_to(SRC)}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Match) and _holds_a_strategy(node.subject):
+            hits.append(f"{path.relative_to(SRC)}:{node.lineno}: match {ast.unparse(node.subject)}")
         elif (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute)
@@ -92,11 +99,14 @@ def test_the_scan_finds_what_it_forbids(tmp_path):
         "if name in PER_STEP: pass\n"
         "if strategy.startswith('torchft'): pass\n"
         "if x == REGISTRY: pass\n"
+        "if spec.strategy.name == 'loco': pass\n"
+        "if row['strategy'] == 'ddp': pass\n"
+        "match strategy:\n    case 'co2': pass\n"
     )
     global SRC
     old, SRC = SRC, tmp_path
     try:
-        assert len(_names_of_strategies(bad)) == 5
+        assert len(_names_of_strategies(bad)) == 8
     finally:
         SRC = old
 
