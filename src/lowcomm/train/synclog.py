@@ -25,7 +25,6 @@ class SyncLog:
             self.path.unlink(missing_ok=True)
         self._seen = engine.stats.syncs
 
-
     def after_step(self, step: int) -> None:
         """After inner step ``step``: one line if a sync was applied during it."""
         syncs = self.engine.stats.syncs
