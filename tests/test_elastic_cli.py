@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -398,6 +399,54 @@ def test_a_site_whose_payload_is_refused_is_named_and_excluded_and_the_others_go
     assert again.returncode == 0, again.stderr[-3000:]
     a, b = _model(live), _model(again_dir)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+_NETNS = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None, reason="network namespaces need root and ip"
+)
+
+
+@_NETNS
+@pytest.mark.parametrize("replay", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_site_cut_off_on_the_data_plane_is_excluded_and_the_others_go_on(tmp_path, replay):
+    """Site 2's link drops all but its lighthouse traffic (tc, in its own namespace): alive and
+    heard, it cannot reach a group, nor the others it. The same members would fail every try;
+    instead the members that could not reach it name it in their commit vote, it is excluded by
+    all alike (it stops alone, with one line) and the others go on. Before, all three stopped
+    after three attempts."""
+    live, again_dir = tmp_path / "live", tmp_path / "replay"
+    fast = [*ELASTIC, "timeout_s=10"]
+    done = _train(*RUN, *fast, "--faults", "link:2@35x60", "--out", str(live))
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = done.stdout + done.stderr
+    assert "site 2 is excluded from the run at sync@40: unreachable from 2 of the 2" in said, said
+    (event,) = json.loads((live / "summary.json").read_text())["membership"]
+    assert event["left"] == [2] and event["excluded"] == [2] and event["members"] == [0, 1]
+    assert not [ns for ns in subprocess.run(["ip", "netns"], capture_output=True, text=True)
+                .stdout.split() if ns.startswith("lcsites-")]  # fmt: skip
+    if not replay:
+        return
+    log = str(live / "membership.jsonl")
+    again = _train(*RUN, *fast, "--replay", log, "--out", str(again_dir))
+    assert again.returncode == 0, again.stderr[-3000:]
+    a, b = _model(live), _model(again_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_link_fault_needs_an_elastic_run_and_the_launchers_lighthouse(capsys, tmp_path):
+    from lowcomm import cli
+
+    code = cli.main(["train", *RUN, "--faults", "link:1@35x5", "--out", str(tmp_path)])
+    assert code == 2 and "--faults link: cuts an elastic site's data plane: add elastic=true" in (
+        capsys.readouterr().err
+    )
+    code = cli.main(["train", *RUN, *ELASTIC, "lighthouse=http://x:1", "--faults", "link:1@35x5",
+                     "--out", str(tmp_path)])  # fmt: skip
+    assert code == 2 and "drop lighthouse= or the fault" in capsys.readouterr().err
+    code = cli.main(["train", *RUN, *ELASTIC, "--faults", "link:1@35", "--out", str(tmp_path)])
+    assert code == 2 and "needs xSECONDS > 0 (how long its data plane is cut)" in (
+        capsys.readouterr().err
+    )
 
 
 def test_a_corrupt_fault_needs_payloads_that_are_decoded(capsys, tmp_path):

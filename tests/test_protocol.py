@@ -43,7 +43,7 @@ class _Checker(Membership):
     def __init__(self, site: int, sites: int = 4, min_workers: int = 2) -> None:
         self.elastic = Elastic(lighthouse="http://unused", site=site, sites=sites,
                                min_workers=min_workers)  # fmt: skip
-        self.excluded, self._blame = {}, None
+        self.excluded, self._excluded_inc, self._blame, self._unreached = {}, {}, None, []
 
 
 def test_a_site_paused_past_its_heartbeat_stops_alone_and_the_others_go_on():
@@ -219,3 +219,50 @@ def test_a_blamed_site_is_excluded_by_every_member_from_one_complete_vote():
     accused.exclude({1: why}, "sync@40")
     with pytest.raises(MembershipError, match="site 1 is excluded from the run at sync@40"):
         accused.check(view, "sync@40")
+
+
+def test_a_site_most_members_cannot_reach_is_excluded_and_not_its_accusers():
+    """A site cut off on the data plane (its heartbeats still reach the lighthouse) names every
+    other member as unreached, and they all name it: it alone is excluded, by every member alike,
+    as the process that voted (a restart of it is another process and may come back)."""
+    view = _view(*[_d(s, "sync@40", inc=f"i{s}") for s in range(4)])
+    votes = [_d(s, "sync@40", "commit", ok=False, inc=f"i{s}", unreached=[2]) for s in (0, 1, 3)]
+    votes.insert(2, _d(2, "sync@40", "commit", ok=False, inc="i2", unreached=[0, 1, 3]))
+    out = blamed(view, _view(*votes), generation=0)
+    assert list(out) == [2] and out[2].startswith("unreachable from 3 of the 3 other members")
+    for site in (0, 1, 3):
+        member = _Checker(site)
+        member.exclude(out, "sync@40", view)
+        assert member.check(view, "sync@40").members == [0, 1, 3]
+        again = _view(*[_d(s, "sync@50", inc="new" if s == 2 else f"i{s}") for s in range(4)])
+        assert member.check(again, "sync@50").members == [0, 1, 2, 3]  # started again: back
+    cut = _Checker(2)
+    cut.exclude(out, "sync@40", view)
+    with pytest.raises(MembershipError, match="site 2 is excluded from the run at sync@40: unre"):
+        cut.check(view, "sync@40")
+
+
+def test_unreached_without_a_majority_excludes_nobody_but_a_two_site_split_keeps_the_lowest():
+    three = _view(*[_d(s, "sync@40") for s in range(3)])
+    # one member alone says it could not reach another: a slow start, not a cut-off site
+    votes = [_d(0, "sync@40", "commit", unreached=[1]), _d(1, "sync@40", "commit"),
+             _d(2, "sync@40", "commit")]  # fmt: skip
+    assert blamed(three, _view(*votes), 0) == {}
+    # it names itself, or a site outside the attempt, or junk: no accusation
+    odd = [_d(0, "sync@40", "commit", unreached=[0, 9, "1", True]), _d(1, "sync@40", "commit"),
+           _d(2, "sync@40", "commit", unreached=7)]  # fmt: skip
+    assert blamed(three, _view(*odd), 0) == {}
+    two = _view(_d(0, "sync@40"), _d(1, "sync@40"))
+    split = [_d(0, "sync@40", "commit", unreached=[1]), _d(1, "sync@40", "commit", unreached=[0])]
+    assert list(blamed(two, _view(*split), 0)) == [1]
+
+
+def test_a_member_that_never_reaches_a_new_group_is_named_by_the_others():
+    """_arrive's timeout says which ranks never came (what the commit vote then carries)."""
+    from lowcomm.elastic.membership import Unreachable, _arrive
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store.set("arrived/1", b"1")  # rank 1 came; rank 2 never does
+    with pytest.raises(Unreachable) as got:
+        _arrive(store, 0, 3, connect_s=0.3)
+    assert got.value.ranks == [2]

@@ -6,9 +6,10 @@ with a fragment in flight, SparseLoCo, CO2) and a round mode (lock-step or quoru
 over the seeds, and one to three overlapping faults from the ``--faults`` grammar (kill, a kill
 with a later join, hang, pause, slow, an added site, a corrupt payload where payloads are
 decoded; from a stream of their own, the lighthouse killed and restarted, and the healer of a
-rejoining site killed inside its hand-over), at most ``sites - min_workers`` of them taking a
-site away (killed, even if it joins later; hung; paused, which may end it; excluded for its
-payload; a healer killed), so the run
+rejoining site killed inside its hand-over; from a third, a site's data plane cut for 20 or 60
+s, and the lowest untouched site, the store host, killed inside a sync's collectives), at most
+``sites - min_workers`` of them taking a site away (killed, even if it joins later; hung;
+paused, which may end it; excluded for its payload or cut off; a healer killed), so the run
 never has fewer able sites than ``min_workers``. The run is ``lowcomm train ... elastic=true``
 on this machine.
 
@@ -140,13 +141,45 @@ def _draw_more(sched: Schedule, rng: random.Random, busy: set[int]) -> None:
     again, and the healer of a rejoining site killed inside the hand-over."""
     if rng.random() < 0.3:
         at = rng.randint(15, sched.steps - 25)
-        sched.faults.append(f"lighthouse:{rng.randrange(sched.sites)}@{at}x{rng.choice([1, 3])}")
+        # asked by a site that is still there (one killed or stopped before would never ask)
+        there = [s for s in range(sched.sites) if not _away(sched, s)]
+        sched.faults.append(f"lighthouse:{rng.choice(there)}@{at}x{rng.choice([1, 3])}")
     joins = [f for f in sched.faults if f.startswith("join:")]
     healers = [s for s in range(sched.sites) if s not in busy]
     if joins and healers and sched.lost < sched.sites - MIN_WORKERS and rng.random() < 0.5:
         back = int(joins[0].split("@")[1])
         sched.faults.append(f"healer:{healers[0]}@{max(1, back - 5)}")  # the lowest old member
         sched.lost += 1
+        busy.add(healers[0])
+    _draw_network(sched, random.Random(sched.seed * 7919 + 2), busy)
+
+
+def _away(sched: Schedule, site: int) -> bool:
+    """Whether a fault of ``sched`` takes ``site`` away at some point."""
+    return any(f.split("@")[0] in (f"{k}:{site}" for k in _AWAY) for f in sched.faults)
+
+
+_AWAY = ("kill", "hang", "pause", "corrupt", "healer", "collective", "link")
+
+
+def _draw_network(sched: Schedule, rng: random.Random, busy: set[int]) -> None:
+    """From a third stream: a site cut off on the data plane (tc in its own namespace), and
+    the lowest untouched site (the store host of every group while site 0 is in) killed inside
+    a sync's collectives. Each takes a site away, within the same budget."""
+    spare = sched.sites - MIN_WORKERS
+    free = [s for s in range(sched.sites) if s not in busy]
+    if free and sched.lost < spare and rng.random() < 0.25:
+        site = rng.choice(free)
+        at = rng.randint(15, sched.steps - 25)
+        sched.faults.append(f"link:{site}@{at}x{rng.choice([20, 60])}")
+        sched.lost += 1
+        busy.add(site)
+        free.remove(site)
+    if free and sched.lost < spare and rng.random() < 0.25:
+        at = rng.randint(15, sched.steps - 25)
+        sched.faults.append(f"collective:{free[0]}@{at}")
+        sched.lost += 1
+        busy.add(free[0])
 
 
 def check(sched: Schedule, out: Path, code: int | None, wall_s: float, limit: float) -> list[str]:

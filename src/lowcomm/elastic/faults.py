@@ -22,11 +22,21 @@
 - ``healer:0@40`` site 0 dies (SIGKILL) inside the first heal it hands over at or after step 40,
   after the joiner learnt the state's size and before the state itself: the members go on
   without it and the joiner asks again and heals from another member;
+- ``collective:0@40`` site 0 dies (SIGKILL) inside the first sync it takes part in at or
+  after step 40, once that sync's group has formed, as its peers enter the collectives (site
+  0 is the lowest member: it hosts the group's store too). The others fail the attempt and
+  retry without it;
 - ``lighthouse:0@30x3`` the lighthouse dies when site 0 reaches step 30 (the launcher, asked by
   that site before its step 30, SIGKILLs the lighthouse's process) and the launcher starts it
   again at the same address 3 seconds later. The sites train on; their next quorum request
   waits for it (see docs/reliability.md). Only for a lighthouse the launcher started (no
   ``lighthouse=``);
+- ``link:2@40x20`` site 2's network breaks on the data plane for 20 seconds from its step 40:
+  every packet it sends is dropped but those to the lighthouse (tc, on its interface), so it is
+  alive and heard but its peers cannot reach it, nor it them. The members that cannot reach it
+  name it in their commit vote; a site most of the others cannot reach is excluded and stops
+  alone, with one line (see docs/reliability.md). For this fault the launcher runs each site
+  in a network namespace of its own, joined to the others by a bridge (root and iproute2);
 - ``slow:1x3``   site 1 computes 3x slower (from step 1, or ``slow:1@40x3`` from step 40): after
   each inner step it sleeps twice that step's compute time. Sleeping frees the CPU, so on a
   machine with fewer cores than sites the others do not slow down with it.
@@ -46,10 +56,23 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from ..errors import ConfigError
 
-KINDS = ("kill", "hang", "pause", "join", "add", "slow", "corrupt", "healer", "lighthouse")
+KINDS = (
+    "kill",
+    "hang",
+    "pause",
+    "join",
+    "add",
+    "slow",
+    "corrupt",
+    "healer",
+    "collective",
+    "lighthouse",
+    "link",
+)
 LATER = ("slowlink",)
 _FAULT = re.compile(r"^(?P<kind>[a-z]+):(?P<site>\d+)(@(?P<step>\d+))?(x(?P<factor>[0-9.]+))?$")
 
@@ -113,9 +136,10 @@ def _checked(
         step = "1"
     if step is None or not 1 <= int(step) <= steps:
         raise ConfigError(f"--faults: {item!r} needs @STEP with 1 <= STEP <= {steps}")
-    if kind in ("pause", "lighthouse"):
+    if kind in ("pause", "lighthouse", "link"):
         if factor is None or float(factor) <= 0:
-            what = "it is stopped" if kind == "pause" else "the lighthouse is away"
+            what = {"pause": "it is stopped", "lighthouse": "the lighthouse is away",
+                    "link": "its data plane is cut"}[kind]  # fmt: skip
             raise ConfigError(f"--faults: {item!r} needs xSECONDS > 0 (how long {what})")
         return Fault(kind, site, int(step), float(factor))
     if kind != "slow":
@@ -164,7 +188,7 @@ def act(faults: list[Fault], site: int, step: int, out: Path | None = None) -> N
     for f in faults:
         if f.site != site or f.step != step:
             continue
-        if f.kind in ("corrupt", "healer"):
+        if f.kind in ("corrupt", "healer", "collective"):
             _armed.add(f.kind)
         if f.kind == "lighthouse" and out is not None:
             ask = out / LIGHTHOUSE_FAULT
@@ -175,8 +199,36 @@ def act(faults: list[Fault], site: int, step: int, out: Path | None = None) -> N
         if f.kind == "pause":  # the helper outlives nothing: it wakes this process, then ends
             pid = os.getpid()
             subprocess.Popen(["sh", "-c", f"sleep {f.factor:g}; kill -CONT {pid}"])
+        if f.kind == "link":
+            cut_link(f.factor or 0.0)
         if f.kind in ("kill", "hang", "pause"):
             os.kill(os.getpid(), signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
+
+
+def links(faults: list[Fault]) -> bool:
+    """Whether ``faults`` cut a site's data plane (``link:``: the sites run in namespaces)."""
+    return any(f.kind == "link" for f in faults)
+
+
+def cut_link(seconds: float) -> None:
+    """Drop every packet this site sends but those to the lighthouse, for ``seconds`` (then a
+    helper process it starts puts the interface back). Needs the namespace the launcher made
+    for this site: its interface is ``GLOO_SOCKET_IFNAME``, the lighthouse ``LOWCOMM_LIGHTHOUSE``.
+    htb classes, a filter and an empty queue: kernels without tc's drop action have these."""
+    dev = os.environ["GLOO_SOCKET_IFNAME"]
+    keep = urlparse(os.environ["LOWCOMM_LIGHTHOUSE"]).hostname
+    tc = f"tc qdisc replace dev {dev} root handle 1: htb default 20"
+    for cmd in (
+        f"tc class add dev {dev} parent 1: classid 1:10 htb rate 10gbit",
+        f"tc class add dev {dev} parent 1: classid 1:20 htb rate 10gbit",
+        f"tc qdisc add dev {dev} parent 1:20 handle 20: pfifo limit 0",  # holds nothing: drops
+        f"tc filter add dev {dev} parent 1: pref 1 protocol ip u32 match ip dst {keep}/32 "
+        f"flowid 1:10",
+        f"tc filter add dev {dev} parent 1: pref 2 protocol arp u32 match u32 0 0 flowid 1:10",
+    ):
+        tc += f" && {cmd}"
+    subprocess.run(["sh", "-c", tc], check=True, capture_output=True)
+    subprocess.Popen(["sh", "-c", f"sleep {seconds:g}; tc qdisc del dev {dev} root"])
 
 
 def spoil_if_armed(payloads: list[Any]) -> bool:
@@ -192,7 +244,7 @@ def spoil_if_armed(payloads: list[Any]) -> bool:
 
 def die_if_armed(kind: str) -> None:
     """A fault armed on this process that kills it at this point (``healer:``: inside a heal's
-    hand-over), now."""
+    hand-over; ``collective:``: inside a sync's collectives), now."""
     if kind in _armed:
         os.kill(os.getpid(), signal.SIGKILL)
 

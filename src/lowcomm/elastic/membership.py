@@ -139,7 +139,9 @@ class Membership:
         self._join_at = ""  # a late site asking back in: the sync it asks for (see rejoin)
         # sites excluded from the run (a payload every member refused), with the reason
         self.excluded: dict[int, str] = {}
+        self._excluded_inc: dict[int, str] = {}  # ... the process excluded (a restart is not)
         self._blame: tuple[int, str] | None = None  # this site's accusation in its next vote
+        self._unreached: list[int] = []  # sites this site could not reach (its next vote)
         # this site hosts a store; the group of a quorum lives on its first member's store
         host = os.environ.get("LOWCOMM_ADDR", "127.0.0.1")
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
@@ -150,7 +152,7 @@ class Membership:
 
     def quorum(
         self, tag: str, ok: bool = True, phase: str = "sync", ready: bool = False,
-        blame: tuple[int, str] | None = None,
+        blame: tuple[int, str] | None = None, unreached: list[int] | None = None,
     ) -> View:  # fmt: skip
         """Wait for the next quorum, reporting ``tag`` (which sync), ``phase`` (its collectives
         or their commit), ``ok`` (did this site complete them) and ``ready`` (does it offer a
@@ -161,8 +163,9 @@ class Membership:
         A quorum of fewer than ``min_workers`` is asked again for up to ``timeout_s``: a live
         site whose heartbeat lapsed for a moment (a loaded host) is back in the next one.
         ``blame``: (site, why) when this site's attempt failed on that site's payload (a
-        commit vote carries it; see :func:`blamed`)."""
-        self._blame = blame
+        commit vote carries it; see :func:`blamed`); ``unreached``: the sites this site could
+        not reach at the attempt's group (its commit vote carries them too)."""
+        self._blame, self._unreached = blame, list(unreached or [])
         deadline = time.monotonic() + self.elastic.timeout_s
         view = self._member_view(tag, ok, phase, ready)
         # a commit vote is never asked again: an attempt's vote among fewer sites fails it, and
@@ -293,6 +296,8 @@ class Membership:
         }  # fmt: skip
         if self._blame is not None and phase == "commit":
             data.update(blame=self._blame[0], why=self._blame[1][:200])
+        if self._unreached and phase == "commit":
+            data.update(unreached=self._unreached)
         # a live peer may reach the vote up to timeout_s late (a collective waiting on a lost
         # site) after connect_s at a group, and the lighthouse waits timeout_s for stragglers:
         # a wait of exactly timeout_s would give up on a peer about to arrive
@@ -342,7 +347,10 @@ class Membership:
         e = self.elastic
         if e.site in self.excluded:
             raise MembershipError(self.excluded[e.site])
-        view = without(view, self.excluded)
+        view = without(view, self._excluded_inc)
+        for site in [s for s in view.members if s in self.excluded]:  # started again: back
+            self.excluded.pop(site)
+            self._excluded_inc.pop(site)
         current = run_tag(view)
         if current is not None and current != tag:
             raise MembershipError(
@@ -357,17 +365,27 @@ class Membership:
             )
         return view
 
-    def exclude(self, sites: dict[int, str], tag: str) -> None:
-        """Exclude ``sites`` (site -> what its accuser saw) from the run from sync ``tag`` on:
+    def exclude(self, sites: dict[int, str], tag: str, view: View | None = None) -> None:
+        """Exclude ``sites`` (site -> what its accusers saw) from the run from sync ``tag`` on:
         every member does so from the same vote (:func:`blamed`); an excluded site stops at
-        its next check, with one line."""
+        its next check, with one line. The process is excluded, as ``view`` names it: the site
+        started again (a new process, healed as a joiner) may come back."""
+        incs = {d["site"]: str(d.get("inc", "")) for d in (view.data if view else [])}
         for site, why in sites.items():
-            self.excluded[site] = (
-                f"site {site} is excluded from the run at {tag}: the others refused its payload "
-                f"({why}); it stops here, the others go on"
-            )
-            log.warning("site %d: site %d excluded at %s: its payload was refused (%s)",
-                        self.elastic.site, site, tag, why)  # fmt: skip
+            self._excluded_inc[site] = incs.get(site, "")
+            if why.startswith(UNREACHED):
+                self.excluded[site] = (
+                    f"site {site} is excluded from the run at {tag}: {why} (its network to the "
+                    f"others broke while the lighthouse still heard it); it stops here, the "
+                    f"others go on: start it again to rejoin"
+                )
+            else:
+                self.excluded[site] = (
+                    f"site {site} is excluded from the run at {tag}: the others refused its "
+                    f"payload ({why}); it stops here, the others go on"
+                )
+            log.warning("site %d: site %d excluded at %s: %s", self.elastic.site, site, tag,
+                        why)  # fmt: skip
 
     def group(self, view: View, generation: int = 0) -> dist.ProcessGroup:
         """The gloo group of ``view``'s members for attempt ``generation`` (made once each).
@@ -386,9 +404,17 @@ class Membership:
         if view.members[0] == self.elastic.site:
             store = self._store
         else:
-            store = dist.TCPStore(
-                host, int(port), is_master=False, timeout=timedelta(seconds=self.elastic.timeout_s)
-            )
+            try:  # the member that hosts it gone, or its network: within connect_s
+                store = dist.TCPStore(
+                    host, int(port), is_master=False,
+                    timeout=timedelta(seconds=self.elastic.connect_s),
+                )  # fmt: skip
+            except (RuntimeError, OSError) as e:  # torch's DistNetworkError is a RuntimeError
+                raise Unreachable(
+                    f"could not reach the group's store at {host}:{port} within "
+                    f"connect_s={self.elastic.connect_s:g} s ({e})".splitlines()[0],
+                    [0],
+                ) from None
         prefix = dist.PrefixStore(group_name(self.elastic.run_id, view, generation), store)
         rank, size = view.rank_of(self.elastic.site), len(view.members)
         _arrive(prefix, rank, size, self.elastic.connect_s)
@@ -519,14 +545,40 @@ def blamed(view: View, commit: View, generation: int) -> dict[int, str]:
         site = d.get("blame")
         if isinstance(site, int) and not isinstance(site, bool) and site in view.members:
             out.setdefault(site, str(d.get("why", "")))
+    return {**out, **_unreached(view, votes)}
+
+
+UNREACHED = "unreachable"  # how an exclusion for a broken network begins (see _unreached)
+
+
+def _unreached(view: View, votes: list[dict[str, Any]]) -> dict[int, str]:
+    """The sites that more than half of the other voters could not reach at the attempt's
+    group (their heartbeats reach the lighthouse; their data plane does not). A partition with
+    no such majority (two sites, each unreached by the other) keeps the lowest member and
+    excludes the rest of those unreached: the same choice on every member."""
+    others = len(votes) - 1
+    counts: dict[int, int] = {}
+    for d in votes:
+        said = d.get("unreached")
+        for site in set(said) if isinstance(said, list) else ():
+            if isinstance(site, int) and not isinstance(site, bool) and site != d["site"]:
+                counts[site] = counts.get(site, 0) + 1
+    out = {
+        s: f"{UNREACHED} from {n} of the {others} other members"
+        for s, n in sorted(counts.items())
+        if s in view.members and 2 * n > others
+    }
+    if others > 0 and len(out) == len(view.members):  # no side has a majority
+        out.pop(view.members[0])
     return out
 
 
 def without(view: View, excluded: dict[int, str]) -> View:
-    """``view`` without the excluded sites (as members or joiners)."""
-    if not any(s in excluded for s in view.members):
+    """``view`` without the excluded processes (site -> its incarnation; as members or
+    joiners): the site started again is another process, and may come back."""
+    keep = [d for d in view.data if excluded.get(d["site"], None) != str(d.get("inc", ""))]
+    if len(keep) == len(view.data):
         return view
-    keep = [d for d in view.data if d["site"] not in excluded]
     members = [int(d["site"]) for d in keep]
     return View(view.quorum_id, members, keep, [j for j in view.joiners if j in members])
 
@@ -583,9 +635,24 @@ def _arrive(store: Any, rank: int, size: int, connect_s: float) -> None:
     try:
         store.wait(keys, timedelta(seconds=connect_s))
     except RuntimeError as e:  # torch's DistStoreError is one
-        raise RuntimeError(
-            f"a member did not reach the group within connect_s={connect_s:g} s ({e})"
+        try:
+            away = [r for r in range(size) if r != rank and not store.check([keys[r]])]
+        except RuntimeError:  # the store itself is gone: its host
+            away = [0]
+        raise Unreachable(
+            f"members {away} of the group did not reach it within connect_s={connect_s:g} s "
+            f"({str(e).splitlines()[0][:120]})",
+            away,
         ) from None
+
+
+class Unreachable(RuntimeError):
+    """Members of a new group that this member could not reach (group ranks): dead, stopped,
+    or cut off on the data plane. The commit vote carries them (see :func:`_unreached`)."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
 
 
 def _gloo_group(store: Any, rank: int, size: int, timeout_s: float) -> dist.ProcessGroup:

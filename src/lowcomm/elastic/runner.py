@@ -14,7 +14,8 @@ from typing import TypeVar
 from ..errors import MembershipError, PayloadError
 from ..transport import ByteMeter, Transport
 from . import heal
-from .membership import Membership, View, blamed, committed, step_of
+from .faults import die_if_armed
+from .membership import Membership, Unreachable, View, blamed, committed, step_of
 from .rounds import Rounds
 
 log = logging.getLogger("lowcomm")
@@ -56,32 +57,38 @@ class Runner:
             ready = tag in self._offers
             view, self.admitted = self.admitted or self.membership.quorum(tag, ready=ready), None
             view = self.membership.check(view, tag)
-            blame = None
+            blame, unreached = None, None
             try:  # the group too: its store's host or a peer may be gone already
                 result, ok = self._attempt(view, tag, collectives), True
             # a peer died or hung inside a collective (torch's collective logger turns the
             # error of a group outside its world map into a ValueError); or a peer's payload
-            # failed to decode, which its same bytes would do on every try: blamed, not retried
+            # failed to decode, which its same bytes would do on every try: blamed, not
+            # retried; or members never reached the group: named in the vote (see _unreached)
             except (RuntimeError, ValueError) as err:
                 blame = _accused(view, err)
+                if isinstance(err, Unreachable):
+                    unreached = [view.members[r] for r in err.ranks if r < len(view.members)]
                 same = failed[-(_SAME_FAILURES - 1) :].count(view.members) == _SAME_FAILURES - 1
-                if blame is None and same:
-                    raise  # the same members failed again and again: not a lost site
+                if blame is None and not unreached and same:
+                    raise  # the same members failed again and again, nobody named: stop
                 failed.append(view.members)
                 log.warning("site %d: %s failed among %s (%s); retrying", self._site, tag,
                             view.members, str(err).splitlines()[0][:160])  # fmt: skip
                 result, ok = None, False
             if not ok:  # before the vote: peers blocked on this site fail now, not at timeout_s
                 self._drop()
-            commit = self.membership.quorum(tag, ok, phase="commit", ready=ready, blame=blame)
+            commit = self.membership.quorum(
+                tag, ok, phase="commit", ready=ready, blame=blame, unreached=unreached
+            )
             commit = self.membership.check(commit, tag, vote=True)
             if committed(view, commit, self.membership.generation, ok):
                 self._settled(tag, view)
                 self._offers.pop(tag, None)
                 return result  # type: ignore[return-value]
-            # a site whose payload a member refused leaves every next attempt (all read it
-            # from the same vote); it stops itself at its next check
-            self.membership.exclude(blamed(view, commit, self.membership.generation), tag)
+            # a site whose payload a member refused, or that most members could not reach,
+            # leaves every next attempt (all read it from the same vote); it stops itself at
+            # its next check
+            self.membership.exclude(blamed(view, commit, self.membership.generation), tag, view)
             # every member of the commit saw it fail: all start the next attempt on fresh groups
             # (the lighthouse keeps the quorum id when the members did not change)
             self._failed_at = self._failed_at or time.perf_counter()
@@ -115,6 +122,8 @@ class Runner:
         """One attempt on ``view``'s group (no reference to it outlives a failure: see _drop)."""
         transports = self._on(view)
         self._heal_joiners(view, transports[0], tag)
+        if step_of(tag) >= 0:  # a sync of the outer loop: a collective: fault dies in it
+            die_if_armed("collective")
         return collectives(*transports)
 
     def heal_in(self, view: View, tag: str, load: Callable[[dict], dict]) -> None:

@@ -22,7 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, TrainConfig
-from ..elastic.faults import adds, decoded, joins, lighthouse_down, parse_faults, paused
+from ..elastic.faults import (
+    adds,
+    decoded,
+    joins,
+    lighthouse_down,
+    links,
+    parse_faults,
+    paused,
+)
 from ..elastic.membership import check_rounds
 from ..elastic.rounds import LIGHTHOUSE_JOIN_S
 from ..errors import LowCommError
@@ -63,7 +71,11 @@ def check_elastic(spec: RunSpec, workers: int) -> None:
             )
         if lighthouse_down(faults):
             raise ConfigError("--faults lighthouse: only an elastic run has one: add elastic=true")
+        if links(faults):
+            raise ConfigError("--faults link: cuts an elastic site's data plane: add elastic=true")
         return
+    if links(faults):
+        _check_links(cfg)
     spec.strategy.check_elastic(cfg, bool(rejoin))  # a replay's joins: refused with replay
     if lighthouse_down(faults) and cfg.lighthouse:
         raise ConfigError(
@@ -80,6 +92,23 @@ def check_elastic(spec: RunSpec, workers: int) -> None:
         check_rounds(cfg.rounds, cfg.quorum, cfg.grace, cfg.late, workers)
     if cfg.replay:
         replay_joins(cfg.replay, workers)  # the record read now: its errors before any start
+
+
+def _check_links(cfg: TrainConfig) -> None:
+    """A ``link:`` fault runs the sites in namespaces the launcher makes: refused, with the
+    reason, where it cannot."""
+    from ..bench.netshape.errors import NetworkUnavailable
+    from ..bench.netshape.namespaces import require_root_and_iproute2
+
+    if cfg.lighthouse:
+        raise ConfigError(
+            f"--faults link: the sites then run in network namespaces that reach only the "
+            f"launcher's lighthouse, not lighthouse={cfg.lighthouse}: drop lighthouse= or the fault"
+        )
+    try:
+        require_root_and_iproute2()
+    except NetworkUnavailable as e:
+        raise ConfigError(f"--faults link: {e}") from None
 
 
 def replay_leaves(path: str, sites: int) -> dict[int, str]:
@@ -129,10 +158,41 @@ def run_sites(spec: RunSpec, workers: int) -> dict[str, Any] | None:
     ctx.set_forkserver_preload(["torch", "lowcomm.train.loop", "lowcomm.train.join_site"])
     servers = []
     address, keeper = cfg.lighthouse, None
-    if not address:  # ours: at one address for the whole run, started again if it dies
-        keeper = Keeper(ctx, _lighthouse_options(cfg, min_replicas=1), out_dir)
-        keeper.start()  # lowcomm checks min_workers itself (min_replicas=1)
-        address = keeper.address
+    net = _site_network(cfg, workers)
+    try:
+        if not address:  # ours: at one address for the whole run, started again if it dies
+            options = _lighthouse_options(cfg, min_replicas=1)  # lowcomm checks min_workers
+            where = {"netns": net.switch, "host": net.switch_addr} if net else {}
+            keeper = Keeper(ctx, options, out_dir, **where)
+            keeper.start()
+            address = keeper.address
+        return _run_sites(spec, workers, ctx, servers, address, keeper, net)
+    finally:
+        if net is not None:
+            net.close()
+
+
+def _site_network(cfg: TrainConfig, workers: int) -> Any:
+    """A network namespace for each site and the lighthouse's, bridged (a ``link:`` fault
+    cuts one site's link there); None for a run without such a fault."""
+    faults = parse_faults(cfg.faults, workers, cfg.steps)
+    if not links(faults):
+        return None
+    from ..bench.netshape.network import ShapedNetwork
+
+    total = workers + len(adds(faults))
+    # a nominal rate: the namespaces are for cutting one site's link, not for shaping it
+    net = ShapedNetwork("10gbit", topology="per-worker", workers=total, check=False,
+                        name_prefix="lcsites")  # fmt: skip
+    return net.__enter__()
+
+
+def _run_sites(
+    spec: RunSpec, workers: int, ctx: Any, servers: list[Any], address: str, keeper: Any,
+    net: Any,
+) -> dict[str, Any] | None:  # fmt: skip
+    """Start every site (in its namespace of ``net`` if any) and wait for the survivors."""
+    cfg, out_dir = spec.train, spec.out
     peer = ""
     if spec.strategy.peer:  # torchft's Managers: a lighthouse of their own
         servers.append(_lighthouse(cfg, min_replicas=cfg.min_workers))
@@ -148,6 +208,10 @@ def run_sites(spec: RunSpec, workers: int) -> dict[str, Any] | None:
     def start(role: SiteRole) -> Any:
         # a joiner heals from a live peer: it never reads the checkpoint
         own = spec.replace(resume=None) if role.join else spec
+        if net is not None:
+            role = dataclasses.replace(
+                role, netns=net.namespace(role.site), addr=net.address(role.site)
+            )
         p = ctx.Process(target=_site_main, args=(role, own))
         p.start()
         return p
@@ -346,6 +410,13 @@ def _outcome(codes: list[int | None], out_dir: Path, started: float) -> dict[str
 
 def _site_main(role: SiteRole, spec: RunSpec) -> None:
     """One site's process: the trainer with membership, its errors as a launched worker's."""
+    if role.netns:  # before any socket: its store and groups listen on its own address
+        from ..bench.netshape.links import WORKER_IFNAME
+        from ..bench.netshape.namespaces import enter
+
+        enter(role.netns)
+        os.environ.update(LOWCOMM_ADDR=role.addr, GLOO_SOCKET_IFNAME=WORKER_IFNAME,
+                          LOWCOMM_LIGHTHOUSE=role.lighthouse)  # fmt: skip
     run_entry(str(spec.out), role.site, lambda: run_site(role, spec))
     # done, its files written: skip the native teardown (gloo, stores, the lighthouse client's
     # runtime), which took ~1.6 s a site here; the launcher waits for every site's exit

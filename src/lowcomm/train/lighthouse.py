@@ -24,14 +24,20 @@ from .ports import free_port
 _UP_S = 30.0  # bound on a (re)started lighthouse's process listening on its port
 
 
-def _serve(port: int, options: dict[str, int]) -> None:
-    """The lighthouse's process: serve until killed (RUST_LOG=warn: see :class:`Keeper`)."""
+def _serve(port: int, options: dict[str, int], netns: str, up: Any) -> None:
+    """The lighthouse's process: serve until killed (RUST_LOG=warn: see :class:`Keeper`),
+    inside network namespace ``netns`` if one is named; ``up`` is set once it listens."""
     from torchft.coordination import LighthouseServer
 
     # Ctrl-C reaches the whole process group: the launcher stops this process itself, after
     # the sites (a KeyboardInterrupt here would only print a traceback into the run's output)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if netns:
+        from ..bench.netshape.namespaces import enter
+
+        enter(netns)
     server = LighthouseServer(bind=f"[::]:{port}", **options)  # held: dropped, it stops
+    up.set()
     while server is not None:
         time.sleep(3600)
 
@@ -40,25 +46,30 @@ class Keeper:
     """The run's lighthouse: started by :meth:`start`, watched by :meth:`tick` (the launcher's
     wait loop calls it every 0.2 s), ended by :meth:`stop`."""
 
-    def __init__(self, ctx: Any, options: dict[str, int], out_dir: Path) -> None:
+    def __init__(
+        self, ctx: Any, options: dict[str, int], out_dir: Path, netns: str = "", host: str = ""
+    ) -> None:
         if not os.environ.get("LOWCOMM_DEBUG"):  # the sites' clients log at INFO too
             os.environ.setdefault("RUST_LOG", "warn")  # (sites inherit it: set before any fork)
         self.ctx, self.options, self.out_dir = ctx, options, out_dir
+        # ``netns``: the namespace it serves in (sites in namespaces of their own), at ``host``
+        self.netns = netns
         self.port = free_port(host="")  # every interface: the sites may be on other machines
-        self.address = f"http://{socket.gethostname()}:{self.port}"
+        self.address = f"http://{host or socket.gethostname()}:{self.port}"
         self._proc: Any = None
         self._back_at: float | None = None  # a lighthouse: fault's restart time
 
     def start(self) -> None:
         """Start the lighthouse's process and wait until it listens (at most ``_UP_S``)."""
-        self._proc = self.ctx.Process(target=_serve, args=(self.port, self.options), daemon=True)
+        up = self.ctx.Event()
+        self._proc = self.ctx.Process(
+            target=_serve, args=(self.port, self.options, self.netns, up), daemon=True
+        )
         self._proc.start()
         deadline = time.monotonic() + _UP_S
         while time.monotonic() < deadline and self._proc.exitcode is None:
-            with contextlib.suppress(OSError):
-                socket.create_connection(("localhost", self.port), timeout=0.5).close()
+            if up.wait(0.05):
                 return
-            time.sleep(0.02)
         raise RuntimeError(f"the lighthouse did not start at {self.address} within {_UP_S:g} s")
 
     def tick(self) -> None:

@@ -34,6 +34,8 @@ class SiteRole:
     gate: Any = None  # a joiner started on standby: a multiprocessing Event set to let it in
     heal_at: tuple[str, ...] = ()  # a replay: the syncs where sites joined in the recorded run
     starting: int = 0  # how many sites start the run (0: ``sites``; fewer when some are added)
+    netns: str = ""  # the network namespace this site runs in (a ``link:`` fault), and ...
+    addr: str = ""  # ... its address there
 
 
 class QuorumControl:

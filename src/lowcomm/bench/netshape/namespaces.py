@@ -109,6 +109,19 @@ def delete_namespaces(names: Iterable[str], kill_leftovers: bool = True) -> list
     return errors
 
 
+def enter(ns: str) -> None:
+    """Move this process (its calling thread, before it starts others) into namespace ``ns``:
+    every socket it opens from now on lives there. For a process started for that namespace
+    (``ip netns exec`` for one that is already running Python)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/var/run/netns/{ns}") as f:
+        if libc.setns(f.fileno(), 0x40000000) != 0:  # CLONE_NEWNET
+            err = ctypes.get_errno()
+            raise NetworkUnavailable(f"cannot enter network namespace {ns}: {os.strerror(err)}")
+
+
 def require_root_and_iproute2() -> None:
     """Raise :class:`NetworkUnavailable` unless this process is root with ``ip`` and ``tc``."""
     if os.geteuid() != 0:

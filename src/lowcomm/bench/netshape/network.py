@@ -153,6 +153,18 @@ class ShapedNetwork:
         return "127.0.0.1" if self.topology == "shared" else self.address(0)
 
     @property
+    def switch(self) -> str:
+        """The switch's namespace (``per-worker``): a service every worker reaches runs here."""
+        if self._switch_ns is None:
+            raise ValueError("a shared topology has no switch")
+        return self._switch_ns
+
+    @property
+    def switch_addr(self) -> str:
+        """The switch's own address on the bridge, as every worker reaches it."""
+        return f"{SUBNET}.{SWITCH_HOST}"
+
+    @property
     def ifname(self) -> str:
         """Interface carrying the shaped traffic inside a worker's namespace."""
         return "lo" if self.topology == "shared" else WORKER_IFNAME
