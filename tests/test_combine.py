@@ -84,7 +84,7 @@ def test_gather_names_the_sender_of_a_payload_that_fails_to_decode():
 
 def test_an_accused_group_rank_is_the_site_at_that_rank():
     """Group ranks are positions among the quorum's members, not site numbers."""
-    from lowcomm.elastic.membership import View
+    from lowcomm.elastic.decide import View
     from lowcomm.elastic.runner import _accused
     from lowcomm.errors import PayloadError
 

@@ -433,6 +433,22 @@ def test_a_site_cut_off_on_the_data_plane_is_excluded_and_the_others_go_on(tmp_p
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_site_hung_inside_a_sync_costs_the_others_its_deadline_not_timeout_s(tmp_path):
+    """Site 2 stops (SIGSTOP) inside the collectives of sync@30. Its peers' collectives are
+    bounded by the sync's deadline (4x the slowest sync that stood, at least connect_s = 10 s),
+    not by timeout_s (here 120 s; 300 s at the defaults): they fail after 10 s and go on
+    without it. Before, they waited the whole timeout_s."""
+    out = tmp_path / "run"
+    done = _train(*RUN, *ELASTIC, "timeout_s=120", "--faults", "stall:2@25", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = done.stdout + done.stderr
+    failed = re.findall(r"sync@30 failed among \[0, 1, 2\] after ([0-9.]+) s \(deadline 10 s", said)
+    assert len(failed) == 2, said  # both peers, each bounded by 10 s, not 120 (a wide margin)
+    assert all(float(s) < 60 for s in failed), failed
+    (event,) = json.loads((out / "summary.json").read_text())["membership"]
+    assert event["at"] == "sync@30" and event["left"] == [2] and event["members"] == [0, 1]
+
+
 def test_a_link_fault_needs_an_elastic_run_and_the_launchers_lighthouse(capsys, tmp_path):
     from lowcomm import cli
 
@@ -442,7 +458,7 @@ def test_a_link_fault_needs_an_elastic_run_and_the_launchers_lighthouse(capsys, 
     )
     code = cli.main(["train", *RUN, *ELASTIC, "lighthouse=http://x:1", "--faults", "link:1@35x5",
                      "--out", str(tmp_path)])  # fmt: skip
-    assert code == 2 and "drop lighthouse= or the fault" in capsys.readouterr().err
+    assert code == 2 and "drop lighthouse= or --faults link" in capsys.readouterr().err
     code = cli.main(["train", *RUN, *ELASTIC, "--faults", "link:1@35", "--out", str(tmp_path)])
     assert code == 2 and "needs xSECONDS > 0 (how long its data plane is cut)" in (
         capsys.readouterr().err

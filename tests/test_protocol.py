@@ -14,17 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from lowcomm.elastic.membership import (
-    Elastic,
-    Membership,
-    View,
-    admit,
-    admitted_at,
-    blamed,
-    committed,
-    in_sync,
-    run_tag,
-)
+from lowcomm.elastic.decide import View, admit, admitted_at, blamed, committed, in_sync, run_tag
+from lowcomm.elastic.membership import Elastic, Membership
 from lowcomm.errors import MembershipError
 
 
@@ -266,3 +257,26 @@ def test_a_member_that_never_reaches_a_new_group_is_named_by_the_others():
     with pytest.raises(Unreachable) as got:
         _arrive(store, 0, 3, connect_s=0.3)
     assert got.value.ranks == [2]
+
+
+def test_a_syncs_deadline_follows_the_slowest_sync_that_stood_and_is_whole_after_a_failure():
+    """A collective waits 4x the slowest attempt that stood (at least connect_s, at most
+    timeout_s); the first sync, a heal and the attempt after a failure wait timeout_s."""
+    from lowcomm.elastic.runner import Runner
+
+    runner = Runner.__new__(Runner)
+    runner.membership = SimpleNamespace(elastic=Elastic(lighthouse="http://unused", site=0,
+                                        sites=3, timeout_s=300, connect_s=10))  # fmt: skip
+    runner._slowest, runner._full = 0.0, True
+    view = _view(_d(0, "sync@10"), _d(1, "sync@10"))
+    assert runner.deadline(view) == 300  # no sync has stood yet
+    runner._full = False
+    runner._slowest = 0.2
+    assert runner.deadline(view) == 10  # connect_s at least
+    runner._slowest = 7.0
+    assert runner.deadline(view) == 28
+    runner._slowest = 100.0
+    assert runner.deadline(view) == 300  # timeout_s at most
+    runner._slowest = 0.2
+    view.joiners = [1]
+    assert runner.deadline(view) == 300  # a heal moves the whole state

@@ -65,12 +65,16 @@ def _run(
     return sites
 
 
-def _merge_checked(sites: list[dict], lr: float, drop: bool = False) -> int:
+_RULES = {"steps": lambda h: float(h), "plain": lambda h: 1.0, "normalized": lambda h: 1.0 / h}
+
+
+def _merge_checked(sites: list[dict], lr: float, drop: bool = False, rule: str = "steps") -> int:
     """Every sync recomputed from what each site held just before it: the global copy moves by
     ``-lr`` times the mean of the contributions (each site's global minus its local weights)
-    weighted by the inner steps each holds; a site that missed a sync contributes against its
-    own (older) global copy (carry) or not at all (drop). Returns how many syncs had unequal
-    weights (the weighting was exercised)."""
+    weighted by ``rule`` of the inner steps h each holds (h, 1 or 1/h; the plain mean when all
+    hold the same); a site that missed a sync contributes against its own (older) global copy
+    (carry) or not at all (drop). Returns how many syncs had unequal steps (the weighting was
+    exercised)."""
     steps = sorted({s["step"] for site in sites for s in site["syncs"]})
     uneven = 0
     for step in steps:
@@ -82,19 +86,22 @@ def _merge_checked(sites: list[dict], lr: float, drop: bool = False) -> int:
         # holds an older one)
         newest = max((s["glob"] for s in held),
                      key=lambda g: sum(torch.equal(g, s["glob"]) for s in held))  # fmt: skip
-        parts = []
+        parts, steps_held = [], []
         for s in held:
             behind = not torch.equal(s["glob"], newest) and drop
-            w = 0.0 if behind else float(s["covered"])
-            parts.append((w, s["glob"] - s["local"]))
+            h = 0 if behind else s["covered"]
+            steps_held.append(h)
+            parts.append((_RULES[rule](h) if h > 0 else 0.0, s["glob"] - s["local"]))
         total = sum(w for w, _ in parts)
         mean = sum(w * d for w, d in parts) / total
-        uneven += len({w for w, _ in parts if w > 0}) > 1
+        uneven += len({h for h in steps_held if h > 0}) > 1
         glob = next(s["glob"] for s in held if torch.equal(s["glob"], newest))
         torch.testing.assert_close(after, glob - lr * mean, rtol=0, atol=2e-6)
-        plain = sum(d for _, d in parts) / len(parts)
-        if len({w for w, _ in parts}) > 1:  # the check would catch a plain mean here
-            assert not torch.allclose(after, glob - lr * plain, rtol=0, atol=2e-6)
+        if len(set(steps_held)) > 1:  # the check would catch each other rule here
+            for other in set(_RULES) - {rule}:
+                w = [_RULES[other](h) if h > 0 else 0.0 for h in steps_held]
+                alt = sum(wi * d for wi, (_, d) in zip(w, parts)) / sum(w)
+                assert not torch.allclose(after, glob - lr * alt, rtol=0, atol=2e-6), other
     return uneven
 
 
@@ -114,8 +121,11 @@ def test_equal_sites_in_quorum_rounds_give_lockstep_bit_for_bit(tmp_path, lighth
         assert a["shared"] == b["shared"]
 
 
-def test_a_slow_site_is_not_waited_for_and_is_weighted_by_its_steps(tmp_path, lighthouse):
-    sites = _run(tmp_path, lighthouse, {"rounds": "quorum", "quorum": 2},
+@pytest.mark.parametrize(
+    "rule", ["steps", pytest.param("plain", marks=pytest.mark.slow), "normalized"]
+)
+def test_a_slow_site_is_not_waited_for_and_is_weighted_by_the_rule(tmp_path, lighthouse, rule):
+    sites = _run(tmp_path, lighthouse, {"rounds": "quorum", "quorum": 2, "weighting": rule},
                  step_s=(0.0, 0.12, 0.0))  # fmt: skip
     slow, fast = sites[1], [sites[0], sites[2]]
     # the fast sites did every step; the slow one cut rounds short (auto grace: it goes to the
@@ -125,7 +135,7 @@ def test_a_slow_site_is_not_waited_for_and_is_weighted_by_its_steps(tmp_path, li
     assert 0 < slow["trained"] < STEPS and slow["cut"] >= 1
     assert len({s["shared"] for s in sites}) == 1
     # every sync checked against the independent weighted merge; some weighted unevenly
-    assert _merge_checked(sites, OUTER["outer_lr"]) >= 1
+    assert _merge_checked(sites, OUTER["outer_lr"], rule=rule) >= 1
 
 
 # drop by hand (-m slow): its path differs from carry's only in what the heal loads

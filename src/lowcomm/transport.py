@@ -203,6 +203,21 @@ class Transport:
         self.meter.record(n if self.rank == src else 0, wire, wire, control)
         return t
 
+    def exchange_p2p(
+        self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], control: bool = True
+    ) -> None:
+        """Send ``sends[j]`` to group rank j and receive into ``recvs[i]`` from group rank i,
+        all posted at once (no order to deadlock on), then wait for all: the heal's stripes go
+        only where they are needed."""
+        group = self.group if self.group is not None else dist.group.WORLD
+        assert group is not None
+        works = [group.send([t.contiguous()], j, 0) for j, t in sends.items()]
+        works += [group.recv([t], i, 0) for i, t in recvs.items()]
+        for w in works:
+            w.wait()
+        sent = sum(_nbytes(t) for t in sends.values())
+        self.meter.record(sent, sent, sum(_nbytes(t) for t in recvs.values()), control)
+
     def _global_rank(self, group_rank: int) -> int:
         if self.group is None or self.group is dist.GroupMember.WORLD:
             return group_rank

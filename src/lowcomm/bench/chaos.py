@@ -7,7 +7,8 @@ over the seeds, and one to three overlapping faults from the ``--faults`` gramma
 with a later join, hang, pause, slow, an added site, a corrupt payload where payloads are
 decoded; from a stream of their own, the lighthouse killed and restarted, and the healer of a
 rejoining site killed inside its hand-over; from a third, a site's data plane cut for 20 or 60
-s, and the lowest untouched site, the store host, killed inside a sync's collectives), at most
+s, and the lowest untouched site, the store host, killed or stopped inside a sync's
+collectives), at most
 ``sites - min_workers`` of them taking a site away (killed, even if it joins later; hung;
 paused, which may end it; excluded for its payload or cut off; a healer killed), so the run
 never has fewer able sites than ``min_workers``. The run is ``lowcomm train ... elastic=true``
@@ -159,25 +160,26 @@ def _away(sched: Schedule, site: int) -> bool:
     return any(f.split("@")[0] in (f"{k}:{site}" for k in _AWAY) for f in sched.faults)
 
 
-_AWAY = ("kill", "hang", "pause", "corrupt", "healer", "collective", "link")
+_AWAY = ("kill", "hang", "pause", "corrupt", "healer", "collective", "stall", "link")
 
 
 def _draw_network(sched: Schedule, rng: random.Random, busy: set[int]) -> None:
     """From a third stream: a site cut off on the data plane (tc in its own namespace), and
-    the lowest untouched site (the store host of every group while site 0 is in) killed inside
-    a sync's collectives. Each takes a site away, within the same budget."""
+    the lowest untouched site (the store host of every group while site 0 is in) killed or
+    stopped inside a sync's collectives. Each takes a site away, within the same budget."""
     spare = sched.sites - MIN_WORKERS
     free = [s for s in range(sched.sites) if s not in busy]
-    if free and sched.lost < spare and rng.random() < 0.25:
+    if free and sched.lost < spare and rng.random() < 0.4:
         site = rng.choice(free)
         at = rng.randint(15, sched.steps - 25)
         sched.faults.append(f"link:{site}@{at}x{rng.choice([20, 60])}")
         sched.lost += 1
         busy.add(site)
         free.remove(site)
-    if free and sched.lost < spare and rng.random() < 0.25:
+    if free and sched.lost < spare and rng.random() < 0.4:
         at = rng.randint(15, sched.steps - 25)
-        sched.faults.append(f"collective:{free[0]}@{at}")
+        kind = rng.choice(["collective", "stall"])  # dies, or stops, inside a sync
+        sched.faults.append(f"{kind}:{free[0]}@{at}")
         sched.lost += 1
         busy.add(free[0])
 

@@ -12,6 +12,12 @@ For each model, on this machine (unshaped loopback), two sites of DiLoCo:
 
 Both are small runs (batch 2 x 32 tokens) so the 85m model fits two cores; the figures are the
 costs of moving and loading state, not of training.
+
+``--members 2,3,4``: time to heal against the number of members instead. For each count N,
+N + 1 sites, the last killed and joining again, so N members heal it; with ``--link RATE``
+every site runs in a namespace of its own on a link of that rate (``site_link=``: root). The
+state goes to the joiner only, striped across the N members (``heal_from``), so its time
+should stay that of one copy over the joiner's link, whatever N.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--models", default="tiny,small,85m")
     p.add_argument("--out", default="runs/bench-heal")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--members", default="", help="e.g. 2,3,4: heal time against members")
+    p.add_argument("--link", default="", help="with --members: each site's link rate (root)")
     a = p.parse_args(argv)
     from ..train.model import PRESETS, unknown_preset
 
@@ -43,6 +51,8 @@ def main(argv: list[str]) -> int:
             p.error(unknown_preset(model))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.members:
+        return _by_members(a, out)
     rows = []
     for model in a.models.split(","):
         rows.append({"model": model, **_heal(model, out / f"heal-{model}"),
@@ -67,6 +77,31 @@ def _heal(model: str, out: Path) -> dict[str, Any]:
     events = json.loads((out / "summary.json").read_text())["membership"]
     (joined,) = [e for e in events if e.get("joined")]
     return {"heal_s": joined["heal_s"], "heal_bytes": joined["heal_bytes"]}
+
+
+def _by_members(a: argparse.Namespace, out: Path) -> int:
+    """Heal time against the number of members healing one joiner (see the module's text)."""
+    rows = []
+    link = [f"site_link={a.link}"] if a.link else []
+    for model in a.models.split(","):
+        for n in [int(x) for x in a.members.split(",")]:
+            run = out / f"members-{model}-{n}"
+            _run(["--strategy", "diloco", "--workers", str(n + 1), "--model", model, "--steps",
+                  "8", "sync_every=2", *SMALL, "elastic=true", "min_workers=1", *link,
+                  "--faults", f"kill:{n}@3,join:{n}@6", "--out", str(run)])  # fmt: skip
+            events = json.loads((run / "summary.json").read_text())["membership"]
+            (joined,) = [e for e in events if e.get("joined")]
+            measured = {k: joined[k] for k in ("heal_s", "heal_bytes", "heal_from")}
+            rows.append({"model": model, "members": n, "link": a.link or "loopback", **measured})
+            (out / "members.json").write_text(json.dumps(rows, indent=2) + "\n")
+    if a.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print("| model | link | members | sent by | heal bytes | heal s |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['link']} | {r['members']} | {r['heal_from']} | "
+              f"{r['heal_bytes']:,} | {r['heal_s']:.3f} |")  # fmt: skip
+    return 0
 
 
 def _restart(model: str, out: Path) -> dict[str, Any]:

@@ -9,6 +9,10 @@ step, so on a machine with fewer cores than sites it frees the CPU rather than t
   grace; the slow site cuts its rounds short and is weighted by the steps it took;
 - ``removed``: the same run without the slow site (one site fewer, no fault).
 
+``--weightings steps,plain,normalized``: the quorum case alone, once per merge rule for
+contributions of unequal steps (``weighting=``), each row its final validation loss; the rule
+with the lowest mean over the seeds is the one to ship (docs/algorithms.md).
+
 Reported per run: wall time from outside (start to exit), the tokens trained, goodput (their
 rate over the training loop's elapsed time), the final validation loss, the loss at equal
 wall-clock (each run's evaluations interpolated at the quorum run's final elapsed time), and
@@ -51,6 +55,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--out", default="runs/bench-stragglers")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument("--weightings", default="", help="e.g. steps,plain,normalized: quorum only")
+    p.add_argument("--set", default="", help="settings added to every run, e.g. outer_lr=1.0")
     return p.parse_args(argv)
 
 
@@ -60,6 +66,8 @@ def main(argv: list[str]) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
+    if a.weightings:
+        return _weightings(a, out)
     for strategy in a.strategies.split(","):
         for seed in [int(s) for s in a.seeds.split(",")]:
             these = [_case(c, strategy, seed, a, out / f"{strategy}-{c}-{seed}") for c in CASES]
@@ -70,8 +78,37 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _case(case: str, strategy: str, seed: int, a: argparse.Namespace, out: Path) -> dict:
-    """One run of ``case``; its row."""
+def _weightings(a: argparse.Namespace, out: Path) -> int:
+    """The quorum case once per weighting rule, strategy and seed; the rows and a table of
+    each rule's final loss (mean and each seed)."""
+    rows: list[dict[str, Any]] = []
+    for strategy in a.strategies.split(","):
+        for seed in [int(s) for s in a.seeds.split(",")]:
+            for rule in a.weightings.split(","):
+                run = out / f"{strategy}-{rule}-{seed}"
+                row = _case("quorum", strategy, seed, a, run, (f"weighting={rule}",))
+                rows.append({**row, "weighting": rule})
+                (out / "weightings.json").write_text(json.dumps(rows, indent=2) + "\n")
+    if a.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print("| strategy | weighting | final val loss (mean) | by seed | tokens (mean) |")
+    print("|---|---|---|---|---|")
+    for strategy in a.strategies.split(","):
+        for rule in a.weightings.split(","):
+            these = [r for r in rows if r["strategy"] == strategy and r["weighting"] == rule]
+            losses = [r["final_val_loss"] for r in these]
+            print(f"| {strategy} | {rule} | {sum(losses) / len(losses):.4f} | "
+                  f"{' / '.join(f'{x:.4f}' for x in losses)} | "
+                  f"{sum(r['tokens'] for r in these) // len(these):,} |")  # fmt: skip
+    return 0
+
+
+def _case(
+    case: str, strategy: str, seed: int, a: argparse.Namespace, out: Path,
+    extra: tuple[str, ...] = (),
+) -> dict:  # fmt: skip
+    """One run of ``case`` (``extra``: settings added to it); its row."""
     workers = a.workers - 1 if case == "removed" else a.workers
     args = [
         "--strategy", strategy, "--model", a.model, "--workers", str(workers),
@@ -83,6 +120,7 @@ def _case(case: str, strategy: str, seed: int, a: argparse.Namespace, out: Path)
         args += ["--faults", f"slow:{a.slow}", f"rounds={case}"]
     if case == "quorum":
         args.append(f"quorum={a.workers - 1}")
+    args += [*extra, *a.set.split()]
     t0 = time.perf_counter()
     done = subprocess.run(TRAIN + args, capture_output=True, text=True)
     wall = time.perf_counter() - t0

@@ -150,10 +150,21 @@ def validate_train(t: Any) -> None:
         raise ConfigError(f"inner_lr must be > 0, got {t.inner_lr}")
     if t.min_workers < 1:
         raise ConfigError(f"min_workers must be >= 1, got {t.min_workers}")
+    if t.site_link:
+        from ..bench.netshape.units import parse_rate
+
+        try:
+            parse_rate(t.site_link)
+        except ValueError as e:
+            raise ConfigError(f"site_link={t.site_link}: {e}") from None
+        if not t.elastic:
+            raise ConfigError("site_link puts elastic sites in namespaces: add elastic=true")
     if t.heartbeat_timeout_s <= 0:
         raise ConfigError(f"heartbeat_timeout_s must be > 0, got {t.heartbeat_timeout_s}")
     if t.rounds == "lockstep" and (t.quorum or t.grace):
         raise ConfigError("quorum= and grace= set quorum rounds: add rounds=quorum")
+    if t.rounds == "lockstep" and t.weighting != "steps":
+        raise ConfigError("weighting= merges quorum rounds' unequal steps: add rounds=quorum")
     if t.grace < 0:
         raise ConfigError(f"grace must be >= 0 seconds (0 = auto), got {t.grace:g}")
     if t.quorum < 0:

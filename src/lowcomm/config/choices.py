@@ -30,6 +30,7 @@ LogTo = Literal["none", "tensorboard"]
 InnerParallel = Literal["fsdp", "ddp"]
 Rounds = Literal["lockstep", "quorum"]
 Late = Literal["carry", "drop"]
+Weighting = Literal["steps", "plain", "normalized"]
 
 # the codec names by the properties their @register declares
 CODECS: tuple[str, ...] = codec_names()

@@ -35,6 +35,7 @@ from .choices import (
     Rounds,
     Shard,
     StateDevice,
+    Weighting,
 )
 
 
@@ -333,12 +334,25 @@ class TrainConfig:
         "With rounds=quorum: a site that misses a sync carries its work into its next one "
         "(carry) or drops it and restarts from the run's model (drop).",
     )
+    weighting: Weighting = knob(
+        "steps",
+        "With rounds=quorum: how contributions of unequal inner steps h merge: steps (weight "
+        "h), plain (each once) or normalized (each per step, weight 1/h). Equal steps: all "
+        "three are the plain mean.",
+    )
+    site_link: str = knob(
+        "",
+        "With elastic: each site in a network namespace of its own, on a link of this rate "
+        "(tc style, e.g. 50mbit) to a switch that holds the lighthouse; needs root and "
+        "iproute2 ('' = every site on this machine's loopback).",
+    )
     faults: str = knob(
         "",
         "Faults on purpose, KIND:SITE@STEP comma-separated, sites 0-based: kill:2@35 "
         "(SIGKILL before step 35), hang:2@55 (SIGSTOP), pause:2@40x8 (SIGSTOP, SIGCONT 8 s "
-        "later), join:2@60, add:3@60, slow:1x3, corrupt:1@35 (a payload the others refuse). "
-        "Also --faults.",
+        "later), join:2@60, add:3@60, slow:1x3, corrupt:1@35 (a payload the others refuse), "
+        "healer:0@40, collective:0@40 (dies inside a handover or a sync), lighthouse:0@30x3, "
+        "link:2@40x20 (its data plane cut for 20 s). Also --faults.",
     )
     replay: str = knob(
         "",

@@ -5,7 +5,8 @@ lighthouse who is in at each outer sync and builds that quorum's gloo group; ``R
 sync's collectives on it, settles them with a commit quorum and retries among the survivors.
 """
 
-from .membership import Elastic, Membership, View
+from .decide import View
+from .membership import Elastic, Membership
 from .runner import Runner
 
 __all__ = ["Elastic", "Membership", "Runner", "View"]

@@ -26,6 +26,9 @@
   after step 40, once that sync's group has formed, as its peers enter the collectives (site
   0 is the lowest member: it hosts the group's store too). The others fail the attempt and
   retry without it;
+- ``stall:2@40`` site 2 stops (SIGSTOP) inside the first sync it takes part in at or after
+  step 40, as ``collective:`` dies: a host wedged mid-collective. Its peers wait for it at most
+  the sync's deadline (docs/reliability.md), then go on without it;
 - ``lighthouse:0@30x3`` the lighthouse dies when site 0 reaches step 30 (the launcher, asked by
   that site before its step 30, SIGKILLs the lighthouse's process) and the launcher starts it
   again at the same address 3 seconds later. The sites train on; their next quorum request
@@ -70,6 +73,7 @@ KINDS = (
     "corrupt",
     "healer",
     "collective",
+    "stall",
     "lighthouse",
     "link",
 )
@@ -188,7 +192,7 @@ def act(faults: list[Fault], site: int, step: int, out: Path | None = None) -> N
     for f in faults:
         if f.site != site or f.step != step:
             continue
-        if f.kind in ("corrupt", "healer", "collective"):
+        if f.kind in ("corrupt", "healer", "collective", "stall"):
             _armed.add(f.kind)
         if f.kind == "lighthouse" and out is not None:
             ask = out / LIGHTHOUSE_FAULT
@@ -244,9 +248,10 @@ def spoil_if_armed(payloads: list[Any]) -> bool:
 
 def die_if_armed(kind: str) -> None:
     """A fault armed on this process that kills it at this point (``healer:``: inside a heal's
-    hand-over; ``collective:``: inside a sync's collectives), now."""
+    hand-over; ``collective:``: inside a sync's collectives), now; ``stall:`` stops it there
+    instead (SIGSTOP)."""
     if kind in _armed:
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGSTOP if kind == "stall" else signal.SIGKILL)
 
 
 def decoded(faults: list[Fault]) -> list[Fault]:

@@ -1,10 +1,12 @@
-"""Healing a joining site from a live peer: the run's shared state, on the quorum's own group.
+"""Healing a joining site from the live members: the run's shared state, on the quorum's own
+group, sent to the joiners only and striped across the members that hold it.
 
 The state is the engine's shared parts (declared once, ``StatePart(shared=True)``), written
 with ``torch.save`` and read with ``torch.load(weights_only=True)``: tensors and plain types,
-never a peer's pickle. Every member then compares a SHA-256 of its shared state, the joiner's
-taken from what it loaded into its own engine, so a heal that is not bit-exact is never
-trained on.
+never a peer's pickle. The joiner checks the bytes it assembled against their SHA-256, and then
+every member compares a SHA-256 of its shared state, the joiner's taken from what it loaded
+into its own engine, so a heal that is not bit-exact is never trained on. A member that dies
+during the hand-over fails the attempt: the others retry without it and the joiner asks again.
 """
 
 from __future__ import annotations
@@ -57,17 +59,66 @@ def _feed(h: Any, value: Any) -> None:
         h.update(f"V{value!r}".encode())
 
 
-def hand_over(transport: Transport, src: int, state: dict[str, Any] | None) -> tuple[Any, int]:
-    """Rank ``src`` sends ``state`` to every member of the group (the others pass None); each
-    gets it back, unpacked, with its size in bytes."""
-    payload = pack(state) if transport.rank == src else torch.empty(0, dtype=torch.uint8)
-    size = transport.broadcast(torch.tensor([payload.numel()], dtype=torch.int64), src)
-    if transport.rank == src:
+def hand_over(
+    transport: Transport,
+    joiners: list[int],
+    healer: int,
+    state: dict[str, Any] | None,
+    record: dict[str, Any] | None = None,
+) -> tuple[Any, Any, int, int]:
+    """The run's shared ``state`` to the ``joiners`` (group ranks) only, striped across every
+    old member: old member i of k sends the joiners the i-th k-th of its bytes, so each sends
+    1/k of them and the joiners' link carries them once; the ``healer``'s ``record`` (the
+    membership history, which each member timed itself) comes whole from it. Old members pass
+    their state, joiners None. Each old member's size and digest go to all first; where they
+    differ, the whole state comes from the healer. A joiner checks the assembled bytes against
+    the digest before it loads them. Returns (state, record: for a joiner unpacked), the
+    state's size in bytes and how many members sent it."""
+    old = [r for r in range(transport.world_size) if r not in joiners]
+    mine = pack(state) if state is not None else _EMPTY
+    rec = pack(record) if transport.rank == healer and record is not None else _EMPTY
+    metas = transport.all_gather(_meta(mine, rec, state is not None), control=True)
+    if transport.rank == healer:
         die_if_armed("healer")  # a healer:SITE fault: dies here, mid-hand-over
-    if transport.rank != src:
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    transport.broadcast(payload, src)
-    return (state if transport.rank == src else unpack(payload)), payload.numel()
+    sources = old if all(torch.equal(metas[r][:40], metas[old[0]][:40]) for r in old) else [healer]
+    size, rec_size = (int(x) for x in metas[healer][_SIZES].view(torch.int64).tolist())
+    cuts = [size * i // len(sources) for i in range(len(sources) + 1)]
+    if transport.rank in joiners:
+        payload, got = (
+            torch.empty(size, dtype=torch.uint8),
+            torch.empty(rec_size, dtype=torch.uint8),
+        )
+        recvs = {r: payload[cuts[i] : cuts[i + 1]] for i, r in enumerate(sources)}
+        transport.exchange_p2p({}, {r: t for r, t in recvs.items() if t.numel()})
+        transport.exchange_p2p({}, {healer: got})
+        if hashlib.sha256(payload.numpy()).digest() != bytes(metas[healer][8:40].tolist()):
+            raise RuntimeError("the healed state's bytes differ from their digest: asking again")
+        return unpack(payload), unpack(got), size, len(sources)
+    if transport.rank in sources:
+        i = sources.index(transport.rank)
+        stripe = mine[cuts[i] : cuts[i + 1]]
+        transport.exchange_p2p({j: stripe for j in joiners} if stripe.numel() else {}, {})
+    if transport.rank == healer:
+        transport.exchange_p2p({j: rec for j in joiners}, {})
+    return state, record, size, len(sources)
+
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)
+_SIZES = slice(40, 56)  # in a member's meta: the state's and the record's sizes (int64 each)
+
+
+def _meta(state: torch.Tensor, record: torch.Tensor, holds: bool) -> torch.Tensor:
+    """A member's 56 bytes before a hand-over: its state's size and SHA-256, then the sizes of
+    its state and record (zeros for a joiner)."""
+    meta = torch.zeros(56, dtype=torch.uint8)
+    if holds:
+        meta[:8] = torch.tensor([state.numel()], dtype=torch.int64).view(torch.uint8)
+        meta[8:40] = torch.frombuffer(bytearray(hashlib.sha256(state.numpy()).digest()),
+                                      dtype=torch.uint8)  # fmt: skip
+    meta[_SIZES] = torch.tensor([state.numel(), record.numel()], dtype=torch.int64).view(
+        torch.uint8
+    )
+    return meta
 
 
 def agree(transport: Transport, state: dict[str, Any]) -> bool:

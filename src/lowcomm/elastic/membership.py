@@ -28,7 +28,7 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -36,6 +36,17 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, MembershipError
+from .decide import (
+    View,
+    admit,
+    admitted_at,
+    as_int,
+    exclusion,
+    in_sync,
+    run_tag,
+    step_of,
+    without,
+)
 from .link import Link
 
 log = logging.getLogger("lowcomm")
@@ -69,6 +80,8 @@ class Elastic:
     quorum: int = 0  # rounds=quorum: a sync closes once this many sites reached it (0: a majority)
     grace: float = 0.0  # ... plus this many seconds for the rest (0: auto, 3x the slowest step)
     late: str = "carry"  # a site that missed its sync: carry its work into the next, or drop it
+    # ... how contributions of unequal steps are merged: by their steps, plainly, or per step
+    weighting: str = "steps"
 
     def __post_init__(self) -> None:
         if not isinstance(self.lighthouse, str) or not self.lighthouse:
@@ -83,6 +96,7 @@ class Elastic:
                 f"min_workers must be in [1, sites={self.sites}], got {self.min_workers}"
             )
         check_rounds(self.rounds, self.quorum, self.grace, self.late, self.sites)
+        check_weighting(self.weighting)
 
     @property
     def quorum_size(self) -> int:
@@ -93,37 +107,6 @@ class Elastic:
     def replica_id(self) -> str:
         """This site's name at the lighthouse (sorted names give the ranks)."""
         return f"site{self.site:04d}"
-
-
-@dataclass
-class View:
-    """One quorum as this site sees it: its members in rank order and what each reported."""
-
-    quorum_id: int
-    members: list[int]  # site numbers, rank order
-    data: list[dict[str, Any]] = field(default_factory=list)
-    joiners: list[int] = field(default_factory=list)  # members admitted here, to be healed
-
-    @property
-    def who(self) -> str:
-        """The members as processes (site and incarnation): a site started again after it
-        left is another member, though the lighthouse knows it by the same name."""
-        return "-".join(f"{d['site']}.{d.get('inc', '')}" for d in self.data)
-
-    @property
-    def healer(self) -> int:
-        """The rank that hands a joiner the run's state: the lowest site already in the run."""
-        return self.rank_of(next(s for s in self.members if s not in self.joiners))
-
-    @property
-    def epoch(self) -> int:
-        """The lighthouse's epoch for this quorum's groups: the highest any member reported (every
-        member computes the same from the same requests)."""
-        return max((_int(d.get("lh")) for d in self.data), default=0)
-
-    def rank_of(self, site: int) -> int:
-        """This quorum's rank of ``site``."""
-        return self.members.index(site)
 
 
 class Membership:
@@ -304,7 +287,7 @@ class Membership:
         q = self._link.quorum(tag, data, 2 * e.timeout_s + e.connect_s, self.store_address)
         data = [d for d in (_readable(m.data) for m in q.participants) if d is not None]
         data = sorted(data, key=lambda d: d["site"])
-        self._link.adopt([_int(d.get("lh")) for d in data])
+        self._link.adopt([as_int(d.get("lh")) for d in data])
         if not join:  # a joiner reads the others' settings to say why it is refused
             data = self._same_run(data)
         return View(int(q.quorum_id), [d["site"] for d in data], data)
@@ -373,17 +356,7 @@ class Membership:
         incs = {d["site"]: str(d.get("inc", "")) for d in (view.data if view else [])}
         for site, why in sites.items():
             self._excluded_inc[site] = incs.get(site, "")
-            if why.startswith(UNREACHED):
-                self.excluded[site] = (
-                    f"site {site} is excluded from the run at {tag}: {why} (its network to the "
-                    f"others broke while the lighthouse still heard it); it stops here, the "
-                    f"others go on: start it again to rejoin"
-                )
-            else:
-                self.excluded[site] = (
-                    f"site {site} is excluded from the run at {tag}: the others refused its "
-                    f"payload ({why}); it stops here, the others go on"
-                )
+            self.excluded[site] = exclusion(site, tag, why)
             log.warning("site %d: site %d excluded at %s: %s", self.elastic.site, site, tag,
                         why)  # fmt: skip
 
@@ -400,21 +373,10 @@ class Membership:
             return self._groups[key]
         for k in [k for k in self._groups if k[:3] != key[:3]]:  # done with, or broken
             self._groups.pop(k).abort()
-        host, port = view.data[0]["store"].rsplit(":", 1)
         if view.members[0] == self.elastic.site:
             store = self._store
         else:
-            try:  # the member that hosts it gone, or its network: within connect_s
-                store = dist.TCPStore(
-                    host, int(port), is_master=False,
-                    timeout=timedelta(seconds=self.elastic.connect_s),
-                )  # fmt: skip
-            except (RuntimeError, OSError) as e:  # torch's DistNetworkError is a RuntimeError
-                raise Unreachable(
-                    f"could not reach the group's store at {host}:{port} within "
-                    f"connect_s={self.elastic.connect_s:g} s ({e})".splitlines()[0],
-                    [0],
-                ) from None
+            store = _store_of(view.data[0]["store"], self.elastic.connect_s)
         prefix = dist.PrefixStore(group_name(self.elastic.run_id, view, generation), store)
         rank, size = view.rank_of(self.elastic.site), len(view.members)
         _arrive(prefix, rank, size, self.elastic.connect_s)
@@ -449,11 +411,6 @@ def group_name(run_id: str, view: View, generation: int) -> str:
     return f"{run_id}/e{view.epoch}/q{view.quorum_id}/g{generation}/m{view.who}/"
 
 
-def _int(value: Any) -> int:
-    """A reported number, or 0 (a request without it, or a malformed one)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
 def check_rounds(rounds: str, quorum: int, grace: float, late: str, sites: int) -> None:
     """Raise ConfigError for quorum-round settings that cannot work (one line with the fix)."""
     if rounds not in ("lockstep", "quorum"):
@@ -468,6 +425,15 @@ def check_rounds(rounds: str, quorum: int, grace: float, late: str, sites: int) 
             f"quorum must be more than half of the {sites} sites and at most {sites} "
             f"(the lighthouse's majority rule): try quorum={sites // 2 + 1}, got {quorum}"
         )
+
+
+WEIGHTINGS = ("steps", "plain", "normalized")
+
+
+def check_weighting(weighting: str) -> None:
+    """Raise ConfigError for a weighting rule that does not exist (one line with the choices)."""
+    if weighting not in WEIGHTINGS:
+        raise ConfigError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {weighting!r}")
 
 
 # what every request a member reads must carry, and its type
@@ -489,141 +455,6 @@ def _readable(raw: Any) -> dict[str, Any] | None:
     return d
 
 
-def run_tag(view: View) -> str | None:
-    """The sync the run is at, as every member of ``view`` computes it: the tag most of its
-    members (joiners aside) report, the newest on a tie (None: no member reports one). A
-    member reporting another is elsewhere: it alone stops or asks back in."""
-    tags = [d["tag"] for d in view.data if not d.get("join")]
-    if not tags:
-        return None
-    return max(set(tags), key=lambda t: (tags.count(t), step_of(t), t))
-
-
-def in_sync(view: View, tag: str) -> View:
-    """``view`` without the members at a sync other than ``tag`` (joiners kept)."""
-    keep = [d for d in view.data if d.get("join") or d["tag"] == tag]
-    if len(keep) == len(view.data):
-        return view
-    gone = [d["site"] for d in view.data if d not in keep]
-    log.warning("sites %s are at another sync than %s: left out of it", gone, tag)
-    members = [int(d["site"]) for d in keep]
-    return View(view.quorum_id, members, keep, [j for j in view.joiners if j in members])
-
-
-def committed(view: View, commit: View, generation: int, ok: bool) -> bool:
-    """The vote on one attempt: it stands when this site completed it and every member of
-    the attempt's ``view`` asked for the commit quorum of the same sync and attempt
-    (``generation``) having completed it. A request of another phase or attempt that the
-    lighthouse put in the same quorum (a stale one, re-registered) is no vote."""
-    votes = [
-        d
-        for d in commit.data
-        if d.get("phase") == "commit" and d.get("gen") == generation and not d.get("join")
-    ]
-    return (
-        ok
-        and [int(d["site"]) for d in votes] == view.members
-        and len(commit.members) == len(votes) + len(commit.joiners)
-        and all(d.get("ok") is True for d in votes)
-    )
-
-
-def blamed(view: View, commit: View, generation: int) -> dict[int, str]:
-    """The sites every member excludes after a failed attempt: those a member's commit vote
-    blames (its payload failed to decode the same way on every try), read only from a
-    complete vote (every member of the attempt's ``view`` voted in this attempt), which every
-    member reads alike. Site -> the first accuser's reason."""
-    votes = [
-        d
-        for d in commit.data
-        if d.get("phase") == "commit" and d.get("gen") == generation and not d.get("join")
-    ]
-    if [int(d["site"]) for d in votes] != view.members:
-        return {}
-    out: dict[int, str] = {}
-    for d in votes:
-        site = d.get("blame")
-        if isinstance(site, int) and not isinstance(site, bool) and site in view.members:
-            out.setdefault(site, str(d.get("why", "")))
-    return {**out, **_unreached(view, votes)}
-
-
-UNREACHED = "unreachable"  # how an exclusion for a broken network begins (see _unreached)
-
-
-def _unreached(view: View, votes: list[dict[str, Any]]) -> dict[int, str]:
-    """The sites that more than half of the other voters could not reach at the attempt's
-    group (their heartbeats reach the lighthouse; their data plane does not). A partition with
-    no such majority (two sites, each unreached by the other) keeps the lowest member and
-    excludes the rest of those unreached: the same choice on every member."""
-    others = len(votes) - 1
-    counts: dict[int, int] = {}
-    for d in votes:
-        said = d.get("unreached")
-        for site in set(said) if isinstance(said, list) else ():
-            if isinstance(site, int) and not isinstance(site, bool) and site != d["site"]:
-                counts[site] = counts.get(site, 0) + 1
-    out = {
-        s: f"{UNREACHED} from {n} of the {others} other members"
-        for s, n in sorted(counts.items())
-        if s in view.members and 2 * n > others
-    }
-    if others > 0 and len(out) == len(view.members):  # no side has a majority
-        out.pop(view.members[0])
-    return out
-
-
-def without(view: View, excluded: dict[int, str]) -> View:
-    """``view`` without the excluded processes (site -> its incarnation; as members or
-    joiners): the site started again is another process, and may come back."""
-    keep = [d for d in view.data if excluded.get(d["site"], None) != str(d.get("inc", ""))]
-    if len(keep) == len(view.data):
-        return view
-    members = [int(d["site"]) for d in keep]
-    return View(view.quorum_id, members, keep, [j for j in view.joiners if j in members])
-
-
-def admitted_at(view: View, fingerprint: str) -> tuple[View, dict[str, Any]]:
-    """A joiner's reading of a quorum: whom it admits at the run's sync (:func:`run_tag`), the
-    members elsewhere left out as every member leaves them out (:meth:`Membership.check`),
-    and the request of a member at that sync (its tag, phase and attempt)."""
-    tag = run_tag(view)
-    ref = next(d for d in view.data if not d.get("join") and d["tag"] == tag)
-    return in_sync(admit(view, fingerprint, tag, ref["phase"]), tag), ref
-
-
-def admit(view: View, fingerprint: str, tag: str, phase: str) -> View:
-    """The members of a quorum that take part in sync ``tag``: the sites already in the run,
-    and the joiners it admits there (the run's settings; the first quorum of a sync of the
-    outer loop, ``sync@N``, at or after the step they asked to join from, or exactly the sync
-    a replay names), where every old member offers the run's state. Every member computes
-    the same from the same view."""
-    keep = [d for d in view.data if not d.get("join")]
-    joiners = []
-    # the members at this sync offer; one elsewhere is left out of it (see check)
-    offered = all(d.get("ready") for d in keep if d["tag"] == tag)
-    for d in view.data:
-        if d.get("join") and d.get("fp") == fingerprint and phase == "sync" and offered:
-            if _joins_at(d, tag):
-                keep.append(d)
-                joiners.append(int(d["site"]))
-    keep.sort(key=lambda d: d["site"])
-    return View(view.quorum_id, [int(d["site"]) for d in keep], keep, joiners)
-
-
-def step_of(tag: str) -> int:
-    """The inner step of a sync's tag (``sync@40`` -> 40; -1 for other tags)."""
-    _, _, step = tag.partition("@")
-    return int(step) if step.isdigit() else -1
-
-
-def _joins_at(d: dict[str, Any], tag: str) -> bool:
-    kind, _, step = tag.partition("@")
-    if kind != "sync" or not step.isdigit():
-        return False
-    return tag == d["join_at"] if d.get("join_at") else int(step) >= int(d.get("join_from", 0))
-
-
 def _arrive(store: Any, rank: int, size: int, connect_s: float) -> None:
     """Wait at most ``connect_s`` for every member to reach this group's store; raises
     RuntimeError (a failed attempt: the runner retries among those left) when one does not.
@@ -643,6 +474,22 @@ def _arrive(store: Any, rank: int, size: int, connect_s: float) -> None:
             f"members {away} of the group did not reach it within connect_s={connect_s:g} s "
             f"({str(e).splitlines()[0][:120]})",
             away,
+        ) from None
+
+
+def _store_of(address: str, connect_s: float) -> dist.TCPStore:
+    """A client of the group's store at ``address`` (its first member's), reached within
+    ``connect_s``; :class:`Unreachable` names that member (rank 0) when it is not: gone, or its
+    network cut."""
+    host, port = address.rsplit(":", 1)
+    try:
+        return dist.TCPStore(host, int(port), is_master=False,
+                             timeout=timedelta(seconds=connect_s))  # fmt: skip
+    except (RuntimeError, OSError) as e:  # torch's DistNetworkError is a RuntimeError
+        raise Unreachable(
+            f"could not reach the group's store at {address} within connect_s={connect_s:g} s "
+            f"({str(e).splitlines()[0][:120]})",
+            [0],
         ) from None
 
 

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .membership import Membership, View
+from .decide import View
+from .membership import Membership
 
 log = logging.getLogger("lowcomm")
 

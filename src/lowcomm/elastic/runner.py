@@ -9,13 +9,15 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TypeVar
 
 from ..errors import MembershipError, PayloadError
 from ..transport import ByteMeter, Transport
 from . import heal
+from .decide import View, blamed, committed, step_of
 from .faults import die_if_armed
-from .membership import Membership, Unreachable, View, blamed, committed, step_of
+from .membership import Membership, Unreachable
 from .rounds import Rounds
 
 log = logging.getLogger("lowcomm")
@@ -23,6 +25,7 @@ T = TypeVar("T")
 
 Collectives = Callable[[Transport, Transport], T]  # (training transport, buffer transport)
 _SAME_FAILURES = 3  # attempts among unchanged members before an error is taken as real
+_SLACK = 4.0  # a group's collectives may take this many times the slowest attempt that stood
 
 
 class Runner:
@@ -43,7 +46,10 @@ class Runner:
         # the engine's shared state at a sync a joiner may enter, by tag (see ``offer``)
         self._offers: dict[str, Callable[[], dict]] = {}
         self.admitted: View | None = None  # a joiner's first sync: the view that admitted it
-        self._heal: tuple[float, int] | None = None  # the last heal sent: seconds, bytes
+        self._slowest = 0.0  # seconds of the slowest attempt that stood (0: none yet)
+        self._full = True  # the next group waits the whole timeout_s (first, or after a failure)
+        # the last heal sent: seconds, the state's bytes, how many members sent them
+        self._heal: tuple[float, int, int] | None = None
         # rounds=quorum: syncs close on a quorum plus a grace window (see .rounds)
         self.rounds = Rounds(membership) if membership.elastic.rounds == "quorum" else None
 
@@ -58,8 +64,10 @@ class Runner:
             view, self.admitted = self.admitted or self.membership.quorum(tag, ready=ready), None
             view = self.membership.check(view, tag)
             blame, unreached = None, None
+            t0 = time.perf_counter()
             try:  # the group too: its store's host or a peer may be gone already
                 result, ok = self._attempt(view, tag, collectives), True
+                self._slowest, self._full = max(self._slowest, time.perf_counter() - t0), False
             # a peer died or hung inside a collective (torch's collective logger turns the
             # error of a group outside its world map into a ValueError); or a peer's payload
             # failed to decode, which its same bytes would do on every try: blamed, not
@@ -72,9 +80,10 @@ class Runner:
                 if blame is None and not unreached and same:
                     raise  # the same members failed again and again, nobody named: stop
                 failed.append(view.members)
-                log.warning("site %d: %s failed among %s (%s); retrying", self._site, tag,
-                            view.members, str(err).splitlines()[0][:160])  # fmt: skip
-                result, ok = None, False
+                log.warning("site %d: %s failed among %s after %.1f s (deadline %g s: %s); "
+                            "retrying", self._site, tag, view.members, time.perf_counter() - t0,
+                            self.deadline(view), str(err).splitlines()[0][:160])  # fmt: skip
+                result, ok, self._full = None, False, True
             if not ok:  # before the vote: peers blocked on this site fail now, not at timeout_s
                 self._drop()
             commit = self.membership.quorum(
@@ -121,9 +130,14 @@ class Runner:
     def _attempt(self, view: View, tag: str, collectives: Collectives[T]) -> T:
         """One attempt on ``view``'s group (no reference to it outlives a failure: see _drop)."""
         transports = self._on(view)
+        # the bound for this attempt's collectives (a group lives on while its members do)
+        self.membership.group(view, self.membership.generation).set_timeout(
+            timedelta(seconds=self.deadline(view))
+        )
         self._heal_joiners(view, transports[0], tag)
         if step_of(tag) >= 0:  # a sync of the outer loop: a collective: fault dies in it
             die_if_armed("collective")
+            die_if_armed("stall")  # ... and a stall: one stops there
         return collectives(*transports)
 
     def heal_in(self, view: View, tag: str, load: Callable[[dict], dict]) -> None:
@@ -131,9 +145,9 @@ class Runner:
         record of members, ``load`` it (returns what the engine then holds), compare digests
         with every member; its first ``run`` is then sync ``tag`` on this same view."""
         transport = self._on(view)[0]
-        src = view.healer
-        got, _ = heal.hand_over(transport, src, None)
-        loaded = load(got["state"])
+        joiners = [view.rank_of(s) for s in view.joiners]
+        state, got, _, _ = heal.hand_over(transport, joiners, view.healer, None)
+        loaded = load(state)
         self.events, self.members = list(got["events"]), list(got["members"])
         self._last_tag, self._last_step = got["last"]
         if not heal.agree(transport, loaded):
@@ -153,14 +167,14 @@ class Runner:
         if not view.joiners or self._site in view.joiners:
             return
         t0 = time.perf_counter()
-        src = view.healer
         state = self._offers[tag]()  # admitted only where every member offered it
-        record = {"state": state, "events": self.events, "members": self.members,
+        record = {"events": self.events, "members": self.members,
                   "last": [self._last_tag, self._last_step]}  # fmt: skip
-        _, size = heal.hand_over(transport, src, record if transport.rank == src else None)
+        joiners = [view.rank_of(s) for s in view.joiners]
+        _, _, size, sources = heal.hand_over(transport, joiners, view.healer, state, record)
         if not heal.agree(transport, state):
             raise RuntimeError(heal.mismatch(tag))  # this attempt fails; retried without it
-        self._heal = (time.perf_counter() - t0, size)
+        self._heal = (time.perf_counter() - t0, size, sources)
 
     def _drop(self) -> None:
         """Close this attempt's group: its connections close with it, so a peer still waiting
@@ -173,6 +187,17 @@ class Runner:
     @property
     def _site(self) -> int:
         return self.membership.elastic.site
+
+    def deadline(self, view: View) -> float:
+        """The bound on a collective of ``view``'s group: ``_SLACK`` times the slowest
+        attempt that stood, at least ``connect_s`` and at most ``timeout_s`` (a peer that hangs
+        inside a sync then costs seconds, not ``timeout_s``). The whole ``timeout_s`` for the
+        first sync, a heal, and the attempt after a failure, so a sync slower than any before
+        it (a slower link) fails once, never twice."""
+        e = self.membership.elastic
+        if self._full or view.joiners:
+            return e.timeout_s
+        return min(e.timeout_s, max(e.connect_s, _SLACK * self._slowest))
 
     def _on(self, view: View) -> tuple[Transport, Transport]:
         """This quorum's transports (made once per quorum), metered with the run's meters."""
@@ -203,7 +228,8 @@ class Runner:
             if view.joiners:
                 event["joined"] = list(view.joiners)
                 if self._heal is not None:  # measured by the old members that sent it
-                    event.update(heal_s=round(self._heal[0], 3), heal_bytes=self._heal[1])
+                    seconds, size, sources = self._heal
+                    event.update(heal_s=round(seconds, 3), heal_bytes=size, heal_from=sources)
             self.events.append(event)
             if gone:
                 log.warning("site %d: sites %s left at %s; %d sites go on", self._site, gone,

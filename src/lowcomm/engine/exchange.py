@@ -168,15 +168,23 @@ class Exchange:
         return event
 
     def weights(self, flags: torch.Tensor, p: int) -> list[float] | None:
-        """Each worker's weight in fragment ``p``'s mean: the inner steps its contribution
-        holds (0 when it sent none or a non-finite one). None, the plain mean, when every
-        contribution holds the same steps: the weighted mean is then the plain one, and the
-        plain one keeps the bits of a lock-step run."""
+        """Each worker's weight in fragment ``p``'s mean (0 when it sent none or a non-finite
+        one), by the run's ``weighting``: ``steps``, the inner steps h its contribution holds;
+        ``plain``, 1 each; ``normalized``, 1/h (each pseudo-gradient taken per step, the mean
+        then scaled back to the harmonic mean of the h). None, the plain mean, when every
+        contribution holds the same steps: every rule is then the plain mean, which keeps the
+        bits of a lock-step run."""
+        assert self.runner is not None
         steps = flags[:, UNSENT + p].clone()
         steps[flags[:, NONFINITE] != 0] = 0
         held = steps[steps > 0]
         if held.numel() == 0 or bool((held == held[0]).all()):
             return None
+        rule = self.runner.membership.elastic.weighting
+        if rule == "plain":
+            return [1.0 if s > 0 else 0.0 for s in steps.tolist()]
+        if rule == "normalized":
+            return [1.0 / s if s > 0 else 0.0 for s in steps.tolist()]
         return [float(s) for s in steps.tolist()]
 
     def exchange_buffers(self, flat: torch.Tensor | None, bt: Transport) -> torch.Tensor | None:

@@ -74,7 +74,7 @@ def check_elastic(spec: RunSpec, workers: int) -> None:
         if links(faults):
             raise ConfigError("--faults link: cuts an elastic site's data plane: add elastic=true")
         return
-    if links(faults):
+    if links(faults) or cfg.site_link:
         _check_links(cfg)
     spec.strategy.check_elastic(cfg, bool(rejoin))  # a replay's joins: refused with replay
     if lighthouse_down(faults) and cfg.lighthouse:
@@ -100,15 +100,16 @@ def _check_links(cfg: TrainConfig) -> None:
     from ..bench.netshape.errors import NetworkUnavailable
     from ..bench.netshape.namespaces import require_root_and_iproute2
 
+    what = f"site_link={cfg.site_link}" if cfg.site_link else "--faults link"
     if cfg.lighthouse:
         raise ConfigError(
-            f"--faults link: the sites then run in network namespaces that reach only the "
-            f"launcher's lighthouse, not lighthouse={cfg.lighthouse}: drop lighthouse= or the fault"
+            f"{what}: the sites then run in network namespaces that reach only the launcher's "
+            f"lighthouse, not lighthouse={cfg.lighthouse}: drop lighthouse= or {what}"
         )
     try:
         require_root_and_iproute2()
     except NetworkUnavailable as e:
-        raise ConfigError(f"--faults link: {e}") from None
+        raise ConfigError(f"{what}: {e}") from None
 
 
 def replay_leaves(path: str, sites: int) -> dict[int, str]:
@@ -176,14 +177,14 @@ def _site_network(cfg: TrainConfig, workers: int) -> Any:
     """A network namespace for each site and the lighthouse's, bridged (a ``link:`` fault
     cuts one site's link there); None for a run without such a fault."""
     faults = parse_faults(cfg.faults, workers, cfg.steps)
-    if not links(faults):
+    if not links(faults) and not cfg.site_link:
         return None
     from ..bench.netshape.network import ShapedNetwork
 
     total = workers + len(adds(faults))
-    # a nominal rate: the namespaces are for cutting one site's link, not for shaping it
-    net = ShapedNetwork("10gbit", topology="per-worker", workers=total, check=False,
-                        name_prefix="lcsites")  # fmt: skip
+    # without site_link a nominal rate: namespaces to cut one site's link in, not to shape it
+    net = ShapedNetwork(cfg.site_link or "10gbit", topology="per-worker", workers=total,
+                        check=False, name_prefix="lcsites")  # fmt: skip
     return net.__enter__()
 
 

@@ -1,0 +1,197 @@
+"""What every member decides alike from one quorum's data: which sync the run is at, who takes
+part in it, whom a joiner's request admits, whether an attempt's commit vote stands, and whom
+the vote excludes. Pure functions of the lighthouse's views (no lighthouse, no store), so every
+member computes the same from the same view (tests/test_protocol.py builds views by hand)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("lowcomm")
+
+
+@dataclass
+class View:
+    """One quorum as this site sees it: its members in rank order and what each reported."""
+
+    quorum_id: int
+    members: list[int]  # site numbers, rank order
+    data: list[dict[str, Any]] = field(default_factory=list)
+    joiners: list[int] = field(default_factory=list)  # members admitted here, to be healed
+
+    @property
+    def who(self) -> str:
+        """The members as processes (site and incarnation): a site started again after it
+        left is another member, though the lighthouse knows it by the same name."""
+        return "-".join(f"{d['site']}.{d.get('inc', '')}" for d in self.data)
+
+    @property
+    def healer(self) -> int:
+        """The rank that hands a joiner the run's state: the lowest site already in the run."""
+        return self.rank_of(next(s for s in self.members if s not in self.joiners))
+
+    @property
+    def epoch(self) -> int:
+        """The lighthouse's epoch for this quorum's groups: the highest any member reported (every
+        member computes the same from the same requests)."""
+        return max((as_int(d.get("lh")) for d in self.data), default=0)
+
+    def rank_of(self, site: int) -> int:
+        """This quorum's rank of ``site``."""
+        return self.members.index(site)
+
+
+def as_int(value: Any) -> int:
+    """A reported number, or 0 (a request without it, or a malformed one)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def run_tag(view: View) -> str | None:
+    """The sync the run is at, as every member of ``view`` computes it: the tag most of its
+    members (joiners aside) report, the newest on a tie (None: no member reports one). A
+    member reporting another is elsewhere: it alone stops or asks back in."""
+    tags = [d["tag"] for d in view.data if not d.get("join")]
+    if not tags:
+        return None
+    return max(set(tags), key=lambda t: (tags.count(t), step_of(t), t))
+
+
+def in_sync(view: View, tag: str) -> View:
+    """``view`` without the members at a sync other than ``tag`` (joiners kept)."""
+    keep = [d for d in view.data if d.get("join") or d["tag"] == tag]
+    if len(keep) == len(view.data):
+        return view
+    gone = [d["site"] for d in view.data if d not in keep]
+    log.warning("sites %s are at another sync than %s: left out of it", gone, tag)
+    members = [int(d["site"]) for d in keep]
+    return View(view.quorum_id, members, keep, [j for j in view.joiners if j in members])
+
+
+def committed(view: View, commit: View, generation: int, ok: bool) -> bool:
+    """The vote on one attempt: it stands when this site completed it and every member of
+    the attempt's ``view`` asked for the commit quorum of the same sync and attempt
+    (``generation``) having completed it. A request of another phase or attempt that the
+    lighthouse put in the same quorum (a stale one, re-registered) is no vote."""
+    votes = [
+        d
+        for d in commit.data
+        if d.get("phase") == "commit" and d.get("gen") == generation and not d.get("join")
+    ]
+    return (
+        ok
+        and [int(d["site"]) for d in votes] == view.members
+        and len(commit.members) == len(votes) + len(commit.joiners)
+        and all(d.get("ok") is True for d in votes)
+    )
+
+
+def blamed(view: View, commit: View, generation: int) -> dict[int, str]:
+    """The sites every member excludes after a failed attempt: those a member's commit vote
+    blames (its payload failed to decode the same way on every try), read only from a
+    complete vote (every member of the attempt's ``view`` voted in this attempt), which every
+    member reads alike. Site -> the first accuser's reason."""
+    votes = [
+        d
+        for d in commit.data
+        if d.get("phase") == "commit" and d.get("gen") == generation and not d.get("join")
+    ]
+    if [int(d["site"]) for d in votes] != view.members:
+        return {}
+    out: dict[int, str] = {}
+    for d in votes:
+        site = d.get("blame")
+        if isinstance(site, int) and not isinstance(site, bool) and site in view.members:
+            out.setdefault(site, str(d.get("why", "")))
+    return {**out, **_unreached(view, votes)}
+
+
+UNREACHED = "unreachable"  # how an exclusion for a broken network begins (see _unreached)
+
+
+def _unreached(view: View, votes: list[dict[str, Any]]) -> dict[int, str]:
+    """The sites that more than half of the other voters could not reach at the attempt's
+    group (their heartbeats reach the lighthouse; their data plane does not). A partition with
+    no such majority (two sites, each unreached by the other) keeps the lowest member and
+    excludes the rest of those unreached: the same choice on every member."""
+    others = len(votes) - 1
+    counts: dict[int, int] = {}
+    for d in votes:
+        said = d.get("unreached")
+        for site in set(said) if isinstance(said, list) else ():
+            if isinstance(site, int) and not isinstance(site, bool) and site != d["site"]:
+                counts[site] = counts.get(site, 0) + 1
+    out = {
+        s: f"{UNREACHED} from {n} of the {others} other members"
+        for s, n in sorted(counts.items())
+        if s in view.members and 2 * n > others
+    }
+    if others > 0 and len(out) == len(view.members):  # no side has a majority
+        out.pop(view.members[0])
+    return out
+
+
+def without(view: View, excluded: dict[int, str]) -> View:
+    """``view`` without the excluded processes (site -> its incarnation; as members or
+    joiners): the site started again is another process, and may come back."""
+    keep = [d for d in view.data if excluded.get(d["site"], None) != str(d.get("inc", ""))]
+    if len(keep) == len(view.data):
+        return view
+    members = [int(d["site"]) for d in keep]
+    return View(view.quorum_id, members, keep, [j for j in view.joiners if j in members])
+
+
+def admitted_at(view: View, fingerprint: str) -> tuple[View, dict[str, Any]]:
+    """A joiner's reading of a quorum: whom it admits at the run's sync (:func:`run_tag`), the
+    members elsewhere left out as every member leaves them out (:meth:`Membership.check`),
+    and the request of a member at that sync (its tag, phase and attempt)."""
+    tag = run_tag(view)
+    ref = next(d for d in view.data if not d.get("join") and d["tag"] == tag)
+    return in_sync(admit(view, fingerprint, tag, ref["phase"]), tag), ref
+
+
+def admit(view: View, fingerprint: str, tag: str, phase: str) -> View:
+    """The members of a quorum that take part in sync ``tag``: the sites already in the run,
+    and the joiners it admits there (the run's settings; the first quorum of a sync of the
+    outer loop, ``sync@N``, at or after the step they asked to join from, or exactly the sync
+    a replay names), where every old member offers the run's state. Every member computes
+    the same from the same view."""
+    keep = [d for d in view.data if not d.get("join")]
+    joiners = []
+    # the members at this sync offer; one elsewhere is left out of it (see check)
+    offered = all(d.get("ready") for d in keep if d["tag"] == tag)
+    for d in view.data:
+        if d.get("join") and d.get("fp") == fingerprint and phase == "sync" and offered:
+            if _joins_at(d, tag):
+                keep.append(d)
+                joiners.append(int(d["site"]))
+    keep.sort(key=lambda d: d["site"])
+    return View(view.quorum_id, [int(d["site"]) for d in keep], keep, joiners)
+
+
+def step_of(tag: str) -> int:
+    """The inner step of a sync's tag (``sync@40`` -> 40; -1 for other tags)."""
+    _, _, step = tag.partition("@")
+    return int(step) if step.isdigit() else -1
+
+
+def _joins_at(d: dict[str, Any], tag: str) -> bool:
+    kind, _, step = tag.partition("@")
+    if kind != "sync" or not step.isdigit():
+        return False
+    return tag == d["join_at"] if d.get("join_at") else int(step) >= int(d.get("join_from", 0))
+
+
+def exclusion(site: int, tag: str, why: str) -> str:
+    """The one line an excluded site stops with (``why``: what its accusers saw)."""
+    if why.startswith(UNREACHED):
+        return (
+            f"site {site} is excluded from the run at {tag}: {why} (its network to the others "
+            f"broke while the lighthouse still heard it); it stops here, the others go on: "
+            f"start it again to rejoin"
+        )
+    return (
+        f"site {site} is excluded from the run at {tag}: the others refused its payload ({why}); "
+        f"it stops here, the others go on"
+    )

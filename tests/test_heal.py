@@ -1,0 +1,53 @@
+"""The heal's hand-over on real gloo processes: the shared state goes to the joiners only,
+striped across the old members, checked against its digest; where the old members' bytes
+differ, it comes whole from the healer."""
+
+from __future__ import annotations
+
+import torch
+
+from lowcomm.elastic import heal
+from lowcomm.transport import Transport
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"theta": torch.randn(5000, generator=g), "step": 40, "m": [torch.arange(7)]}
+
+
+def _hand_over_worker(rank: int, world: int, joiners: list[int], odd: int | None) -> dict:
+    t = Transport()
+    state = None if rank in joiners else _state(1 if rank == odd else 0)
+    record = {"events": [], "members": [0, 1, 2], "last": ["sync@30", 30]}
+    before = t.meter.as_dict()
+    got, rec, size, sources = heal.hand_over(t, joiners, 0, state, record)
+    after = t.meter.as_dict()
+    t.close()
+    sent = after["control_sent_bytes"] - before["control_sent_bytes"]
+    received = after["control_received_bytes"] - before["control_received_bytes"]
+    return {"got": got, "rec": rec, "size": size, "sources": sources, "sent": sent,
+            "received": received}  # fmt: skip
+
+
+def test_the_state_goes_to_the_joiner_only_a_third_from_each_old_member(workers):
+    res = workers(_hand_over_worker, 4, [3], None)
+    want = _state(0)
+    joiner = res[3]
+    assert heal.digest(joiner["got"]) == heal.digest(want)
+    assert joiner["rec"] == {"events": [], "members": [0, 1, 2], "last": ["sync@30", 30]}
+    size = joiner["size"]
+    assert size == heal.pack(want).numel() and all(r["sources"] == 3 for r in res)
+    meta = 3 * 56  # every member's size and digest, gathered (control)
+    cuts = [size * i // 3 for i in range(4)]
+    record = heal.pack(joiner["rec"]).numel()
+    for i, r in enumerate(res[:3]):  # each old member sent its third; the healer the record too
+        assert r["received"] == meta  # nothing but the metas: the state went to the joiner only
+        assert r["sent"] == meta + cuts[i + 1] - cuts[i] + (record if i == 0 else 0)
+    assert joiner["received"] == meta + size + record
+
+
+def test_old_members_whose_bytes_differ_hand_over_from_the_healer_alone(workers):
+    res = workers(_hand_over_worker, 4, [3], 2)
+    assert all(r["sources"] == 1 for r in res)
+    assert heal.digest(res[3]["got"]) == heal.digest(_state(0))  # the healer's (rank 0)
+    assert res[2]["sent"] == 3 * 56  # the odd member sent nothing but its meta
