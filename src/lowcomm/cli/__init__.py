@@ -78,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     # key=value overrides may sit anywhere among the options (argparse cannot interleave them)
-    overrides = [a for a in argv if _OVERRIDE.match(a)]
-    rest = [a for a in argv if not _OVERRIDE.match(a)]
+    # (a benchmark parses its own arguments, settings it passes on to its runs among them)
+    bench = bool(argv) and argv[0] == "bench"
+    overrides = [] if bench else [a for a in argv if _OVERRIDE.match(a)]
+    rest = argv if bench else [a for a in argv if not _OVERRIDE.match(a)]
     args: argparse.Namespace | None = None
     try:
         args = parser.parse_args(rest)
