@@ -51,3 +51,19 @@ def test_old_members_whose_bytes_differ_hand_over_from_the_healer_alone(workers)
     assert all(r["sources"] == 1 for r in res)
     assert heal.digest(res[3]["got"]) == heal.digest(_state(0))  # the healer's (rank 0)
     assert res[2]["sent"] == 3 * 56  # the odd member sent nothing but its meta
+
+
+def _small_worker(rank: int, world: int) -> dict:
+    """Two joiners (ranks 2, 3) healed by two members from a state of a few bytes' worth."""
+    t = Transport()
+    state = None if rank >= 2 else {"step": 7}
+    got, rec, size, sources = heal.hand_over(t, [2, 3], 0, state, {"events": [1]})
+    t.close()
+    return {"got": got, "rec": rec, "size": size, "sources": sources}
+
+
+def test_two_joiners_each_get_every_stripe_and_the_record(workers):
+    res = workers(_small_worker, 4)
+    for r in res[2:]:
+        assert r["got"] == {"step": 7} and r["rec"] == {"events": [1]}
+        assert r["sources"] == 2 and r["size"] == heal.pack({"step": 7}).numel()

@@ -86,6 +86,9 @@ def _last_theta(out: Path, site: int) -> dict:
     return json.loads(lines[-1])
 
 
+# 11 s: by hand (-m slow); the standalone lighthouse's restart below and the fault campaign's
+# lighthouse: seeds (tests/test_chaos.py, bench chaos) cover the restart by default
+@pytest.mark.slow
 def test_a_killed_lighthouse_is_started_again_and_every_site_finishes(tmp_path):
     """The lighthouse is SIGKILLed when site 0 reaches step 30 and is back 2 s later at the
     same address: the sites wait for it at their sync, and the run ends as if nothing
@@ -104,3 +107,51 @@ def test_a_killed_lighthouse_is_started_again_and_every_site_finishes(tmp_path):
     assert summary["tokens"] == 3 * 60 * 4 * 64
     last = [_last_theta(out, s) for s in range(3)]
     assert all(x == last[0] for x in last) and last[0]["syncs"] == 6, last
+
+
+def test_a_standalone_lighthouse_serves_a_run_and_survives_a_restart_at_its_address(tmp_path):
+    """`lowcomm lighthouse --port P`: the sites of `lowcomm train ... lighthouse=...:P` meet
+    there; killed (SIGKILL) and started again by the same command while they train, the run
+    goes on to its end; SIGTERM stops it with exit 0; the port taken is one line, exit 2."""
+    import os
+    import signal
+    import time
+
+    from lowcomm.train.ports import free_port
+
+    port = free_port(host="")
+    serve = [sys.executable, "-m", "lowcomm.cli", "lighthouse", "--port", str(port),
+             "--timeout-s", "20", "--heartbeat-timeout-s", "1"]  # fmt: skip
+
+    def start() -> subprocess.Popen:
+        proc = subprocess.Popen(serve, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert "lowcomm: lighthouse at" in proc.stdout.readline()
+        return proc
+
+    lighthouse = start()
+    taken = subprocess.run(serve, capture_output=True, text=True)
+    assert taken.returncode == 2 and f"port {port} is in use" in taken.stderr
+    out = tmp_path / "run"
+    run = subprocess.Popen([*LOWCOMM, *RUN, "--steps", "120", f"lighthouse=127.0.0.1:{port}",
+                            "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)  # fmt: skip
+    try:
+        while (
+            not (out / "metrics.jsonl").exists()
+            or "step" not in (out / "metrics.jsonl").read_text()
+        ):
+            assert run.poll() is None, run.communicate()[1][-3000:]
+            time.sleep(0.2)
+        os.kill(lighthouse.pid, signal.SIGKILL)  # its machine gone; then started again
+        lighthouse.wait()
+        time.sleep(1)
+        lighthouse = start()
+        _, err = run.communicate(timeout=240)
+        assert run.returncode == 0, err[-3000:]
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["membership"] == [] and summary["inner_steps"] == 120
+    finally:
+        run.kill()
+        lighthouse.send_signal(signal.SIGTERM)
+        said, _ = lighthouse.communicate(timeout=30)
+    assert lighthouse.returncode == 0 and "lowcomm: lighthouse stopped" in said

@@ -212,15 +212,21 @@ def test_a_blamed_site_is_excluded_by_every_member_from_one_complete_vote():
         accused.check(view, "sync@40")
 
 
-def test_a_site_most_members_cannot_reach_is_excluded_and_not_its_accusers():
-    """A site cut off on the data plane (its heartbeats still reach the lighthouse) names every
-    other member as unreached, and they all name it: it alone is excluded, by every member alike,
-    as the process that voted (a restart of it is another process and may come back)."""
+def _cut(view: View, names: dict[int, list[int]]) -> dict[int, str]:
+    """blamed() of a complete failed vote in which site s named ``names[s]`` unreached."""
+    votes = [_d(s, "sync@40", "commit", ok=False, inc=f"i{s}", unreached=names.get(s, []))
+             for s in view.members]  # fmt: skip
+    return blamed(view, _view(*votes), generation=0)
+
+
+def test_a_site_cut_off_is_excluded_by_every_member_alike_as_the_process_that_voted():
+    """Site 2's data plane is cut, its heartbeats still reach the lighthouse: the others name
+    it (it never arrived at their store); it reaches no store (its own probes fail) and names
+    them all. It alone is left out of the largest set of sites that all reach each other, and
+    excluded as the process that voted: a restart of it is another process and may come back."""
     view = _view(*[_d(s, "sync@40", inc=f"i{s}") for s in range(4)])
-    votes = [_d(s, "sync@40", "commit", ok=False, inc=f"i{s}", unreached=[2]) for s in (0, 1, 3)]
-    votes.insert(2, _d(2, "sync@40", "commit", ok=False, inc="i2", unreached=[0, 1, 3]))
-    out = blamed(view, _view(*votes), generation=0)
-    assert list(out) == [2] and out[2].startswith("unreachable from 3 of the 3 other members")
+    out = _cut(view, {0: [2], 1: [2], 2: [0, 1, 3], 3: [2]})
+    assert list(out) == [2] and out[2].startswith("unreachable: it and [0, 1, 3] could not")
     for site in (0, 1, 3):
         member = _Checker(site)
         member.exclude(out, "sync@40", view)
@@ -233,19 +239,46 @@ def test_a_site_most_members_cannot_reach_is_excluded_and_not_its_accusers():
         cut.check(view, "sync@40")
 
 
-def test_unreached_without_a_majority_excludes_nobody_but_a_two_site_split_keeps_the_lowest():
-    three = _view(*[_d(s, "sync@40") for s in range(3)])
-    # one member alone says it could not reach another: a slow start, not a cut-off site
-    votes = [_d(0, "sync@40", "commit", unreached=[1]), _d(1, "sync@40", "commit"),
-             _d(2, "sync@40", "commit")]  # fmt: skip
-    assert blamed(three, _view(*votes), 0) == {}
-    # it names itself, or a site outside the attempt, or junk: no accusation
-    odd = [_d(0, "sync@40", "commit", unreached=[0, 9, "1", True]), _d(1, "sync@40", "commit"),
-           _d(2, "sync@40", "commit", unreached=7)]  # fmt: skip
-    assert blamed(three, _view(*odd), 0) == {}
+def test_the_store_host_cut_off_is_excluded_and_the_sites_that_lost_only_it_stay():
+    # site 0 hosts the group's store and is cut: the others fail to reach the store, probe the
+    # members' own stores and name only site 0; site 0 saw nobody arrive and names them all
+    view = _view(*[_d(s, "sync@40") for s in range(3)])
+    assert list(_cut(view, {0: [1, 2], 1: [0], 2: [0]})) == [0]
+
+
+def test_two_sides_that_cannot_reach_each_other_keep_the_larger_then_the_lower():
+    four = _view(*[_d(s, "sync@40") for s in range(4)])
+    # {0, 1} | {2, 3}: two sides of two; the side with the lowest site goes on
+    assert list(_cut(four, {0: [2, 3], 1: [2, 3], 2: [0, 1], 3: [0, 1]})) == [2, 3]
+    # {0} | {1, 2, 3}: the larger side goes on, the store host alone is left out
+    assert list(_cut(four, {0: [1, 2, 3], 1: [0], 2: [0], 3: [0]})) == [0]
     two = _view(_d(0, "sync@40"), _d(1, "sync@40"))
-    split = [_d(0, "sync@40", "commit", unreached=[1]), _d(1, "sync@40", "commit", unreached=[0])]
-    assert list(blamed(two, _view(*split), 0)) == [1]
+    assert list(_cut(two, {0: [1], 1: [0]})) == [1]  # one each side: the lower stays
+    # two sites cut of three (each reaches no one): the one healthy site stays
+    three = _view(*[_d(s, "sync@40") for s in range(3)])
+    assert list(_cut(three, {0: [1, 2], 1: [0, 2], 2: [0, 1]})) == [1, 2]
+
+
+def test_unreached_names_that_exclude_nobody_or_are_junk_change_nothing():
+    three = _view(*[_d(s, "sync@40") for s in range(3)])
+    assert _cut(three, {}) == {}  # a failed collective names nobody
+    odd = {0: [0, 9, "1", True], 2: 7}  # itself, no member, not a site number, not a list
+    votes = [_d(s, "sync@40", "commit", unreached=odd.get(s, [])) for s in range(3)]
+    assert blamed(three, _view(*votes), 0) == {}
+    # a vote missing a member's (it died) is incomplete: nobody is excluded from it
+    assert (
+        blamed(three, _view(*[_d(s, "sync@40", "commit", unreached=[1]) for s in (0, 2)]), 0) == {}
+    )
+
+
+def test_a_joiner_the_members_cannot_reach_is_excluded_from_the_members_vote():
+    """A joiner votes in no commit: the members' vote is complete without it, and a joiner
+    they all name is left out (before, it was admitted and failed at every attempt)."""
+    joiner = {"site": 3, "tag": "join", "phase": "join", "ok": True, "join": True, "inc": "j"}
+    view = View(3, [0, 1, 2, 3], [_d(0, "sync@50"), _d(1, "sync@50"), _d(2, "sync@50"), joiner],
+                joiners=[3])  # fmt: skip
+    votes = [_d(s, "sync@50", "commit", ok=False, unreached=[3]) for s in range(3)]
+    assert list(blamed(view, _view(*votes), 0)) == [3]
 
 
 def test_a_member_that_never_reaches_a_new_group_is_named_by_the_others():

@@ -97,7 +97,7 @@ def _merge_checked(sites: list[dict], lr: float, drop: bool = False, rule: str =
         uneven += len({h for h in steps_held if h > 0}) > 1
         glob = next(s["glob"] for s in held if torch.equal(s["glob"], newest))
         torch.testing.assert_close(after, glob - lr * mean, rtol=0, atol=2e-6)
-        if len(set(steps_held)) > 1:  # the check would catch each other rule here
+        if len({h for h in steps_held if h > 0}) > 1:  # the check would catch each other rule
             for other in set(_RULES) - {rule}:
                 w = [_RULES[other](h) if h > 0 else 0.0 for h in steps_held]
                 alt = sum(wi * d for wi, (_, d) in zip(w, parts)) / sum(w)

@@ -34,6 +34,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -140,11 +141,9 @@ def _draw_more(sched: Schedule, rng: random.Random, busy: set[int]) -> None:
     """Faults of the kinds added later, from a stream of their own (the earlier kinds' draws,
     and the campaigns run on them, stay as they were): the lighthouse killed and started
     again, and the healer of a rejoining site killed inside the hand-over."""
+    lighthouse = None
     if rng.random() < 0.3:
-        at = rng.randint(15, sched.steps - 25)
-        # asked by a site that is still there (one killed or stopped before would never ask)
-        there = [s for s in range(sched.sites) if not _away(sched, s)]
-        sched.faults.append(f"lighthouse:{rng.choice(there)}@{at}x{rng.choice([1, 3])}")
+        lighthouse = (rng.randint(15, sched.steps - 25), rng.choice([1, 3]), rng.random())
     joins = [f for f in sched.faults if f.startswith("join:")]
     healers = [s for s in range(sched.sites) if s not in busy]
     if joins and healers and sched.lost < sched.sites - MIN_WORKERS and rng.random() < 0.5:
@@ -153,6 +152,10 @@ def _draw_more(sched: Schedule, rng: random.Random, busy: set[int]) -> None:
         sched.lost += 1
         busy.add(healers[0])
     _draw_network(sched, random.Random(sched.seed * 7919 + 2), busy)
+    if lighthouse is not None:  # asked by a site no fault takes away (drawn last: it knows)
+        at, seconds, pick = lighthouse
+        there = [s for s in range(sched.sites) if not _away(sched, s)]
+        sched.faults.append(f"lighthouse:{there[int(pick * len(there))]}@{at}x{seconds}")
 
 
 def _away(sched: Schedule, site: int) -> bool:
@@ -222,8 +225,6 @@ def _split(out: Path) -> str:
 
 def run_one(sched: Schedule, out: Path, limit: float) -> dict[str, Any]:
     """Run one schedule and check it; its row."""
-    import shutil
-
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     t0 = time.monotonic()
@@ -241,10 +242,12 @@ def run_one(sched: Schedule, out: Path, limit: float) -> dict[str, Any]:
         proc.wait()
     wall = time.monotonic() - t0
     broken = check(sched, out, code, wall, limit)
-    loss = None
-    if (out / "summary.json").exists():
-        loss = json.loads((out / "summary.json").read_text()).get("final_val_loss")
-    return {**asdict(sched), "exit": code, "wall_s": round(wall, 1), "loss": loss,
+    summary = json.loads((out / "summary.json").read_text()) if code == 0 else {}
+    events = summary.get("membership") or []
+    return {**asdict(sched), "exit": code, "wall_s": round(wall, 1),
+            "loss": summary.get("final_val_loss"), "goodput": summary.get("goodput"),
+            "resync_s": [e["resync_s"] for e in events if e.get("left") and "resync_s" in e],
+            "heal_s": [e["heal_s"] for e in events if "heal_s" in e],
             "violations": broken}  # fmt: skip
 
 
@@ -265,6 +268,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--limit", type=float, default=240.0, help="seconds before a run is a hang")
     p.add_argument("--out", default="runs/bench-chaos")
     p.add_argument("--dry-run", action="store_true", help="print the schedules, run nothing")
+    p.add_argument("--baseline", action="store_true",
+                   help="also a run without faults per method and round mode")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -277,6 +282,11 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"lowcomm bench chaos: unknown {unknown}: use {list(METHODS)}, {ROUNDS}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    cut = [s for s in _seeds(a.seeds) if any(f.startswith("link:") for f in
+           draw(s, methods, rounds, a.sites, a.steps).faults)]  # fmt: skip
+    if cut and not a.dry_run and (os.geteuid() != 0 or shutil.which("tc") is None):
+        raise SystemExit(f"lowcomm bench chaos: seeds {cut[:5]}... cut a site's link (tc in "
+                         f"namespaces): run as root with iproute2, or leave them out")  # fmt: skip
     rows = []
     for seed in _seeds(a.seeds):
         sched = draw(seed, methods, rounds, a.sites, a.steps)
@@ -290,23 +300,61 @@ def main(argv: list[str]) -> int:
               f"{row['exit']} in {row['wall_s']} s: {verdict}", flush=True)  # fmt: skip
         (out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
     bad = [r for r in rows if r["violations"]]
+    if a.baseline and not a.dry_run:
+        rows += _baselines(methods, rounds, a, out)
+        (out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
     if rows:
         print(summarize(rows))
         (out / "summary.md").write_text(summarize(rows) + "\n")
     return 1 if bad else 0
 
 
+def _baselines(
+    methods: list[str], rounds: list[str], a: argparse.Namespace, out: Path
+) -> list[dict[str, Any]]:
+    """One run without faults per method and round mode (seed 0): the goodput the campaign's
+    runs are compared with."""
+    rows = []
+    for method in methods:
+        for mode in rounds:
+            sched = Schedule(0, method, mode, a.sites, a.steps)
+            row = run_one(sched, out / f"baseline-{method}-{mode}", a.limit)
+            rows.append({**row, "baseline": True})
+            print(f"baseline {method} {mode}: goodput {row['goodput']}", flush=True)
+    return rows
+
+
+def _median_p95(xs: list[float]) -> str:
+    if not xs:
+        return "-"
+    xs = sorted(xs)
+    return f"{xs[len(xs) // 2]:g} / {xs[min(len(xs) - 1, int(0.95 * len(xs)))]:g}"
+
+
 def summarize(rows: list[dict[str, Any]]) -> str:
-    """Markdown: schedules and violations by method and round mode, and by fault kind."""
-    lines = ["| method | rounds | schedules | violations | median wall s |"]
-    lines.append("|---|---|---|---|---|")
+    """Markdown: schedules and violations by method and round mode (with goodput against
+    the baseline run, where there is one), by fault kind, and resync and heal times."""
+    base = {(x["method"], x["rounds"]): x["goodput"] for x in rows if x.get("baseline")}
+    rows = [x for x in rows if not x.get("baseline")]
+    lines = ["| method | rounds | schedules | violations | median wall s | goodput: median of "
+             "finished runs / without faults |", "|---|---|---|---|---|---|"]  # fmt: skip
     for m in METHODS:
         for r in ROUNDS:
             sel = [x for x in rows if x["method"] == m and x["rounds"] == r]
             if sel:
                 walls = sorted(x["wall_s"] for x in sel)
                 bad = sum(bool(x["violations"]) for x in sel)
-                lines.append(f"| {m} | {r} | {len(sel)} | {bad} | {walls[len(walls) // 2]} |")
+                good = sorted(x["goodput"] for x in sel if x.get("goodput"))
+                ratio = "-"
+                if good and base.get((m, r)):
+                    ratio = f"{good[len(good) // 2]:,.0f} / {base[(m, r)]:,.0f} tok/s"
+                lines.append(f"| {m} | {r} | {len(sel)} | {bad} | {walls[len(walls) // 2]} | "
+                             f"{ratio} |")  # fmt: skip
+    resync = [t for x in rows for t in x.get("resync_s", [])]
+    heals = [t for x in rows for t in x.get("heal_s", [])]
+    lines += ["", f"Resync after a site left (s, median / p95 of {len(resync)}): "
+              f"{_median_p95(resync)}; heal (s, median / p95 of {len(heals)}): "
+              f"{_median_p95(heals)}"]  # fmt: skip
     lines += ["", "| fault kind | schedules with it | violations |", "|---|---|---|"]
     drawn = {f.split(":")[0] for x in rows for f in x["faults"]}
     for kind in sorted(drawn, key=lambda k: (FAULT_ORDER.index(k) if k in FAULT_ORDER else 99, k)):

@@ -1,5 +1,5 @@
-"""`lowcomm train | join | compare | report | simulate | bench`: the command-line contract of
-docs/design.md.
+"""`lowcomm train | join | lighthouse | compare | report | simulate | bench`: the command-line
+contract of docs/design.md.
 
 User errors (unknown strategy or key, bad values, missing files, unwritable output, a port in
 use) print one line naming the problem and the fix, and exit with status 2, never a traceback.
@@ -32,6 +32,7 @@ from .common import (  # noqa: F401  (the one-module CLI's names stay importable
 )
 from .compare import _add_compare, _add_report, cmd_compare, cmd_report
 from .join import _add_join, cmd_join
+from .lighthouse import _add_lighthouse, cmd_lighthouse
 from .tools import _add_bench, _add_simulate, cmd_bench, cmd_simulate
 from .train import (  # noqa: F401
     RESUME_MAY_CHANGE,
@@ -48,6 +49,7 @@ __all__ = [
     "cmd_bench",
     "cmd_compare",
     "cmd_join",
+    "cmd_lighthouse",
     "cmd_report",
     "cmd_simulate",
     "cmd_train",
@@ -66,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     _add_train(sub)
     _add_join(sub)
+    _add_lighthouse(sub)
     _add_compare(sub)
     _add_report(sub)
     _add_simulate(sub)

@@ -29,7 +29,8 @@ class View:
 
     @property
     def healer(self) -> int:
-        """The rank that hands a joiner the run's state: the lowest site already in the run."""
+        """The rank that hands a joiner the run's membership record (and the whole state where
+        the members' bytes differ): the lowest site already in the run."""
         return self.rank_of(next(s for s in self.members if s not in self.joiners))
 
     @property
@@ -89,15 +90,16 @@ def committed(view: View, commit: View, generation: int, ok: bool) -> bool:
 
 def blamed(view: View, commit: View, generation: int) -> dict[int, str]:
     """The sites every member excludes after a failed attempt: those a member's commit vote
-    blames (its payload failed to decode the same way on every try), read only from a
-    complete vote (every member of the attempt's ``view`` voted in this attempt), which every
-    member reads alike. Site -> the first accuser's reason."""
+    blames (its payload failed to decode the same way on every try), and those left out of
+    the largest set of members that all reached each other (see :func:`reachable`), read only
+    from a complete vote (every member of the attempt's ``view`` but its joiners voted in this
+    attempt), which every member reads alike. Site -> what was wrong with it."""
     votes = [
         d
         for d in commit.data
         if d.get("phase") == "commit" and d.get("gen") == generation and not d.get("join")
     ]
-    if [int(d["site"]) for d in votes] != view.members:
+    if [int(d["site"]) for d in votes] != [s for s in view.members if s not in view.joiners]:
         return {}
     out: dict[int, str] = {}
     for d in votes:
@@ -108,28 +110,49 @@ def blamed(view: View, commit: View, generation: int) -> dict[int, str]:
 
 
 UNREACHED = "unreachable"  # how an exclusion for a broken network begins (see _unreached)
+_EXACT = 16  # up to this many members the largest reachable set is found by trying every one
 
 
 def _unreached(view: View, votes: list[dict[str, Any]]) -> dict[int, str]:
-    """The sites that more than half of the other voters could not reach at the attempt's
-    group (their heartbeats reach the lighthouse; their data plane does not). A partition with
-    no such majority (two sites, each unreached by the other) keeps the lowest member and
-    excludes the rest of those unreached: the same choice on every member."""
-    others = len(votes) - 1
-    counts: dict[int, int] = {}
+    """The members outside :func:`reachable` (only when some member named another: an attempt
+    that failed in its collectives names nobody), each with who could not reach it."""
+    broken: dict[int, set[int]] = {s: set() for s in view.members}
     for d in votes:
         said = d.get("unreached")
         for site in set(said) if isinstance(said, list) else ():
-            if isinstance(site, int) and not isinstance(site, bool) and site != d["site"]:
-                counts[site] = counts.get(site, 0) + 1
-    out = {
-        s: f"{UNREACHED} from {n} of the {others} other members"
-        for s, n in sorted(counts.items())
-        if s in view.members and 2 * n > others
+            if isinstance(site, int) and not isinstance(site, bool) and site in broken:
+                if site != d["site"]:
+                    broken[site].add(d["site"])
+                    broken[d["site"]].add(site)
+    if not any(broken.values()):
+        return {}
+    keep = reachable(view.members, broken)
+    return {
+        s: f"{UNREACHED}: it and {sorted(broken[s])} could not reach each other"
+        for s in view.members
+        if s not in keep
     }
-    if others > 0 and len(out) == len(view.members):  # no side has a majority
-        out.pop(view.members[0])
-    return out
+
+
+def reachable(members: list[int], broken: dict[int, set[int]]) -> list[int]:
+    """The largest set of ``members`` no two of which failed to reach each other (``broken``:
+    site -> the sites it and they could not connect), the one with the lowest sites on a tie:
+    a site cut off on the data plane is left out, and of two sites that cannot reach each other
+    the lower stays. Exact up to ``_EXACT`` members; beyond, members are dropped most-broken
+    first."""
+    if len(members) <= _EXACT:
+        best: list[int] = []
+        for mask in range(1 << len(members)):
+            pick = [m for i, m in enumerate(members) if mask >> i & 1]
+            if all(not (broken[a] & set(pick)) for a in pick) and (
+                len(pick) > len(best) or (len(pick) == len(best) and pick < best)
+            ):
+                best = pick
+        return best
+    keep = list(members)
+    while any(broken[a] & set(keep) for a in keep):
+        keep.remove(max(keep, key=lambda a: (len(broken[a] & set(keep)), a)))
+    return keep
 
 
 def without(view: View, excluded: dict[int, str]) -> View:
@@ -171,7 +194,8 @@ def admit(view: View, fingerprint: str, tag: str, phase: str) -> View:
 
 
 def step_of(tag: str) -> int:
-    """The inner step of a sync's tag (``sync@40`` -> 40; -1 for other tags)."""
+    """The inner step a tag names (``sync@40`` -> 40, ``flags@40`` too; -1 for a tag
+    without one, ``start`` or ``control@40#1``'s)."""
     _, _, step = tag.partition("@")
     return int(step) if step.isdigit() else -1
 

@@ -231,8 +231,13 @@ def cut_link(seconds: float) -> None:
         f"tc filter add dev {dev} parent 1: pref 2 protocol arp u32 match u32 0 0 flowid 1:10",
     ):
         tc += f" && {cmd}"
-    subprocess.run(["sh", "-c", tc], check=True, capture_output=True)
-    subprocess.Popen(["sh", "-c", f"sleep {seconds:g}; tc qdisc del dev {dev} root"])
+    done = subprocess.run(["sh", "-c", tc], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"--faults link: tc could not cut {dev}: {done.stderr.strip()}")
+    back = f"tc qdisc del dev {dev} root"
+    if os.environ.get("LOWCOMM_UPLINK"):  # the shaping the cut replaced, put back
+        back += f" && tc qdisc add dev {dev} root tbf {os.environ['LOWCOMM_UPLINK']}"
+    subprocess.Popen(["sh", "-c", f"sleep {seconds:g}; {back}"])
 
 
 def spoil_if_armed(payloads: list[Any]) -> bool:

@@ -26,8 +26,10 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import socket
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -86,6 +88,8 @@ class Elastic:
     def __post_init__(self) -> None:
         if not isinstance(self.lighthouse, str) or not self.lighthouse:
             raise ConfigError("elastic needs lighthouse=ADDRESS of a running torchft lighthouse")
+        if "://" not in self.lighthouse:  # HOST:PORT, as `lowcomm lighthouse` prints it
+            object.__setattr__(self, "lighthouse", f"http://{self.lighthouse}")
         if not 0 <= self.site < self.sites and not (self.join and self.site >= 0):
             raise ConfigError(
                 f"site must be in [0, sites={self.sites}) (or a joiner's new number), "
@@ -120,7 +124,7 @@ class Membership:
         self._refused: set[int] = set()  # sites already told they were refused
         self.joiner_waiting = False  # a site with this run's settings asked to join, last quorum
         self._join_at = ""  # a late site asking back in: the sync it asks for (see rejoin)
-        # sites excluded from the run (a payload every member refused), with the reason
+        # sites excluded from the run (a payload refused, or unreachable), with the line said
         self.excluded: dict[int, str] = {}
         self._excluded_inc: dict[int, str] = {}  # ... the process excluded (a restart is not)
         self._blame: tuple[int, str] | None = None  # this site's accusation in its next vote
@@ -376,7 +380,7 @@ class Membership:
         if view.members[0] == self.elastic.site:
             store = self._store
         else:
-            store = _store_of(view.data[0]["store"], self.elastic.connect_s)
+            store = _store_of(view, self.elastic.connect_s)
         prefix = dist.PrefixStore(group_name(self.elastic.run_id, view, generation), store)
         rank, size = view.rank_of(self.elastic.site), len(view.members)
         _arrive(prefix, rank, size, self.elastic.connect_s)
@@ -477,20 +481,40 @@ def _arrive(store: Any, rank: int, size: int, connect_s: float) -> None:
         ) from None
 
 
-def _store_of(address: str, connect_s: float) -> dist.TCPStore:
-    """A client of the group's store at ``address`` (its first member's), reached within
-    ``connect_s``; :class:`Unreachable` names that member (rank 0) when it is not: gone, or its
-    network cut."""
+def _store_of(view: View, connect_s: float) -> dist.TCPStore:
+    """A client of the group's store (its first member's), reached within ``connect_s``.
+    :class:`Unreachable` when it is not (that member gone, or this site's network cut) names
+    it and every other member whose own store this site cannot reach either: a site cut off
+    names them all, one that only lost the store host names that one."""
+    address = view.data[0]["store"]
     host, port = address.rsplit(":", 1)
     try:
         return dist.TCPStore(host, int(port), is_master=False,
                              timeout=timedelta(seconds=connect_s))  # fmt: skip
     except (RuntimeError, OSError) as e:  # torch's DistNetworkError is a RuntimeError
+        others = {r: d["store"] for r, d in enumerate(view.data) if r > 0}
         raise Unreachable(
             f"could not reach the group's store at {address} within connect_s={connect_s:g} s "
             f"({str(e).splitlines()[0][:120]})",
-            [0],
+            [0, *_unreachable(others, min(2.0, connect_s))],
         ) from None
+
+
+def _unreachable(stores: dict[int, str], timeout_s: float) -> list[int]:
+    """Of ``stores`` (rank -> HOST:PORT), the ranks whose store takes no TCP connection from
+    here within ``timeout_s`` (tried all at once, each on a thread of its own)."""
+
+    def reach(address: str) -> bool:
+        host, port = address.rsplit(":", 1)
+        try:
+            socket.create_connection((host, int(port)), timeout=timeout_s).close()
+            return True
+        except (OSError, ValueError):
+            return False
+
+    with ThreadPoolExecutor(max_workers=max(1, len(stores))) as pool:
+        ok = dict(zip(stores, pool.map(reach, stores.values())))
+    return sorted(r for r, fine in ok.items() if not fine)
 
 
 class Unreachable(RuntimeError):

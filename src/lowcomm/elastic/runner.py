@@ -48,6 +48,7 @@ class Runner:
         self.admitted: View | None = None  # a joiner's first sync: the view that admitted it
         self._slowest = 0.0  # seconds of the slowest attempt that stood (0: none yet)
         self._full = True  # the next group waits the whole timeout_s (first, or after a failure)
+        self._collective_s = 0.0  # seconds of the last attempt's collectives
         # the last heal sent: seconds, the state's bytes, how many members sent them
         self._heal: tuple[float, int, int] | None = None
         # rounds=quorum: syncs close on a quorum plus a grace window (see .rounds)
@@ -58,7 +59,7 @@ class Runner:
         self._started = time.perf_counter()
         if self._last_tag == self.membership.elastic.leave_after:
             self._leave(tag)
-        failed: list[list[int]] = []  # the members of each failed attempt
+        stuck: list[list[int]] = []  # the members of each failed attempt that excluded nobody
         while True:
             ready = tag in self._offers
             view, self.admitted = self.admitted or self.membership.quorum(tag, ready=ready), None
@@ -67,7 +68,6 @@ class Runner:
             t0 = time.perf_counter()
             try:  # the group too: its store's host or a peer may be gone already
                 result, ok = self._attempt(view, tag, collectives), True
-                self._slowest, self._full = max(self._slowest, time.perf_counter() - t0), False
             # a peer died or hung inside a collective (torch's collective logger turns the
             # error of a group outside its world map into a ValueError); or a peer's payload
             # failed to decode, which its same bytes would do on every try: blamed, not
@@ -76,14 +76,12 @@ class Runner:
                 blame = _accused(view, err)
                 if isinstance(err, Unreachable):
                     unreached = [view.members[r] for r in err.ranks if r < len(view.members)]
-                same = failed[-(_SAME_FAILURES - 1) :].count(view.members) == _SAME_FAILURES - 1
-                if blame is None and not unreached and same:
-                    raise  # the same members failed again and again, nobody named: stop
-                failed.append(view.members)
+                if stuck[-(_SAME_FAILURES - 1) :].count(view.members) == _SAME_FAILURES - 1:
+                    raise  # the same members failed again and again, nobody excluded: stop
                 log.warning("site %d: %s failed among %s after %.1f s (deadline %g s: %s); "
                             "retrying", self._site, tag, view.members, time.perf_counter() - t0,
                             self.deadline(view), str(err).splitlines()[0][:160])  # fmt: skip
-                result, ok, self._full = None, False, True
+                result, ok = None, False
             if not ok:  # before the vote: peers blocked on this site fail now, not at timeout_s
                 self._drop()
             commit = self.membership.quorum(
@@ -91,16 +89,23 @@ class Runner:
             )
             commit = self.membership.check(commit, tag, vote=True)
             if committed(view, commit, self.membership.generation, ok):
+                # the deadline learns from syncs that stood, their collectives alone
+                self._slowest, self._full = max(self._slowest, self._collective_s), False
                 self._settled(tag, view)
                 self._offers.pop(tag, None)
                 return result  # type: ignore[return-value]
             # a site whose payload a member refused, or that most members could not reach,
             # leaves every next attempt (all read it from the same vote); it stops itself at
             # its next check
-            self.membership.exclude(blamed(view, commit, self.membership.generation), tag, view)
+            out = blamed(view, commit, self.membership.generation)
+            self.membership.exclude(out, tag, view)
+            if not out:
+                stuck.append(view.members)
             # every member of the commit saw it fail: all start the next attempt on fresh groups
-            # (the lighthouse keeps the quorum id when the members did not change)
+            # (the lighthouse keeps the quorum id when the members did not change), the next
+            # one with the whole timeout_s (a sync slower than any before fails once, not twice)
             self._failed_at = self._failed_at or time.perf_counter()
+            self._full = True
             self.membership.generation += 1
             self._drop()
 
@@ -121,11 +126,20 @@ class Runner:
         """A site that missed a sync (quorum rounds) asks back in at sync ``tag`` and heals
         there as a joiner does (``load`` as in :meth:`heal_in`); False when the others were
         already past ``tag`` (it missed this one too)."""
-        view = self.membership.rejoin(tag)
-        if view is None:
-            return False
-        self.heal_in(view, tag, load)
-        return True
+        while True:
+            view = self.membership.rejoin(tag)
+            if view is None:
+                return False
+            try:
+                self.heal_in(view, tag, load)
+                return True
+            except MembershipError:
+                raise  # not bit-exact, or this site is out: asking again is no cure
+            except (RuntimeError, ValueError) as err:  # a member went mid-way: ask again
+                log.warning("site %d: the heal at %s failed (%s); asking back in again",
+                            self._site, tag, str(err).splitlines()[0][:160])  # fmt: skip
+                self._drop()
+                self.admitted = None
 
     def _attempt(self, view: View, tag: str, collectives: Collectives[T]) -> T:
         """One attempt on ``view``'s group (no reference to it outlives a failure: see _drop)."""
@@ -135,10 +149,13 @@ class Runner:
             timedelta(seconds=self.deadline(view))
         )
         self._heal_joiners(view, transports[0], tag)
-        if step_of(tag) >= 0:  # a sync of the outer loop: a collective: fault dies in it
+        if tag.startswith("sync@"):  # a sync of the outer loop: a collective: fault dies in it
             die_if_armed("collective")
             die_if_armed("stall")  # ... and a stall: one stops there
-        return collectives(*transports)
+        t0 = time.perf_counter()
+        result = collectives(*transports)
+        self._collective_s = time.perf_counter() - t0
+        return result
 
     def heal_in(self, view: View, tag: str, load: Callable[[dict], dict]) -> None:
         """A joiner, on the view that admitted it: receive the run's shared state and its
@@ -162,7 +179,7 @@ class Runner:
         return self.membership.join()
 
     def _heal_joiners(self, view: View, transport: Transport, tag: str) -> None:
-        """Sites admitted at this sync get the run's shared state from its lowest old member
+        """Sites admitted at this sync get the run's shared state from the old members, striped
         (a joiner itself has already loaded it: see LowComm's start)."""
         if not view.joiners or self._site in view.joiners:
             return

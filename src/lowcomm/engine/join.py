@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # wiring imports the parts this module's functions take
 
 
 def join_run(parts: Parts, state: RunState, view: View, tag: str) -> str:
-    """Heal from the run's lowest old member on the admitting ``view``'s group and start the
+    """Heal from the run's old members on the admitting ``view``'s group and start the
     local weights from the global copy; the engine then runs the sync it returns (``tag``, or
     a later one: a heal whose healer died mid-hand-over is asked for again, and healed from
     another member, where the run admits this site next)."""

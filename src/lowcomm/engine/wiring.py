@@ -159,7 +159,8 @@ def fingerprint(
         [(n, list(by_name[n].shape), str(by_name[n].dtype)) for n in frag]
         for frag in fragment_names
     ]
-    rounds = [elastic.rounds, elastic.late]  # how contributions are merged: the same everywhere
+    # how contributions are merged: the same everywhere
+    rounds = [elastic.rounds, elastic.late, elastic.weighting]
     text = json.dumps([elastic.run_id, settings, shapes, rounds], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -75,7 +75,7 @@ def check_elastic(spec: RunSpec, workers: int) -> None:
             raise ConfigError("--faults link: cuts an elastic site's data plane: add elastic=true")
         return
     if links(faults) or cfg.site_link:
-        _check_links(cfg)
+        _check_links(spec)
     spec.strategy.check_elastic(cfg, bool(rejoin))  # a replay's joins: refused with replay
     if lighthouse_down(faults) and cfg.lighthouse:
         raise ConfigError(
@@ -94,13 +94,18 @@ def check_elastic(spec: RunSpec, workers: int) -> None:
         replay_joins(cfg.replay, workers)  # the record read now: its errors before any start
 
 
-def _check_links(cfg: TrainConfig) -> None:
+def _check_links(spec: RunSpec) -> None:
     """A ``link:`` fault runs the sites in namespaces the launcher makes: refused, with the
     reason, where it cannot."""
     from ..bench.netshape.errors import NetworkUnavailable
     from ..bench.netshape.namespaces import require_root_and_iproute2
 
+    cfg = spec.train
     what = f"site_link={cfg.site_link}" if cfg.site_link else "--faults link"
+    if spec.strategy.peer:  # torchft's Managers meet at a lighthouse of this machine's own
+        raise ConfigError(f"{what}: not for {spec.strategy.name}: use a lowcomm strategy")
+    if cfg.replay:
+        raise ConfigError(f"{what}: a replay runs without faults on loopback: drop {what}")
     if cfg.lighthouse:
         raise ConfigError(
             f"{what}: the sites then run in network namespaces that reach only the launcher's "
@@ -203,16 +208,15 @@ def _run_sites(
         stale.unlink(missing_ok=True)
     if spec.strategy.joinable:  # `lowcomm join DIR` starts another site from it
         planned = sorted([*again, *(r.site for r in added)])
-        write_run_file(spec, roles[0], address, planned)
+        write_run_file(spec, roles[0], address, planned, netns=net is not None)
     started = time.time()
 
     def start(role: SiteRole) -> Any:
         # a joiner heals from a live peer: it never reads the checkpoint
         own = spec.replace(resume=None) if role.join else spec
         if net is not None:
-            role = dataclasses.replace(
-                role, netns=net.namespace(role.site), addr=net.address(role.site)
-            )
+            role = dataclasses.replace(role, netns=net.namespace(role.site),
+                                       addr=net.address(role.site), uplink=net.uplink)  # fmt: skip
         p = ctx.Process(target=_site_main, args=(role, own))
         p.start()
         return p
@@ -417,7 +421,8 @@ def _site_main(role: SiteRole, spec: RunSpec) -> None:
 
         enter(role.netns)
         os.environ.update(LOWCOMM_ADDR=role.addr, GLOO_SOCKET_IFNAME=WORKER_IFNAME,
-                          LOWCOMM_LIGHTHOUSE=role.lighthouse)  # fmt: skip
+                          LOWCOMM_LIGHTHOUSE=role.lighthouse,
+                          LOWCOMM_UPLINK=role.uplink)  # fmt: skip
     run_entry(str(spec.out), role.site, lambda: run_site(role, spec))
     # done, its files written: skip the native teardown (gloo, stores, the lighthouse client's
     # runtime), which took ~1.6 s a site here; the launcher waits for every site's exit

@@ -32,13 +32,16 @@ from .spec import RunSpec
 RUN_FILE = "elastic.json"
 
 
-def write_run_file(spec: RunSpec, role: SiteRole, lighthouse: str, planned: list[int]) -> None:
+def write_run_file(
+    spec: RunSpec, role: SiteRole, lighthouse: str, planned: list[int], netns: bool = False
+) -> None:
     """DIR/elastic.json: what ``lowcomm join DIR`` needs (the launcher removes it at the end);
     ``role``: a starting site's, for the run's sites; ``planned``: the sites the launcher
-    itself starts again or adds (``join:``, ``add:``, a replay's), never free to take."""
+    itself starts again or adds (``join:``, ``add:``, a replay's), never free to take;
+    ``netns``: the sites run in namespaces of the launcher's (no site from outside reaches them)."""
     record = {
         "run": spec.settings(), "sites": role.sites, "starting": role.starting or role.sites,
-        "lighthouse": lighthouse, "launcher": os.getpid(), "planned": planned,
+        "lighthouse": lighthouse, "launcher": os.getpid(), "planned": planned, "netns": netns,
     }  # fmt: skip
     tmp = spec.out / f"{RUN_FILE}.tmp"
     tmp.write_text(json.dumps(record, indent=2) + "\n")
@@ -50,6 +53,11 @@ def join_site(run_dir: str, site: int | None = None) -> None:
     returns when the run ends. ConfigError, before anything starts, when there is none to join."""
     folder = Path(run_dir)
     record = _running(folder)
+    if record.get("netns"):
+        raise ConfigError(
+            f"the run in {run_dir} keeps its sites in network namespaces of its own (site_link= "
+            f"or a link: fault): a site started here cannot reach them; use --faults join: instead"
+        )
     sites = int(record["sites"])
     site = _free_site(folder, sites, site, set(record.get("planned", [])))
     run = record["run"]

@@ -36,6 +36,7 @@ class SiteRole:
     starting: int = 0  # how many sites start the run (0: ``sites``; fewer when some are added)
     netns: str = ""  # the network namespace this site runs in (a ``link:`` fault), and ...
     addr: str = ""  # ... its address there
+    uplink: str = ""  # ... and its uplink's tbf settings (a ``link:`` fault puts them back)
 
 
 class QuorumControl:

@@ -20,7 +20,7 @@ from .links import SUBNET, SWITCH_HOST, WORKER_IFNAME, LinkBuilder
 from .measure import measure_ns
 from .namespaces import delete_namespaces, require_root_and_iproute2
 from .teardown import SignalTeardown, signals_held
-from .units import ETH_HEADER, LO_MTU, default_burst, parse_rate, parse_size
+from .units import ETH_HEADER, LO_MTU, TBF_LATENCY, default_burst, parse_rate, parse_size
 
 Topology = Literal["shared", "per-worker"]
 
@@ -163,6 +163,11 @@ class ShapedNetwork:
     def switch_addr(self) -> str:
         """The switch's own address on the bridge, as every worker reaches it."""
         return f"{SUBNET}.{SWITCH_HOST}"
+
+    @property
+    def uplink(self) -> str:
+        """The tbf settings of a worker's uplink (``tc qdisc add dev IF root tbf ...``)."""
+        return f"rate {self.rate_bps}bit burst {self.burst_bytes} latency {TBF_LATENCY}"
 
     @property
     def ifname(self) -> str:

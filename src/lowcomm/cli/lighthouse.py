@@ -1,0 +1,81 @@
+"""``lowcomm lighthouse``: a standalone lighthouse at a fixed address, the service the sites of
+elastic runs started on other machines point at (``lighthouse=HOST:PORT``).
+
+It is torchft's ``LighthouseServer`` with the settings ``lowcomm train`` gives its own. It keeps
+no state a restart would lose that the sites cannot give it again: started again at the same
+address (by hand, a supervisor, Kubernetes), the sites re-register with their next heartbeat and
+ask their pending quorum again (docs/reliability.md, "The lighthouse dies").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import threading
+from typing import Any
+
+
+def _add_lighthouse(sub: Any) -> None:
+    h = sub.add_parser(
+        "lighthouse", help="run a lighthouse at a fixed address for elastic sites elsewhere"
+    )
+    h.add_argument("--port", type=int, default=29510, help="TCP port to listen on (29510)")
+    h.add_argument("--rounds", choices=("lockstep", "quorum"), default="lockstep",
+                   help="the runs' rounds= (quorum: it gathers askers for 0.5 s)")  # fmt: skip
+    h.add_argument("--timeout-s", type=float, default=300.0,
+                   help="the runs' timeout_s (lock-step: a quorum waits so long)")  # fmt: skip
+    h.add_argument("--heartbeat-timeout-s", type=float, default=2.0,
+                   help="a site silent this long is left out of the next quorum (2)")  # fmt: skip
+    h.set_defaults(func=cmd_lighthouse)
+
+
+def cmd_lighthouse(args: argparse.Namespace) -> int:
+    """Serve until Ctrl-C or SIGTERM (exit 0); a port in use or no torchft: one line, exit 2."""
+    from ..config import ConfigError
+    from ..elastic.rounds import LIGHTHOUSE_JOIN_S
+
+    _check_port(args.port)
+    if args.timeout_s <= 0 or args.heartbeat_timeout_s <= 0:
+        raise ConfigError("--timeout-s and --heartbeat-timeout-s must be > 0 seconds")
+    if not os.environ.get("LOWCOMM_DEBUG"):
+        os.environ.setdefault("RUST_LOG", "warn")  # it logs every quorum at INFO (read on import)
+    try:
+        from torchft.coordination import LighthouseServer
+    except ImportError:
+        raise ConfigError(
+            "the lighthouse is torchft's: pip install 'lowcomm[elastic]' (a pinned torchft)"
+        ) from None
+    join_s = LIGHTHOUSE_JOIN_S if args.rounds == "quorum" else args.timeout_s
+    server = LighthouseServer(
+        bind=f"[::]:{args.port}", min_replicas=1, join_timeout_ms=int(join_s * 1000),
+        quorum_tick_ms=20, heartbeat_timeout_ms=int(args.heartbeat_timeout_s * 1000),
+    )  # fmt: skip
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"lowcomm: lighthouse at http://{socket.gethostname()}:{args.port} (rounds="
+          f"{args.rounds}); point the sites at it with lighthouse=HOST:{args.port}; Ctrl-C "
+          f"stops it", flush=True)  # fmt: skip
+    stop.wait()
+    server.shutdown()
+    print("lowcomm: lighthouse stopped", flush=True)
+    return 0
+
+
+def _check_port(port: int) -> None:
+    """ConfigError when ``port`` is no TCP port or is taken (the sites need this very one)."""
+    from ..config import ConfigError
+
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"--port {port} is not a TCP port: give 1-65535")
+    try:  # as the lighthouse binds: reusing the address of one just gone (TIME_WAIT)
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("::", port))
+    except OSError:
+        raise ConfigError(
+            f"port {port} is in use (a lighthouse already there?): stop what holds it, or "
+            f"pass another --port and point the sites at that"
+        ) from None
