@@ -313,3 +313,25 @@ def test_a_syncs_deadline_follows_the_slowest_sync_that_stood_and_is_whole_after
     runner._slowest = 0.2
     view.joiners = [1]
     assert runner.deadline(view) == 300  # a heal moves the whole state
+
+
+def test_a_quorum_filled_up_by_a_member_at_another_sync_is_asked_again():
+    """Chaos seed 4 (quorum rounds, site 1 cut off, site 0 hung): site 1, still at sync@40,
+    asked the lighthouse within site 2's window for sync@50, so site 2's quorum was [1, 2]: two
+    sites, enough for min_workers=2, so it was not asked again; but site 1 is at another sync,
+    and check() then found site 2 alone and stopped it ("only 1 sites remain"), while site 3,
+    alive, was one window away. Counted as check() counts, the quorum is asked again."""
+    answers = [
+        _view(_d(1, "sync@40"), _d(2, "sync@50")),
+        _view(_d(2, "sync@50"), _d(3, "sync@50")),
+    ]
+
+    class Scripted(_Checker):
+        def _member_view(self, tag, ok, phase, ready):
+            return answers.pop(0)
+
+    member = Scripted(2)
+    member.elastic = Elastic(lighthouse="http://unused", site=2, sites=4, min_workers=2,
+                             heartbeat_s=0.01)  # fmt: skip
+    view = member.quorum("sync@50")
+    assert member.check(view, "sync@50").members == [2, 3]
