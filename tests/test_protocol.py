@@ -335,3 +335,25 @@ def test_a_quorum_filled_up_by_a_member_at_another_sync_is_asked_again():
                              heartbeat_s=0.01)  # fmt: skip
     view = member.quorum("sync@50")
     assert member.check(view, "sync@50").members == [2, 3]
+
+
+def test_a_vote_on_another_attempt_is_no_member_of_the_quorum_a_site_asks_for():
+    """Chaos seed 15 (quorum rounds, the store host cut off): site 2's commit vote on a failed
+    attempt landed in the quorum site 3 asked for its next attempt; site 3 then waited on a
+    group site 2 was never going to join, and the pairs of sites failed each other until all
+    stopped. A member reads a quorum without the votes in it, as a joiner does."""
+    from lowcomm.elastic.decide import asking
+
+    vote = _d(2, "sync@50", "commit", ok=False, gen=0)
+    view = _view(vote, _d(3, "sync@50", gen=1))
+    assert asking(view).members == [3]
+
+    class Scripted(_Checker):
+        def _ask(self, tag, ok, phase, join, ready):
+            return view
+
+    member = Scripted(3)
+    member.fingerprint, member._refused = "fp", set()
+    assert member._member_view("sync@50", True, "sync", False).members == [3]
+    joiner = {"site": 4, "tag": "join", "phase": "join", "ok": True, "join": True}
+    assert asking(_view(vote, _d(3, "sync@50"), joiner)).members == [3, 4]

@@ -165,6 +165,17 @@ def without(view: View, excluded: dict[int, str]) -> View:
     return View(view.quorum_id, members, keep, [j for j in view.joiners if j in members])
 
 
+def asking(view: View) -> View:
+    """``view`` without the members whose request in it is a commit vote: the lighthouse may
+    put a vote on one attempt into the quorum another site asks for its next attempt, and a
+    member settling an attempt takes no part in another (joiners kept)."""
+    keep = [d for d in view.data if d.get("join") or d.get("phase") == "sync"]
+    if len(keep) == len(view.data):
+        return view
+    members = [int(d["site"]) for d in keep]
+    return View(view.quorum_id, members, keep, [j for j in view.joiners if j in members])
+
+
 def admitted_at(view: View, fingerprint: str) -> tuple[View, dict[str, Any]]:
     """A joiner's reading of a quorum: whom it admits at the run's sync (:func:`run_tag`), the
     members elsewhere left out as every member leaves them out (:meth:`Membership.check`),

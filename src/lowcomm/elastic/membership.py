@@ -43,6 +43,7 @@ from .decide import (
     admit,
     admitted_at,
     as_int,
+    asking,
     exclusion,
     in_sync,
     run_tag,
@@ -179,6 +180,8 @@ class Membership:
     def _member_view(self, tag: str, ok: bool, phase: str, ready: bool) -> View:
         """One quorum, as the members of the run see it (joiners filtered by :func:`admit`)."""
         view = self._ask(tag, ok, phase, join=False, ready=ready)
+        if phase == "sync":  # a vote on another attempt is nobody who asks for this one
+            view = asking(view)
         self.joiner_waiting = any(
             d.get("join") and d.get("fp") == self.fingerprint for d in view.data
         )
@@ -251,8 +254,8 @@ class Membership:
         """One quorum as a joiner; None when it timed out (the run's sites are alive but
         between syncs: the lighthouse holds a lone joiner until they ask)."""
         asked = time.monotonic()
-        try:
-            return self._ask("join", True, "join", join=True, ready=False)
+        try:  # read as the members read their quorum: their votes are no members (see asking)
+            return asking(self._ask("join", True, "join", join=True, ready=False))
         except MembershipError:
             if time.monotonic() - asked < self.elastic.timeout_s:
                 raise  # at once: the lighthouse is gone
