@@ -115,7 +115,11 @@ _EXACT = 16  # up to this many members the largest reachable set is found by try
 
 def _unreached(view: View, votes: list[dict[str, Any]]) -> dict[int, str]:
     """The members outside :func:`reachable` (only when some member named another: an attempt
-    that failed in its collectives names nobody), each with who could not reach it."""
+    that failed in its collectives names nobody), each with who could not reach it, when those
+    that all reach each other are more than half of the attempt's members. Otherwise nobody: of
+    two sides of a partition (two sites that cannot reach each other) neither may go on alone,
+    or each would (a quorum of rounds may pair a cut site with each healthy one in turn); the
+    attempt is retried, on a quorum that holds more members, or stops (docs/reliability.md)."""
     broken: dict[int, set[int]] = {s: set() for s in view.members}
     for d in votes:
         said = d.get("unreached")
@@ -127,6 +131,8 @@ def _unreached(view: View, votes: list[dict[str, Any]]) -> dict[int, str]:
     if not any(broken.values()):
         return {}
     keep = reachable(view.members, broken)
+    if 2 * len(keep) <= len(view.members):  # no side holds a majority: no split brain
+        return {}
     return {
         s: f"{UNREACHED}: it and {sorted(broken[s])} could not reach each other"
         for s in view.members
