@@ -182,6 +182,16 @@ def asking(view: View) -> View:
     return View(view.quorum_id, members, keep, [j for j in view.joiners if j in members])
 
 
+def taking_part(view: View, excluded: dict[int, str]) -> int:
+    """How many of ``view``'s members take part in the run's sync as
+    :meth:`~lowcomm.elastic.membership.Membership.check` counts them: a member at another sync
+    (one back from a pause) or an ``excluded`` process does not, so a quorum it fills up is
+    asked again rather than found too small there."""
+    now = run_tag(view)
+    view = without(view, excluded)
+    return sum(1 for d in view.data if d.get("join") or d["tag"] == now)
+
+
 def admitted_at(view: View, fingerprint: str) -> tuple[View, dict[str, Any]]:
     """A joiner's reading of a quorum: whom it admits at the run's sync (:func:`run_tag`), the
     members elsewhere left out as every member leaves them out (:meth:`Membership.check`),

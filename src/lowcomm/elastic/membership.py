@@ -48,6 +48,7 @@ from .decide import (
     in_sync,
     run_tag,
     step_of,
+    taking_part,
     without,
 )
 from .link import Link
@@ -160,7 +161,7 @@ class Membership:
         # the next attempt's quorum (which may admit a joiner) is the one that must be enough
         while (
             phase == "sync"
-            and self._able(view) < self.elastic.min_workers
+            and taking_part(view, self._excluded_inc) < self.elastic.min_workers
             and time.monotonic() < deadline
         ):
             log.debug("site %d: %s quorum of %s, fewer than min_workers; asking again",
@@ -168,14 +169,6 @@ class Membership:
             time.sleep(self.elastic.heartbeat_s)  # the lighthouse answers a lone asker at once
             view = self._member_view(tag, ok, phase, ready)
         return view
-
-    def _able(self, view: View) -> int:
-        """How many of ``view``'s members take part in the run's sync as :meth:`check` will
-        count them: a member at another sync (one coming back from a pause) or excluded does
-        not, so a quorum it fills up is asked again rather than found too small there."""
-        now = run_tag(view)
-        view = without(view, self._excluded_inc)
-        return sum(1 for d in view.data if d.get("join") or d["tag"] == now)
 
     def _member_view(self, tag: str, ok: bool, phase: str, ready: bool) -> View:
         """One quorum, as the members of the run see it (joiners filtered by :func:`admit`)."""
