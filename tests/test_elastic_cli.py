@@ -36,6 +36,15 @@ def _model(out: Path) -> dict[str, torch.Tensor]:
     return torch.load(out / "model.pt", weights_only=True)
 
 
+def _replays_bit_for_bit(live: Path, again: Path, *args: str) -> None:
+    """``--replay`` of ``live``'s membership record, run into ``again`` with ``args``, ends
+    with the same parameters bit for bit."""
+    done = _train(*args, "--replay", str(live / "membership.jsonl"), "--out", str(again))
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = _model(live), _model(again)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 # 27 s; kill -9 below and the join test's replay cover its paths by default
 @pytest.mark.slow  # by hand (pytest -m slow): the default suite stays under 10 minutes
 def test_a_killed_site_leaves_the_run_going_and_its_replay_repeats_it_bit_for_bit(tmp_path):
@@ -262,11 +271,7 @@ def test_a_hung_site_is_left_out_and_the_replay_repeats_the_run(tmp_path, strate
     assert event["left"] == [2]
     if not replay:
         return
-    log = str(live / "membership.jsonl")
-    again = _train(*run, *ELASTIC, "--replay", log, "--out", str(again_dir))
-    assert again.returncode == 0, again.stderr[-3000:]
-    a, b = _model(live), _model(again_dir)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    _replays_bit_for_bit(live, again_dir, *run, *ELASTIC)
 
 
 def test_fewer_than_min_workers_stop_the_run_with_one_line_and_it_resumes(tmp_path):
@@ -394,11 +399,7 @@ def test_a_site_whose_payload_is_refused_is_named_and_excluded_and_the_others_go
     assert event["at"] == "sync@40" and event["last_step"] == 30
     if not replay:
         return
-    log = str(live / "membership.jsonl")
-    again = _train(*RUN, *ELASTIC, *extra, "--replay", log, "--out", str(again_dir))
-    assert again.returncode == 0, again.stderr[-3000:]
-    a, b = _model(live), _model(again_dir)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    _replays_bit_for_bit(live, again_dir, *RUN, *ELASTIC, *extra)
 
 
 _NETNS = pytest.mark.skipif(
@@ -426,11 +427,7 @@ def test_a_site_cut_off_on_the_data_plane_is_excluded_and_the_others_go_on(tmp_p
                 .stdout.split() if ns.startswith("lcsites-")]  # fmt: skip
     if not replay:
         return
-    log = str(live / "membership.jsonl")
-    again = _train(*RUN, *fast, "--replay", log, "--out", str(again_dir))
-    assert again.returncode == 0, again.stderr[-3000:]
-    a, b = _model(live), _model(again_dir)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    _replays_bit_for_bit(live, again_dir, *RUN, *fast)
 
 
 def test_a_site_hung_inside_a_sync_costs_the_others_its_deadline_not_timeout_s(tmp_path):

@@ -1,2 +1,3 @@
-"""Benchmarks: ``lowcomm compare`` (strategies side by side, optionally over kernel-shaped links),
-the shaped links themselves (netshape/), and codec, sync-cost and overhead microbenchmarks."""
+"""Benchmarks: ``lowcomm compare`` (strategies side by side, optionally over kernel-shaped links
+from :mod:`lowcomm.netshape`), and codec, sync-cost, overhead, chaos, heal and straggler
+benchmarks."""

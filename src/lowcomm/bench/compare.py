@@ -92,7 +92,7 @@ def run_compare(
     """Run every entry for every seed (and bandwidth), one after another.
 
     Writes results.json, results.md and the plots. With ``bandwidths``, each run's workers sit
-    behind a kernel-shaped link (see :mod:`lowcomm.bench.netshape`), set up and checked once per
+    behind a kernel-shaped link (see :mod:`lowcomm.netshape`), set up and checked once per
     bandwidth and torn down after it. ``command`` (the command line) heads results.md.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -172,7 +172,7 @@ def _open_network(bw: str | None, topology: str, workers: int) -> Any:
     """A shaped link of rate ``bw`` (entered), or None for an unshaped run."""
     if bw is None:
         return None
-    from .netshape import ShapedNetwork
+    from ..netshape import ShapedNetwork
 
     # per-node: a worker's namespace holds all its ranks (launch_shaped); the links are per worker
     shape = "per-worker" if topology == "per-node" else topology

@@ -85,7 +85,7 @@ class _network:
 
     def __enter__(self) -> _network:
         if self.bandwidth:
-            from .netshape import ShapedNetwork
+            from ..netshape import ShapedNetwork
 
             self.net = ShapedNetwork(self.bandwidth, topology="shared", workers=1)
             self.net.__enter__()

@@ -358,7 +358,7 @@ def _time_to_target(r: RunSummary, base: RunSummary | None, target: float) -> st
 
 
 def _rate(bandwidth: str) -> float:
-    from .netshape import parse_rate
+    from ..netshape import parse_rate
 
     return float(parse_rate(bandwidth))
 

@@ -27,7 +27,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
     bandwidths = None
     if args.bandwidth or args.bandwidths:
-        from ..bench.netshape import NetworkUnavailable, check_prerequisites, parse_rate
+        from ..netshape import NetworkUnavailable, check_prerequisites, parse_rate
 
         rates = (args.bandwidths or args.bandwidth).split(",")
         bandwidths = [b.strip() for b in rates if b.strip()]

@@ -151,7 +151,7 @@ def validate_train(t: Any) -> None:
     if t.min_workers < 1:
         raise ConfigError(f"min_workers must be >= 1, got {t.min_workers}")
     if t.site_link:
-        from ..bench.netshape.units import parse_rate
+        from ..netshape.units import parse_rate
 
         try:
             parse_rate(t.site_link)

@@ -97,8 +97,8 @@ def check_elastic(spec: RunSpec, workers: int) -> None:
 def _check_links(spec: RunSpec) -> None:
     """A ``link:`` fault runs the sites in namespaces the launcher makes: refused, with the
     reason, where it cannot."""
-    from ..bench.netshape.errors import NetworkUnavailable
-    from ..bench.netshape.namespaces import require_root_and_iproute2
+    from ..netshape.errors import NetworkUnavailable
+    from ..netshape.namespaces import require_root_and_iproute2
 
     cfg = spec.train
     what = f"site_link={cfg.site_link}" if cfg.site_link else "--faults link"
@@ -184,7 +184,7 @@ def _site_network(cfg: TrainConfig, workers: int) -> Any:
     faults = parse_faults(cfg.faults, workers, cfg.steps)
     if not links(faults) and not cfg.site_link:
         return None
-    from ..bench.netshape.network import ShapedNetwork
+    from ..netshape.network import ShapedNetwork
 
     total = workers + len(adds(faults))
     # without site_link a nominal rate: namespaces to cut one site's link in, not to shape it
@@ -416,8 +416,8 @@ def _outcome(codes: list[int | None], out_dir: Path, started: float) -> dict[str
 def _site_main(role: SiteRole, spec: RunSpec) -> None:
     """One site's process: the trainer with membership, its errors as a launched worker's."""
     if role.netns:  # before any socket: its store and groups listen on its own address
-        from ..bench.netshape.links import WORKER_IFNAME
-        from ..bench.netshape.namespaces import enter
+        from ..netshape.links import WORKER_IFNAME
+        from ..netshape.namespaces import enter
 
         enter(role.netns)
         os.environ.update(LOWCOMM_ADDR=role.addr, GLOO_SOCKET_IFNAME=WORKER_IFNAME,

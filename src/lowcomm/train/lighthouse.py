@@ -33,7 +33,7 @@ def _serve(port: int, options: dict[str, int], netns: str, up: Any) -> None:
     # the sites (a KeyboardInterrupt here would only print a traceback into the run's output)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if netns:
-        from ..bench.netshape.namespaces import enter
+        from ..netshape.namespaces import enter
 
         enter(netns)
     server = LighthouseServer(bind=f"[::]:{port}", **options)  # held: dropped, it stops

@@ -1,7 +1,7 @@
 """Building a shaped network: namespaces, the bridge, veth pairs and their tbf qdiscs.
 
 :class:`LinkBuilder` runs the ``ip`` and ``tc`` commands that make the links of one
-:class:`~lowcomm.bench.netshape.network.ShapedNetwork`. Every interface is created inside a
+:class:`~lowcomm.netshape.network.ShapedNetwork`. Every interface is created inside a
 namespace made here, never in the host's; each namespace is reported to the network (which
 tears them down) before it exists.
 """

@@ -1,4 +1,4 @@
-"""``python -m lowcomm.bench.netshape``: set up a shaped network, measure it, print, tear down."""
+"""``python -m lowcomm.netshape``: set up a shaped network, measure it, print, tear down."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from .network import ShapedNetwork
 def build_parser() -> argparse.ArgumentParser:
     """The command's arguments."""
     parser = argparse.ArgumentParser(
-        prog="python -m lowcomm.bench.netshape",
+        prog="python -m lowcomm.netshape",
         description="Set up a kernel-shaped network, measure it, print, tear it down.",
     )
     parser.add_argument("--rate", default="50mbit", help="tc-style rate, e.g. 50mbit, 1gbit")

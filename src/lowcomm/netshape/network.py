@@ -1,7 +1,7 @@
 """:class:`ShapedNetwork`: the namespaces and shaped links of one run, as a context manager.
 
 Set-up creates every interface inside a namespace made here (never in the host's), shapes it
-with tbf (the building is :class:`~lowcomm.bench.netshape.links.LinkBuilder`'s), and measures
+with tbf (the building is :class:`~lowcomm.netshape.links.LinkBuilder`'s), and measures
 the link; teardown deletes the namespaces, which takes the veth pairs
 and the bridge with them, on normal exit, on an exception, on SIGINT/SIGTERM and at exit.
 """
