@@ -361,3 +361,17 @@ def test_a_vote_on_another_attempt_is_no_member_of_the_quorum_a_site_asks_for():
     assert member._member_view("sync@50", True, "sync", False).members == [3]
     joiner = {"site": 4, "tag": "join", "phase": "join", "ok": True, "join": True}
     assert asking(_view(vote, _d(3, "sync@50"), joiner)).members == [3, 4]
+
+
+def test_the_members_of_a_quorum_run_the_highest_attempt_any_of_them_reports():
+    """Chaos seed 32 (a healer killed inside a rejoining site's hand-over): one member counted
+    one failed vote fewer than the others, named its next group by another attempt, and the
+    three waited at different groups until all stopped. Every member takes the highest
+    attempt in the quorum, the same number from the same view."""
+    from lowcomm.elastic.decide import attempt_of
+
+    joiner = {"site": 0, "tag": "join", "phase": "join", "ok": True, "join": True, "gen": 9}
+    view = View(4, [0, 2, 3], [joiner, _d(2, "sync@60", gen=3), _d(3, "sync@60", gen=2)],
+                joiners=[0])  # fmt: skip
+    assert attempt_of(view) == 3  # a joiner's own count is no attempt of the run's
+    assert attempt_of(_view(_d(2, "sync@60", gen=True), _d(3, "sync@60", gen="7"))) == 0

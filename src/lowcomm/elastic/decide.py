@@ -182,6 +182,15 @@ def asking(view: View) -> View:
     return View(view.quorum_id, members, keep, [j for j in view.joiners if j in members])
 
 
+def attempt_of(view: View) -> int:
+    """The attempt (generation) a quorum's members run next: the highest any member of it
+    reports. Each member counts its failed votes itself, and one that missed or doubled a
+    vote (its commit quorum was not the others') would otherwise name another group than
+    theirs, and the members would wait at different groups until they all stopped (chaos seed
+    32); every member reads the same number from the same view."""
+    return max((as_int(d.get("gen")) for d in view.data if not d.get("join")), default=0)
+
+
 def taking_part(view: View, excluded: dict[int, str]) -> int:
     """How many of ``view``'s members take part in the run's sync as
     :meth:`~lowcomm.elastic.membership.Membership.check` counts them: a member at another sync

@@ -15,7 +15,7 @@ from typing import TypeVar
 from ..errors import MembershipError, PayloadError
 from ..transport import ByteMeter, Transport
 from . import heal
-from .decide import View, blamed, committed, step_of
+from .decide import View, attempt_of, blamed, committed, step_of
 from .faults import die_if_armed
 from .membership import Membership, Unreachable
 from .rounds import Rounds
@@ -64,6 +64,8 @@ class Runner:
             ready = tag in self._offers
             view, self.admitted = self.admitted or self.membership.quorum(tag, ready=ready), None
             view = self.membership.check(view, tag)
+            # every member of the quorum on one attempt's group (see attempt_of)
+            self.membership.generation = max(self.membership.generation, attempt_of(view))
             blame, unreached = None, None
             t0 = time.perf_counter()
             try:  # the group too: its store's host or a peer may be gone already
