@@ -8,6 +8,7 @@ Each case here is one the lighthouse can hand out and that once split or stopped
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -375,3 +376,153 @@ def test_the_members_of_a_quorum_run_the_highest_attempt_any_of_them_reports():
                 joiners=[0])  # fmt: skip
     assert attempt_of(view) == 3  # a joiner's own count is no attempt of the run's
     assert attempt_of(_view(_d(2, "sync@60", gen=True), _d(3, "sync@60", gen="7"))) == 0
+
+
+def test_a_quorum_too_small_after_the_lighthouse_held_it_a_while_is_still_asked_again():
+    """Chaos seed 15 again (at 8c1cee0): site 2 asked for sync@50 while the others' pair held
+    the lighthouse's quorum; the lighthouse held its lone request (no majority of the live
+    sites) for timeout_s, then answered it alone, and the re-ask deadline, counted from the
+    request, had passed: site 2, healthy, stopped ("only 1 sites remain"). The deadline counts
+    from the first answer that is too small."""
+    answers = [_view(_d(2, "sync@50")), _view(_d(2, "sync@50"), _d(3, "sync@50"))]
+
+    class Held(_Checker):
+        def _member_view(self, tag, ok, phase, ready):
+            if len(answers) == 2:
+                time.sleep(0.3)  # the lighthouse held this request longer than timeout_s
+            return answers.pop(0)
+
+    member = Held(2)
+    member.elastic = Elastic(lighthouse="http://unused", site=2, sites=4, min_workers=2,
+                             heartbeat_s=0.01, timeout_s=0.2)  # fmt: skip
+    view = member.quorum("sync@50")
+    assert member.check(view, "sync@50").members == [2, 3]
+
+
+class _Split(_Checker):
+    """Site 3 at sync@50: its first attempt on [0, 3] fails, the two could not reach each
+    other; its next quorums are scripted, and what it asks with is recorded."""
+
+    def __init__(self, after: list[View]) -> None:
+        super().__init__(3)
+        self.elastic = Elastic(lighthouse="http://unused", site=3, sites=4, min_workers=2,
+                               heartbeat_s=0.01, timeout_s=5)  # fmt: skip
+        self.generation, self.splits, self.asked = 0, [], 0
+        self.sync = [_view(_d(0, "sync@50"), _d(3, "sync@50")), *after]
+        cut = [_d(0, "sync@50", "commit", False, unreached=[3]),
+               _d(3, "sync@50", "commit", False, unreached=[0])]  # fmt: skip
+        self.commits = [_view(*cut), _view(*(_d(s, "sync@50", "commit", gen=1) for s in (2, 3)))]
+
+    def _member_view(self, tag, ok, phase, ready):
+        self.asked += 1
+        return self.sync.pop(0) if phase == "sync" else self.commits.pop(0)
+
+    def quorum(self, tag, ok=True, phase="sync", ready=False, blame=None, unreached=None,
+               split=None):  # fmt: skip
+        if phase == "sync":
+            self.splits.append(split)
+        more = {"split": split} if split is not None else {}  # (none before the fix)
+        return super().quorum(tag, ok, phase, ready, blame, unreached, **more)
+
+    def drop(self, key):
+        pass
+
+
+def test_after_a_split_with_no_majority_the_same_pair_is_asked_again_until_a_third_comes():
+    """Chaos seeds 15 and 71 (quorum rounds, the store host cut off, one site killed): the
+    cut site and one healthy site formed a quorum, failed to reach each other, and neither
+    side held a majority to exclude the other; asked again within the lighthouse's half
+    second, the same pair came back and failed until both stopped, while the third live site
+    was a moment away. The pair is asked again until another site comes (here at once)."""
+    from lowcomm.elastic.membership import Unreachable
+    from lowcomm.elastic.runner import Runner
+    from lowcomm.transport import ByteMeter
+
+    pair = _view(_d(0, "sync@50", gen=1), _d(3, "sync@50", gen=1))
+    member = _Split([pair, _view(_d(2, "sync@50", gen=1), _d(3, "sync@50", gen=1))])
+    runner = Runner(member, ByteMeter(), ByteMeter(), 0.0)
+    tries = []
+
+    def attempt(view, tag, collectives):
+        tries.append(view.members)
+        if len(tries) == 1:
+            raise Unreachable("could not reach the group's store", ranks=[0])
+        return "stood"
+
+    runner._attempt = attempt
+    assert runner.run("sync@50", lambda t, b: None) == "stood"
+    assert member.splits == [None, [0, 3]]
+    assert tries == [[0, 3], [2, 3]]  # the same pair again was not tried
+    assert member.asked == 5  # sync, commit, the pair again (asked anew), the trio's, commit
+
+
+def test_a_quorum_holding_votes_on_the_same_sync_is_asked_again_not_run_by_half():
+    """Chaos seed 85 (quorum rounds, a site added, the lighthouse restarted): sites [0, 1] and
+    [3, 4] fell out of step at sync@50; each pair's sync quorum held the other's commit votes,
+    which a member leaves out (it runs without them), and each pair's vote then held the other's
+    requests, so no vote stood: the pairs took turns for ever. A quorum holding votes on the
+    sync asked for is asked again; the voters ask for the next attempt a moment later."""
+    from lowcomm.elastic.decide import asking
+
+    votes = [_d(s, "sync@50", "commit", gen=3) for s in (3, 4)]
+    half = asking(_view(_d(0, "sync@50", gen=3), _d(1, "sync@50", gen=3), *votes), "sync@50")
+    assert half.members == [0, 1] and half.voting == [3, 4]
+    stale = asking(_view(_d(0, "sync@50"), _d(3, "sync@40", "commit")), "sync@50")
+    assert stale.voting == []  # a vote on another sync is no member of this one to wait for
+    everyone = _view(*(_d(s, "sync@50", gen=4) for s in (0, 1, 3, 4)))
+    answers = [half, everyone]
+
+    class Scripted(_Checker):
+        def _member_view(self, tag, ok, phase, ready):
+            return answers.pop(0)
+
+    member = Scripted(0)
+    member.elastic = Elastic(lighthouse="http://unused", site=0, sites=5, min_workers=2,
+                             heartbeat_s=0.01)  # fmt: skip
+    assert member.quorum("sync@50").members == [0, 1, 3, 4]
+    assert answers == []
+
+
+def test_a_joiner_takes_part_in_the_sync_that_admitted_it_without_waiting_for_arrivals():
+    """Chaos seed 85: a site added at sync@35 under quorum rounds healed there, then went to
+    that sync's arrival wait; the members had told their arrivals to each other's stores
+    before it was known, so it waited timeout_s while the members waited for it inside the
+    sync, and the heal's attempt failed. The quorum that admitted it is its arrival."""
+    from lowcomm.elastic import rounds as rounds_mod
+
+    own = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    elastic = Elastic(lighthouse="http://unused", site=4, sites=5, rounds="quorum")
+    rounds = rounds_mod.Rounds(SimpleNamespace(elastic=elastic, store=own))
+
+    def waited(step):
+        raise AssertionError(f"waited for the others' arrivals at sync@{step}")
+
+    rounds._wait = waited
+    rounds.admitted(35)
+    assert rounds.arrive(35)
+    with pytest.raises(AssertionError, match="sync@40"):
+        rounds.arrive(40)  # its next sync is like any other's
+
+
+def test_a_site_asking_back_in_reads_a_quorum_mid_vote_as_the_members_do():
+    """Chaos seed 85 again, once the pairs asked alike: site 2, back from a missed sync, read a
+    quorum holding two members' commit votes as its admission and healed, while the members
+    asked that quorum again (it was mid-vote); it waited connect_s at a group nobody else
+    formed, at every sync. A joiner admits itself only where the members run the quorum."""
+    from lowcomm.elastic.decide import admits, asking
+
+    joiner = {"site": 2, "tag": "join", "phase": "join", "gen": 0, "join": True, "fp": "a",
+              "join_from": 0, "join_at": "sync@55", "ok": True}  # fmt: skip
+
+    def member(site, phase="sync"):
+        return _d(site, "sync@55", phase, fp="a", ready=True, gen=1)
+
+    mid_vote = _view(member(0, "commit"), member(1), joiner, member(3, "commit"), member(4))
+    read, _ = admitted_at(asking(mid_vote, run_tag(mid_vote)), "a")
+    assert read.joiners == [2] and read.voting == [0, 3]
+    assert not admits(read, 2, min_workers=2)
+    whole = _view(member(0), member(1), joiner, member(3), member(4))
+    read, ref = admitted_at(asking(whole, run_tag(whole)), "a")
+    assert admits(read, 2, min_workers=2) and ref["tag"] == "sync@55"
+    theirs = _Checker(0).check(admit(whole, "a", "sync@55", "sync"), "sync@55")
+    assert theirs.members == read.members == [0, 1, 2, 3, 4]

@@ -20,6 +20,8 @@ class View:
     members: list[int]  # site numbers, rank order
     data: list[dict[str, Any]] = field(default_factory=list)
     joiners: list[int] = field(default_factory=list)  # members admitted here, to be healed
+    # sites whose request was a commit vote on the sync asked for, left out (see asking)
+    voting: list[int] = field(default_factory=list)
 
     @property
     def who(self) -> str:
@@ -67,7 +69,8 @@ def in_sync(view: View, tag: str) -> View:
     gone = [d["site"] for d in view.data if d not in keep]
     log.warning("sites %s are at another sync than %s: left out of it", gone, tag)
     members = [int(d["site"]) for d in keep]
-    return View(view.quorum_id, members, keep, [j for j in view.joiners if j in members])
+    return View(view.quorum_id, members, keep, [j for j in view.joiners if j in members],
+                view.voting)  # fmt: skip
 
 
 def committed(view: View, commit: View, generation: int, ok: bool) -> bool:
@@ -168,18 +171,45 @@ def without(view: View, excluded: dict[int, str]) -> View:
     if len(keep) == len(view.data):
         return view
     members = [int(d["site"]) for d in keep]
-    return View(view.quorum_id, members, keep, [j for j in view.joiners if j in members])
+    return View(view.quorum_id, members, keep, [j for j in view.joiners if j in members],
+                view.voting)  # fmt: skip
 
 
-def asking(view: View) -> View:
+def asking(view: View, tag: str = "") -> View:
     """``view`` without the members whose request in it is a commit vote: the lighthouse may
     put a vote on one attempt into the quorum another site asks for its next attempt, and a
-    member settling an attempt takes no part in another (joiners kept)."""
+    member settling an attempt takes no part in another (joiners kept). Those voting on sync
+    ``tag`` itself are named in ``voting``: they ask for its next attempt a moment later."""
     keep = [d for d in view.data if d.get("join") or d.get("phase") == "sync"]
     if len(keep) == len(view.data):
         return view
     members = [int(d["site"]) for d in keep]
-    return View(view.quorum_id, members, keep, [j for j in view.joiners if j in members])
+    voting = [int(d["site"]) for d in view.data if d not in keep and d.get("tag") == tag]
+    return View(view.quorum_id, members, keep, [j for j in view.joiners if j in members], voting)
+
+
+def ask_again(
+    view: View, excluded: dict[int, str], min_workers: int, split: list[int] | None
+) -> bool:
+    """Whether a sync quorum is asked again rather than run (:meth:`Membership.quorum`):
+
+    - it holds fewer than ``min_workers`` that take part (:func:`taking_part`): a live site
+      whose heartbeat lapsed for a moment (a loaded host) is back in the next one;
+    - it is exactly the ``split`` members: the last attempt's, which failed with members that
+      could not reach each other and no majority to exclude either side; retried alone they
+      fail again until the network heals, while a live site asking a moment later (quorum
+      rounds gather those asking within half a second) breaks the tie (chaos seeds 15, 71);
+    - it holds commit votes on this sync (``voting``): run without them, two halves of the
+      members fell out of step, each half's sync quorum holding the other's votes and each
+      vote the other's requests, and none stood (chaos seed 85); asked again, all ask alike."""
+    too_few = taking_part(view, excluded) < min_workers
+    return too_few or bool(split and view.members == split) or bool(view.voting)
+
+
+def admits(view: View, site: int, min_workers: int) -> bool:
+    """Whether ``view``, a joiner's reading of a quorum (:func:`admitted_at`), admits ``site``
+    as the members read it: one they ask again (:func:`ask_again`) admits nobody yet."""
+    return site in view.joiners and not ask_again(view, {}, min_workers, None)
 
 
 def attempt_of(view: View) -> int:
@@ -226,7 +256,7 @@ def admit(view: View, fingerprint: str, tag: str, phase: str) -> View:
                 keep.append(d)
                 joiners.append(int(d["site"]))
     keep.sort(key=lambda d: d["site"])
-    return View(view.quorum_id, [int(d["site"]) for d in keep], keep, joiners)
+    return View(view.quorum_id, [int(d["site"]) for d in keep], keep, joiners, view.voting)
 
 
 def step_of(tag: str) -> int:

@@ -41,14 +41,15 @@ from ..errors import ConfigError, MembershipError
 from .decide import (
     View,
     admit,
+    admits,
     admitted_at,
     as_int,
+    ask_again,
     asking,
     exclusion,
     in_sync,
     run_tag,
     step_of,
-    taking_part,
     without,
 )
 from .link import Link
@@ -142,6 +143,7 @@ class Membership:
     def quorum(
         self, tag: str, ok: bool = True, phase: str = "sync", ready: bool = False,
         blame: tuple[int, str] | None = None, unreached: list[int] | None = None,
+        split: list[int] | None = None,
     ) -> View:  # fmt: skip
         """Wait for the next quorum, reporting ``tag`` (which sync), ``phase`` (its collectives
         or their commit), ``ok`` (did this site complete them) and ``ready`` (does it offer a
@@ -149,22 +151,24 @@ class Membership:
         this site is out or too few remain. Sites asking to join are in the view only when
         admitted here (the same settings, at a sync they may join at): see :func:`admit`.
 
-        A quorum of fewer than ``min_workers`` is asked again for up to ``timeout_s``: a live
-        site whose heartbeat lapsed for a moment (a loaded host) is back in the next one.
+        A quorum that :func:`ask_again` says is not yet the one to run is asked again, for up to
+        ``timeout_s`` from the first such answer (the lighthouse may have held the request that
+        long already): too few, exactly the ``split`` pair that just failed, or mid-vote.
         ``blame``: (site, why) when this site's attempt failed on that site's payload (a
         commit vote carries it; see :func:`blamed`); ``unreached``: the sites this site could
         not reach at the attempt's group (its commit vote carries them too)."""
         self._blame, self._unreached = blame, list(unreached or [])
-        deadline = time.monotonic() + self.elastic.timeout_s
         view = self._member_view(tag, ok, phase, ready)
         # a commit vote is never asked again: an attempt's vote among fewer sites fails it, and
         # the next attempt's quorum (which may admit a joiner) is the one that must be enough
-        while (
-            phase == "sync"
-            and taking_part(view, self._excluded_inc) < self.elastic.min_workers
-            and time.monotonic() < deadline
+        deadline = None
+        while phase == "sync" and ask_again(
+            view, self._excluded_inc, self.elastic.min_workers, split
         ):
-            log.debug("site %d: %s quorum of %s, fewer than min_workers; asking again",
+            deadline = deadline or time.monotonic() + self.elastic.timeout_s
+            if time.monotonic() >= deadline:
+                break
+            log.debug("site %d: %s quorum of %s: too few, a split or mid-vote; asking again",
                       self.elastic.site, tag, view.members)  # fmt: skip
             time.sleep(self.elastic.heartbeat_s)  # the lighthouse answers a lone asker at once
             view = self._member_view(tag, ok, phase, ready)
@@ -174,7 +178,7 @@ class Membership:
         """One quorum, as the members of the run see it (joiners filtered by :func:`admit`)."""
         view = self._ask(tag, ok, phase, join=False, ready=ready)
         if phase == "sync":  # a vote on another attempt is nobody who asks for this one
-            view = asking(view)
+            view = asking(view, tag)
         self.joiner_waiting = any(
             d.get("join") and d.get("fp") == self.fingerprint for d in view.data
         )
@@ -209,7 +213,7 @@ class Membership:
                     f"{ref.get('fp')}); start it with the run's settings"
                 )
             admitted, ref = admitted_at(view, self.fingerprint)
-            if self.elastic.site in admitted.joiners:
+            if admits(admitted, self.elastic.site, self.elastic.min_workers):
                 self.generation = int(ref.get("gen", 0))
                 return admitted, ref["tag"]
 
@@ -229,7 +233,7 @@ class Membership:
                     alone_since = self._alone(asked, alone_since, view is not None, tag)
                     continue
                 admitted, ref = admitted_at(view, self.fingerprint)
-                if self.elastic.site in admitted.joiners:
+                if admits(admitted, self.elastic.site, self.elastic.min_workers):
                     self.generation = int(ref.get("gen", 0))
                     return admitted
                 if step_of(ref["tag"]) > step:
@@ -248,7 +252,8 @@ class Membership:
         between syncs: the lighthouse holds a lone joiner until they ask)."""
         asked = time.monotonic()
         try:  # read as the members read their quorum: their votes are no members (see asking)
-            return asking(self._ask("join", True, "join", join=True, ready=False))
+            view = self._ask("join", True, "join", join=True, ready=False)
+            return asking(view, run_tag(view) or "")
         except MembershipError:
             if time.monotonic() - asked < self.elastic.timeout_s:
                 raise  # at once: the lighthouse is gone

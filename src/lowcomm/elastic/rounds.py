@@ -62,6 +62,7 @@ class Rounds:
         self._missed: dict[int, int] = {}  # expected site not in the last views -> syncs missed
         self._dead: set[str] = set()  # stores that could not be reached (their site is gone)
         self._seen: dict[int, float] = {}  # send step -> when this site saw the quorum there
+        self._admitted = -1  # a joiner: the step of the sync whose quorum admitted it
         self._last_step: float | None = None
         self.step_s = 0.0  # this site's inner step time (the median of the last few)
         self._recent: collections.deque[float] = collections.deque(maxlen=9)
@@ -106,6 +107,8 @@ class Rounds:
         """At the sync of ``step``: tell the others, then wait until it closes. False: this
         site is late (the sync closed without it): it skips this sync."""
         self._seen.pop(step, None)
+        if step == self._admitted:  # in that sync's quorum already: nothing to wait for (the
+            return True  # others' hints went to their stores before this site was known)
         if self._own.check([_key(step, "closed")]):
             self.late_syncs += 1
             self.stale = True
@@ -119,6 +122,10 @@ class Rounds:
             self._post(_key(step, "stale"))
         self._wait(step)
         return True
+
+    def admitted(self, step: int) -> None:
+        """A joiner: the quorum of the sync at ``step`` admitted it (it healed there)."""
+        self._admitted = step
 
     def back(self) -> None:
         """This site took part in a sync: it is no longer behind."""

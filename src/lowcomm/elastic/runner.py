@@ -60,10 +60,12 @@ class Runner:
         if self._last_tag == self.membership.elastic.leave_after:
             self._leave(tag)
         stuck: list[list[int]] = []  # the members of each failed attempt that excluded nobody
+        split: list[int] | None = None  # ... the last such, when its members could not connect
         while True:
             ready = tag in self._offers
-            view, self.admitted = self.admitted or self.membership.quorum(tag, ready=ready), None
-            view = self.membership.check(view, tag)
+            asked = self.admitted or self.membership.quorum(tag, ready=ready, split=split)
+            self.admitted = None
+            view = self.membership.check(asked, tag)
             # every member of the quorum on one attempt's group (see attempt_of)
             self.membership.generation = max(self.membership.generation, attempt_of(view))
             blame, unreached = None, None
@@ -101,8 +103,11 @@ class Runner:
             # its next check
             out = blamed(view, commit, self.membership.generation)
             self.membership.exclude(out, tag, view)
+            split = None
             if not out:
                 stuck.append(view.members)
+                if unreached or any(d.get("unreached") for d in commit.data):
+                    split = view.members  # a split with no majority: not this pair again
             # every member of the commit saw it fail: all start the next attempt on fresh groups
             # (the lighthouse keeps the quorum id when the members did not change), the next
             # one with the whole timeout_s (a sync slower than any before fails once, not twice)
@@ -172,6 +177,8 @@ class Runner:
         if not heal.agree(transport, loaded):
             raise MembershipError(heal.mismatch(tag))
         self.admitted = view
+        if self.rounds is not None:
+            self.rounds.admitted(step_of(tag))
 
     def join_again(self) -> tuple[View, str]:
         """A joiner whose heal failed (its healer died mid-hand-over): this attempt's group
