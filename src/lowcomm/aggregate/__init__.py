@@ -3,7 +3,8 @@
 Two choices, both made once by :func:`make_aggregator` (from a SyncConfig) or
 :func:`aggregator_for` (by name): the exchange, which moves the bytes, and the combine rule
 (``SyncConfig.aggregation``), which turns the decoded contributions into one tensor. Rules are
-:class:`Combine` subclasses, one file each in ``aggregate/rules/`` (``mean``, ``selected-mean``),
+:class:`Combine` subclasses, one file each in ``aggregate/rules/`` (``mean``, ``selected-mean``,
+and the robust ``norm-clip``, ``median``, ``trimmed-mean``, ``centered-clip``),
 registered in :data:`COMBINES` by their ``name``; see :mod:`~lowcomm.aggregate.combine`.
 
 One class per exchange, chosen by ``SyncConfig.reduce``, all behind the abstract

@@ -83,6 +83,8 @@ class Combine(ABC):
 
     name: ClassVar[str]  # the config's ``aggregation`` value
     sum_decomposable: ClassVar[bool] = False  # set by SumCombine: all-reduce/two-phase can run it
+    # not defined on a sparse codec's contributions (refused for top-k: see check_codec)
+    dense_only: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -157,4 +159,14 @@ def check_sum_only(rule: Combine, method: str) -> None:
         raise ConfigError(
             f"aggregation={rule.name} is not a sum and reduce={method} can only sum: "
             f"use reduce=gather"
+        )
+
+
+def check_codec(rule: Combine, codec: Codec | None) -> None:
+    """ConfigError if ``rule`` is not defined on ``codec``'s contributions (a dense-only rule
+    on a sparse codec: at top-k's density most coordinates have one sender or none)."""
+    if rule.dense_only and codec is not None and hasattr(codec, "decode_sparse"):
+        raise ConfigError(
+            f"aggregation={rule.name} defends nothing on top-k payloads (most coordinates have "
+            f"one sender or none): use aggregation=norm-clip, or a dense codec"
         )

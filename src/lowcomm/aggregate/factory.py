@@ -15,7 +15,7 @@ import torch
 from ..config import SyncConfig
 from .allreduce import AllReduceAggregator
 from .base import Aggregator
-from .combine import Combine, combine_for
+from .combine import Combine, check_codec, combine_for
 from .gather import GatherAggregator
 from .two_phase import TwoPhaseAggregator
 
@@ -42,6 +42,7 @@ def aggregator_for(
     if method != "allreduce" and codec is None:
         raise ValueError(f"reduce={method} needs a codec")
     rule = combine_for(aggregation)
+    check_codec(rule, codec)
     if method == "allreduce":
         return AllReduceAggregator(world_size, dense_dtype=dense_dtype, aggregation=rule)
     assert codec is not None

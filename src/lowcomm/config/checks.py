@@ -11,7 +11,15 @@ from typing import Any, Literal, get_args
 
 from ..errors import ConfigError
 from . import choices
-from .choices import AGGREGATIONS, CODECS, DENSE_CODECS, ELEMENTWISE_CODECS, SPARSE_CODECS
+from .choices import (
+    AGGREGATIONS,
+    CODECS,
+    DENSE_CODECS,
+    DENSE_ONLY_RULES,
+    ELEMENTWISE_CODECS,
+    SPARSE_CODECS,
+    SUM_RULES,
+)
 
 # annotation name -> its Literal: every Literal that choices.py defines
 _LITERALS = {
@@ -116,6 +124,16 @@ def validate_sync(cfg: Any) -> None:
             f"aggregation=selected-mean needs codec={'|'.join(SPARSE_CODECS)} "
             f"(got codec={cfg.codec}): "
             f"use aggregation=mean or auto"
+        )
+    if cfg.reduce in ("allreduce", "two-phase") and cfg.resolved_aggregation not in SUM_RULES:
+        raise ConfigError(
+            f"aggregation={cfg.resolved_aggregation} is not a sum and reduce={cfg.reduce} can "
+            f"only sum: use reduce=gather (or auto)"
+        )
+    if cfg.aggregation in DENSE_ONLY_RULES and cfg.codec in SPARSE_CODECS:
+        raise ConfigError(
+            f"aggregation={cfg.aggregation} defends nothing on top-k payloads (most coordinates "
+            f"have one sender or none): use aggregation=norm-clip, or a dense codec"
         )
     if cfg.reduce == "two-phase" and cfg.codec not in ELEMENTWISE_CODECS:
         raise ConfigError(

@@ -49,3 +49,9 @@ def _rule_names() -> tuple[str, ...]:
 
 
 AGGREGATIONS: tuple[str, ...] = ("auto", *_rule_names())
+# the rules not defined on top-k payloads (their ``dense_only``: tests/test_robust.py keeps the
+# two alike), refused for codec=topk before any worker starts
+DENSE_ONLY_RULES: tuple[str, ...] = ("centered-clip", "median", "trimmed-mean")
+# the rules that are sums (``sum_decomposable``, kept alike by the same test): the only ones
+# all-reduce and two-phase can run; reduce=auto picks gather for the others
+SUM_RULES: tuple[str, ...] = ("mean",)

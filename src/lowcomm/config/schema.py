@@ -17,6 +17,7 @@ from .choices import (
     CODECS,
     DENSE_CODECS,
     SPARSE_CODECS,
+    SUM_RULES,
     Aggregation,
     Buffers,
     ClipMode,
@@ -95,10 +96,12 @@ class SyncConfig:
     )
     aggregation: Aggregation = knob(
         "auto",
-        "Top-k aggregation: selected-mean (each entry averaged "
-        "over the workers that sent it, as the SparseLoCo authors' code "
-        "does; measured better), mean (1/M sum of decoded payloads), or "
-        "auto (selected-mean for codec=topk, mean otherwise).",
+        "How the contributions are combined: mean (1/M sum of decoded payloads), "
+        "selected-mean (top-k: each entry averaged over the workers that sent it, as the "
+        "SparseLoCo authors' code does; measured better), auto (selected-mean for "
+        "codec=topk, mean otherwise), or a robust rule against bad sites (reduce=gather): "
+        "norm-clip (each clipped to the median norm; top-k too), median, trimmed-mean, "
+        "centered-clip (dense codecs).",
     )
     compensation: Compensation = knob(
         "none",
@@ -195,10 +198,12 @@ class SyncConfig:
 
     @property
     def resolved_reduce(self) -> str:
-        """``reduce`` with auto resolved: allreduce for dense codecs, gather otherwise."""
+        """``reduce`` with auto resolved: allreduce for dense codecs combined by a sum (the
+        mean), gather otherwise (a robust rule needs every contribution)."""
         if self.reduce != "auto":
             return self.reduce
-        return "allreduce" if self.codec in DENSE_CODECS else "gather"
+        summed = self.resolved_aggregation in SUM_RULES
+        return "allreduce" if self.codec in DENSE_CODECS and summed else "gather"
 
     @property
     def resolved_aggregation(self) -> str:

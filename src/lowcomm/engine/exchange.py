@@ -76,8 +76,12 @@ class Exchange:
         times: SyncTimes,
         events: Events,
         runner: Runner | None = None,
+        most_steps: int = 0,
     ) -> None:
         self.model, self.frags, self.buffers = model, frags, buffers
+        # the most inner steps a contribution's weight may claim (0: no bound): 2 H, a site
+        # that missed one sync and carries its work in; a site's count is its own word
+        self.most_steps = most_steps
         self.aggregator, self.transport, self.buffer_transport = (
             aggregator,
             transport,
@@ -173,10 +177,11 @@ class Exchange:
         ``plain``, 1 each; ``normalized``, 1/h (each pseudo-gradient taken per step, the mean
         then scaled back to the harmonic mean of the h). None, the plain mean, when every
         contribution holds the same steps: every rule is then the plain mean, which keeps the
-        bits of a lock-step run."""
+        bits of a lock-step run. The counts are clamped to [0, ``most_steps``]."""
         assert self.runner is not None
         steps = flags[:, UNSENT + p].clone()
         steps[flags[:, NONFINITE] != 0] = 0
+        steps.clamp_(min=0, max=self.most_steps or None)  # a negative count, or a boast
         held = steps[steps > 0]
         if held.numel() == 0 or bool((held == held[0]).all()):
             return None

@@ -121,7 +121,7 @@ def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None
     runner = placement.runner(aggregator, transport, buffer_transport)
     exchange = Exchange(
         engine.model, frags, cfg.buffers, aggregator, transport, buffer_transport,
-        engine.stats, engine.sync_times, engine.events, runner,
+        engine.stats, engine.sync_times, engine.events, runner, 2 * engine.schedule.sync_every,
     )  # fmt: skip
     replica = ReplicaCheck(transport, exchange.on_group, engine.stats)
     apply = Apply(

@@ -17,26 +17,7 @@ class SelectedMean(Combine):
 
     def combine(self, parts: Parts, out: torch.Tensor) -> torch.Tensor:
         sent = [parts.sparse(j) for j in range(len(parts))]
-        geometry = getattr(parts.codec, "geometry", None)
-        out.zero_()
-        if _fused(sent, parts.weights, geometry(parts.shape).k if geometry else 0, out):
-            return out
-        weights = parts.weights
-        # counts are small integers, exact in any dtype: int16 halves the tensor-sized buffer
-        dtype = torch.float32 if weights else torch.int16 if len(sent) < 2**15 else torch.int32
-        counts = torch.zeros(out.numel(), dtype=dtype, device=out.device)
-        touched = []  # where some site sent a value
-        for j, (idx, vals) in enumerate(sent):
-            weight = weights[j] if weights is not None else 1.0
-            out.index_add_(0, idx, vals * weight if weights is not None else vals)
-            counts.index_add_(0, idx, torch.full_like(idx, weight, dtype=dtype))
-            touched.append(idx)
-        # divide only where something was sent: elsewhere the total is 0, and 0 / 1 = 0
-        # (repeated positions write the same quotient)
-        if touched:
-            at = torch.cat(touched)
-            out.index_copy_(0, at, out[at] / counts[at])
-        return out
+        return selected_mean(sent, parts.weights, parts, out)
 
     def unapplied(self, parts: Parts, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         """At each entry part ``j`` sent: ``(1 - w_j c / W) v``, with ``c`` the count and ``W``
@@ -53,6 +34,35 @@ class SelectedMean(Combine):
             total.index_add_(0, at, torch.full((at.numel(),), w, device=vals.device))
         share = counts[idx] * parts.weights[j] / total[idx]
         return idx, vals * (1.0 - share)
+
+
+def selected_mean(
+    sent: list[tuple[torch.Tensor, torch.Tensor]],
+    weights: list[float] | None,
+    parts: Parts,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Each entry of ``sent`` (sites' indices and values for one tensor of ``parts``' codec
+    and shape) averaged over the sites that sent it (weighted by ``weights``), into ``out``."""
+    geometry = getattr(parts.codec, "geometry", None)
+    out.zero_()
+    if _fused(sent, weights, geometry(parts.shape).k if geometry else 0, out):
+        return out
+    # counts are small integers, exact in any dtype: int16 halves the tensor-sized buffer
+    dtype = torch.float32 if weights else torch.int16 if len(sent) < 2**15 else torch.int32
+    counts = torch.zeros(out.numel(), dtype=dtype, device=out.device)
+    touched = []  # where some site sent a value
+    for j, (idx, vals) in enumerate(sent):
+        weight = weights[j] if weights is not None else 1.0
+        out.index_add_(0, idx, vals * weight if weights is not None else vals)
+        counts.index_add_(0, idx, torch.full_like(idx, weight, dtype=dtype))
+        touched.append(idx)
+    # divide only where something was sent: elsewhere the total is 0, and 0 / 1 = 0
+    # (repeated positions write the same quotient)
+    if touched:
+        at = torch.cat(touched)
+        out.index_copy_(0, at, out[at] / counts[at])
+    return out
 
 
 def _fused(
