@@ -357,7 +357,8 @@ class TrainConfig:
         "(SIGKILL before step 35), hang:2@55 (SIGSTOP), pause:2@40x8 (SIGSTOP, SIGCONT 8 s "
         "later), join:2@60, add:3@60, slow:1x3, corrupt:1@35 (a payload the others refuse), "
         "healer:0@40, collective:0@40 (dies inside a handover or a sync), lighthouse:0@30x3, "
-        "link:2@40x20 (its data plane cut for 20 s). Also --faults.",
+        "link:2@40x20 (its data plane cut for 20 s); attacks on what a site sends: "
+        "signflip:1@20, scale:1x1000, noise:1x2, zero:1, nan:1. Also --faults.",
     )
     replay: str = knob(
         "",

@@ -40,6 +40,12 @@
   name it in their commit vote; a site most of the others cannot reach is excluded and stops
   alone, with one line (see docs/reliability.md). For this fault the launcher runs each site
   in a network namespace of its own, joined to the others by a bridge (root and iproute2);
+- attacks, acted out by a bad site on every contribution it sends from the step on (from step
+  1 without ``@STEP``), after its own finiteness check and before encoding, so the others meet
+  exactly what a faulty or malicious site would send (``aggregation=`` chooses the defence):
+  ``signflip:1@20`` sends the negated pseudo-gradient; ``scale:1x1000`` sends it times the
+  factor; ``noise:1x2`` adds Gaussian noise of 2x its norm; ``zero:1`` sends zeros (a free
+  rider); ``nan:1`` sends NaN, flagged valid (a silent fault that passes a dense mean);
 - ``slow:1x3``   site 1 computes 3x slower (from step 1, or ``slow:1@40x3`` from step 40): after
   each inner step it sleeps twice that step's compute time. Sleeping frees the CPU, so on a
   machine with fewer cores than sites the others do not slow down with it.
@@ -63,6 +69,7 @@ from urllib.parse import urlparse
 
 from ..errors import ConfigError
 
+ATTACKS = ("signflip", "scale", "noise", "zero", "nan")  # on what a site sends (see attack)
 KINDS = (
     "kill",
     "hang",
@@ -76,8 +83,9 @@ KINDS = (
     "stall",
     "lighthouse",
     "link",
+    *ATTACKS,
 )
-LATER = ("slowlink",)
+LATER = ("slowlink", "copy", "alie")
 _FAULT = re.compile(r"^(?P<kind>[a-z]+):(?P<site>\d+)(@(?P<step>\d+))?(x(?P<factor>[0-9.]+))?$")
 
 
@@ -136,7 +144,7 @@ def _checked(
 ) -> Fault:
     """One fault whose step and factor suit its kind (``slow`` takes a factor > 1, ``pause``
     and ``lighthouse`` a number of seconds)."""
-    if step is None and kind == "slow":
+    if step is None and (kind == "slow" or kind in ATTACKS):
         step = "1"
     if step is None or not 1 <= int(step) <= steps:
         raise ConfigError(f"--faults: {item!r} needs @STEP with 1 <= STEP <= {steps}")
@@ -145,6 +153,11 @@ def _checked(
             what = {"pause": "it is stopped", "lighthouse": "the lighthouse is away",
                     "link": "its data plane is cut"}[kind]  # fmt: skip
             raise ConfigError(f"--faults: {item!r} needs xSECONDS > 0 (how long {what})")
+        return Fault(kind, site, int(step), float(factor))
+    if kind in ("scale", "noise"):
+        if factor is None or float(factor) <= 0:
+            what = "multiplied by" if kind == "scale" else "noised by, times their norm"
+            raise ConfigError(f"--faults: {item!r} needs xFACTOR > 0 (what its sends are {what})")
         return Fault(kind, site, int(step), float(factor))
     if kind != "slow":
         if factor is not None:
@@ -175,6 +188,7 @@ def adds(faults: list[Fault]) -> dict[int, int]:
 
 
 _armed: set[str] = set()  # faults this process acts out on what it sends next (corrupt)
+_attacking: list[Fault] = []  # the attack this process acts out on every send from now on
 # a site asks its launcher to kill the lighthouse by writing this file into the run's folder
 LIGHTHOUSE_FAULT = ".fault-lighthouse"
 _ASK_S = 10.0  # how long a site waits for the launcher to take its request (then goes on)
@@ -194,6 +208,8 @@ def act(faults: list[Fault], site: int, step: int, out: Path | None = None) -> N
             continue
         if f.kind in ("corrupt", "healer", "collective", "stall"):
             _armed.add(f.kind)
+        if f.kind in ATTACKS:
+            _attacking[:] = [f]
         if f.kind == "lighthouse" and out is not None:
             ask = out / LIGHTHOUSE_FAULT
             ask.write_text(f"{f.factor:g}\n")
@@ -249,6 +265,30 @@ def spoil_if_armed(payloads: list[Any]) -> bool:
     for payload in payloads:
         payload[..., -1] = 0x7F  # neither 0 (left out) nor 1 (valid): refused on decode
     return True
+
+
+def attack(tensors: list[Any], step: int) -> None:
+    """An attack armed on this process (``signflip``, ``scale``, ``noise``, ``zero``, ``nan``):
+    act it out, in place, on the contribution about to be encoded at ``step`` (its noise
+    drawn from the site and step, so a replay sends the same)."""
+    if not _attacking:
+        return
+    import torch  # the fault grammar is read where torch is not needed
+
+    f = _attacking[0]
+    for i, t in enumerate(tensors):
+        if f.kind == "signflip":
+            t.neg_()
+        elif f.kind == "scale":
+            t.mul_(f.factor)
+        elif f.kind == "zero":
+            t.zero_()
+        elif f.kind == "nan":
+            t.fill_(float("nan"))
+        elif f.kind == "noise" and t.numel():
+            g = torch.Generator().manual_seed(f.site * 1_000_003 + step * 1_009 + i)
+            noise = torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.device, t.dtype)
+            t.add_(noise * (f.factor * t.norm() / t.numel() ** 0.5))
 
 
 def die_if_armed(kind: str) -> None:

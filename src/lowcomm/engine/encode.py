@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..aggregate import Aggregator, Encoded, encode_compensated
+from ..elastic.faults import attack
 from ..transport import Transport
 from .fragment import Fragment
 from .guards import NonFiniteGuard
@@ -71,6 +72,8 @@ class Encoder:
         if nonfinite:
             self.guard.leave_out(frag, self.rank, step)
         valid = contributes and not nonfinite
+        if valid:  # an attack fault: a bad site sends what it likes, past its own checks
+            attack(slabs.views, step)
         encoded = self._buckets(frag, slabs, valid, need_own)
         own = None
         if need_own:
