@@ -68,3 +68,20 @@ def test_noise_is_the_same_in_a_replay():
     c = [torch.ones(64)]
     attack(c, 10)
     assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
+
+
+def test_the_attack_matrix_reads_each_cell_against_the_clean_plain_run():
+    from lowcomm.bench.attacks import table
+
+    def row(rule, attack, bad, loss, **kw):
+        return {"strategy": "diloco", "seed": 0, "rule": rule, "attack": attack, "bad": bad,
+                "loss": loss, **kw}  # fmt: skip
+
+    rows = [row("auto", "none", 0, 2.0), row("norm-clip", "none", 0, 2.01),
+            row("auto", "scale", 2, 9.0), row("norm-clip", "scale", 2, 2.05),
+            row("auto", "nan", 2, None), row("median", "nan", 2, None, refused=True)]  # fmt: skip
+    text = table(rows, diverged=1.5)
+    assert "clean, plain rule: 2.0" in text
+    assert "| none | 0 | 1.000 | 1.005 |  |" in text
+    assert "| scale | 2 | 4.500 diverged | 1.025 |  |" in text
+    assert "| nan | 2 | stopped |  | refused |" in text

@@ -16,7 +16,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return run(args)
 
 
-BENCHES = ("codecs", "overhead", "sync", "elastic", "heal", "stragglers", "chaos")
+BENCHES = ("codecs", "overhead", "sync", "elastic", "heal", "stragglers", "chaos", "attacks")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
