@@ -103,3 +103,62 @@ def test_replica_mismatch_stops_the_run(workers):
     for r in workers(_replica_worker, 2):
         assert r["error"] is not None and "ranks [1]" in r["error"]
         assert r["checks"] >= 1
+
+
+def test_check_before_apply_learns_a_bound_and_skips_what_is_past_it():
+    """The first updates are taken (warm-up), then one above ``bound`` x the median of the
+    last ones, or one not finite, is skipped and left out of the history; a checkpoint's copy
+    of the history gives a resumed or healed site the same decisions. Off (0): all pass."""
+    from lowcomm.engine.check import WARMUP, UpdateCheck
+    from lowcomm.engine.state import RunState
+
+    check = UpdateCheck(10.0, RunState())
+    for k in range(WARMUP):
+        assert check.accept(0, torch.full((4,), 100.0 * (k + 1)), step=k)  # any finite one
+    assert check.accept(0, torch.full((4,), 500.0), step=4)  # norm 1000 <= 10 x median 400
+    assert not check.accept(0, torch.full((4,), 5000.0), step=5)  # norm 10000 > 10 x 500
+    assert not check.accept(0, torch.tensor([1.0, float("nan")]), step=6)
+    assert check.accept(1, torch.full((4,), 5000.0), step=6)  # each fragment its own history
+    again = UpdateCheck(10.0, RunState())
+    again.load(check.save())
+    assert again.norms == check.norms and again.skipped == 2
+    assert not again.accept(0, torch.full((4,), 5000.0), step=7)
+    off = UpdateCheck(0.0, RunState())
+    assert off.accept(0, torch.tensor([float("nan")]), step=1)
+
+
+def _attacked_worker(rank: int, world: int, bound: float) -> dict:
+    from lowcomm.elastic import faults
+
+    model = tiny_model(seed=0)
+    opt = adamw(model)
+    data = batches(rank, world)
+    planned = faults.parse_faults("scale:2@7x1000", world, 12)
+    sync = lowcomm.DiLoCo(model, opt, sync_every=2, outer_lr=0.7, update_bound=bound)
+    globals_after = []
+    with sync:
+        for step in range(1, 13):
+            faults.act(planned, rank, step)
+            x, y = data.next()
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            if step % 2 == 0:
+                globals_after.append(sync.global_flat().clone())
+    return {"globals": globals_after}
+
+
+def test_a_1000x_site_moves_the_model_unless_the_update_is_checked_before_apply(workers):
+    """Site 2 sends its pseudo-gradient x1000 from round 4 on. A plain mean takes it (every
+    replica alike, so the replica check cannot tell); with ``update_bound=10`` every site
+    skips those outer steps alike and the model stays where the honest rounds left it."""
+    plain = workers(_attacked_worker, 3, 0.0)
+    checked = workers(_attacked_worker, 3, 10.0)
+    for res in (plain, checked):
+        assert all(torch.equal(r["globals"][-1], res[0]["globals"][-1]) for r in res)
+    g = checked[0]["globals"]
+    assert torch.equal(g[3], g[2]) and torch.equal(g[5], g[2])  # rounds 4-6 skipped
+    assert torch.equal(plain[0]["globals"][2], g[2])  # the same until the attack
+    moved = float((plain[0]["globals"][3] - g[2]).norm())
+    honest = float((g[2] - g[1]).norm())
+    assert moved > 100 * honest

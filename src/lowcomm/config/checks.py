@@ -107,6 +107,8 @@ def validate_sync(cfg: Any) -> None:
         raise ConfigError(f"momentum_clip must be >= 0 (0 = off), got {cfg.momentum_clip}")
     if cfg.nonfinite_patience < 1:
         raise ConfigError(f"nonfinite_patience must be >= 1, got {cfg.nonfinite_patience}")
+    if not cfg.update_bound >= 0:
+        raise ConfigError(f"update_bound must be >= 0 (0 = off), got {cfg.update_bound}")
     if cfg.replica_check_every < 0:
         raise ConfigError(f"replica_check_every must be >= 0, got {cfg.replica_check_every}")
     if cfg.codec_block < 1:

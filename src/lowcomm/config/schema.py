@@ -162,6 +162,12 @@ class SyncConfig:
         "Stop the run after this many syncs in a row in which some worker's "
         "pseudo-gradient was non-finite and left out (1 = stop at the first).",
     )
+    update_bound: float = knob(
+        0.0,
+        "Check before apply: skip, on every site alike, an outer step whose combined update "
+        "is not finite or above this many times the median norm of the fragment's last 16 "
+        "updates (after 3); 0 = off. A robust aggregation bounds bad sites first.",
+    )
     replica_check_every: int = knob(
         10,
         "Every N syncs, compare a checksum of the global parameters across "

@@ -12,6 +12,7 @@ import torch.nn as nn
 from .. import _buffers
 from ..aggregate import Reduced
 from ..outer import OuterOptimizer
+from .check import UpdateCheck
 from .exchange import Event
 from .fragment import Fragment
 from .guards import NonFiniteGuard, restart
@@ -37,6 +38,7 @@ class Apply:
         placement: Placement,
         times: SyncTimes,
         compensation: Any = None,
+        check: UpdateCheck | None = None,
     ) -> None:
         self.model, self.inner_optimizer, self.frags = model, inner_optimizer, frags
         self.outer, self.merge, self.inflight = outer, merge, inflight
@@ -45,6 +47,7 @@ class Apply:
         self.merge_at_first_send = merge_at_first_send
         self.guard, self.placement, self.times = guard, placement, times
         self.compensation = compensation
+        self.check = check  # check before apply (update_bound=): None or off, every update
 
     def results(
         self, sends: list[int], results: dict[int, Result], workers: int, step: int
@@ -58,6 +61,9 @@ class Apply:
                 for frag in first:
                     self.merge.merge(frag, self.inflight.own(frag.index))
                 self.placement.share_parts(first)
+
+    def _passes(self, p: int, reduced: Reduced, step: int) -> bool:
+        return self.check is None or self.check.accept(p, reduced.mean, step)
 
     def restore_unapplied(self, frag: Fragment, reduced: Reduced) -> None:
         """A weighted exchange applied only part of this worker's message: the rest goes back
@@ -88,7 +94,7 @@ class Apply:
             self.guard.track(p, event, workers, step)
         self.restore_unapplied(frag, reduced)
         with self.times.stage("outer"):
-            if reduced.valid_workers > 0:
+            if reduced.valid_workers > 0 and self._passes(p, reduced, step):
                 self.outer.step(
                     frag.key, frag.global_flat, reduced.mean.to(frag.global_flat.device)
                 )

@@ -21,6 +21,7 @@ from ..elastic import Elastic, View
 from ..transport import Transport
 from .apply import Apply
 from .build import build_fragments, register_optimizer_state
+from .check import UpdateCheck
 from .encode import Encoder
 from .exchange import Exchange
 from .fragment import Fragment, register_fragment_state
@@ -127,7 +128,7 @@ def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None
     apply = Apply(
         engine.model, engine.inner_optimizer, frags, engine.outer, engine._merge,
         engine.schedule.is_round_overlap(), inflight, nonfinite, placement, engine.sync_times,
-        compensation,
+        compensation, UpdateCheck(cfg.update_bound, state),
     )  # fmt: skip
     leave = Leave(
         engine.model, frags, placement, transport, exchange, inflight, engine.outer,
