@@ -488,3 +488,12 @@ def test_a_healer_killed_inside_the_hand_over_costs_the_joiner_one_more_ask(tmp_
     assert [e["members"] for e in events][-1] == [1, 2]
     assert any(2 in e.get("joined", []) for e in events)
     assert _split(out) == ""
+
+
+def test_two_phase_is_refused_before_any_site_starts_with_the_reason(tmp_path):
+    from test_cli import TINY, _assert_user_error, _run
+
+    args = ["train", "--strategy", "diloco", "--workers", "2", "elastic=true", "codec=int8",
+            "reduce=two-phase", "--out", str(tmp_path / "r"), *TINY]  # fmt: skip
+    _assert_user_error(_run(args), "reduce=two-phase is not elastic yet", "use reduce=gather")
+    assert not (tmp_path / "r").exists()  # nothing started, nothing written

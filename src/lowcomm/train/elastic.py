@@ -84,6 +84,11 @@ def check_elastic(spec: RunSpec, workers: int) -> None:
         )
     if cfg.ranks_per_worker != 1:
         raise ConfigError("elastic=true runs one rank per site for now: set ranks_per_worker=1")
+    if spec.sync.resolved_reduce == "two-phase":  # (the engine refuses it too, for own loops)
+        raise ConfigError(
+            "reduce=two-phase is not elastic yet: each shard's sum is owned by a group rank, "
+            "and a site that leaves mid-sync takes its shards' sums with it: use reduce=gather"
+        )
     if cfg.min_workers > workers:
         raise ConfigError(f"min_workers={cfg.min_workers} is more than --workers {workers}")
     if cfg.rounds == "quorum":
