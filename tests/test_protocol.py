@@ -441,6 +441,7 @@ def test_after_a_split_with_no_majority_the_same_pair_is_asked_again_until_a_thi
     pair = _view(_d(0, "sync@50", gen=1), _d(3, "sync@50", gen=1))
     member = _Split([pair, _view(_d(2, "sync@50", gen=1), _d(3, "sync@50", gen=1))])
     runner = Runner(member, ByteMeter(), ByteMeter(), 0.0)
+    runner.rounds = SimpleNamespace(expect=lambda view, tag: None, back=lambda: None)
     tries = []
 
     def attempt(view, tag, collectives):
@@ -454,6 +455,35 @@ def test_after_a_split_with_no_majority_the_same_pair_is_asked_again_until_a_thi
     assert member.splits == [None, [0, 3]]
     assert tries == [[0, 3], [2, 3]]  # the same pair again was not tried
     assert member.asked == 5  # sync, commit, the pair again (asked anew), the trio's, commit
+
+
+def test_in_lock_step_a_split_is_retried_on_the_lighthouses_next_quorum_at_once():
+    """Chaos seed 112 (lock-step, site 0 cut for 20 s, one site killed): after an attempt
+    that named no majority, the three members asked again while the lighthouse, which in
+    lock-step gathers every live site, kept answering the same three; the first two to run
+    out of patience went on to the next attempt, the third asked once more, alone, and
+    stopped ("only 1 sites remain"). In lock-step the retry takes the next quorum as it is."""
+    from lowcomm.elastic.membership import Unreachable
+    from lowcomm.elastic.runner import Runner
+    from lowcomm.transport import ByteMeter
+
+    pair = _view(_d(0, "sync@50", gen=1), _d(3, "sync@50", gen=1))
+    member = _Split([pair])
+    member.commits[1] = _view(*(_d(s, "sync@50", "commit", gen=1) for s in (0, 3)))
+    runner = Runner(member, ByteMeter(), ByteMeter(), 0.0)
+    assert runner.rounds is None  # lock-step
+    tries = []
+
+    def attempt(view, tag, collectives):
+        tries.append(view.members)
+        if len(tries) == 1:
+            raise Unreachable("could not reach the group's store", ranks=[0])
+        return "stood"  # the link is back
+
+    runner._attempt = attempt
+    assert runner.run("sync@50", lambda t, b: None) == "stood"
+    assert member.splits == [None, None] and tries == [[0, 3], [0, 3]]
+    assert member.asked == 4  # sync, commit, sync (not asked again), commit
 
 
 def test_a_quorum_holding_votes_on_the_same_sync_is_asked_again_not_run_by_half():
