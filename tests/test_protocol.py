@@ -418,11 +418,10 @@ class _Split(_Checker):
         return self.sync.pop(0) if phase == "sync" else self.commits.pop(0)
 
     def quorum(self, tag, ok=True, phase="sync", ready=False, blame=None, unreached=None,
-               split=None):  # fmt: skip
+               retry=None):  # fmt: skip
         if phase == "sync":
-            self.splits.append(split)
-        more = {"split": split} if split is not None else {}  # (none before the fix)
-        return super().quorum(tag, ok, phase, ready, blame, unreached, **more)
+            self.splits.append(list(retry.members) if retry and retry.split else None)
+        return super().quorum(tag, ok, phase, ready, blame, unreached, retry)
 
     def drop(self, key):
         pass
@@ -556,3 +555,28 @@ def test_a_site_asking_back_in_reads_a_quorum_mid_vote_as_the_members_do():
     assert admits(read, 2, min_workers=2) and ref["tag"] == "sync@55"
     theirs = _Checker(0).check(admit(whole, "a", "sync@55", "sync"), "sync@55")
     assert theirs.members == read.members == [0, 1, 2, 3, 4]
+
+
+def test_after_a_failed_attempt_a_live_member_still_failing_it_is_waited_for():
+    """Chaos seed 140 (quorum rounds, site 0 killed inside sync@30): sites 1 and 3 failed at
+    once (their peer's connection reset), site 2 only at the deadline (still waiting inside
+    the collective); 1 and 3 asked for the next attempt, the lighthouse's half-second window
+    closed on [1, 3], and site 2, healthy, found the run gone on and stopped. Under quorum
+    rounds the next attempt waits, up to the failed one's deadline, for a member of it whose
+    store still answers; a dead one's (site 0) refuses, and is not waited for."""
+    from lowcomm.elastic.membership import Patience, Retry
+
+    alive = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    gone = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    dead = f"127.0.0.1:{gone.port}"
+    del gone  # its port now refuses, as a killed site's does
+    elastic = Elastic(lighthouse="http://unused", site=1, sites=4, min_workers=2)
+    stores = {0: dead, 1: "own", 2: f"127.0.0.1:{alive.port}", 3: "theirs"}
+    patience = Patience(elastic, {}, Retry(stores, split=False, wait_s=5.0))
+    two = _view(_d(1, "sync@30", gen=1), _d(3, "sync@30", gen=1))
+    assert patience.more(two)  # site 2 is alive: ask again
+    assert not patience.more(_view(*(_d(s, "sync@30", gen=1) for s in (1, 2, 3))))
+    without_2 = Patience(elastic, {}, Retry({0: dead, 1: "own", 3: "theirs"}, wait_s=5.0))
+    assert not without_2.more(two)  # the only one missing is dead: run it now
+    patience = Patience(elastic, {}, Retry(stores, wait_s=0.0))
+    assert not patience.more(two)  # waited the failed attempt's deadline already

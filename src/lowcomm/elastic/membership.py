@@ -143,7 +143,7 @@ class Membership:
     def quorum(
         self, tag: str, ok: bool = True, phase: str = "sync", ready: bool = False,
         blame: tuple[int, str] | None = None, unreached: list[int] | None = None,
-        split: list[int] | None = None,
+        retry: Retry | None = None,
     ) -> View:  # fmt: skip
         """Wait for the next quorum, reporting ``tag`` (which sync), ``phase`` (its collectives
         or their commit), ``ok`` (did this site complete them) and ``ready`` (does it offer a
@@ -151,25 +151,20 @@ class Membership:
         this site is out or too few remain. Sites asking to join are in the view only when
         admitted here (the same settings, at a sync they may join at): see :func:`admit`.
 
-        A quorum that :func:`ask_again` says is not yet the one to run is asked again, for up to
-        ``timeout_s`` from the first such answer (the lighthouse may have held the request that
-        long already): too few, exactly the ``split`` pair that just failed, or mid-vote.
-        ``blame``: (site, why) when this site's attempt failed on that site's payload (a
-        commit vote carries it; see :func:`blamed`); ``unreached``: the sites this site could
-        not reach at the attempt's group (its commit vote carries them too)."""
+        A sync quorum is asked again while :class:`Patience` says so (too few, mid-vote, and
+        for an attempt after a failed one, ``retry``: the same split pair, or a live member of
+        the failed attempt still missing). ``blame``: (site, why) when this site's attempt
+        failed on that site's payload (a commit vote carries it; see :func:`blamed`);
+        ``unreached``: the sites this site could not reach at the attempt's group (its commit
+        vote carries them too)."""
         self._blame, self._unreached = blame, list(unreached or [])
         view = self._member_view(tag, ok, phase, ready)
         # a commit vote is never asked again: an attempt's vote among fewer sites fails it, and
         # the next attempt's quorum (which may admit a joiner) is the one that must be enough
-        deadline = None
-        while phase == "sync" and ask_again(
-            view, self._excluded_inc, self.elastic.min_workers, split
-        ):
-            deadline = deadline or time.monotonic() + self.elastic.timeout_s
-            if time.monotonic() >= deadline:
-                break
-            log.debug("site %d: %s quorum of %s: too few, a split or mid-vote; asking again",
-                      self.elastic.site, tag, view.members)  # fmt: skip
+        patience = Patience(self.elastic, self._excluded_inc, retry)
+        while phase == "sync" and patience.more(view):
+            log.debug("site %d: %s quorum of %s: not yet; asking again", self.elastic.site, tag,
+                      view.members)  # fmt: skip
             time.sleep(self.elastic.heartbeat_s)  # the lighthouse answers a lone asker at once
             view = self._member_view(tag, ok, phase, ready)
         return view
@@ -417,6 +412,49 @@ class Membership:
         self._groups.clear()
 
 
+@dataclass
+class Retry:
+    """A sync's attempt after a failed one (quorum rounds, whose lighthouse gathers only those
+    asking within half a second): the failed attempt's ``members`` with their stores, whether
+    they were a ``split`` (no majority to exclude either side), and ``wait_s``, its deadline."""
+
+    members: dict[int, str]  # site -> its store's address
+    split: bool = False
+    wait_s: float = 0.0
+
+
+class Patience:
+    """Whether a sync quorum is asked again rather than run, and for how long: what
+    :func:`ask_again` says, for ``timeout_s`` from the first such answer (the lighthouse may
+    have held the request that long already); and, after a failed attempt, while a member of
+    it whose store still answers (alive: a dead site's refuses, a cut one's does not answer)
+    is missing, for the failed attempt's deadline: a member that fails a collective later
+    than the others (still waiting on a dead peer) asks a moment after they did, and a
+    quorum without it would leave it out of the run (chaos seed 140)."""
+
+    def __init__(self, elastic: Elastic, excluded: dict[int, str], retry: Retry | None) -> None:
+        self.elastic, self.excluded, self.retry = elastic, excluded, retry
+        self._until: float | None = None
+        self._awaiting: float | None = None
+
+    def more(self, view: View) -> bool:
+        """Whether to ask again after ``view``."""
+        now, retry = time.monotonic(), self.retry
+        split = list(retry.members) if retry is not None and retry.split else None
+        if ask_again(view, self.excluded, self.elastic.min_workers, split):
+            self._until = self._until or now + self.elastic.timeout_s
+            return now < self._until
+        absent = {s: a for s, a in (retry.members if retry else {}).items()
+                  if s not in view.members and s not in self.excluded}  # fmt: skip
+        if absent and len(_unreachable(absent, _PROBE_S)) < len(absent):
+            self._awaiting = self._awaiting or now + (retry.wait_s if retry else 0.0)
+            return now < self._awaiting
+        return False
+
+
+_PROBE_S = 0.5  # a live member's store answers at once, a cut one's never
+
+
 def group_name(run_id: str, view: View, generation: int) -> str:
     """The store prefix of ``view``'s group for attempt ``generation``: the run, the
     lighthouse's epoch (a restarted lighthouse counts quorum ids from the start again), the
@@ -514,8 +552,8 @@ def _unreachable(stores: dict[int, str], timeout_s: float) -> list[int]:
     here within ``timeout_s`` (tried all at once, each on a thread of its own)."""
 
     def reach(address: str) -> bool:
-        host, port = address.rsplit(":", 1)
-        try:
+        try:  # (an address that is no HOST:PORT is reached by nothing)
+            host, port = address.rsplit(":", 1)
             socket.create_connection((host, int(port)), timeout=timeout_s).close()
             return True
         except (OSError, ValueError):

@@ -17,7 +17,7 @@ from ..transport import ByteMeter, Transport
 from . import heal
 from .decide import View, attempt_of, blamed, committed, step_of
 from .faults import die_if_armed
-from .membership import Membership, Unreachable
+from .membership import Membership, Retry, Unreachable
 from .rounds import Rounds
 
 log = logging.getLogger("lowcomm")
@@ -60,10 +60,10 @@ class Runner:
         if self._last_tag == self.membership.elastic.leave_after:
             self._leave(tag)
         stuck: list[list[int]] = []  # the members of each failed attempt that excluded nobody
-        split: list[int] | None = None  # ... the last such, when its members could not connect
+        retry: Retry | None = None  # quorum rounds: the failed attempt the next one follows
         while True:
             ready = tag in self._offers
-            asked = self.admitted or self.membership.quorum(tag, ready=ready, split=split)
+            asked = self.admitted or self.membership.quorum(tag, ready=ready, retry=retry)
             self.admitted = None
             view = self.membership.check(asked, tag)
             # every member of the quorum on one attempt's group (see attempt_of)
@@ -103,17 +103,19 @@ class Runner:
             # its next check
             out = blamed(view, commit, self.membership.generation)
             self.membership.exclude(out, tag, view)
-            split = None
             if not out:
                 stuck.append(view.members)
-                # a split with no majority: not this pair again, under quorum rounds, where
-                # the lighthouse gathers only those asking within half a second (lock-step's
-                # waits for every live site: asked again, the same members come back, and a
-                # member whose re-asking outlasts the others' asks alone: chaos seed 112)
-                if self.rounds is not None and (
-                    unreached or any(d.get("unreached") for d in commit.data)
-                ):
-                    split = view.members
+            # under quorum rounds, whose lighthouse gathers only those asking within half a
+            # second, the next attempt waits for the failed one's live members (see Patience)
+            # and runs no split pair again; lock-step's lighthouse waits for every live site
+            # (asked again there, the same members came back, and the member whose re-asking
+            # outlasted the others' asked alone and stopped: chaos seed 112)
+            retry = None
+            if self.rounds is not None:
+                named = unreached or any(d.get("unreached") for d in commit.data)
+                live = {int(d["site"]): str(d.get("store", "")) for d in view.data}
+                live = {s: a for s, a in live.items() if s not in out}
+                retry = Retry(live, not out and bool(named), self.deadline(view))
             # every member of the commit saw it fail: all start the next attempt on fresh groups
             # (the lighthouse keeps the quorum id when the members did not change), the next
             # one with the whole timeout_s (a sync slower than any before fails once, not twice)
