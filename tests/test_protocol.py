@@ -580,3 +580,24 @@ def test_after_a_failed_attempt_a_live_member_still_failing_it_is_waited_for():
     assert not without_2.more(two)  # the only one missing is dead: run it now
     patience = Patience(elastic, {}, Retry(stores, wait_s=0.0))
     assert not patience.more(two)  # waited the failed attempt's deadline already
+
+
+def test_a_site_asking_back_in_runs_the_attempt_the_members_run():
+    """Chaos seed 85 at `f9e3cfe`: site 2, back from a missed sync, took its attempt number
+    from the first member's request (1) while the members ran the highest any of them
+    reported (2, seed 32's rule): it waited at group g1, they at g2, and it was excluded as
+    unreachable. A joiner reads the attempt as the members do."""
+    joiner = {"site": 2, "tag": "join", "phase": "join", "gen": 0, "join": True, "fp": "a",
+              "join_from": 0, "join_at": "sync@55", "ok": True}  # fmt: skip
+    members = [_d(s, "sync@55", fp="a", ready=True, gen=g) for s, g in ((0, 1), (1, 2), (3, 2))]
+    view = _view(members[0], members[1], joiner, members[2])
+
+    class Asking(_Checker):
+        def _ask_to_join(self):
+            return view
+
+    site = Asking(2)
+    site.fingerprint, site._join_at, site.generation = "a", "", 0
+    admitted = site.rejoin("sync@55")
+    assert admitted is not None and admitted.joiners == [2]
+    assert site.generation == 2

@@ -46,6 +46,7 @@ from .decide import (
     as_int,
     ask_again,
     asking,
+    attempt_of,
     exclusion,
     in_sync,
     run_tag,
@@ -209,7 +210,7 @@ class Membership:
                 )
             admitted, ref = admitted_at(view, self.fingerprint)
             if admits(admitted, self.elastic.site, self.elastic.min_workers):
-                self.generation = int(ref.get("gen", 0))
+                self.generation = attempt_of(admitted)  # as every member reads it
                 return admitted, ref["tag"]
 
     def rejoin(self, tag: str) -> View | None:
@@ -229,7 +230,7 @@ class Membership:
                     continue
                 admitted, ref = admitted_at(view, self.fingerprint)
                 if admits(admitted, self.elastic.site, self.elastic.min_workers):
-                    self.generation = int(ref.get("gen", 0))
+                    self.generation = attempt_of(admitted)  # as every member reads it
                     return admitted
                 if step_of(ref["tag"]) > step:
                     return None
