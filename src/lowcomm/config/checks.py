@@ -127,11 +127,6 @@ def validate_sync(cfg: Any) -> None:
             f"(got codec={cfg.codec}): "
             f"use aggregation=mean or auto"
         )
-    if cfg.reduce in ("allreduce", "two-phase") and cfg.resolved_aggregation not in SUM_RULES:
-        raise ConfigError(
-            f"aggregation={cfg.resolved_aggregation} is not a sum and reduce={cfg.reduce} can "
-            f"only sum: use reduce=gather (or auto)"
-        )
     if cfg.aggregation in DENSE_ONLY_RULES and cfg.codec in SPARSE_CODECS:
         raise ConfigError(
             f"aggregation={cfg.aggregation} defends nothing on top-k payloads (most coordinates "
@@ -141,6 +136,11 @@ def validate_sync(cfg: Any) -> None:
         raise ConfigError(
             f"reduce=two-phase needs an element-wise codec; {cfg.codec} encodes whole "
             f"tensors: use reduce=gather"
+        )
+    if cfg.reduce in ("allreduce", "two-phase") and cfg.resolved_aggregation not in SUM_RULES:
+        raise ConfigError(
+            f"aggregation={cfg.resolved_aggregation} is not a sum and reduce={cfg.reduce} can "
+            f"only sum: use reduce=gather (or auto)"
         )
 
 
