@@ -108,7 +108,6 @@ def test_a_robust_rule_takes_no_self_reported_weight(rule):
 
 
 def test_norm_clip_on_top_k_clips_each_sites_values_then_takes_the_selected_mean():
-    codec = make_codec("topk", density=1 / 8)
     rng = np.random.default_rng(3)
     x = rng.normal(size=(6, 4096)).astype(np.float32)
     x[4] *= 1000.0
@@ -123,7 +122,7 @@ def test_norm_clip_on_top_k_clips_each_sites_values_then_takes_the_selected_mean
         np.add.at(count, idx.numpy(), 1)
     want = np.divide(total, count, out=np.zeros(4096), where=count > 0)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
-    assert codec.name == "topk"
+    assert count.max() >= 2  # entries that several sites sent: the selected mean is exercised
 
 
 @pytest.mark.parametrize("rule", DENSE_ONLY_RULES)
