@@ -20,6 +20,7 @@ def site(
     index: int, sites: int, lighthouse: str, out: str, preset: str, kw: dict, steps: int,
     kill_at: int | None, kill_in_sync: bool, join_from: int | None = None,
     after_pid: int | None = None, step_s: float = 0.0, run_id: str = "lowcomm",
+    secret_file: str = "",
 ) -> None:  # fmt: skip
     """``join_from``: this process joins the running run (from that step), once the process
     ``after_pid`` (the site it replaces) is gone; ``step_s``: a pause per step."""
@@ -29,7 +30,8 @@ def site(
     data = batches(index, sites)
     elastic = lowcomm.Elastic(lighthouse=lighthouse, site=index, sites=sites, min_workers=2,
                               timeout_s=20, join=join_from is not None,
-                              join_from=join_from or 0, run_id=run_id)  # fmt: skip
+                              join_from=join_from or 0, run_id=run_id,
+                              secret_file=secret_file)  # fmt: skip
     delay = 0.3 if kill_in_sync else 0.0
     sync = getattr(lowcomm, preset)(model, opt, elastic=elastic, comm_delay_s=delay, **kw)
     while after_pid is not None and _alive(after_pid):

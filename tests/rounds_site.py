@@ -23,10 +23,11 @@ from lowcomm.errors import MembershipError
 
 def site(
     index: int, sites: int, lighthouse: str, out: str, preset: str, kw: dict, steps: int,
-    rounds: dict, step_s: float = 0.0, slow_from: int = 0,
+    rounds: dict, step_s: float = 0.0, slow_from: int = 0, hold: bool = False,
 ) -> None:  # fmt: skip
     """``rounds``: Elastic's quorum-round settings; ``step_s``: seconds of extra compute per
-    inner step, from step ``slow_from``."""
+    inner step, from step ``slow_from``; ``hold``: once in the run, write this site's store
+    address to OUT/storeN and wait for OUT/go before training (a test writes into the stores)."""
     torch.set_num_threads(1)
     model = tiny_model(seed=0)
     opt = adamw(model)
@@ -52,6 +53,8 @@ def site(
     try:
         with sync:
             _record(sync, sends, applies)
+            if hold:
+                _hold(out, index, sync.membership.membership.store_address)
             while sync.step < steps:
                 time.sleep(step_s if sync.step + 1 >= slow_from else 0.0)
                 data.step = sync.step  # a round cut short skips its batches
@@ -78,6 +81,14 @@ def site(
          "shapes": [[tuple(p.shape) for p in f.params] for f in sync.fragments]},
         os.path.join(out, f"site{index}.pt"),
     )  # fmt: skip
+
+
+def _hold(out: str, index: int, address: str) -> None:
+    with open(os.path.join(out, f"store{index}.tmp"), "w") as f:
+        f.write(address)
+    os.replace(os.path.join(out, f"store{index}.tmp"), os.path.join(out, f"store{index}"))
+    while not os.path.exists(os.path.join(out, "go")):
+        time.sleep(0.01)
 
 
 def _but_flags(shared: dict) -> dict:

@@ -13,9 +13,13 @@ from lowcomm.errors import ConfigError
 
 @pytest.fixture(autouse=True)
 def _unarmed():
+    from lowcomm.elastic import forge
+
     faults_mod._attacking.clear()
     yield
     faults_mod._attacking.clear()
+    faults_mod._colluders.clear()
+    forge._seen.clear()
 
 
 def test_attacks_are_read_from_the_fault_grammar():
@@ -23,8 +27,8 @@ def test_attacks_are_read_from_the_fault_grammar():
     assert got == [Fault("signflip", 1, 20), Fault("scale", 2, 1, 1000.0),
                    Fault("noise", 0, 1, 2.0), Fault("zero", 3, 1), Fault("nan", 1, 5)]  # fmt: skip
     for bad, why in [("scale:1", "needs xFACTOR > 0"), ("noise:1x0", "needs xFACTOR > 0"),
-                     ("signflip:1x2", "takes no xFACTOR"), ("alie:1", "not supported yet"),
-                     ("copy:1", "not supported yet"), ("zero:9", "names site 9")]:  # fmt: skip
+                     ("signflip:1x2", "takes no xFACTOR"), ("alie:1x2", "takes no xFACTOR"),
+                     ("zero:9", "names site 9")]:  # fmt: skip
         with pytest.raises(ConfigError, match=why) as info:
             parse_faults(bad, 4, 100)
         assert "\n" not in str(info.value)
@@ -85,3 +89,110 @@ def test_the_attack_matrix_reads_each_cell_against_the_clean_plain_run():
     assert "| none | 0 | 1.000 | 1.005 |  |" in text
     assert "| scale | 2 | 4.500 diverged | 1.025 |  |" in text
     assert "| nan | 2 | stopped |  | refused |" in text
+
+
+def _gather_fp32():
+    from lowcomm.aggregate.factory import aggregator_for
+    from lowcomm.codecs import make_codec
+
+    return aggregator_for("gather", make_codec("fp32"), 4)
+
+
+def test_copy_sends_another_sites_last_payload_byte_for_byte():
+    from lowcomm.elastic import forge
+
+    agg, shapes = _gather_fp32(), [torch.Size([3]), torch.Size([2])]
+    act(parse_faults("copy:1", 4, 10), site=1, step=1)
+    mine = agg.encode([torch.ones(3), torch.ones(2)]).payload
+    assert torch.equal(forge.forge(mine, shapes, 1, agg), mine)  # nothing seen: honest
+    rows = [agg.encode([torch.full((3,), float(r)), torch.zeros(2)], valid=r != 0).payload
+            for r in range(4)]  # fmt: skip
+    forge.seen(shapes, rows)
+    # site 0 sent nothing valid: the first other valid sender is site 2
+    assert torch.equal(forge.forge(mine, shapes, 1, agg), rows[2])
+
+
+def test_alie_sends_the_honest_mean_minus_z_times_their_spread():
+    import statistics
+
+    import numpy as np
+
+    from lowcomm.elastic import forge
+
+    # Baruch et al.: n = 8, m = 2: s = 3, z = Phi^-1(5/8)
+    assert forge.alie_z(8, 2) == pytest.approx(statistics.NormalDist().inv_cdf(5 / 8))
+    assert forge.alie_z(8, 1) == pytest.approx(0.0)
+    agg, shapes = _gather_fp32(), [torch.Size([5]), torch.Size([2, 2])]
+    planned = parse_faults("alie:2,alie:3", 4, 10)
+    act(planned, site=3, step=1)
+    g = torch.Generator().manual_seed(0)
+    sent = [torch.randn(9, generator=g) for _ in range(4)]
+    forge.seen(shapes, [agg.encode([x[:5], x[5:].reshape(2, 2)]).payload for x in sent])
+    mine = agg.encode([torch.zeros(5), torch.zeros(2, 2)]).payload
+    got = agg._decode_flat(forge.forge(mine, shapes, 3, agg)[:-1], shapes, 9)
+    honest = np.stack([sent[0].numpy(), sent[1].numpy()])  # sites 2 and 3 collude
+    want = honest.mean(0) - forge.alie_z(4, 2) * honest.std(0, ddof=1)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+# every attack of the grammar on site 3 of 4 (noise strong enough to harm a plain mean), and
+# alie by sites 2 and 3 (one alone has z = 0: it would send the honest mean)
+REAL = ("signflip:3", "scale:3x1000", "noise:3x10", "zero:3", "nan:3", "copy:3", "alie:2,alie:3")
+
+
+def _attacked_runs(rank: int, world: int, rule: str) -> dict:
+    """The same 12 steps (DiLoCo, H = 2, on gather) clean and under each attack of ``REAL``:
+    each run's final global copy, or None where the run stopped."""
+    from helpers import adamw, batches, tiny_model
+
+    import lowcomm
+    from lowcomm.elastic import forge
+
+    out = {}
+    for spec in ("", *REAL):
+        faults_mod._attacking.clear()
+        forge._seen.clear()
+        planned = parse_faults(spec, world, 12)
+        model = tiny_model(seed=0)
+        opt = adamw(model)
+        data = batches(rank, world)
+        sync = lowcomm.DiLoCo(model, opt, sync_every=2, outer_lr=0.7, aggregation=rule,
+                              reduce="gather", nonfinite_patience=1)  # fmt: skip
+        try:
+            with sync:
+                for step in range(1, 13):
+                    act(planned, rank, step)
+                    x, y = data.next()
+                    model(x, y).backward()
+                    opt.step()
+                    opt.zero_grad()
+            out[spec] = sync.global_flat().clone()
+        except Exception:  # a NaN merged into the model stops the run (every site alike)
+            out[spec] = None
+    out["start"] = torch.cat([p.detach().reshape(-1) for p in tiny_model(seed=0).parameters()])
+    return out
+
+
+@pytest.mark.parametrize("rule", ["mean", "median", "trimmed-mean", "centered-clip",
+                                  "norm-clip"])  # fmt: skip
+def test_each_attack_harms_the_plain_mean_and_each_robust_rule_bounds_it(workers, rule):
+    """On 4 real gloo processes, site 3 acting out every attack in turn: with the plain mean a
+    x1000 or strong noise moves the model many times as far as the whole clean run did, and a
+    NaN stops it; under each robust rule no attack by one site moves it as far as the clean run
+    moved (two colluding alie sites of four are half the run: they finish, alike everywhere)."""
+    runs = workers(_attacked_runs, 4, rule)
+    clean = runs[0][""]
+    for r in runs:  # every site holds the same model, attacked or not
+        for spec in ("", *REAL):
+            assert (r[spec] is None) == (runs[0][spec] is None), spec
+            assert r[spec] is None or torch.equal(r[spec], runs[0][spec]), spec
+    moved = float((clean - runs[0]["start"]).norm())
+    off = {s: None if runs[0][s] is None else float((runs[0][s] - clean).norm()) / moved
+           for s in REAL}  # fmt: skip
+    if rule == "mean":
+        assert off["scale:3x1000"] > 50 and off["noise:3x10"] > 1, off
+        assert off["nan:3"] is None, off
+    else:
+        alone = {s: v for s, v in off.items() if not s.startswith("alie")}
+        assert all(v is not None and v < 1 for v in alone.values()), off
+    assert off["alie:2,alie:3"] is not None, off

@@ -37,7 +37,7 @@ def test_the_state_goes_to_the_joiner_only_a_third_from_each_old_member(workers)
     assert joiner["rec"] == {"events": [], "members": [0, 1, 2], "last": ["sync@30", 30]}
     size = joiner["size"]
     assert size == heal.pack(want).numel() and all(r["sources"] == 3 for r in res)
-    meta = 3 * 56  # every member's size and digest, gathered (control)
+    meta = 3 * 88  # every member's size, digest (and the healer's MAC), gathered (control)
     cuts = [size * i // 3 for i in range(4)]
     record = heal.pack(joiner["rec"]).numel()
     for i, r in enumerate(res[:3]):  # each old member sent its third; the healer the record too
@@ -50,7 +50,7 @@ def test_old_members_whose_bytes_differ_hand_over_from_the_healer_alone(workers)
     res = workers(_hand_over_worker, 4, [3], 2)
     assert all(r["sources"] == 1 for r in res)
     assert heal.digest(res[3]["got"]) == heal.digest(_state(0))  # the healer's (rank 0)
-    assert res[2]["sent"] == 3 * 56  # the odd member sent nothing but its meta
+    assert res[2]["sent"] == 3 * 88  # the odd member sent nothing but its meta
 
 
 def _small_worker(rank: int, world: int) -> dict:
@@ -67,3 +67,32 @@ def test_two_joiners_each_get_every_stripe_and_the_record(workers):
     for r in res[2:]:
         assert r["got"] == {"step": 7} and r["rec"] == {"events": [1]}
         assert r["sources"] == 2 and r["size"] == heal.pack({"step": 7}).numel()
+
+
+def _sealed_worker(rank: int, world: int, secrets: list[str]) -> str:
+    """A heal from rank 0 to rank 1, each sealing under its own run secret."""
+    from lowcomm.elastic.admission import Admission
+    from lowcomm.errors import MembershipError
+
+    t = Transport()
+    admission = Admission(rank, "run", secrets[rank].encode())
+
+    def seal(digests: bytes) -> bytes:
+        return bytes.fromhex(admission.mac("heal", "sync@30", 0, 0, digests.hex()))
+
+    state = None if rank == 1 else _state(0)
+    try:
+        got, _, _, _ = heal.hand_over(t, [1], 0, state, {"events": []}, seal)
+        return "healed" if rank == 0 or torch.equal(got["theta"], _state(0)["theta"]) else "wrong"
+    except MembershipError as e:
+        return str(e)
+    finally:
+        t.close()
+
+
+def test_a_heal_is_loaded_only_under_a_valid_mac_of_the_healer(workers):
+    """The healer's MAC covers the digests of the state and the record: a joiner under the
+    same secret loads them; under another (a forged healer, or a stranger's) it refuses them."""
+    assert workers(_sealed_worker, 2, ["s", "s"]) == ["healed", "healed"]
+    got = workers(_sealed_worker, 2, ["s", "forged"])
+    assert got[0] == "healed" and "no valid MAC" in got[1], got

@@ -50,8 +50,8 @@ def test_group_names_differ_across_lighthouse_epochs_for_the_same_quorum_id(monk
             pass
 
     monkeypatch.setattr(membership.dist, "PrefixStore", lambda name, store: names.append(name))
-    monkeypatch.setattr(membership, "_arrive", lambda *a: None)
-    monkeypatch.setattr(membership, "_gloo_group", lambda *a: Group())
+    monkeypatch.setattr(membership, "arrive", lambda *a: None)
+    monkeypatch.setattr(membership, "gloo_group", lambda *a: Group())
     m = _bare()
     first, again = m.group(_view([0, 0])), m.group(_view([1, 1]))
     assert first is not again and len(names) == 2 and names[0] != names[1], names

@@ -15,9 +15,12 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
+from lowcomm.elastic.admission import Admission
 from lowcomm.elastic.decide import View, admit, admitted_at, blamed, committed, in_sync, run_tag
 from lowcomm.elastic.membership import Elastic, Membership
 from lowcomm.errors import MembershipError
+
+_OPEN = Admission(0, "lowcomm", None)  # a run without a secret: hints as they are
 
 
 def _d(site: int, tag: str, phase: str = "sync", ok: bool = True, gen: int = 0, **kw) -> dict:
@@ -36,6 +39,7 @@ class _Checker(Membership):
         self.elastic = Elastic(lighthouse="http://unused", site=site, sites=sites,
                                min_workers=min_workers)  # fmt: skip
         self.excluded, self._excluded_inc, self._blame, self._unreached = {}, {}, None, []
+        self.admission = Admission(site, self.elastic.run_id, None, sites)
 
 
 def test_a_site_paused_past_its_heartbeat_stops_alone_and_the_others_go_on():
@@ -90,7 +94,9 @@ def test_the_commit_stands_only_on_votes_of_the_same_phase_and_attempt():
 
 class _Participant:
     def __init__(self, data):
-        self.data = data
+        self.data = data  # (under its site's name, as a site asks)
+        site = data.get("site") if isinstance(data, dict) else None
+        self.replica_id = f"site{site:04d}" if isinstance(site, int) else "site????"
 
 
 class _Quorum:
@@ -179,7 +185,7 @@ def test_a_hung_peer_store_holds_up_no_hint_to_the_other_sites(monkeypatch):
 
     monkeypatch.setattr(rounds_mod.dist, "TCPStore", store)
     elastic = Elastic(lighthouse="http://unused", site=0, sites=3, rounds="quorum")
-    rounds = rounds_mod.Rounds(SimpleNamespace(elastic=elastic, store=own))
+    rounds = rounds_mod.Rounds(SimpleNamespace(elastic=elastic, store=own, admission=_OPEN))
     rounds._stores = {0: "own", 1: "127.0.0.1:1", 2: f"127.0.0.1:{good.port}"}  # hung first
     try:
         rounds._post("lowcomm-rounds/60/arrived")
@@ -287,13 +293,13 @@ def test_a_joiner_the_members_cannot_reach_is_excluded_from_the_members_vote():
 
 
 def test_a_member_that_never_reaches_a_new_group_is_named_by_the_others():
-    """_arrive's timeout says which ranks never came (what the commit vote then carries)."""
-    from lowcomm.elastic.membership import Unreachable, _arrive
+    """arrive's timeout says which ranks never came (what the commit vote then carries)."""
+    from lowcomm.elastic.groups import Unreachable, arrive
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     store.set("arrived/1", b"1")  # rank 1 came; rank 2 never does
     with pytest.raises(Unreachable) as got:
-        _arrive(store, 0, 3, connect_s=0.3)
+        arrive(store, 0, 3, connect_s=0.3)
     assert got.value.ranks == [2]
 
 
@@ -433,7 +439,7 @@ def test_after_a_split_with_no_majority_the_same_pair_is_asked_again_until_a_thi
     side held a majority to exclude the other; asked again within the lighthouse's half
     second, the same pair came back and failed until both stopped, while the third live site
     was a moment away. The pair is asked again until another site comes (here at once)."""
-    from lowcomm.elastic.membership import Unreachable
+    from lowcomm.elastic.groups import Unreachable
     from lowcomm.elastic.runner import Runner
     from lowcomm.transport import ByteMeter
 
@@ -462,7 +468,7 @@ def test_in_lock_step_a_split_is_retried_on_the_lighthouses_next_quorum_at_once(
     lock-step gathers every live site, kept answering the same three; the first two to run
     out of patience went on to the next attempt, the third asked once more, alone, and
     stopped ("only 1 sites remain"). In lock-step the retry takes the next quorum as it is."""
-    from lowcomm.elastic.membership import Unreachable
+    from lowcomm.elastic.groups import Unreachable
     from lowcomm.elastic.runner import Runner
     from lowcomm.transport import ByteMeter
 
@@ -521,7 +527,7 @@ def test_a_joiner_takes_part_in_the_sync_that_admitted_it_without_waiting_for_ar
 
     own = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     elastic = Elastic(lighthouse="http://unused", site=4, sites=5, rounds="quorum")
-    rounds = rounds_mod.Rounds(SimpleNamespace(elastic=elastic, store=own))
+    rounds = rounds_mod.Rounds(SimpleNamespace(elastic=elastic, store=own, admission=_OPEN))
 
     def waited(step):
         raise AssertionError(f"waited for the others' arrivals at sync@{step}")

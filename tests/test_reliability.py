@@ -127,14 +127,16 @@ def test_check_before_apply_learns_a_bound_and_skips_what_is_past_it():
     assert off.accept(0, torch.tensor([float("nan")]), step=1)
 
 
-def _attacked_worker(rank: int, world: int, bound: float) -> dict:
+def _attacked(rank: int, world: int, faults_spec: str, **kw) -> tuple[object, list]:
+    """12 steps of DiLoCo (H = 2) on the tiny model, this rank acting out ``faults_spec``;
+    the engine and the global copy after each sync."""
     from lowcomm.elastic import faults
 
     model = tiny_model(seed=0)
     opt = adamw(model)
     data = batches(rank, world)
-    planned = faults.parse_faults("scale:2@7x1000", world, 12)
-    sync = lowcomm.DiLoCo(model, opt, sync_every=2, outer_lr=0.7, update_bound=bound)
+    planned = faults.parse_faults(faults_spec, world, 12)
+    sync = lowcomm.DiLoCo(model, opt, sync_every=2, outer_lr=0.7, **kw)
     globals_after = []
     with sync:
         for step in range(1, 13):
@@ -145,7 +147,11 @@ def _attacked_worker(rank: int, world: int, bound: float) -> dict:
             opt.zero_grad()
             if step % 2 == 0:
                 globals_after.append(sync.global_flat().clone())
-    return {"globals": globals_after}
+    return sync, globals_after
+
+
+def _attacked_worker(rank: int, world: int, bound: float) -> dict:
+    return {"globals": _attacked(rank, world, "scale:2@7x1000", update_bound=bound)[1]}
 
 
 def test_a_1000x_site_moves_the_model_unless_the_update_is_checked_before_apply(workers):
@@ -162,3 +168,63 @@ def test_a_1000x_site_moves_the_model_unless_the_update_is_checked_before_apply(
     moved = float((plain[0]["globals"][3] - g[2]).norm())
     honest = float((g[2] - g[1]).norm())
     assert moved > 100 * honest
+
+
+def test_a_site_that_offends_sync_after_sync_is_named_once_per_streak_and_evicted():
+    """Named at its ``syncs``-th offence in a row (above 4x the median norm, or not finite),
+    once; an honest sync in between starts its count again, as does a change of sites or a
+    sync this site missed; two sites tell nothing apart. With evict, every site excludes it
+    from the sync that stood."""
+    from types import SimpleNamespace
+
+    from lowcomm.engine.check import Offenders
+    from lowcomm.engine.stats import SyncStats
+
+    def synced(norms, sites=None):  # squared norms by site, as the exchange reports them
+        return SimpleNamespace(norms={s: v * v for s, v in zip(sites or range(9), norms)})
+
+    stats = SyncStats()
+    off = Offenders(2, evict=False, stats=stats)
+    bad, fine = [1.0, 1.2, 0.9, 50.0], [1.0, 1.2, 0.9, 1.1]
+    assert off.observe(synced(bad), 1) == []
+    assert off.observe(synced(fine), 2) == []  # the streak broken
+    assert off.observe(synced(bad), 3) == []
+    assert off.observe(synced([1.0, 1.2, 0.9, float("inf")]), 4) == [3]
+    assert off.observe(synced(bad), 5) == []  # named once per streak
+    # site 3 offends on both sides of a change of sites: its count starts again
+    assert off.observe(synced(bad + [1.0]), 6) == []
+    assert off.observe(synced(bad + [1.0]), 7) == [3]
+    assert off.observe(synced([1.0, 50.0]), 8) == [] and off.observe(synced([1.0, 50.0]), 9) == []
+    assert stats.extra["offenders"] == {"3": 2}
+
+    rounds = SimpleNamespace(late_syncs=0)  # quorum rounds: a sync this site missed resets
+    late = Offenders(2, evict=False, stats=SyncStats(), runner=SimpleNamespace(rounds=rounds))
+    assert late.observe(synced(bad), 1) == []
+    rounds.late_syncs = 1
+    assert late.observe(synced(bad), 3) == []
+    assert late.observe(synced(bad), 4) == [3]
+
+    excluded = []
+    view = SimpleNamespace(members=[0, 2, 5, 7])
+    runner = SimpleNamespace(
+        rounds=None, settled=("sync@20", view),
+        membership=SimpleNamespace(exclude=lambda sites, tag, v: excluded.append((sites, tag, v))),
+    )  # fmt: skip
+    evicting = Offenders(1, evict=True, stats=SyncStats(), runner=runner)
+    assert evicting.observe(synced(bad, sites=[0, 2, 5, 7]), 20) == [7]
+    ((sites, tag, v),) = excluded
+    assert list(sites) == [7] and tag == "sync@20" and v is view
+
+
+def _offending_worker(rank: int, world: int) -> dict:
+    sync, globals_after = _attacked(rank, world, "scale:3x1000", aggregation="median",
+                                    reduce="gather", offender_syncs=2)  # fmt: skip
+    return {"offenders": sync.stats.extra.get("offenders"), "global": globals_after[-1]}
+
+
+def test_every_site_names_the_same_offender_on_real_processes(workers):
+    """Four sites, site 3 sends x1000 from the start: at the second sync every site names
+    it, the same, once; the median keeps the replicas identical."""
+    res = workers(_offending_worker, 4)
+    assert [r["offenders"] for r in res] == [{"3": 1}] * 4
+    assert all(torch.equal(r["global"], res[0]["global"]) for r in res)

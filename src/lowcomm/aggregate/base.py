@@ -53,6 +53,9 @@ class Reduced:
     # weighted combination did not apply, in the unweighted rule's units (Combine.unapplied);
     # None unweighted (all of it was applied) or when this worker sent nothing
     unapplied: Unapplied | None = None
+    # tracked (a robust rule on gather, offender_syncs > 0): each sender's (group rank) squared
+    # contribution norm, inf where it was not finite; None when not tracked
+    norms: dict[int, float] | None = None
 
 
 class Aggregator(ABC):
@@ -64,6 +67,7 @@ class Aggregator(ABC):
 
     method: str  # "allreduce", "gather" or "two-phase": for callers that report or branch on it
     sums_only = True  # the exchange can only sum: it runs sum-decomposable rules only
+    track = False  # each sender's contribution norm in every result (gather only: Reduced)
 
     def __init__(
         self, codec: Codec | None, world_size: int, aggregation: str | Combine = "mean"

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..codecs.base import Codec, PayloadError
+from ..elastic.forge import forge, forging, seen
 from .base import Aggregator, Encoded, Reduced, contribution, flag, numel
 from .combine import Combine, Parts
 
@@ -60,7 +61,12 @@ class GatherAggregator(Aggregator):
     ) -> Reduced:
         """All-gather the payloads and combine the valid ones by the rule (weighted: see
         :meth:`Aggregator.exchange`)."""
-        gathered = self._timed(transport.all_gather, enc.payload)
+        payload = enc.payload
+        if forging():  # a copy or alie attack on this site: forged from the last round's
+            payload = forge(payload, enc.shapes, transport.rank, self)
+        gathered = self._timed(transport.all_gather, payload)
+        if forging():
+            seen(enc.shapes, gathered)
         me = transport.rank if enc.keep_unapplied else None
         return self._sum_gathered(gathered, enc.shapes, enc.numel, weights, enc.out, me)
 
@@ -92,6 +98,12 @@ class GatherAggregator(Aggregator):
         ws = [weights[w] for w in senders] if weights is not None else None
         mine = senders.index(me) if ws is not None and me in senders else None
         unapplied = [] if mine is not None else None
+        # tracked: each sender's squared norm, summed on the device, read once at the end
+        sq = (
+            {w: torch.zeros((), dtype=torch.float64, device=dev) for w in senders}
+            if self.track
+            else {}
+        )
         offset_b = offset_e = 0
         for i, shape in enumerate(shapes):
             nb, n = self.codec.nbytes(shape), numel(shape)
@@ -104,9 +116,13 @@ class GatherAggregator(Aggregator):
                 raise parts.blame(err) from None
             if unapplied is not None and mine is not None:
                 unapplied.append(self.rule.unapplied(parts, mine))
+            if self.track:
+                for j, w in enumerate(senders):
+                    sq[w] += parts[j].double().square().sum()
             offset_b += nb
             offset_e += n
-        return Reduced(total, len(senders), unapplied)
+        norms = {w: _inf_if_nan(float(v)) for w, v in sq.items()} if self.track else None
+        return Reduced(total, len(senders), unapplied, norms)
 
     def _decode_flat(
         self, payload: torch.Tensor, shapes: list[torch.Size], total_numel: int
@@ -135,3 +151,8 @@ class GatherAggregator(Aggregator):
                 f"payload from worker {sender} has {payload.numel()} bytes, expected {want}",
                 sender,
             )
+
+
+def _inf_if_nan(value: float) -> float:
+    """A squared norm that held a NaN reads as inf: not finite either way."""
+    return value if value == value else float("inf")

@@ -3,8 +3,10 @@
 For each strategy, seed and combine rule (``aggregation=``; ``auto`` is the plain rule: the mean,
 or the selected mean for SparseLoCo's top-k): one clean run, and one per attack (``--faults``,
 acted out by the bad sites on every contribution they send from step 1) and number of bad
-sites (the last ones). A rule not defined for a strategy's codec (the coordinate-wise rules on
-top-k) is refused by the config with one line, and its cells say so.
+sites (the last ones). Every cell runs on the gather exchange (what the robust rules and the
+forged attacks need; the plain mean computes the same there). A rule not defined for a
+strategy's codec (the coordinate-wise rules on top-k) is refused by the config with one line,
+and its cells say so.
 
 Reported per cell: the final validation loss over the clean run with the plain rule (the
 ratio a user pays), "stopped" for a run that stopped (a NaN merged into the model stops it at
@@ -26,7 +28,8 @@ from typing import Any
 
 TRAIN = [sys.executable, "-m", "lowcomm.cli", "train"]
 ATTACKS = {"none": "", "signflip": "signflip:{s}", "scale": "scale:{s}x1000",
-           "noise": "noise:{s}x2", "zero": "zero:{s}", "nan": "nan:{s}"}  # fmt: skip
+           "noise": "noise:{s}x2", "zero": "zero:{s}", "nan": "nan:{s}", "copy": "copy:{s}",
+           "alie": "alie:{s}"}  # fmt: skip
 RULES = ("auto", "norm-clip", "trimmed-mean", "median", "centered-clip")
 
 
@@ -77,7 +80,7 @@ def _cell(
     args = [
         "--strategy", strategy, "--model", a.model, "--workers", str(a.workers),
         "--steps", str(a.steps), f"sync_every={a.sync_every}", f"eval_every={a.steps}",
-        "progress=false", "threads=1", f"seed={seed}", f"aggregation={rule}",
+        "progress=false", "threads=1", f"seed={seed}", f"aggregation={rule}", "reduce=gather",
         "--overwrite", "--out", str(out / name), *a.set.split(),
     ]  # fmt: skip
     if faults:

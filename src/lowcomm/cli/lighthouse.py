@@ -10,6 +10,7 @@ ask their pending quorum again (docs/reliability.md, "The lighthouse dies").
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import socket
@@ -22,6 +23,9 @@ def _add_lighthouse(sub: Any) -> None:
         "lighthouse", help="run a lighthouse at a fixed address for elastic sites elsewhere"
     )
     h.add_argument("--port", type=int, default=29510, help="TCP port to listen on (29510)")
+    h.add_argument("--host", default="::", help="the address to listen on (:: = every "
+                   "interface; give a private one, e.g. a WireGuard address, to keep it off "
+                   "the others)")  # fmt: skip
     h.add_argument("--rounds", choices=("lockstep", "quorum"), default="lockstep",
                    help="the runs' rounds= (quorum: it gathers askers for 0.5 s)")  # fmt: skip
     h.add_argument("--timeout-s", type=float, default=300.0,
@@ -36,7 +40,7 @@ def cmd_lighthouse(args: argparse.Namespace) -> int:
     from ..config import ConfigError
     from ..elastic.rounds import LIGHTHOUSE_JOIN_S
 
-    _check_port(args.port)
+    _check_port(args.port, args.host)
     if args.timeout_s <= 0 or args.heartbeat_timeout_s <= 0:
         raise ConfigError("--timeout-s and --heartbeat-timeout-s must be > 0 seconds")
     if not os.environ.get("LOWCOMM_DEBUG"):
@@ -49,13 +53,15 @@ def cmd_lighthouse(args: argparse.Namespace) -> int:
         ) from None
     join_s = LIGHTHOUSE_JOIN_S if args.rounds == "quorum" else args.timeout_s
     server = LighthouseServer(
-        bind=f"[::]:{args.port}", min_replicas=1, join_timeout_ms=int(join_s * 1000),
+        bind=_bind(args.host, args.port), min_replicas=1, join_timeout_ms=int(join_s * 1000),
         quorum_tick_ms=20, heartbeat_timeout_ms=int(args.heartbeat_timeout_s * 1000),
     )  # fmt: skip
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"lowcomm: lighthouse at http://{socket.gethostname()}:{args.port} (rounds="
+    where = socket.gethostname() if args.host in ("::", "0.0.0.0") else args.host
+    where = f"[{where}]" if ":" in where else where
+    print(f"lowcomm: lighthouse at http://{where}:{args.port} (rounds="
           f"{args.rounds}); point the sites at it with lighthouse=HOST:{args.port}; Ctrl-C "
           f"stops it", flush=True)  # fmt: skip
     stop.wait()
@@ -64,17 +70,30 @@ def cmd_lighthouse(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_port(port: int) -> None:
-    """ConfigError when ``port`` is no TCP port or is taken (the sites need this very one)."""
+def _bind(host: str, port: int) -> str:
+    """The lighthouse's bind address: an IPv6 one in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _check_port(port: int, host: str = "::") -> None:
+    """ConfigError when ``port`` is no TCP port or is taken, or ``host`` is no address of this
+    machine (the sites need this very one)."""
     from ..config import ConfigError
 
     if not 1 <= port <= 65535:
         raise ConfigError(f"--port {port} is not a TCP port: give 1-65535")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:  # as the lighthouse binds: reusing the address of one just gone (TIME_WAIT)
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(("::", port))
-    except OSError:
+            s.bind((host, port))
+    except socket.gaierror:
+        raise ConfigError(f"--host {host} is no address: give an IP of this machine") from None
+    except OSError as e:
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(
+                f"--host {host} is no address of this machine: give one of its IPs (ip addr)"
+            ) from None
         raise ConfigError(
             f"port {port} is in use (a lighthouse already there?): stop what holds it, or "
             f"pass another --port and point the sites at that"

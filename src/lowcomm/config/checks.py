@@ -107,6 +107,16 @@ def validate_sync(cfg: Any) -> None:
         raise ConfigError(f"momentum_clip must be >= 0 (0 = off), got {cfg.momentum_clip}")
     if cfg.nonfinite_patience < 1:
         raise ConfigError(f"nonfinite_patience must be >= 1, got {cfg.nonfinite_patience}")
+    if cfg.offender_syncs < 0:
+        raise ConfigError(f"offender_syncs must be >= 0 (0 = never), got {cfg.offender_syncs}")
+    if cfg.evict and not cfg.offender_syncs:
+        raise ConfigError("evict=true excludes the sites offender_syncs names: set it >= 1")
+    if cfg.evict and cfg.resolved_aggregation in SUM_RULES:
+        raise ConfigError(
+            f"evict=true tells sites apart by their contributions, which only a robust "
+            f"aggregation sees (this run: {cfg.resolved_aggregation}): set aggregation=norm-clip "
+            f"(or median, trimmed-mean, centered-clip)"
+        )
     if not cfg.update_bound >= 0:
         raise ConfigError(f"update_bound must be >= 0 (0 = off), got {cfg.update_bound}")
     if cfg.replica_check_every < 0:
@@ -179,6 +189,12 @@ def validate_train(t: Any) -> None:
             raise ConfigError(f"site_link={t.site_link}: {e}") from None
         if not t.elastic:
             raise ConfigError("site_link puts elastic sites in namespaces: add elastic=true")
+    if t.secret_file:
+        if not t.elastic:
+            raise ConfigError("secret_file admits elastic sites: add elastic=true")
+        from ..elastic.admission import read_secret
+
+        read_secret(t.secret_file)  # unreadable or empty: said now, before any worker starts
     if t.heartbeat_timeout_s <= 0:
         raise ConfigError(f"heartbeat_timeout_s must be > 0, got {t.heartbeat_timeout_s}")
     if t.rounds == "lockstep" and (t.quorum or t.grace):

@@ -168,6 +168,17 @@ class SyncConfig:
         "is not finite or above this many times the median norm of the fragment's last 16 "
         "updates (after 3); 0 = off. A robust aggregation bounds bad sites first.",
     )
+    offender_syncs: int = knob(
+        3,
+        "With a robust aggregation: name a site (a warning, and stats) whose contribution "
+        "is not finite or above 4x the sync's median norm in this many syncs in a row among "
+        "the same sites, from 3 sites on (0 = never).",
+    )
+    evict: bool = knob(
+        False,
+        "Elastic, with offender_syncs: a named site is also excluded from the run, by every "
+        "site alike (membership.jsonl records it; started again, it may come back).",
+    )
     replica_check_every: int = knob(
         10,
         "Every N syncs, compare a checksum of the global parameters across "
@@ -357,6 +368,12 @@ class TrainConfig:
         "(tc style, e.g. 50mbit) to a switch that holds the lighthouse; needs root and "
         "iproute2 ('' = every site on this machine's loopback).",
     )
+    secret_file: str = knob(
+        "",
+        "With elastic: a file holding the run's secret (else $LOWCOMM_SECRET; never on a "
+        "command line): only sites holding it are admitted, and quorum requests, round hints "
+        "and heals carry a MAC under a key derived from it and the run id.",
+    )
     faults: str = knob(
         "",
         "Faults on purpose, KIND:SITE@STEP comma-separated, sites 0-based: kill:2@35 "
@@ -364,7 +381,8 @@ class TrainConfig:
         "later), join:2@60, add:3@60, slow:1x3, corrupt:1@35 (a payload the others refuse), "
         "healer:0@40, collective:0@40 (dies inside a handover or a sync), lighthouse:0@30x3, "
         "link:2@40x20 (its data plane cut for 20 s); attacks on what a site sends: "
-        "signflip:1@20, scale:1x1000, noise:1x2, zero:1, nan:1. Also --faults.",
+        "signflip:1@20, scale:1x1000, noise:1x2, zero:1, nan:1, and with reduce=gather "
+        "copy:1 (another site's last send), alie:1 (a little is enough). Also --faults.",
     )
     replay: str = knob(
         "",

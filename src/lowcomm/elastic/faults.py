@@ -69,7 +69,8 @@ from urllib.parse import urlparse
 
 from ..errors import ConfigError
 
-ATTACKS = ("signflip", "scale", "noise", "zero", "nan")  # on what a site sends (see attack)
+# on what a site sends (see attack; copy and alie forge it from the others': see forge)
+ATTACKS = ("signflip", "scale", "noise", "zero", "nan", "copy", "alie")
 KINDS = (
     "kill",
     "hang",
@@ -85,7 +86,7 @@ KINDS = (
     "link",
     *ATTACKS,
 )
-LATER = ("slowlink", "copy", "alie")
+LATER = ("slowlink",)
 _FAULT = re.compile(r"^(?P<kind>[a-z]+):(?P<site>\d+)(@(?P<step>\d+))?(x(?P<factor>[0-9.]+))?$")
 
 
@@ -189,6 +190,7 @@ def adds(faults: list[Fault]) -> dict[int, int]:
 
 _armed: set[str] = set()  # faults this process acts out on what it sends next (corrupt)
 _attacking: list[Fault] = []  # the attack this process acts out on every send from now on
+_colluders: list[int] = []  # the sites of every alie attack (they know each other)
 # a site asks its launcher to kill the lighthouse by writing this file into the run's folder
 LIGHTHOUSE_FAULT = ".fault-lighthouse"
 _ASK_S = 10.0  # how long a site waits for the launcher to take its request (then goes on)
@@ -210,6 +212,7 @@ def act(faults: list[Fault], site: int, step: int, out: Path | None = None) -> N
             _armed.add(f.kind)
         if f.kind in ATTACKS:
             _attacking[:] = [f]
+            _colluders[:] = sorted({g.site for g in faults if g.kind == "alie"})
         if f.kind == "lighthouse" and out is not None:
             ask = out / LIGHTHOUSE_FAULT
             ask.write_text(f"{f.factor:g}\n")
@@ -276,7 +279,7 @@ def attack(tensors: list[Any], step: int) -> None:
     import torch  # the fault grammar is read where torch is not needed
 
     f = _attacking[0]
-    for i, t in enumerate(tensors):
+    for i, t in enumerate(tensors):  # (copy and alie: on the payload, see forge)
         if f.kind == "signflip":
             t.neg_()
         elif f.kind == "scale":

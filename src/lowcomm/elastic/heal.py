@@ -12,11 +12,14 @@ during the hand-over fails the attempt: the others retry without it and the join
 from __future__ import annotations
 
 import hashlib
+import hmac
 import io
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ..errors import MembershipError
 from ..transport import Transport
 from .faults import die_if_armed
 
@@ -65,6 +68,7 @@ def hand_over(
     healer: int,
     state: dict[str, Any] | None,
     record: dict[str, Any] | None = None,
+    seal: Callable[[bytes], bytes] | None = None,
 ) -> tuple[Any, Any, int, int]:
     """The run's shared ``state`` to the ``joiners`` (group ranks) only, striped across every
     old member: old member i of k sends the joiners the i-th k-th of its bytes, so each sends
@@ -72,12 +76,17 @@ def hand_over(
     membership history, which each member timed itself) comes whole from it. Old members pass
     their state, joiners None. Each old member's size and digest go to all first; where they
     differ, the whole state comes from the healer. A joiner checks the assembled bytes against
-    the digest before it loads them. Returns (state, record: for a joiner unpacked), the
-    state's size in bytes and how many members sent it."""
+    the digest before it loads them, and with ``seal`` (the MAC of some bytes under the run's
+    key: see :mod:`.admission`) the healer's MAC of both digests. Returns (state, record: for
+    a joiner unpacked), the state's size in bytes and how many members sent it."""
     old = [r for r in range(transport.world_size) if r not in joiners]
     mine = pack(state) if state is not None else _EMPTY
     rec = pack(record) if transport.rank == healer and record is not None else _EMPTY
-    metas = transport.all_gather(_meta(mine, rec, state is not None), control=True)
+    seal = seal or (lambda message: b"")
+    meta = _meta(mine, rec, state is not None)
+    if transport.rank == healer:
+        meta[_MAC] = _bytes(seal(bytes(meta[8:40].tolist()) + _sha(rec)).ljust(32, b"\0"))
+    metas = transport.all_gather(meta, control=True)
     if transport.rank == healer:
         die_if_armed("healer")  # a healer:SITE fault: dies here, mid-hand-over
     sources = old if all(torch.equal(metas[r][:40], metas[old[0]][:40]) for r in old) else [healer]
@@ -91,8 +100,14 @@ def hand_over(
         recvs = {r: payload[cuts[i] : cuts[i + 1]] for i, r in enumerate(sources)}
         transport.exchange_p2p({}, {r: t for r, t in recvs.items() if t.numel()})
         transport.exchange_p2p({}, {healer: got})
-        if hashlib.sha256(payload.numpy()).digest() != bytes(metas[healer][8:40].tolist()):
+        digest_ = bytes(metas[healer][8:40].tolist())
+        if _sha(payload) != digest_:
             raise RuntimeError("the healed state's bytes differ from their digest: asking again")
+        if not hmac.compare_digest(bytes(metas[healer][_MAC].tolist()),
+                                   seal(digest_ + _sha(got)).ljust(32, b"\0")):  # fmt: skip
+            raise MembershipError(
+                "the healed state carries no valid MAC under this site's run secret: refused"
+            )
         return unpack(payload), unpack(got), size, len(sources)
     if transport.rank in sources:
         i = sources.index(transport.rank)
@@ -105,16 +120,24 @@ def hand_over(
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 _SIZES = slice(40, 56)  # in a member's meta: the state's and the record's sizes (int64 each)
+_MAC = slice(56, 88)  # ... and the healer's MAC of the state's and the record's SHA-256
+
+
+def _sha(data: torch.Tensor) -> bytes:
+    return hashlib.sha256(data.numpy()).digest()
+
+
+def _bytes(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def _meta(state: torch.Tensor, record: torch.Tensor, holds: bool) -> torch.Tensor:
-    """A member's 56 bytes before a hand-over: its state's size and SHA-256, then the sizes of
-    its state and record (zeros for a joiner)."""
-    meta = torch.zeros(56, dtype=torch.uint8)
+    """A member's 88 bytes before a hand-over: its state's size and SHA-256, then the sizes of
+    its state and record (zeros for a joiner), then room for the healer's MAC."""
+    meta = torch.zeros(88, dtype=torch.uint8)
     if holds:
         meta[:8] = torch.tensor([state.numel()], dtype=torch.int64).view(torch.uint8)
-        meta[8:40] = torch.frombuffer(bytearray(hashlib.sha256(state.numpy()).digest()),
-                                      dtype=torch.uint8)  # fmt: skip
+        meta[8:40] = _bytes(_sha(state))
     meta[_SIZES] = torch.tensor([state.numel(), record.numel()], dtype=torch.int64).view(
         torch.uint8
     )

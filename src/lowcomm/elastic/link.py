@@ -5,7 +5,7 @@ A request that cannot reach the lighthouse (refused, reset: anything but torchft
 TimeoutError, which means the lighthouse answered that no quorum formed) is asked again, on a
 new client, once a heartbeat lands again; for at most ``timeout_s`` from the first failure, then
 the site stops with one line naming the lighthouse. ``epoch`` counts the outages this site saw
-(or heard of: :meth:`Link.adopt`); group names carry it (:func:`.membership.group_name`).
+(or heard of: :meth:`Link.adopt`); group names carry it (:func:`.groups.group_name`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -28,10 +29,13 @@ SETTLE_BEATS = 5
 class Link:
     """This site's clients of the lighthouse (one for quorums, one for the heartbeat thread)."""
 
-    def __init__(self, elastic: Any) -> None:  # a membership.Elastic (it imports this module)
+    def __init__(
+        self, elastic: Any, seal: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    ) -> None:  # a membership.Elastic (it imports this module); seal: adds a request's MAC
         from torchft.coordination import LighthouseClient
 
         self.elastic = elastic
+        self._seal = seal or (lambda data: data)
         self.epoch = 0  # lighthouse outages seen (or heard of from a quorum): names groups
         # when the last heartbeat that found the lighthouse unreachable was sent, and when this
         # site last found it back: an outage since then is waited out before the next quorum
@@ -71,7 +75,7 @@ class Link:
                     step=0,
                     world_size=1,
                     shrink_only=False,
-                    data={**data, "lh": self.epoch},
+                    data=self._seal({**data, "lh": self.epoch}),
                 )
             except TimeoutError as err:  # the lighthouse answered: no quorum formed
                 raise MembershipError(

@@ -26,18 +26,15 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import socket
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, MembershipError
+from .admission import Admission, read_secret
 from .decide import (
     View,
     admit,
@@ -53,6 +50,7 @@ from .decide import (
     step_of,
     without,
 )
+from .groups import arrive, gloo_group, group_name, store_of, unreachable
 from .link import Link
 
 log = logging.getLogger("lowcomm")
@@ -88,6 +86,8 @@ class Elastic:
     late: str = "carry"  # a site that missed its sync: carry its work into the next, or drop it
     # ... how contributions of unequal steps are merged: by their steps, plainly, or per step
     weighting: str = "steps"
+    # a file holding the run's secret (else $LOWCOMM_SECRET): only sites holding it take part
+    secret_file: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.lighthouse, str) or not self.lighthouse:
@@ -138,7 +138,10 @@ class Membership:
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.store_address = f"{host}:{self._store.port}"
         self._groups: dict[tuple[int, int, str], dist.ProcessGroup] = {}
-        self._link = Link(elastic)  # heartbeats from now on; quorums wait out an outage
+        secret = read_secret(elastic.secret_file)
+        self.admission = Admission(elastic.site, elastic.run_id, secret, elastic.sites)
+        # heartbeats from now on; quorums wait out an outage
+        self._link = Link(elastic, self.admission.seal)
         atexit.register(self.close)  # groups aborted before torch tears itself down
 
     def quorum(
@@ -294,7 +297,8 @@ class Membership:
         # site) after connect_s at a group, and the lighthouse waits timeout_s for stragglers:
         # a wait of exactly timeout_s would give up on a peer about to arrive
         q = self._link.quorum(tag, data, 2 * e.timeout_s + e.connect_s, self.store_address)
-        data = [d for d in (_readable(m.data) for m in q.participants) if d is not None]
+        data = [d for d in (_readable(m.data, m.replica_id) for m in q.participants) if d]
+        data = self.admission.screen(data, "join" if join else "start" if tag == "start" else "")
         data = sorted(data, key=lambda d: d["site"])
         self._link.adopt([as_int(d.get("lh")) for d in data])
         if not join:  # a joiner reads the others' settings to say why it is refused
@@ -385,11 +389,11 @@ class Membership:
         if view.members[0] == self.elastic.site:
             store = self._store
         else:
-            store = _store_of(view, self.elastic.connect_s)
+            store = store_of(view, self.elastic.connect_s)
         prefix = dist.PrefixStore(group_name(self.elastic.run_id, view, generation), store)
         rank, size = view.rank_of(self.elastic.site), len(view.members)
-        _arrive(prefix, rank, size, self.elastic.connect_s)
-        group = _gloo_group(prefix, rank, size, self.elastic.timeout_s)
+        arrive(prefix, rank, size, self.elastic.connect_s)
+        group = gloo_group(prefix, rank, size, self.elastic.timeout_s)
         self._groups[key] = group
         return group
 
@@ -447,20 +451,13 @@ class Patience:
             return now < self._until
         absent = {s: a for s, a in (retry.members if retry else {}).items()
                   if s not in view.members and s not in self.excluded}  # fmt: skip
-        if absent and len(_unreachable(absent, _PROBE_S)) < len(absent):
+        if absent and len(unreachable(absent, _PROBE_S)) < len(absent):
             self._awaiting = self._awaiting or now + (retry.wait_s if retry else 0.0)
             return now < self._awaiting
         return False
 
 
 _PROBE_S = 0.5  # a live member's store answers at once, a cut one's never
-
-
-def group_name(run_id: str, view: View, generation: int) -> str:
-    """The store prefix of ``view``'s group for attempt ``generation``: the run, the
-    lighthouse's epoch (a restarted lighthouse counts quorum ids from the start again), the
-    quorum, the attempt and the member processes."""
-    return f"{run_id}/e{view.epoch}/q{view.quorum_id}/g{generation}/m{view.who}/"
 
 
 def check_rounds(rounds: str, quorum: int, grace: float, late: str, sites: int) -> None:
@@ -492,93 +489,17 @@ def check_weighting(weighting: str) -> None:
 _FIELDS = {"site": int, "tag": str, "phase": str, "gen": int, "join_from": int}
 
 
-def _readable(raw: Any) -> dict[str, Any] | None:
+def _readable(raw: Any, replica_id: str) -> dict[str, Any] | None:
     """One participant's request, or None when it is malformed (a field missing or of the
-    wrong type): such a request is no member's, for every member alike, instead of an error
-    that would stop them all."""
+    wrong type) or names another site than the participant it came in (a request copied
+    under another name, sealed or not): such a request is no member's, for every member
+    alike, instead of an error that would stop them all."""
     d = dict(raw or {})
     for key, kind in _FIELDS.items():
         value = d.get(key)
         if not isinstance(value, kind) or isinstance(value, bool):
             log.warning("a quorum request with a malformed %r (%r) was ignored", key, value)
             return None
-    if d["site"] < 0:
+    if d["site"] < 0 or replica_id != f"site{d['site']:04d}":  # see Elastic.replica_id
         return None
     return d
-
-
-def _arrive(store: Any, rank: int, size: int, connect_s: float) -> None:
-    """Wait at most ``connect_s`` for every member to reach this group's store; raises
-    RuntimeError (a failed attempt: the runner retries among those left) when one does not.
-
-    A member lost after the quorum formed but before it connected would otherwise hold the
-    others in gloo's own rendezvous for the whole collective timeout."""
-    store.set(f"arrived/{rank}", b"1")
-    keys = [f"arrived/{r}" for r in range(size)]
-    try:
-        store.wait(keys, timedelta(seconds=connect_s))
-    except RuntimeError as e:  # torch's DistStoreError is one
-        try:
-            away = [r for r in range(size) if r != rank and not store.check([keys[r]])]
-        except RuntimeError:  # the store itself is gone: its host
-            away = [0]
-        raise Unreachable(
-            f"members {away} of the group did not reach it within connect_s={connect_s:g} s "
-            f"({str(e).splitlines()[0][:120]})",
-            away,
-        ) from None
-
-
-def _store_of(view: View, connect_s: float) -> dist.TCPStore:
-    """A client of the group's store (its first member's), reached within ``connect_s``.
-    :class:`Unreachable` when it is not (that member gone, or this site's network cut) names
-    it and every other member whose own store this site cannot reach either: a site cut off
-    names them all, one that only lost the store host names that one."""
-    address = view.data[0]["store"]
-    host, port = address.rsplit(":", 1)
-    try:
-        return dist.TCPStore(host, int(port), is_master=False,
-                             timeout=timedelta(seconds=connect_s))  # fmt: skip
-    except (RuntimeError, OSError) as e:  # torch's DistNetworkError is a RuntimeError
-        others = {r: d["store"] for r, d in enumerate(view.data) if r > 0}
-        raise Unreachable(
-            f"could not reach the group's store at {address} within connect_s={connect_s:g} s "
-            f"({str(e).splitlines()[0][:120]})",
-            [0, *_unreachable(others, min(2.0, connect_s))],
-        ) from None
-
-
-def _unreachable(stores: dict[int, str], timeout_s: float) -> list[int]:
-    """Of ``stores`` (rank -> HOST:PORT), the ranks whose store takes no TCP connection from
-    here within ``timeout_s`` (tried all at once, each on a thread of its own)."""
-
-    def reach(address: str) -> bool:
-        try:  # (an address that is no HOST:PORT is reached by nothing)
-            host, port = address.rsplit(":", 1)
-            socket.create_connection((host, int(port)), timeout=timeout_s).close()
-            return True
-        except (OSError, ValueError):
-            return False
-
-    with ThreadPoolExecutor(max_workers=max(1, len(stores))) as pool:
-        ok = dict(zip(stores, pool.map(reach, stores.values())))
-    return sorted(r for r, fine in ok.items() if not fine)
-
-
-class Unreachable(RuntimeError):
-    """Members of a new group that this member could not reach (group ranks): dead, stopped,
-    or cut off on the data plane. The commit vote carries them (see :func:`_unreached`)."""
-
-    def __init__(self, message: str, ranks: list[int]) -> None:
-        super().__init__(message)
-        self.ranks = ranks
-
-
-def _gloo_group(store: Any, rank: int, size: int, timeout_s: float) -> dist.ProcessGroup:
-    """A gloo ProcessGroup on ``store`` that torch's default world does not need to know."""
-    timeout = timedelta(seconds=timeout_s)
-    backend = dist.ProcessGroupGloo(store, rank, size, timeout)
-    group = dist.ProcessGroup(store, rank, size)
-    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
-    return group

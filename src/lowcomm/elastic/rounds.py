@@ -68,6 +68,7 @@ class Rounds:
         self._recent: collections.deque[float] = collections.deque(maxlen=9)
         self._told = 0.0  # the step time last told to the others
         self._own = membership.store
+        self._admission = membership.admission  # hints carry a MAC under a run secret
         # one posting thread per peer store: a peer that hangs (SIGSTOP) holds up only the
         # hints to itself (one shared thread once stalled every hint behind it, and every sync
         # then waited timeout_s for arrivals that were never delivered)
@@ -109,7 +110,7 @@ class Rounds:
         self._seen.pop(step, None)
         if step == self._admitted:  # in that sync's quorum already: nothing to wait for (the
             return True  # others' hints went to their stores before this site was known)
-        if self._own.check([_key(step, "closed")]):
+        if self._has(_key(step, "closed")):
             self.late_syncs += 1
             self.stale = True
             self._post(_key(0, f"stale{self._site}"))  # the others wait for it at its next sync
@@ -136,7 +137,7 @@ class Rounds:
     def stale_arrived(self, step: int) -> bool:
         """Whether a late site has reached the sync of ``step`` (it asks back in there: the
         members offer it the run's state, as for a joiner)."""
-        return self._own.check([_key(step, "stale")])
+        return self._has(_key(step, "stale"))
 
     def expect(self, view: View, tag: str) -> None:
         """After ``tag`` stood on ``view``: whom to expect at the next sync. Its members, and a
@@ -161,11 +162,10 @@ class Rounds:
         quorum and arrives in time); until every site has told, it waits for all of them."""
         if self.grace_s > 0:
             return self.grace_s
-        keys = [_key(0, f"pace{s}") for s in self._stores or [self._site]]
-        if not self._own.check(keys):
+        paces = self._values([_key(0, f"pace{s}") for s in self._stores or [self._site]])
+        if None in paces:
             return self.membership.elastic.timeout_s
-        slowest = max(float(v) for v in self._own.multi_get(keys))
-        return 3 * slowest + _AUTO_MARGIN_S
+        return 3 * max(float(v or 0) for v in paces) + _AUTO_MARGIN_S
 
     # -- inside ----------------------------------------------------------------------------------
     def _wait(self, step: int) -> None:
@@ -183,11 +183,11 @@ class Rounds:
                 self._post(_key(step, f"waiting{self._site}"))
             live = [s for s, a in self._stores.items() if a not in self._dead] or [self._site]
             expected = [_key(step, f"at{s}") for s in live]
-            if self._own.check(expected) or self._own.check([_key(step, "closed")]):
+            if self._has(*expected) or self._has(_key(step, "closed")):
                 return
             # a site that missed a sync is waited for at its next one (else a site whose step
             # is longer than the grace window would never get back in)
-            if self._count(step) >= min(self.quorum, len(live)) and self._own.check(returning):
+            if self._count(step) >= min(self.quorum, len(live)) and self._has(*returning):
                 quorum_at = quorum_at or time.monotonic()
                 if time.monotonic() - quorum_at >= self.grace():
                     self._post(_key(step, "closed"))
@@ -202,12 +202,30 @@ class Rounds:
             for s, a in self._stores.items()
             if s != self._site and a not in self._dead
         }
-        told = [s for s, k in keys.items() if self._own.check([k])]
-        values = self._own.multi_get([keys[s] for s in told]) if told else []
-        return [s for s, v in zip(told, values) if v == b"1"]
+        values = self._values(list(keys.values()))
+        return [s for s, v in zip(keys, values) if v == "1"]
 
     def _count(self, step: int) -> int:
-        return int(self._own.add(_key(step, "arrived"), 0))
+        """How many sites have arrived at the sync of ``step``: a counter in this site's store,
+        or with a run secret, the sites whose own arrival hint carries a valid MAC (a bare
+        counter cannot carry one: a forged add would cut every round short)."""
+        if not self._admission.keyed:
+            return int(self._own.add(_key(step, "arrived"), 0))
+        sites = sorted({*self._stores, self._site})
+        return sum(v is not None for v in self._values([_key(step, f"at{s}") for s in sites]))
+
+    def _has(self, *keys: str) -> bool:
+        """Whether every hint of ``keys`` is in this site's own store (with a valid MAC)."""
+        if not self._own.check(list(keys)):  # one round trip, as often as every 2 ms
+            return False
+        return not self._admission.keyed or None not in self._values(list(keys))
+
+    def _values(self, keys: list[str]) -> list[str | None]:
+        """The hints of ``keys`` in this site's own store: None for one absent (or forged)."""
+        whole = bool(keys) and self._own.check(keys)  # the common case: one round trip
+        present = keys if whole else [k for k in keys if self._own.check([k])]
+        raws = dict(zip(present, self._own.multi_get(present))) if present else {}
+        return [self._admission.read_hint(k, raws[k]) if k in raws else None for k in keys]
 
     def _post(self, key: str, value: str = "1") -> None:
         """Add this hint to this site's store now and to every expected site's store from that
@@ -242,12 +260,11 @@ class Rounds:
                 self._dead.add(address)
                 log.debug("site %d: hint %s to %s failed: %s", self._site, key, address, err)
 
-    @staticmethod
-    def _write(store: Any, key: str, value: str) -> None:
+    def _write(self, store: Any, key: str, value: str) -> None:
         if key.endswith("/arrived"):
             store.add(key, 1)
         else:
-            store.set(key, value.encode())
+            store.set(key, self._admission.hint(key, value).encode())
 
     @property
     def _site(self) -> int:

@@ -17,7 +17,8 @@ from ..transport import ByteMeter, Transport
 from . import heal
 from .decide import View, attempt_of, blamed, committed, step_of
 from .faults import die_if_armed
-from .membership import Membership, Retry, Unreachable
+from .groups import Unreachable
+from .membership import Membership, Retry
 from .rounds import Rounds
 
 log = logging.getLogger("lowcomm")
@@ -38,6 +39,8 @@ class Runner:
         self.meter, self.buffer_meter, self.delay_s = meter, buffer_meter, delay_s
         self.members: list[int] | None = None  # who took part in the last sync that stood
         self.events: list[dict] = []  # membership changes: step tag, who left, seconds lost
+        self.settled: tuple[str, View] | None = None  # the last sync that stood, its view
+        self.current: View | None = None  # the view of the attempt running now
         self._transports: tuple[tuple[int, int, int, str], Transport, Transport] | None = None
         self._failed_at: float | None = None
         self._started = 0.0
@@ -159,6 +162,7 @@ class Runner:
     def _attempt(self, view: View, tag: str, collectives: Collectives[T]) -> T:
         """One attempt on ``view``'s group (no reference to it outlives a failure: see _drop)."""
         transports = self._on(view)
+        self.current = view  # whose contributions this attempt's collectives carry
         # the bound for this attempt's collectives (a group lives on while its members do)
         self.membership.group(view, self.membership.generation).set_timeout(
             timedelta(seconds=self.deadline(view))
@@ -178,7 +182,8 @@ class Runner:
         with every member; its first ``run`` is then sync ``tag`` on this same view."""
         transport = self._on(view)[0]
         joiners = [view.rank_of(s) for s in view.joiners]
-        state, got, _, _ = heal.hand_over(transport, joiners, view.healer, None)
+        seal = self._heal_seal(view, tag)
+        state, got, _, _ = heal.hand_over(transport, joiners, view.healer, None, seal=seal)
         loaded = load(state)
         self.events, self.members = list(got["events"]), list(got["members"])
         self._last_tag, self._last_step = got["last"]
@@ -205,10 +210,18 @@ class Runner:
         record = {"events": self.events, "members": self.members,
                   "last": [self._last_tag, self._last_step]}  # fmt: skip
         joiners = [view.rank_of(s) for s in view.joiners]
-        _, _, size, sources = heal.hand_over(transport, joiners, view.healer, state, record)
+        seal = self._heal_seal(view, tag)
+        _, _, size, sources = heal.hand_over(transport, joiners, view.healer, state, record, seal)
         if not heal.agree(transport, state):
             raise RuntimeError(heal.mismatch(tag))  # this attempt fails; retried without it
         self._heal = (time.perf_counter() - t0, size, sources)
+
+    def _heal_seal(self, view: View, tag: str) -> Callable[[bytes], bytes]:
+        """The MAC of a heal's digests at ``tag``, bound to the attempt and the healer."""
+        admission, gen = self.membership.admission, self.membership.generation
+        healer = view.members[view.healer]
+        return lambda digests: bytes.fromhex(admission.mac("heal", tag, gen, healer,
+                                                           digests.hex()))  # fmt: skip
 
     def _drop(self) -> None:
         """Close this attempt's group: its connections close with it, so a peer still waiting
@@ -276,6 +289,7 @@ class Runner:
             self.rounds.expect(view, tag)
             self.rounds.back()
         self.members = list(view.members)
+        self.settled = (tag, view)
         self._failed_at = None
         self._last_tag = tag
         _, _, step = tag.partition("@")

@@ -12,7 +12,7 @@ import torch.nn as nn
 from .. import _buffers
 from ..aggregate import Reduced
 from ..outer import OuterOptimizer
-from .check import UpdateCheck
+from .check import Offenders, UpdateCheck
 from .exchange import Event
 from .fragment import Fragment
 from .guards import NonFiniteGuard, restart
@@ -39,6 +39,7 @@ class Apply:
         times: SyncTimes,
         compensation: Any = None,
         check: UpdateCheck | None = None,
+        offenders: Offenders | None = None,
     ) -> None:
         self.model, self.inner_optimizer, self.frags = model, inner_optimizer, frags
         self.outer, self.merge, self.inflight = outer, merge, inflight
@@ -48,6 +49,7 @@ class Apply:
         self.guard, self.placement, self.times = guard, placement, times
         self.compensation = compensation
         self.check = check  # check before apply (update_bound=): None or off, every update
+        self.offenders = offenders  # sites whose contributions stand out, sync after sync
 
     def results(
         self, sends: list[int], results: dict[int, Result], workers: int, step: int
@@ -92,6 +94,8 @@ class Apply:
         frag = self.frags[p]
         if not final:
             self.guard.track(p, event, workers, step)
+            if self.offenders is not None:
+                self.offenders.observe(reduced, step)
         self.restore_unapplied(frag, reduced)
         with self.times.stage("outer"):
             if reduced.valid_workers > 0 and self._passes(p, reduced, step):

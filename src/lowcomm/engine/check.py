@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+from typing import Any
 
 import torch
 
@@ -62,3 +63,57 @@ class UpdateCheck:
         saved = saved or {}
         self.norms = {int(p): [float(x) for x in v] for p, v in saved.get("norms", {}).items()}
         self.skipped = int(saved.get("skipped", 0))
+
+
+OFFENDER_RATIO = 4.0  # a contribution above this many times the sync's median norm offends
+
+
+class Offenders:
+    """Sites whose contribution offends (not finite, or above ``OFFENDER_RATIO`` times the
+    median norm of the sync's contributions) in ``syncs`` syncs in a row among the same sites
+    (fragment syncs, for Streaming DiLoCo): each is named once per streak (a warning,
+    ``stats.extra["offenders"]``) and, with ``evict``, excluded from an elastic run.
+
+    Every site sees the same contributions of a sync that stood (the gather exchange) and
+    computes their norms alike, so all count alike; the counts start again whenever the sites
+    change and when this site missed a sync (quorum rounds: it sat out one the others
+    counted), and a joiner, healed, starts with none while the others start again."""
+
+    def __init__(self, syncs: int, evict: bool, stats: Any, runner: Any = None) -> None:
+        self.syncs, self.evict, self.stats, self.runner = syncs, evict, stats, runner
+        self.counts: dict[int, int] = {}
+        self._among: tuple[tuple[int, ...], int] = ((), 0)
+
+    def observe(self, reduced: Any, step: int) -> list[int]:
+        """After a fragment's sync at ``step`` (``reduced.norms``: each sender's squared norm,
+        by site): the sites named by it (their streak reached ``syncs`` now)."""
+        if self.syncs <= 0 or reduced.norms is None or len(reduced.norms) < 3:
+            return []  # (two sites cannot tell which of them stands out)
+        norms = {site: math.sqrt(v) for site, v in reduced.norms.items()}
+        rounds = getattr(self.runner, "rounds", None)
+        among = (tuple(sorted(norms)), rounds.late_syncs if rounds is not None else 0)
+        if among != self._among:
+            self.counts, self._among = {}, among
+        finite = [v for v in norms.values() if math.isfinite(v)]
+        median = statistics.median(finite) if finite else 0.0
+        named = []
+        for site, norm in sorted(norms.items()):
+            offends = not math.isfinite(norm) or norm > OFFENDER_RATIO * median
+            self.counts[site] = self.counts.get(site, 0) + 1 if offends else 0
+            if self.counts[site] == self.syncs:
+                named.append(site)
+        for site in named:
+            self._name(site, step)
+        return named
+
+    def _name(self, site: int, step: int) -> None:
+        why = (f"its contribution was not finite or above {OFFENDER_RATIO:g}x the median "
+               f"norm in {self.syncs} syncs in a row")  # fmt: skip
+        seen = self.stats.extra.setdefault("offenders", {})
+        seen[str(site)] = seen.get(str(site), 0) + 1
+        evicting = self.evict and self.runner is not None and self.runner.settled is not None
+        log.warning("step %d: site %d is named: %s%s", step, site, why,
+                    "; it is excluded (evict=true)" if evicting else "")  # fmt: skip
+        if evicting:
+            tag, view = self.runner.settled
+            self.runner.membership.exclude({site: why}, tag, view)

@@ -54,10 +54,17 @@ def _joined(out: list[Reduced]) -> Reduced:
     """One fragment's buckets' results as one (the unapplied parts, per tensor, in order)."""
     unapplied = [u for r in out for u in r.unapplied or []]
     held = any(r.unapplied is not None for r in out)
+    norms: dict[int, float] | None = None
+    if all(r.norms is not None for r in out):  # tracked: each sender's over every bucket
+        norms = {}
+        for r in out:
+            for w, v in (r.norms or {}).items():
+                norms[w] = norms.get(w, 0.0) + v
     return Reduced(
         torch.cat([r.mean for r in out]),
         min(r.valid_workers for r in out),
         unapplied if held else None,
+        norms,
     )
 
 
@@ -154,7 +161,7 @@ class Exchange:
             w = self.weights(gathered, p) if self.weighted else None
             out = [aggregator.exchange(e, transport, w) for e in parts]
             exchanging += time.perf_counter() - t1
-            reduced[p] = out[0] if len(out) == 1 else _joined(out)
+            reduced[p] = self._by_site(out[0] if len(out) == 1 else _joined(out))
             self.events.append(("completed", p, time.perf_counter()))
         self.stats.peak_bytes_per_sync = max(
             self.stats.peak_bytes_per_sync, transport.meter.sent_bytes - sent0
@@ -170,6 +177,14 @@ class Exchange:
         times.collective += elapsed - decoding
         times.exchange += elapsed
         return event
+
+    def _by_site(self, reduced: Reduced) -> Reduced:
+        """``reduced`` with its senders' norms keyed by site, not group rank (a result may be
+        applied after the members changed: overlap)."""
+        if reduced.norms is None or self.runner is None or self.runner.current is None:
+            return reduced
+        members = self.runner.current.members
+        return dataclasses.replace(reduced, norms={members[r]: v for r, v in reduced.norms.items()})
 
     def weights(self, flags: torch.Tensor, p: int) -> list[float] | None:
         """Each worker's weight in fragment ``p``'s mean (0 when it sent none or a non-finite

@@ -21,7 +21,7 @@ from ..elastic import Elastic, View
 from ..transport import Transport
 from .apply import Apply
 from .build import build_fragments, register_optimizer_state
-from .check import UpdateCheck
+from .check import Offenders, UpdateCheck
 from .encode import Encoder
 from .exchange import Exchange
 from .fragment import Fragment, register_fragment_state
@@ -129,7 +129,10 @@ def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None
         engine.model, engine.inner_optimizer, frags, engine.outer, engine._merge,
         engine.schedule.is_round_overlap(), inflight, nonfinite, placement, engine.sync_times,
         compensation, UpdateCheck(cfg.update_bound, state),
+        Offenders(cfg.offender_syncs, cfg.evict, engine.stats, runner),
     )  # fmt: skip
+    # offenders are told apart by their contributions' norms: a robust rule's gather gives them
+    aggregator.track = cfg.offender_syncs > 0 and not aggregator.rule.sum_decomposable
     leave = Leave(
         engine.model, frags, placement, transport, exchange, inflight, engine.outer,
         engine.events, 0 if engine._merge.needs_snapshot else engine.schedule.overlap,

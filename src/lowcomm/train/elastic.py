@@ -73,6 +73,9 @@ def check_elastic(spec: RunSpec, workers: int) -> None:
             raise ConfigError("--faults lighthouse: only an elastic run has one: add elastic=true")
         if links(faults):
             raise ConfigError("--faults link: cuts an elastic site's data plane: add elastic=true")
+        if spec.sync.evict:
+            raise ConfigError("evict=true excludes named sites from an elastic run: add "
+                              "elastic=true (a fixed world only names them)")  # fmt: skip
         return
     if links(faults) or cfg.site_link:
         _check_links(spec)

@@ -54,6 +54,27 @@ def _entry(spec: RunSpec) -> Any:
 _error_file, _user_errors = error_file, user_errors  # the names tests and callers know
 
 
+def _check_faults(spec: RunSpec, workers: int) -> None:
+    """The faults read (a typo said now, not by every worker), and the attacks forged from
+    the others' payloads only where every site receives them (the gather exchange)."""
+    from ..elastic.faults import parse_faults
+    from ..elastic.forge import PAYLOAD_ATTACKS
+
+    faults = parse_faults(spec.train.faults, workers, spec.train.steps)
+    forged = sorted({f.kind for f in faults if f.kind in PAYLOAD_ATTACKS})
+    if "alie" in forged and spec.train.elastic:
+        raise ConfigError(
+            "--faults alie: its colluders tell their own rows apart by group rank, which is a "
+            "site's number only in a fixed world: drop elastic=true for this attack"
+        )
+    if forged and spec.sync.resolved_reduce != "gather":
+        raise ConfigError(
+            f"--faults {'/'.join(forged)} forges a site's sends from the others' last ones, "
+            f"which only reduce=gather hands every site (this run: "
+            f"{spec.sync.resolved_reduce}): add reduce=gather"
+        )
+
+
 def preflight(spec: RunSpec, workers: int) -> list[str]:
     """Check device, model, fragment schedule and data before any worker starts.
 
@@ -71,6 +92,7 @@ def preflight(spec: RunSpec, workers: int) -> list[str]:
         raise ConfigError(f"device={cfg.device!r}: choose auto, cpu, cuda or cuda:N")
     check_log_backend(cfg.log)
     spec.strategy.check_sites(cfg)
+    _check_faults(spec, workers)
     warnings = []
     vocab = 256
     if cfg.data.startswith("hf:") and importlib.util.find_spec("datasets") is None:

@@ -1,0 +1,67 @@
+"""The attacks that need what the other sites sent (``copy:SITE``, ``alie:SITE``), acted out on
+the gather exchange's payload: on gather every site receives every contribution, so a bad site
+holds the last round's and can forge its next from them.
+
+- ``copy`` (a free-rider): it sends, as its own, the last payload of the first other site that
+  sent a valid one, byte for byte; it trains, but its work never reaches the others.
+- ``alie`` ("a little is enough", Baruch et al., 2019): the colluding bad sites all send
+  ``mean - z * std`` of the honest sites' contributions of the last round, coordinate by
+  coordinate, with ``z`` the largest that keeps the forged value inside the spread a majority
+  can hide in: with n sites and m bad, s = floor(n/2 + 1) - m and z = Phi^-1((n - s) / n).
+  The standard omniscient attacker: it is assumed to see the honest contributions (here it
+  does, one round late) and to know who its fellows are.
+
+In a fixed world a site's group rank is its number, which is how the colluders tell their own
+rows from the honest ones; the first round, with nothing seen yet, every bad site sends honestly.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import torch
+
+from . import faults
+
+PAYLOAD_ATTACKS = ("copy", "alie")
+_seen: dict[tuple[torch.Size, ...], list[torch.Tensor]] = {}  # shapes -> last round's payloads
+
+
+def forging() -> bool:
+    """Whether this process acts out a ``copy`` or ``alie`` attack."""
+    return bool(faults._attacking) and faults._attacking[0].kind in PAYLOAD_ATTACKS
+
+
+def forge(payload: torch.Tensor, shapes: list[torch.Size], rank: int, agg: Any) -> torch.Tensor:
+    """The payload a bad site sends in place of its own ``payload`` (``rank``: its group rank;
+    ``agg``: the gather aggregator, which decodes and encodes for it)."""
+    last = _seen.get(tuple(shapes))
+    if last is None or not int(payload[-1]):  # nothing seen yet, or nothing to contribute
+        return payload
+    valid = [r for r, p in enumerate(last) if int(p[-1]) == 1]
+    if faults._attacking[0].kind == "copy":
+        victim = next((r for r in valid if r != rank), None)
+        return payload if victim is None else last[victim].clone()
+    bad = set(faults._colluders)
+    honest = [r for r in valid if r not in bad]
+    if not honest:
+        return payload
+    n = sum(s.numel() for s in shapes)
+    rows = torch.stack([agg._decode_flat(last[r][:-1], shapes, n) for r in honest])
+    spread = rows.std(dim=0) if len(honest) > 1 else torch.zeros_like(rows[0])
+    forged = rows.mean(dim=0) - alie_z(len(last), len(bad)) * spread
+    pieces = list(torch.split(forged, [s.numel() for s in shapes]))
+    return agg.encode([p.reshape(s) for p, s in zip(pieces, shapes)]).payload
+
+
+def seen(shapes: list[torch.Size], gathered: list[torch.Tensor]) -> None:
+    """What every site sent this round (kept for the next by a site that forges)."""
+    _seen[tuple(shapes)] = [p.clone() for p in gathered]
+
+
+def alie_z(n: int, m: int) -> float:
+    """Baruch et al.'s z for ``m`` colluders among ``n`` sites (0 when they cannot hide)."""
+    s = n // 2 + 1 - m
+    q = (n - s) / n
+    return statistics.NormalDist().inv_cdf(q) if 0 < q < 1 else 0.0

@@ -1,0 +1,256 @@
+"""Admission by secret: only sites holding the run's secret take part; forged requests, round
+hints and heals change nothing (unit checks, then real processes on a lighthouse)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from lowcomm.elastic.admission import Admission, read_secret, run_key
+from lowcomm.errors import ConfigError, MembershipError
+
+HERE = Path(__file__).parent
+
+
+def _request(site: int, **more) -> dict:
+    return {"site": site, "tag": "sync@10", "phase": "sync", "gen": 0, "run": "r", "inc": "a",
+            "join": False, "join_from": 0, "lh": 0, **more}  # fmt: skip
+
+
+def test_the_run_key_is_hkdf_of_the_secret_with_the_run_id():
+    """RFC 5869's HKDF-SHA256 computed apart (extract, then one block of expand)."""
+    import hashlib
+    import hmac
+
+    prk = hmac.new(b"lowcomm run key v1", b"s3cret", hashlib.sha256).digest()
+    want = hmac.new(prk, b"run-a\x01", hashlib.sha256).digest()
+    assert run_key(b"s3cret", "run-a") == want
+    assert run_key(b"s3cret", "run-b") != want and run_key(b"other", "run-a") != want
+
+
+def test_a_request_sealed_under_the_secret_passes_and_every_altered_field_fails():
+    a = Admission(0, "r", b"s3cret")
+    sealed = a.seal(_request(1))
+    assert a.screen([sealed], entering="") == [sealed]
+    for field, value in [("tag", "sync@20"), ("phase", "commit"), ("gen", 1), ("site", 2),
+                         ("inc", "b"), ("lh", 1), ("ok", False), ("run", "other")]:  # fmt: skip
+        assert a.screen([{**sealed, field: value}], entering="") == [], field
+    assert a.ignored == 8
+    other_run = Admission(0, "other", b"s3cret").seal(_request(1))
+    other_secret = Admission(0, "r", b"nope").seal(_request(1))
+    assert a.screen([other_run, other_secret, _request(1)], entering="") == []
+
+
+def test_without_a_secret_a_site_reads_only_unsealed_requests():
+    plain = Admission(0, "r", None)
+    sealed = Admission(1, "r", b"s3cret").seal(_request(1))
+    assert plain.seal(_request(0)) == _request(0)
+    assert plain.screen([_request(1), sealed], entering="") == [_request(1)]
+
+
+@pytest.mark.parametrize(
+    "secret, others, says",
+    [
+        (b"s3cret", b"other", "carry no valid MAC under this site's secret"),
+        (None, b"s3cret", "hold a run secret and this one has none"),
+        (b"s3cret", None, "hold no run secret and this one does"),
+    ],
+)
+def test_an_entering_site_whose_secret_differs_from_the_run_stops_with_one_line(
+    secret, others, says
+):
+    me = Admission(3, "r", secret)
+    run = [Admission(s, "r", others).seal(_request(s)) for s in (0, 1)]
+    mine = me.seal(_request(3, join=True))
+    with pytest.raises(MembershipError, match=says):
+        me.screen([*run, mine], entering="join")
+    # a member reads the same requests and goes on without the stranger
+    member = Admission(0, "r", others)
+    assert member.screen([*run, mine], entering="") == run
+    # alone (the others between syncs), the entering site waits instead
+    assert me.screen([mine], entering="join") == [mine]
+
+
+def test_a_starting_site_stops_only_when_most_of_its_runs_requests_fail():
+    """At the start nobody is a member yet: a stranger alone with a good site proves nothing,
+    two good sites outvote one stranger, and another run's requests on the lighthouse (one
+    lighthouse may serve several runs) count for nothing."""
+    good = [Admission(s, "r", b"s3cret").seal(_request(s, tag="start")) for s in (0, 1)]
+    stranger = Admission(2, "r", b"other").seal(_request(2, tag="start"))
+    others = [Admission(s, "q", None).seal(_request(s, tag="start", run="q")) for s in (5, 6)]
+    me = Admission(0, "r", b"s3cret", sites=3)
+    assert me.screen([good[0], stranger, *others], entering="start") == [good[0]]
+    assert me.screen([*good, stranger], entering="start") == good
+    with pytest.raises(MembershipError, match="no valid MAC under this site's secret"):
+        Admission(2, "r", b"other", sites=3).screen([*good, stranger], entering="start")
+
+
+def test_hints_carry_a_mac_bound_to_their_key_and_a_forged_one_reads_as_absent():
+    a = Admission(0, "r", b"s3cret")
+    stored = a.hint("lowcomm-rounds/5/at1", "1").encode()
+    assert a.read_hint("lowcomm-rounds/5/at1", stored) == "1"
+    assert a.read_hint("lowcomm-rounds/10/at1", stored) is None  # replayed at another sync
+    assert a.read_hint("lowcomm-rounds/5/closed", b"1") is None  # written bare
+    assert Admission(0, "r", None).read_hint("k", b"1") == "1"
+
+
+def test_the_secret_comes_from_a_file_or_the_environment_and_bad_ones_say_so(tmp_path, monkeypatch):
+    monkeypatch.delenv("LOWCOMM_SECRET", raising=False)
+    assert read_secret("") is None
+    monkeypatch.setenv("LOWCOMM_SECRET", "from-env")
+    assert read_secret("") == b"from-env"
+    (tmp_path / "s").write_text("from-file\n")
+    assert read_secret(str(tmp_path / "s")) == b"from-file"
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match="is empty"):
+        read_secret(str(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match="cannot read it"):
+        read_secret(str(tmp_path / "missing"))
+
+
+def test_train_refuses_a_secret_file_without_elastic_and_an_unreadable_one(tmp_path):
+    from lowcomm.config import TrainConfig
+    from lowcomm.config.checks import validate_train
+
+    with pytest.raises(ConfigError, match="add elastic=true"):
+        validate_train(TrainConfig(secret_file=str(tmp_path / "s")))
+    with pytest.raises(ConfigError, match="cannot read it"):
+        validate_train(TrainConfig(elastic=True, secret_file=str(tmp_path / "missing")))
+
+
+# -- real processes -------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _lighthouse(join_s: float = 20.0) -> Iterator[str]:
+    """A lighthouse for one test: lock-step's (it waits for every live site) or, with a short
+    ``join_s``, quorum rounds'."""
+    pytest.importorskip("torchft")
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=int(join_s * 1000), quorum_tick_ms=20,
+        heartbeat_timeout_ms=1_000,
+    )  # fmt: skip
+    try:
+        yield server.address()
+    finally:
+        server.shutdown()
+
+
+def test_a_site_with_the_secret_heals_and_sites_without_it_or_with_another_are_refused(
+    tmp_path, monkeypatch
+):
+    """Sites 0-2 hold the run's secret (a file); site 2 is killed and comes back with it, while
+    two strangers ask to join: one with another secret (the environment), one with none. Each
+    stranger stops with one line, the members name them, the restarted site heals bit-exactly,
+    and the run ends as the plain-torch reference of a kill and a join."""
+    from test_elastic import CASES, J_FROM, J_KILL, _site_process, left_at, reference_elastic
+
+    import lowcomm
+    from lowcomm.presets import preset_config
+
+    secret = tmp_path / "secret"
+    secret.write_text("the run's secret\n")
+    monkeypatch.delenv("LOWCOMM_SECRET", raising=False)
+    preset, kw, _ = CASES["diloco"]
+    with _lighthouse() as lh:
+        procs = [_site_process(tmp_path, lh, preset, kw, i, kill_at=J_KILL if i == 2 else None,
+                               secret_file=str(secret)) for i in range(3)]  # fmt: skip
+        back = _site_process(tmp_path, lh, preset, kw, 2, join_from=J_FROM,
+                             after_pid=procs[2].pid, secret_file=str(secret))  # fmt: skip
+        monkeypatch.setenv("LOWCOMM_SECRET", "another secret")
+        # (sites=5: a data shard of their own for the strangers' numbers)
+        wrong = _site_process(tmp_path, lh, preset, kw, 3, join_from=J_FROM, sites=5)
+        monkeypatch.delenv("LOWCOMM_SECRET")
+        none = _site_process(tmp_path, lh, preset, kw, 4, join_from=J_FROM, sites=5)
+        everyone = [*procs, back, wrong, none]
+        outs = [p.communicate(timeout=180) for p in everyone]
+    codes = [p.returncode for p in everyone]
+    assert codes == [0, 0, -9, 0, 1, 1], [o[1][-1500:] for o in outs]
+    assert "no valid MAC under this site's secret" in outs[4][1].strip().splitlines()[-1]
+    assert "this one has none" in outs[5][1].strip().splitlines()[-1]
+    for site in (3, 4):
+        assert f"a quorum request from site {site} without a valid MAC" in outs[0][1]
+    a, b, c = (torch.load(tmp_path / f"site{i}.pt", weights_only=True) for i in range(3))
+    assert torch.equal(a["global"], b["global"]) and torch.equal(a["global"], c["global"])
+    assert a["shared"] == b["shared"] == c["shared"] and a["members"] == [0, 1, 2]
+    gone, joined = a["events"]
+    assert joined["joined"] == [2] and joined["heal_bytes"] > 0
+    cfg = preset_config(lowcomm.DiLoCo.strategy, **kw)
+    at = int(joined["at"].partition("@")[2])
+    glob, _ = reference_elastic(cfg, 50, left_at([gone]), joined={2: at})
+    torch.testing.assert_close(a["global"], glob, atol=1e-4, rtol=0)
+
+
+def _forge(out: Path, steps: int, sites: int) -> None:
+    """Into every site's store, before any sync: every site arrived at every sync (each one's
+    own hint, and the counter), and in site 2's store its sync at step 10 closed; what any
+    process that reaches the stores (they take every TCP client) could write."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    while not all((out / f"store{i}").exists() for i in range(sites)):
+        time.sleep(0.01)
+    for i in range(sites):
+        host, port = (out / f"store{i}").read_text().rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+        for step in range(1, steps + 1):
+            store.add(f"lowcomm-rounds/{step}/arrived", sites)
+            for s in range(sites):
+                store.set(f"lowcomm-rounds/{step}/at{s}", b"1")
+        if i == 2:
+            store.set("lowcomm-rounds/10/closed", b"1")
+    (out / "go").write_text("")
+
+
+def _rounds_run(out: Path, lighthouse: str, forge: bool, env: dict) -> list[dict]:
+    out.mkdir()
+    # equal sites all within the grace window: each does its full rounds
+    rounds = {"rounds": "quorum", "quorum": 2, "grace": 2}
+    procs = []
+    for i in range(3):
+        args = dict(index=i, sites=3, lighthouse=lighthouse, out=str(out), preset="DiLoCo",
+                    kw={"sync_every": 5, "outer_optimizer": "sgd", "outer_lr": 0.7}, steps=20,
+                    rounds=rounds, step_s=0.02, hold=True)  # fmt: skip
+        procs.append(subprocess.Popen(
+            [sys.executable, str(HERE / "rounds_site.py"), json.dumps(args)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE,
+            env={**os.environ, **env},
+        ))  # fmt: skip
+    if forge:
+        _forge(out, 20, 3)
+    else:
+        while not all((out / f"store{i}").exists() for i in range(3)):
+            time.sleep(0.01)
+        (out / "go").write_text("")
+    errs = [p.communicate(timeout=240)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [e[-2000:] for e in errs]
+    return [torch.load(out / f"site{i}.pt", weights_only=False) for i in range(3)]
+
+
+def test_forged_round_hints_make_a_site_late_without_a_secret_and_change_nothing_with_one(
+    tmp_path,
+):
+    """Quorum rounds of three equal sites with hints forged into their stores: without a run
+    secret, site 2 takes its sync at step 10 for closed and skips it (late); with one, every
+    forged hint reads as absent and the run is bit for bit the run nobody forged into."""
+    from lowcomm.elastic.rounds import LIGHTHOUSE_JOIN_S
+
+    with _lighthouse(LIGHTHOUSE_JOIN_S) as lh:
+        harmed = _rounds_run(tmp_path / "open", lh, forge=True, env={"LOWCOMM_SECRET": ""})
+        keyed = {"LOWCOMM_SECRET": "the run's secret"}
+        forged = _rounds_run(tmp_path / "forged", lh, forge=True, env=keyed)
+        clean = _rounds_run(tmp_path / "clean", lh, forge=False, env=keyed)
+    assert harmed[2]["late"] >= 1  # the forgery works on an open run
+    assert all(s["cut"] == 0 and s["late"] == 0 and s["trained"] == 20 for s in forged)
+    for a, b in zip(forged, clean):
+        assert torch.equal(a["global"], b["global"]) and a["shared"] == b["shared"]
