@@ -98,7 +98,8 @@ def _cell(
     else:
         lines = (done.stderr or done.stdout).strip().splitlines()
         row["why"] = lines[-1][:200] if lines else ""
-        row["refused"] = done.returncode == 2
+        # refused by the checks (exit 2, before any step: no metrics), not stopped on the way
+        row["refused"] = done.returncode == 2 and not (out / name / "metrics.jsonl").exists()
     print(f"{name}: exit {done.returncode}, loss {row['loss']}", flush=True)
     return row
 

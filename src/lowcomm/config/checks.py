@@ -107,16 +107,7 @@ def validate_sync(cfg: Any) -> None:
         raise ConfigError(f"momentum_clip must be >= 0 (0 = off), got {cfg.momentum_clip}")
     if cfg.nonfinite_patience < 1:
         raise ConfigError(f"nonfinite_patience must be >= 1, got {cfg.nonfinite_patience}")
-    if cfg.offender_syncs < 0:
-        raise ConfigError(f"offender_syncs must be >= 0 (0 = never), got {cfg.offender_syncs}")
-    if cfg.evict and not cfg.offender_syncs:
-        raise ConfigError("evict=true excludes the sites offender_syncs names: set it >= 1")
-    if cfg.evict and cfg.resolved_aggregation in SUM_RULES:
-        raise ConfigError(
-            f"evict=true tells sites apart by their contributions, which only a robust "
-            f"aggregation sees (this run: {cfg.resolved_aggregation}): set aggregation=norm-clip "
-            f"(or median, trimmed-mean, centered-clip)"
-        )
+    _check_offenders(cfg)
     if not cfg.update_bound >= 0:
         raise ConfigError(f"update_bound must be >= 0 (0 = off), got {cfg.update_bound}")
     if cfg.replica_check_every < 0:
@@ -217,4 +208,18 @@ def validate_train(t: Any) -> None:
         raise ConfigError(
             f"powersgd_start must be >= 2 (PyTorch's PowerSGD needs two plain steps), "
             f"got {t.powersgd_start}"
+        )
+
+
+def _check_offenders(cfg: Any) -> None:
+    """offender_syncs and evict: what they need, one line each."""
+    if cfg.offender_syncs < 0:
+        raise ConfigError(f"offender_syncs must be >= 0 (0 = never), got {cfg.offender_syncs}")
+    if cfg.evict and not cfg.offender_syncs:
+        raise ConfigError("evict=true excludes the sites offender_syncs names: set it >= 1")
+    if cfg.evict and cfg.resolved_aggregation in SUM_RULES:
+        raise ConfigError(
+            f"evict=true tells sites apart by their contributions, which only a robust "
+            f"aggregation sees (this run: {cfg.resolved_aggregation}): set aggregation=norm-clip "
+            f"(or median, trimmed-mean, centered-clip)"
         )
