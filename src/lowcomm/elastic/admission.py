@@ -146,7 +146,8 @@ class Admission:
             )
         return (
             f"site {self.site} was refused by the run: the others' requests carry no valid MAC "
-            f"under this site's secret (another secret, or another run id): give it the run's"
+            f"under this site's secret (another secret, or another run id): give it the run's "
+            f"secret"
         )
 
     # -- hints of quorum rounds ------------------------------------------------------------------
