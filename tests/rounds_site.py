@@ -77,7 +77,7 @@ def site(
          "shared": heal.digest(sync.state.shared_state_dict()).hex(),
          "shared_but_flags": heal.digest(_but_flags(sync.state.shared_state_dict())).hex(),
          "events": sync.membership.events, "sends": sends, "applies": applies,
-         "stopped": stopped,
+         "stopped": stopped, "ignored": sync.membership.membership.admission.ignored,
          "shapes": [[tuple(p.shape) for p in f.params] for f in sync.fragments]},
         os.path.join(out, f"site{index}.pt"),
     )  # fmt: skip

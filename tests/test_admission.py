@@ -100,6 +100,8 @@ def test_hints_carry_a_mac_bound_to_their_key_and_a_forged_one_reads_as_absent()
     assert a.read_hint("lowcomm-rounds/5/at1", stored) == "1"
     assert a.read_hint("lowcomm-rounds/10/at1", stored) is None  # replayed at another sync
     assert a.read_hint("lowcomm-rounds/5/closed", b"1") is None  # written bare
+    assert a.read_hint("lowcomm-rounds/5/closed", b"1") is None  # polled again: counted once
+    assert a.ignored == 2
     assert Admission(0, "r", None).read_hint("k", b"1") == "1"
 
 
@@ -257,5 +259,6 @@ def test_forged_round_hints_make_a_site_late_without_a_secret_and_change_nothing
         clean = _rounds_run(tmp_path / "clean", lh, forge="", env=keyed)
     assert harmed[2]["late"] >= 1  # the forgery works on an open run
     assert all(s["cut"] == 0 and s["late"] == 0 and s["trained"] == 20 for s in forged)
+    assert all(s["ignored"] > 0 for s in forged) and all(s["ignored"] == 0 for s in clean)
     for a, b in zip(forged, clean):
         assert torch.equal(a["global"], b["global"]) and a["shared"] == b["shared"]

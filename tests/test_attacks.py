@@ -110,6 +110,10 @@ def test_copy_sends_another_sites_last_payload_byte_for_byte():
     forge.seen(shapes, rows)
     # site 0 sent nothing valid: the first other valid sender is site 2
     assert torch.equal(forge.forge(mine, shapes, 1, agg), rows[2])
+    # groups are told apart by their key: another fragment of the same shapes saw nothing yet
+    forge.seen(shapes, rows, "fragment 0 bucket 0")
+    assert torch.equal(forge.forge(mine, shapes, 1, agg, "fragment 0 bucket 0"), rows[2])
+    assert torch.equal(forge.forge(mine, shapes, 1, agg, "fragment 1 bucket 0"), mine)
 
 
 def test_alie_sends_the_honest_mean_minus_z_times_their_spread():
@@ -174,7 +178,7 @@ def _attacked_runs(rank: int, world: int, rule: str) -> dict:
 
 
 @pytest.mark.parametrize("rule", ["mean", "median", "trimmed-mean", "centered-clip",
-                                  "norm-clip"])  # fmt: skip
+                                  "norm-clip", "cosine-clip"])  # fmt: skip
 def test_each_attack_harms_the_plain_mean_and_each_robust_rule_bounds_it(workers, rule):
     """On 4 real gloo processes, site 3 acting out every attack in turn: with the plain mean a
     x1000 or strong noise moves the model many times as far as the whole clean run did, and a

@@ -14,7 +14,7 @@ from lowcomm.config import SyncConfig
 from lowcomm.config.choices import DENSE_ONLY_RULES, SUM_RULES
 from lowcomm.errors import ConfigError
 
-ROBUST = ("median", "trimmed-mean", "norm-clip", "centered-clip")
+ROBUST = ("median", "trimmed-mean", "norm-clip", "centered-clip", "cosine-clip")
 
 
 def _parts(rows: np.ndarray, codec: str = "fp32", weights=None) -> Parts:
@@ -57,8 +57,14 @@ def _np_centered_clip(x):
     return v
 
 
+def _np_cosine_clip(x):
+    x = _np_clip(x, np.median(np.linalg.norm(x, axis=1)))
+    keep = [len(x) == 1 or r @ (x.sum(axis=0) - r) > 0 for r in x]
+    return x[keep].mean(axis=0) if any(keep) else np.zeros(x.shape[1])
+
+
 REFERENCE = {"median": _np_median, "trimmed-mean": _np_trimmed, "norm-clip": _np_norm_clip,
-             "centered-clip": _np_centered_clip}  # fmt: skip
+             "centered-clip": _np_centered_clip, "cosine-clip": _np_cosine_clip}  # fmt: skip
 
 
 @pytest.mark.parametrize("rule", ROBUST)
@@ -125,6 +131,69 @@ def test_norm_clip_on_top_k_clips_each_sites_values_then_takes_the_selected_mean
     assert count.max() >= 2  # entries that several sites sent: the selected mean is exercised
 
 
+def _np_selected_mean(sent, scale, keep):
+    total, count = np.zeros(4096), np.zeros(4096)
+    for (idx, vals), s, k in zip(sent, scale, keep):
+        if k:
+            np.add.at(total, idx.numpy(), vals.numpy() * s)
+            np.add.at(count, idx.numpy(), 1)
+    return np.divide(total, count, out=np.zeros(4096), where=count > 0)
+
+
+def test_cosine_clip_on_top_k_drops_the_sites_against_the_rest_and_the_empty_ones():
+    """Sign flips on top-k: each entry has few senders, so a flipped site's values are applied
+    whole by the (clipped) selected mean; cosine-clip leaves out a site whose values point
+    against the sum of the others', and a free-rider's all-zero values, which would dilute."""
+    rng = np.random.default_rng(4)
+    honest = rng.normal(size=4096) + rng.normal(scale=0.7, size=(8, 4096))
+    x = honest.astype(np.float32)
+    x[6] *= -1.0
+    x[7] = 0.0
+    parts = _parts(x, "topk")
+    got = combine_for("cosine-clip").combine(parts, torch.empty(4096)).numpy()
+    sent = [parts.sparse(j) for j in range(8)]
+    assert not sent[7][1].any()  # the free-rider's: left out before anything else
+    sent = sent[:7]
+    norms = np.array([np.linalg.norm(v.numpy()) for _, v in sent])
+    scale = np.minimum(1.0, np.median(norms) / norms)
+    total = np.zeros(4096)  # the sum of the clipped values
+    for (idx, vals), s in zip(sent, scale):
+        np.add.at(total, idx.numpy(), vals.numpy() * s)
+    keep = [float(v.numpy() * s @ (total[i.numpy()] - v.numpy() * s)) > 0
+            for (i, v), s in zip(sent, scale)]  # fmt: skip
+    assert keep == [True] * 6 + [False]
+    np.testing.assert_allclose(got, _np_selected_mean(sent, scale, keep), rtol=2e-5, atol=1e-6)
+    # what the attack costs: the honest sites' selected mean against each rule's
+    truth = _np_selected_mean(sent[:6], scale[:6], [True] * 6)
+    clipped = combine_for("norm-clip").combine(parts, torch.empty(4096)).numpy()
+    assert np.linalg.norm(got - truth) < 0.2 * np.linalg.norm(clipped - truth)
+
+
+@pytest.mark.parametrize("rule", ["norm-clip", "cosine-clip"])
+def test_a_top_k_part_that_does_not_decode_is_dropped_by_a_robust_rule_and_stops_the_plain_one(
+    rule,
+):
+    """A NaN sent as top-k does not decode (its scale is NaN): the selected mean stops the run
+    naming the sender; a robust rule leaves that part out, the same on every receiver."""
+    from lowcomm.errors import PayloadError
+
+    x = np.random.default_rng(5).normal(size=(4, 4096)).astype(np.float32)
+    bad = x.copy()
+    bad[1] = np.nan
+    parts, without = _parts(bad, "topk"), _parts(np.delete(x, 1, axis=0), "topk")
+    got = combine_for(rule).combine(parts, torch.empty(4096)).numpy()
+    np.testing.assert_array_equal(got, _combine(rule, without))
+    with pytest.raises(PayloadError, match="non-finite"):
+        _combine("selected-mean", parts)
+    # a free-rider's all-zero part says nothing: left out too, where the selected mean counts it
+    empty = np.vstack([x, np.zeros((1, 4096), np.float32)])
+    np.testing.assert_array_equal(
+        _combine(rule, _parts(empty, "topk")), _combine(rule, _parts(x, "topk"))
+    )
+    assert not np.array_equal(_combine("selected-mean", _parts(empty, "topk")),
+                              _combine("selected-mean", _parts(x, "topk")))  # fmt: skip
+
+
 @pytest.mark.parametrize("rule", DENSE_ONLY_RULES)
 def test_a_rule_that_defends_nothing_on_top_k_is_refused_with_one_line(rule):
     with pytest.raises(ConfigError, match="use aggregation=norm-clip") as info:
@@ -165,3 +234,27 @@ def test_a_self_reported_step_count_is_clamped_to_zero_and_twice_the_sync_period
     assert exchange.weights(torch.stack(rows), 0) == [10.0, 20.0, 0.0, 7.0]
     exchange.most_steps = 0  # no bound given: the counts as said (a negative one is none)
     assert exchange.weights(torch.stack(rows), 0) == [10.0, 1e6, 0.0, 7.0]
+
+
+def test_a_sender_the_rule_leaves_out_reads_as_offending_and_is_named_in_three_syncs():
+    """cosine-clip leaves a sign-flipped top-k contribution out with no norm out of line: the
+    gather reports that sender's norm as not finite (left out of most of what it sent), which
+    the offender count takes as offending, so the flipper is named as a x1000 sender is."""
+    from types import SimpleNamespace
+
+    from lowcomm.engine.check import Offenders
+
+    agg = aggregator_for("gather", make_codec("topk"), 5, aggregation="cosine-clip")
+    agg.track = True
+    rng = np.random.default_rng(6)
+    honest = rng.normal(size=4096) + rng.normal(scale=0.7, size=(5, 4096))
+    xs = [torch.from_numpy(r.astype(np.float32)) for r in honest]
+    xs[3] = -xs[3]
+    payloads = [agg.encode([x]).payload for x in xs]
+    red = agg._sum_gathered(payloads, [torch.Size([4096])], 4096)
+    assert red.norms is not None and np.isinf(red.norms[3])
+    assert all(np.isfinite(red.norms[w]) for w in (0, 1, 2, 4))
+    stats = SimpleNamespace(extra={})
+    offenders = Offenders(3, evict=False, stats=stats)
+    assert [offenders.observe(red, step) for step in (10, 20, 30)] == [[], [], [3]]
+    assert stats.extra["offenders"] == {"3": 1}

@@ -54,7 +54,8 @@ class Reduced:
     # None unweighted (all of it was applied) or when this worker sent nothing
     unapplied: Unapplied | None = None
     # tracked (a robust rule on gather, offender_syncs > 0): each sender's (group rank) squared
-    # contribution norm, inf where it was not finite; None when not tracked
+    # contribution norm, inf where it was not finite or the rule left most of it out (not
+    # readable, empty, or against the others); None when not tracked
     norms: dict[int, float] | None = None
 
 

@@ -63,10 +63,10 @@ class GatherAggregator(Aggregator):
         :meth:`Aggregator.exchange`)."""
         payload = enc.payload
         if forging():  # a copy or alie attack on this site: forged from the last round's
-            payload = forge(payload, enc.shapes, transport.rank, self)
+            payload = forge(payload, enc.shapes, transport.rank, self, enc.key)
         gathered = self._timed(transport.all_gather, payload)
         if forging():
-            seen(enc.shapes, gathered)
+            seen(enc.shapes, gathered, enc.key)
         me = transport.rank if enc.keep_unapplied else None
         return self._sum_gathered(gathered, enc.shapes, enc.numel, weights, enc.out, me)
 
@@ -104,6 +104,7 @@ class GatherAggregator(Aggregator):
             if self.track
             else {}
         )
+        left: dict[int, int] = {}  # tracked: each sender's elements the rule left out
         offset_b = offset_e = 0
         for i, shape in enumerate(shapes):
             nb, n = self.codec.nbytes(shape), numel(shape)
@@ -118,10 +119,15 @@ class GatherAggregator(Aggregator):
                 unapplied.append(self.rule.unapplied(parts, mine))
             if self.track:
                 for j, w in enumerate(senders):
-                    sq[w] += parts[j].double().square().sum()
+                    sq[w] += _squared_norm(parts, j)
+                for j in getattr(self.rule, "excluded", []):
+                    left[senders[j]] = left.get(senders[j], 0) + n
             offset_b += nb
             offset_e += n
         norms = {w: _inf_if_nan(float(v)) for w, v in sq.items()} if self.track else None
+        for w, count in left.items():  # left out of most of what it sent: it offends
+            if norms is not None and 2 * count > total_numel:
+                norms[w] = float("inf")
         return Reduced(total, len(senders), unapplied, norms)
 
     def _decode_flat(
@@ -151,6 +157,16 @@ class GatherAggregator(Aggregator):
                 f"payload from worker {sender} has {payload.numel()} bytes, expected {want}",
                 sender,
             )
+
+
+def _squared_norm(parts: Parts, j: int) -> torch.Tensor:
+    """Part ``j``'s squared norm (FP64; a sparse codec's from the values it sent); inf for a
+    part that does not decode (a robust rule dropped it)."""
+    try:
+        x = parts.sparse(j)[1] if hasattr(parts.codec, "decode_sparse") else parts[j]
+    except PayloadError:
+        return torch.tensor(float("inf"), dtype=torch.float64)
+    return x.double().square().sum()
 
 
 def _inf_if_nan(value: float) -> float:

@@ -30,7 +30,7 @@ TRAIN = [sys.executable, "-m", "lowcomm.cli", "train"]
 ATTACKS = {"none": "", "signflip": "signflip:{s}", "scale": "scale:{s}x1000",
            "noise": "noise:{s}x2", "zero": "zero:{s}", "nan": "nan:{s}", "copy": "copy:{s}",
            "alie": "alie:{s}"}  # fmt: skip
-RULES = ("auto", "norm-clip", "trimmed-mean", "median", "centered-clip")
+RULES = ("auto", "norm-clip", "cosine-clip", "trimmed-mean", "median", "centered-clip")
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

@@ -100,8 +100,9 @@ class SyncConfig:
         "selected-mean (top-k: each entry averaged over the workers that sent it, as the "
         "SparseLoCo authors' code does; measured better), auto (selected-mean for "
         "codec=topk, mean otherwise), or a robust rule against bad sites (reduce=gather): "
-        "norm-clip (each clipped to the median norm; top-k too), median, trimmed-mean, "
-        "centered-clip (dense codecs).",
+        "norm-clip (each clipped to the median norm; top-k too), cosine-clip (norm-clip "
+        "that also drops a contribution against the others; top-k too), median, "
+        "trimmed-mean, centered-clip (dense codecs).",
     )
     compensation: Compensation = knob(
         "none",
@@ -171,8 +172,9 @@ class SyncConfig:
     offender_syncs: int = knob(
         3,
         "With a robust aggregation: name a site (a warning, and stats) whose contribution "
-        "is not finite or above 4x the sync's median norm in this many syncs in a row among "
-        "the same sites, from 3 sites on (0 = never).",
+        "is not finite, mostly left out by the rule (unreadable, empty, or against the "
+        "others) or above 4x the sync's median norm in this many syncs in a row among the "
+        "same sites, from 3 sites on (0 = never).",
     )
     evict: bool = knob(
         False,

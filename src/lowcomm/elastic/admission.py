@@ -66,8 +66,9 @@ class Admission:
     def __init__(self, site: int, run_id: str, secret: bytes | None, sites: int = 1) -> None:
         self.site, self.run_id, self.sites = site, run_id, sites  # sites: the run's at start
         self._key = run_key(secret, run_id) if secret is not None else None
-        self.ignored = 0  # quorum requests read without a valid MAC
+        self.ignored = 0  # requests (each time read) and hints (each value once) without a MAC
         self._told: set[tuple[int, str]] = set()  # (site, process) already warned about
+        self._forged: set[tuple[str, bytes]] = set()  # hints (key, stored bytes) ignored
 
     @property
     def keyed(self) -> bool:
@@ -161,7 +162,13 @@ class Admission:
         if self._key is None:
             return text
         value, _, mac = text.rpartition("|")
-        return value if self.valid(mac, "hint", key, value) else None
+        if self.valid(mac, "hint", key, value):
+            return value
+        if (key, raw) not in self._forged:  # polled again and again: counted once
+            self._forged.add((key, raw))
+            self.ignored += 1
+            log.warning("site %d: round hint %r without a valid MAC was ignored", self.site, key)
+        return None
 
 
 def _unsealed(data: dict[str, Any]) -> dict[str, Any]:

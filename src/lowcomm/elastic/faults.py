@@ -294,6 +294,13 @@ def attack(tensors: list[Any], step: int) -> None:
             t.add_(noise * (f.factor * t.norm() / t.numel() ** 0.5))
 
 
+def sends_nan() -> bool:
+    """Whether this process acts out a ``nan`` attack: it sends NaN without running it
+    through its error compensation, whose decode of its own NaN payload would stop the site
+    itself (a bad site need not keep its own buffers)."""
+    return bool(_attacking) and _attacking[0].kind == "nan"
+
+
 def die_if_armed(kind: str) -> None:
     """A fault armed on this process that kills it at this point (``healer:``: inside a heal's
     hand-over; ``collective:``: inside a sync's collectives), now; ``stall:`` stops it there

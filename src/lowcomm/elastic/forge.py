@@ -25,7 +25,9 @@ import torch
 from . import faults
 
 PAYLOAD_ATTACKS = ("copy", "alie")
-_seen: dict[tuple[torch.Size, ...], list[torch.Tensor]] = {}  # shapes -> last round's payloads
+# the last round's payloads of each group sent: by its key (fragment and bucket, so Streaming
+# DiLoCo's fragments of equal shapes stay apart), else by its shapes
+_seen: dict[Any, list[torch.Tensor]] = {}
 
 
 def forging() -> bool:
@@ -33,10 +35,12 @@ def forging() -> bool:
     return bool(faults._attacking) and faults._attacking[0].kind in PAYLOAD_ATTACKS
 
 
-def forge(payload: torch.Tensor, shapes: list[torch.Size], rank: int, agg: Any) -> torch.Tensor:
-    """The payload a bad site sends in place of its own ``payload`` (``rank``: its group rank;
-    ``agg``: the gather aggregator, which decodes and encodes for it)."""
-    last = _seen.get(tuple(shapes))
+def forge(
+    payload: torch.Tensor, shapes: list[torch.Size], rank: int, agg: Any, key: str | None = None
+) -> torch.Tensor:
+    """The payload a bad site sends in place of its own ``payload`` of group ``key`` (``rank``:
+    its group rank; ``agg``: the gather aggregator, which decodes and encodes for it)."""
+    last = _seen.get(key or tuple(shapes))
     if last is None or not int(payload[-1]):  # nothing seen yet, or nothing to contribute
         return payload
     valid = [r for r, p in enumerate(last) if int(p[-1]) == 1]
@@ -55,9 +59,9 @@ def forge(payload: torch.Tensor, shapes: list[torch.Size], rank: int, agg: Any) 
     return agg.encode([p.reshape(s) for p, s in zip(pieces, shapes)]).payload
 
 
-def seen(shapes: list[torch.Size], gathered: list[torch.Tensor]) -> None:
-    """What every site sent this round (kept for the next by a site that forges)."""
-    _seen[tuple(shapes)] = [p.clone() for p in gathered]
+def seen(shapes: list[torch.Size], gathered: list[torch.Tensor], key: str | None = None) -> None:
+    """What every site sent this round of group ``key`` (kept for the next by a forger)."""
+    _seen[key or tuple(shapes)] = [p.clone() for p in gathered]
 
 
 def alie_z(n: int, m: int) -> float:

@@ -69,10 +69,11 @@ OFFENDER_RATIO = 4.0  # a contribution above this many times the sync's median n
 
 
 class Offenders:
-    """Sites whose contribution offends (not finite, or above ``OFFENDER_RATIO`` times the
-    median norm of the sync's contributions) in ``syncs`` syncs in a row among the same sites
-    (fragment syncs, for Streaming DiLoCo): each is named once per streak (a warning,
-    ``stats.extra["offenders"]``) and, with ``evict``, excluded from an elastic run.
+    """Sites whose contribution offends (not finite, left out of most of it by the combine
+    rule, or above ``OFFENDER_RATIO`` times the median norm of the sync's contributions) in
+    ``syncs`` syncs in a row among the same sites (fragment syncs, for Streaming DiLoCo): each
+    is named once per streak (a warning, ``stats.extra["offenders"]``) and, with ``evict``,
+    excluded from an elastic run.
 
     Every site sees the same contributions of a sync that stood (the gather exchange) and
     computes their norms alike, so all count alike; the counts start again whenever the sites
@@ -107,8 +108,9 @@ class Offenders:
         return named
 
     def _name(self, site: int, step: int) -> None:
-        why = (f"its contribution was not finite or above {OFFENDER_RATIO:g}x the median "
-               f"norm in {self.syncs} syncs in a row")  # fmt: skip
+        why = (f"its contribution was left out by the combine rule (not finite, unreadable, "
+               f"empty or against the others) or above {OFFENDER_RATIO:g}x the median norm in "
+               f"{self.syncs} syncs in a row")  # fmt: skip
         seen = self.stats.extra.setdefault("offenders", {})
         seen[str(site)] = seen.get(str(site), 0) + 1
         evicting = self.evict and self.runner is not None and self.runner.settled is not None

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..aggregate import Aggregator, Encoded, encode_compensated
-from ..elastic.faults import attack
+from ..elastic.faults import attack, sends_nan
 from ..transport import Transport
 from .fragment import Fragment
 from .guards import NonFiniteGuard
@@ -99,7 +99,7 @@ class Encoder:
         for b, bucket in enumerate(frag.buckets):
             names, tensors = [frag.names[i] for i in bucket], [slabs.views[i] for i in bucket]
             key = f"fragment {frag.index} bucket {b}"
-            if self.compensation is None:
+            if self.compensation is None or sends_nan():
                 encoded.append(
                     self.aggregator.encode(
                         tensors, need_local=need_own, valid=valid, key=key, slab=slabs.slabs[b]

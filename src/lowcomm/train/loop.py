@@ -322,6 +322,8 @@ def summarize(run: Run, log: RunLog) -> RunSummary | None:
             summary,
             starting=starting,
         )
+        # messages without a valid MAC (a run secret's screen) this site read and ignored
+        summary.extra["ignored_messages"] = run.membership.admission.ignored
     if rounds is not None:
         _record_rounds(summary, rounds, run.spec.train.batch_size * run.spec.train.seq_len)
     save_model(run, state)

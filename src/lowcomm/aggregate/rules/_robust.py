@@ -2,8 +2,9 @@
 ``norm-clip``): they defend the merge against a minority of bad contributions, so they trust
 nothing a contribution says about itself.
 
-- A contribution that is not finite is dropped, whatever its validity flag says (a site's own
-  flag is what a bad site controls).
+- A contribution that is not finite, or does not decode (a NaN scale, an index out of range),
+  is dropped, whatever its validity flag says (a site's own flag is what a bad site controls);
+  the plain rules stop the run on it instead (the sender named).
 - Every contribution counts once: a self-reported step weight (quorum rounds) would let a site
   buy influence by reporting more steps, so these rules take no weights, and what a weight
   left out of a part (:meth:`~lowcomm.aggregate.combine.Combine.unapplied`) is nothing.
@@ -14,9 +15,11 @@ nothing a contribution says about itself.
 from __future__ import annotations
 
 from abc import abstractmethod
+from typing import Any
 
 import torch
 
+from ...errors import PayloadError
 from ..combine import Combine, Parts
 
 
@@ -24,10 +27,14 @@ class Robust(Combine):
     """A rule over the finite contributions of one tensor, each counted once."""
 
     dense_only = True  # a coordinate's median or trim needs every site's value there
+    # the parts the last combine left out (indices into its parts): the gather exchange counts
+    # a sender left out of most of its contribution as offending (engine/check.py, Offenders)
+    excluded: list[int] = []
 
     def combine(self, parts: Parts, out: torch.Tensor) -> torch.Tensor:
-        rows = finite_rows(parts)
-        if rows.shape[0] == 0:  # nothing finite arrived: no step from this tensor
+        rows, at = finite_rows(parts)
+        self.excluded = left_out(parts, at)
+        if not at:  # nothing finite arrived: no step from this tensor
             return out.zero_()
         return out.copy_(self.robust(rows))
 
@@ -41,20 +48,44 @@ class Robust(Combine):
         return torch.zeros(parts.shape.numel(), dtype=torch.float32, device=device)
 
 
-def finite_rows(parts: Parts) -> torch.Tensor:
-    """The finite contributions of ``parts``, decoded and stacked in their order (n x d)."""
-    rows = [x for x in parts if bool(torch.isfinite(x).all())]
-    if not rows:
-        return torch.empty(0, parts.shape.numel(), dtype=torch.float32)
-    return torch.stack(rows)
+def readable(parts: Parts, j: int, sparse: bool = False) -> Any:
+    """Part ``j`` decoded (``sparse``: as indices and values), or None if it does not decode
+    or is not finite: every receiver reads the same bytes, so all drop the same parts."""
+    try:
+        got = parts.sparse(j) if sparse else parts[j]
+    except PayloadError:
+        return None
+    values = got[1] if sparse else got
+    return got if bool(torch.isfinite(values).all()) else None
+
+
+def finite_rows(parts: Parts) -> tuple[torch.Tensor, list[int]]:
+    """The finite contributions of ``parts`` that decode, stacked in their order (n x d), and
+    which parts they are."""
+    decoded = [(j, readable(parts, j)) for j in range(len(parts))]
+    at = [j for j, x in decoded if x is not None]
+    if not at:
+        return torch.empty(0, parts.shape.numel(), dtype=torch.float32), at
+    return torch.stack([x for _, x in decoded if x is not None]), at
+
+
+def left_out(parts: Parts, at: list[int]) -> list[int]:
+    """The indices of ``parts`` not in ``at`` (those a rule kept)."""
+    kept = set(at)
+    return [j for j in range(len(parts)) if j not in kept]
+
+
+def sum_rows(rows: torch.Tensor) -> torch.Tensor:
+    """The sum of ``rows``, one row after the other (the same bits on every receiver)."""
+    total = rows[0].clone()
+    for r in rows[1:]:
+        total += r
+    return total
 
 
 def mean_rows(rows: torch.Tensor) -> torch.Tensor:
     """The mean of ``rows`` summed one row after the other (the same bits on every receiver)."""
-    total = rows[0].clone()
-    for r in rows[1:]:
-        total += r
-    return total.div_(rows.shape[0])
+    return sum_rows(rows).div_(rows.shape[0])
 
 
 def median_rows(rows: torch.Tensor) -> torch.Tensor:
