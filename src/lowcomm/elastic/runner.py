@@ -87,7 +87,7 @@ class Runner:
                     raise  # the same members failed again and again, nobody excluded: stop
                 log.warning("site %d: %s failed among %s after %.1f s (deadline %g s: %s); "
                             "retrying", self._site, tag, view.members, time.perf_counter() - t0,
-                            self.deadline(view), str(err).splitlines()[0][:160])  # fmt: skip
+                            self.deadline(view), _why(err))  # fmt: skip
                 result, ok = None, False
             if not ok:  # before the vote: peers blocked on this site fail now, not at timeout_s
                 self._drop()
@@ -303,6 +303,16 @@ class Runner:
               f"{self._last_tag}, as in the recorded run", flush=True)  # fmt: skip
         self.membership.close()
         os._exit(0)
+
+
+def _why(err: BaseException) -> str:
+    """The first line of what failed: torch's collective logger hides a group's own error
+    behind a ValueError of its world map (our groups are not in it); that error is its
+    context."""
+    if "world group map" in str(err) and err.__context__ is not None:
+        err = err.__context__
+    lines = str(err).splitlines()
+    return lines[0][:160] if lines else type(err).__name__
 
 
 def _accused(view: View, err: BaseException) -> tuple[int, str] | None:
