@@ -59,7 +59,7 @@ def _np_centered_clip(x):
 
 def _np_cosine_clip(x):
     x = _np_clip(x, np.median(np.linalg.norm(x, axis=1)))
-    keep = [len(x) == 1 or r @ (x.sum(axis=0) - r) > 0 for r in x]
+    keep = [r.any() and (len(x) == 1 or r @ (x.sum(axis=0) - r) >= 0) for r in x]
     return x[keep].mean(axis=0) if any(keep) else np.zeros(x.shape[1])
 
 
@@ -159,7 +159,7 @@ def test_cosine_clip_on_top_k_drops_the_sites_against_the_rest_and_the_empty_one
     total = np.zeros(4096)  # the sum of the clipped values
     for (idx, vals), s in zip(sent, scale):
         np.add.at(total, idx.numpy(), vals.numpy() * s)
-    keep = [float(v.numpy() * s @ (total[i.numpy()] - v.numpy() * s)) > 0
+    keep = [float(v.numpy() * s @ (total[i.numpy()] - v.numpy() * s)) >= 0
             for (i, v), s in zip(sent, scale)]  # fmt: skip
     assert keep == [True] * 6 + [False]
     np.testing.assert_allclose(got, _np_selected_mean(sent, scale, keep), rtol=2e-5, atol=1e-6)
