@@ -50,13 +50,35 @@ def cmd_train(args: argparse.Namespace) -> int:
     sync_cfg, train_cfg = build_configs(_values(args), sync=strategy.config(args.workers))
     _check_model(train_cfg.model)
     _check_data(train_cfg.data)
-    old = _existing_run(args.out, args.overwrite)
+    if train_cfg.site >= 0 and args.workers_given is not None:
+        raise ConfigError("site= runs one site here: drop --workers (sites=S is the run's count)")
+    if train_cfg.site >= 0 and not args.overwrite:
+        old = _site_folder(args.out)
+    else:
+        old = _existing_run(args.out, args.overwrite)
     out = _check_out_dir(args.out)
     # the old run goes only once the new one's settings, model and data have passed their checks
     spec = RunSpec.of(strategy, sync_cfg, train_cfg, out)
     summary = launch(spec, args.workers, args.port, on_checked=lambda: _remove(old))
     _print_summary(summary, out)
     return 0
+
+
+def _site_folder(path: str) -> list[Path]:
+    """A site launched on its own (site=) into a folder it wrote before: a site coming back
+    after it died keeps its files (it heals from the live sites and appends to its logs); a
+    folder holding a finished run is refused, as any run's."""
+    out = Path(path)
+    if (out / "summary.json").exists():
+        raise ConfigError(
+            f"--out {out} holds a finished run (summary.json): give another --out, or "
+            f"--overwrite to replace it"
+        )
+    if (out / "metrics.jsonl").exists():
+        print(f"lowcomm: --out {out} holds this site's unfinished run: the site comes back "
+              f"into the run (it heals from the live sites) and appends to its files",
+              flush=True)  # fmt: skip
+    return []
 
 
 # settings a resumed run may change: how it is run and observed, and how long it goes on

@@ -171,6 +171,8 @@ def validate_train(t: Any) -> None:
         raise ConfigError(f"inner_lr must be > 0, got {t.inner_lr}")
     if t.min_workers < 1:
         raise ConfigError(f"min_workers must be >= 1, got {t.min_workers}")
+    if t.site >= 0:
+        _check_own_site(t)
     if t.site_link:
         from ..netshape.units import parse_rate
 
@@ -222,4 +224,22 @@ def _check_offenders(cfg: Any) -> None:
             f"evict=true tells sites apart by their contributions, which only a robust "
             f"aggregation sees (this run: {cfg.resolved_aggregation}): set aggregation=norm-clip "
             f"(or median, trimmed-mean, centered-clip)"
+        )
+
+
+def _check_own_site(t: Any) -> None:
+    """A site launched on its own (``site=N sites=S``): what it needs, one line each."""
+    if not t.elastic:
+        raise ConfigError("site= runs one site of an elastic run: add elastic=true")
+    if not t.lighthouse:
+        raise ConfigError(
+            "site= joins the sites at a lighthouse they all reach: start one with "
+            "`lowcomm lighthouse --port P` and add lighthouse=HOST:P"
+        )
+    if not 0 <= t.site < t.sites:
+        raise ConfigError(f"site={t.site} must be in [0, sites={t.sites}): give sites=S")
+    if t.site_link or t.faults or t.replay:
+        raise ConfigError(
+            "site= runs one site as deployed: site_link=, --faults and --replay are the local "
+            "launcher's (kill a site from its own shell instead)"
         )

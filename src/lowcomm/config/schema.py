@@ -376,6 +376,13 @@ class TrainConfig:
         "command line): only sites holding it are admitted, and quorum requests, round hints "
         "and heals carry a MAC under a key derived from it and the run id.",
     )
+    site: int = knob(
+        -1,
+        "With elastic and lighthouse=: run only site N of the run, here (each site launched "
+        "by its own command, on its own machine, into its own --out); the same command brings "
+        "it back into a running run (it heals). -1 = every site on this machine.",
+    )
+    sites: int = knob(0, "With site=: how many sites start the run.")
     faults: str = knob(
         "",
         "Faults on purpose, KIND:SITE@STEP comma-separated, sites 0-based: kill:2@35 "

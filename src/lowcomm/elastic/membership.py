@@ -77,6 +77,8 @@ class Elastic:
     connect_s: float = 10.0  # bound on every member reaching a new quorum's group
     leave_after: str = ""  # replay: leave the run once this sync (a tag) has been settled
     join: bool = False  # this site joins a running run (it heals from a live peer)
+    # launched on its own: it starts with the others, or joins the run if it is going (enter)
+    enter: bool = False
     join_from: int = 0  # ... admitted at the run's first sync at or after this inner step
     join_at: str = ""  # ... or exactly at this sync (a replay of a recorded join)
     heal_at: tuple[str, ...] = ()  # replay: the syncs where sites joined (offer a heal there)
@@ -192,14 +194,16 @@ class Membership:
                             self.elastic.site, d["site"], d.get("fp"))  # fmt: skip
         return admit(view, self.fingerprint, tag, phase)
 
-    def join(self) -> tuple[View, str]:
+    def join(self, first: View | None = None) -> tuple[View, str]:
         """A joining site: ask until the run admits it at a sync; that view and the sync's tag.
         Raises MembershipError, before any model state moves, when the run's settings differ
-        or no other site has been alive for ``timeout_s``."""
+        or no other site has been alive for ``timeout_s``. ``first``: a quorum this site has
+        already asked for as a joiner (see :func:`~.enter.enter`), read first: the members may
+        have admitted it there, and a view passed over would leave them waiting at its group."""
         alone_since: float | None = None
         while True:
             asked = time.monotonic()
-            view = self._ask_to_join()
+            view, first = (first, None) if first is not None else (self._ask_to_join(), None)
             old = [d for d in view.data if not d.get("join")] if view else []
             if not old:
                 alone_since = self._alone(asked, alone_since, answered=view is not None)
@@ -287,7 +291,7 @@ class Membership:
             "site": e.site, "tag": tag, "ok": ok, "store": self.store_address, "phase": phase,
             "fp": self.fingerprint, "run": e.run_id, "gen": self.generation, "join": join,
             "join_from": e.join_from, "join_at": self._join_at or e.join_at,
-            "inc": self.incarnation, "ready": ready,
+            "inc": self.incarnation, "ready": ready, "enter": e.enter,
         }  # fmt: skip
         if self._blame is not None and phase == "commit":
             data.update(blame=self._blame[0], why=self._blame[1][:200])

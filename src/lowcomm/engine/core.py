@@ -97,6 +97,7 @@ class LowComm:
         # the group, which only exists inside the block)
         self._parts: Parts | None = None
         self._started = False
+        self.healed = False  # this site joined a running run: it healed from its members
         # a state_dict loaded before start(), and whether it is for a world of another size
         self._loaded: tuple[dict[str, Any], bool] | None = None
 
@@ -146,6 +147,7 @@ class LowComm:
         part in the sync that admitted it."""
         step = StatePart(lambda: self.step, self._load_step, kept=False, shared=True)
         self._parts, admission = wire(self, step)
+        self.healed = admission is not None
         if self._loaded is not None:
             (sd, new_world), self._loaded = self._loaded, None
             self._load(sd, new_world)

@@ -66,8 +66,16 @@ class Placement:
         a running run, of the quorum that admits it (``fingerprint``: the run's settings)."""
         if self.elastic is not None:
             self.membership = Membership(self.elastic, fingerprint)
+            admitted = None
             if self.elastic.join:
-                self.admission = view, _ = self.membership.join()
+                admitted = self.membership.join()
+            elif self.elastic.enter:  # launched on its own: the lighthouse says start or join
+                from ..elastic.enter import enter
+
+                admitted = enter(self.membership)
+            if admitted is not None:
+                self.admission = admitted
+                view = admitted[0]
             else:
                 view = self.membership.start()
             self.start_members, self.start_view = view.members, view

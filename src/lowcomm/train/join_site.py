@@ -122,9 +122,10 @@ def _free_site(folder: Path, sites: int, asked: int | None, planned: set[int]) -
     return free[0]
 
 
-def run_site(role: SiteRole, spec: RunSpec) -> None:
-    """The trainer as one site, in a torch.distributed world of its own (the launcher's sites
-    and a site started by hand alike)."""
+def run_site(role: SiteRole, spec: RunSpec) -> dict[str, Any] | None:
+    """The trainer as one site, in a torch.distributed world of its own (the launcher's sites,
+    a site started by hand and one launched on its own alike); its summary (None where
+    another site writes the run's)."""
     from .loop import run_worker
 
     dist.init_process_group(
@@ -132,7 +133,7 @@ def run_site(role: SiteRole, spec: RunSpec) -> None:
         timeout=timedelta(seconds=spec.train.timeout_s),
     )  # fmt: skip
     try:
-        run_worker(spec, role=role)
+        return run_worker(spec, role=role)
     finally:
         dist.destroy_process_group()
 

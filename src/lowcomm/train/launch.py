@@ -156,6 +156,8 @@ def launch(
     """
     cfg = spec.train
     spec.strategy.check(spec.sync, cfg, spec.resume)
+    if cfg.site >= 0:  # one site of a run, launched on its own (site=N sites=S)
+        return _own_site(spec, on_checked)
     if under_torchrun():
         return _under_torchrun(spec, on_checked)
     if workers < 1:
@@ -175,6 +177,32 @@ def launch(
         except KeyboardInterrupt:
             raise Interrupted(interrupted_message(spec.out)) from None
     return _run_local(spec, workers, port)
+
+
+def _own_site(spec: RunSpec, on_checked: Callable[[], None] | None) -> dict[str, Any] | None:
+    """This process is site ``site`` of a run whose sites are each launched on their own: it
+    starts with the others, or joins (heals) if the run is going; its own summary."""
+    from .join_site import run_site
+    from .site_role import SiteRole
+
+    cfg = spec.train
+    if under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
+        raise ConfigError(
+            "site= under torchrun with several ranks: a site of several ranks is not elastic "
+            "yet; launch it with --nproc-per-node 1"
+        )
+    check_elastic(spec, cfg.sites)
+    for warning in preflight(spec, cfg.sites):
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    if on_checked is not None:
+        on_checked()
+    if not os.environ.get("LOWCOMM_DEBUG"):
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's client logs every quorum at INFO
+    print(f"lowcomm: site {cfg.site} of {cfg.sites} asks the lighthouse at {cfg.lighthouse} "
+          f"whether the run is going (it starts with the others, or joins and heals)",
+          flush=True)  # fmt: skip
+    role = SiteRole(cfg.site, cfg.sites, cfg.lighthouse, alone=True)
+    return run_site(role, spec)
 
 
 def _under_torchrun(spec: RunSpec, on_checked: Callable[[], None] | None) -> dict[str, Any] | None:

@@ -44,10 +44,14 @@ class RunLog:
         progress: bool = True,
         backend: str = "none",
         stream: IO[str] | None = None,
+        append: bool = False,
     ) -> None:
         self.active = rank == 0
         self.stream = stream if stream is not None else sys.stderr
-        self.file = _open_metrics(out, start_step) if self.active else None
+        self.file = None
+        if self.active:  # append: a site back in its own folder keeps what it logged before
+            has = append and (out / "metrics.jsonl").exists()
+            self.file = open(out / "metrics.jsonl", "a") if has else _open_metrics(out, start_step)
         self.bar = None
         self.plain = False
         if self.active and progress:

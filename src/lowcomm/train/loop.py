@@ -66,9 +66,11 @@ def run_worker(spec: RunSpec, role: SiteRole | None = None) -> dict[str, Any] | 
     saved = load_state(run, spec.resume) if spec.resume is not None else None
     if saved is not None:
         run.progress.start_step = int(saved["step"]) + 1
+    alone = role is not None and role.alone  # launched on its own: its folder is its own
     log = RunLog(
         spec.out,
-        run.place.rank,
+        0 if alone else run.place.rank,
+        append=alone,
         start_step=run.progress.start_step,
         total_steps=cfg.steps,
         desc=spec.label,
@@ -81,7 +83,7 @@ def run_worker(spec: RunSpec, role: SiteRole | None = None) -> dict[str, Any] | 
         with run.sync_context():
             if saved is not None:
                 restore(run, saved)
-            if role is not None and role.join:
+            if role is not None and _healed(run):
                 _joined(run)
                 after_step(run, run.progress.start_step - 1, log)  # the others' collectives
             _train_loop(run, faults, log, fresh=saved is None)
@@ -101,7 +103,7 @@ def _train_loop(run: Run, faults: Any, log: RunLog, fresh: bool) -> None:
     run.progress.loop_started = time.perf_counter()
     synclog = None
     if role is not None and not run.spec.strategy.peer:  # a peer's engine has no global copy
-        synclog = SyncLog(run.spec.out, replica, run.comm.engine, fresh and not role.join)
+        synclog = SyncLog(run.spec.out, replica, run.comm.engine, fresh and not _healed(run))
     while step <= steps:
         act(faults, replica, step, run.spec.out)
         started, synced = time.perf_counter(), _sync_s(run)
@@ -121,6 +123,13 @@ def _sync_s(run: Run) -> float:
     (0 without one)."""
     stats = run.comm.engine.stats if run.comm.engine is not None else None
     return float(stats.outer_s if stats else 0.0) + (run.comm.blocked_s() if stats else 0.0)
+
+
+def _healed(run: Run) -> bool:
+    """Whether this site joined a running run (a joiner, or a site launched on its own that
+    found the run going): it healed on entering the block."""
+    role = run.place.role
+    return role is not None and getattr(run.comm.engine, "healed", role.join)
 
 
 def _joined(run: Run) -> None:
@@ -323,7 +332,9 @@ def summarize(run: Run, log: RunLog) -> RunSummary | None:
             starting=starting,
         )
         # messages without a valid MAC (a run secret's screen) this site read and ignored
-        summary.extra["ignored_messages"] = run.membership.admission.ignored
+        admission = getattr(getattr(run.membership, "membership", None), "admission", None)
+        if admission is not None:
+            summary.extra["ignored_messages"] = admission.ignored
     if rounds is not None:
         _record_rounds(summary, rounds, run.spec.train.batch_size * run.spec.train.seq_len)
     save_model(run, state)

@@ -269,7 +269,10 @@ class Run:
 
     @property
     def writes(self) -> bool:
-        """Whether this rank writes the run's files: rank 0, or the lowest live site."""
+        """Whether this rank writes the run's files: rank 0, or the lowest live site (every
+        site launched on its own: its folder is its own)."""
+        if self.place.role is not None and self.place.role.alone:
+            return True
         members = self.membership.members if self.membership is not None else None
         if self.place.role is not None and members:
             return members[0] == self.place.role.site
@@ -335,10 +338,11 @@ def set_up(spec: RunSpec, role: SiteRole | None = None) -> Run:
     if role is not None:
         rank, world = role.site, role.sites
     site = site_of(rank, world, cfg.ranks_per_worker)
-    if rank == 0:
+    owns_folder = rank == 0 or (role is not None and role.alone)
+    if owns_folder:
         spec.out.mkdir(parents=True, exist_ok=True)
     corpus = load_corpus(cfg.data, tokenizer=cfg.tokenizer)
-    if rank == 0:
+    if owns_folder:
         corpus.save_description(spec.out)  # prints it once and writes DIR/corpus.json
     torch.manual_seed(cfg.seed)
     vocab = max(corpus.vocab_size, 1)
@@ -475,6 +479,7 @@ def _elastic(run: Run) -> Elastic | None:
         lighthouse=role.lighthouse, site=role.site, sites=role.starting or role.sites,
         min_workers=cfg.min_workers, timeout_s=cfg.timeout_s, leave_after=role.leave_after,
         connect_s=min(10.0, cfg.timeout_s), join=role.join, join_from=role.join_from,
+        enter=role.alone,
         join_at=role.join_at, heal_at=role.heal_at, rounds=cfg.rounds, quorum=cfg.quorum,
         grace=cfg.grace, late=cfg.late, weighting=cfg.weighting, secret_file=cfg.secret_file,
     )  # fmt: skip

@@ -37,6 +37,9 @@ class SiteRole:
     netns: str = ""  # the network namespace this site runs in (a ``link:`` fault), and ...
     addr: str = ""  # ... its address there
     uplink: str = ""  # ... and its uplink's tbf settings (a ``link:`` fault puts them back)
+    # launched on its own (site=): it starts with the others or joins the running run, as the
+    # lighthouse says, and its folder is its own (it writes its files whoever else is in)
+    alone: bool = False
 
 
 class QuorumControl:
