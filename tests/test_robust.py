@@ -196,10 +196,10 @@ def test_a_top_k_part_that_does_not_decode_is_dropped_by_a_robust_rule_and_stops
 
 @pytest.mark.parametrize("rule", DENSE_ONLY_RULES)
 def test_a_rule_that_defends_nothing_on_top_k_is_refused_with_one_line(rule):
-    with pytest.raises(ConfigError, match="use aggregation=norm-clip") as info:
+    with pytest.raises(ConfigError, match=r"use aggregation=cosine-clip \(or norm-clip\)") as info:
         SyncConfig(codec="topk", aggregation=rule)
     assert "\n" not in str(info.value)
-    with pytest.raises(ConfigError, match="use aggregation=norm-clip"):
+    with pytest.raises(ConfigError, match=r"use aggregation=cosine-clip \(or norm-clip\)"):
         aggregator_for("gather", make_codec("topk"), 2, aggregation=rule)
     assert COMBINES[rule].dense_only
     assert sorted(n for n, c in COMBINES.items() if c.dense_only) == sorted(DENSE_ONLY_RULES)

@@ -168,5 +168,6 @@ def check_codec(rule: Combine, codec: Codec | None) -> None:
     if rule.dense_only and codec is not None and hasattr(codec, "decode_sparse"):
         raise ConfigError(
             f"aggregation={rule.name} defends nothing on top-k payloads (most coordinates have "
-            f"one sender or none): use aggregation=norm-clip, or a dense codec"
+            f"one sender or none): use aggregation=cosine-clip (or norm-clip), or a dense "
+            f"codec"
         )

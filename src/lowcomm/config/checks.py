@@ -131,7 +131,8 @@ def validate_sync(cfg: Any) -> None:
     if cfg.aggregation in DENSE_ONLY_RULES and cfg.codec in SPARSE_CODECS:
         raise ConfigError(
             f"aggregation={cfg.aggregation} defends nothing on top-k payloads (most coordinates "
-            f"have one sender or none): use aggregation=norm-clip, or a dense codec"
+            f"have one sender or none): use aggregation=cosine-clip (or norm-clip), or a "
+            f"dense codec"
         )
     if cfg.reduce == "two-phase" and cfg.codec not in ELEMENTWISE_CODECS:
         raise ConfigError(

@@ -2,7 +2,7 @@
 over the sites; with an even count, the mean of the middle two. A minority of bad sites moves no
 coordinate past the honest sites' range. Dense codecs only: at top-k's density most coordinates
 have one sender or none, so a median over senders defends nothing, and one that counts the
-non-senders as zeros zeroes the update; use ``norm-clip`` there."""
+non-senders as zeros zeroes the update; use ``cosine-clip`` there."""
 
 from __future__ import annotations
 
