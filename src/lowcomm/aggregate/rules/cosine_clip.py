@@ -34,7 +34,7 @@ class CosineClip(NormClip):
     def combine(self, parts: Parts, out: torch.Tensor) -> torch.Tensor:
         if hasattr(parts.codec, "decode_sparse"):
             sent, at = clipped_sparse(parts)
-            total = torch.zeros(parts.shape.numel(), dtype=torch.float32)
+            total = torch.zeros(parts.shape.numel(), dtype=torch.float32, device=out.device)
             for idx, vals in sent:  # one sender after the other: the same bits everywhere
                 total.index_add_(0, idx, vals)
             keep = [_agrees(torch.dot(v, total[i] - v), len(sent)) for i, v in sent]
@@ -48,7 +48,9 @@ class CosineClip(NormClip):
     def robust(self, rows: torch.Tensor) -> torch.Tensor:
         clipped = clip_to(rows, rows.norm(dim=1), median_of(rows.norm(dim=1)))
         keep = _screen(rows)
-        return mean_rows(clipped[torch.tensor(keep)]) if any(keep) else torch.zeros_like(rows[0])
+        if not any(keep):
+            return torch.zeros_like(rows[0])
+        return mean_rows(clipped[torch.tensor(keep, device=rows.device)])
 
 
 def _screen(rows: torch.Tensor) -> list[bool]:
