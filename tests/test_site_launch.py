@@ -47,7 +47,7 @@ def _syncs(out: Path, site: int) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-# about 70 s alone on 2 cores (three sites of the default batch, one started twice): by hand
+# about 30 s alone on 2 cores (three sites of the default batch, one started twice): by hand
 # (-m slow) until the default suite has room; the refusals below run by default
 @pytest.mark.slow
 def test_sites_launched_on_their_own_train_and_a_killed_one_comes_back_by_the_same_command(
