@@ -41,10 +41,14 @@ class Parts(Sequence[torch.Tensor]):
         names: list[str],
         weights: list[float] | None,
         senders: list[int] | None = None,
+        keep: bool = False,
     ) -> None:
         self.codec, self.payloads, self.shape, self.names = codec, payloads, shape, names
         self.weights = weights  # one per part, or None: every part counts once
         self.senders = senders  # each part's group rank, to name the sender of a bad payload
+        # keep: each part decoded once, for a second reader (the gather's per-sender norms);
+        # off, parts are decoded one at a time and let go (a plain mean streams them)
+        self._kept: dict[tuple[bool, int], object] | None = {} if keep else None
 
     def __len__(self) -> int:
         return len(self.payloads)
@@ -52,12 +56,23 @@ class Parts(Sequence[torch.Tensor]):
     def __getitem__(self, j: int) -> torch.Tensor:  # type: ignore[override]
         if not -len(self) <= j < len(self):
             raise IndexError(j)  # ends iteration
-        return self.codec.decode(self.payloads[j], self.shape, self.names[j]).reshape(-1)
+        return self._decoded(False, j % len(self))  # type: ignore[return-value]
 
     def sparse(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Part ``j`` as the (indices, values) a sparse codec sent (``decode_sparse``)."""
-        decode = self.codec.decode_sparse  # type: ignore[attr-defined]
-        return decode(self.payloads[j], self.shape, self.names[j])
+        return self._decoded(True, j % len(self))  # type: ignore[return-value]
+
+    def _decoded(self, sparse: bool, j: int) -> object:
+        if self._kept is not None and (sparse, j) in self._kept:
+            return self._kept[(sparse, j)]
+        if sparse:
+            decode = self.codec.decode_sparse  # type: ignore[attr-defined]
+            got: object = decode(self.payloads[j], self.shape, self.names[j])
+        else:
+            got = self.codec.decode(self.payloads[j], self.shape, self.names[j]).reshape(-1)
+        if self._kept is not None:
+            self._kept[(sparse, j)] = got
+        return got
 
     def blame(self, err: PayloadError) -> PayloadError:
         """``err`` (raised while combining) with the sender of the first part that fails to

@@ -110,7 +110,8 @@ class GatherAggregator(Aggregator):
             nb, n = self.codec.nbytes(shape), numel(shape)
             pieces = [gathered[w][offset_b : offset_b + nb] for w in senders]
             names = [f"tensor {i} from worker {w}" for w in senders]
-            parts = Parts(self.codec, pieces, shape, names, ws, senders)
+            # tracked: the per-sender norms below read the parts the rule decoded, not again
+            parts = Parts(self.codec, pieces, shape, names, ws, senders, keep=self.track)
             try:
                 self.rule.combine(parts, total[offset_e : offset_e + n])
             except PayloadError as err:

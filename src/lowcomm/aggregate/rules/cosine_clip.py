@@ -41,25 +41,26 @@ class CosineClip(NormClip):
             self.excluded = left_out(parts, [j for j, ok in zip(at, keep) if ok])
             return selected_mean([s for s, ok in zip(sent, keep) if ok], None, parts, out)
         rows, at = finite_rows(parts)
-        keep = _screen(rows) if at else []
+        clipped, keep = _screen(rows) if at else (rows, [])
         self.excluded = left_out(parts, [j for j, ok in zip(at, keep) if ok])
-        return out.copy_(self.robust(rows)) if any(keep) else out.zero_()
+        return out.copy_(_kept_mean(clipped, keep)) if any(keep) else out.zero_()
 
     def robust(self, rows: torch.Tensor) -> torch.Tensor:
-        clipped = clip_to(rows, rows.norm(dim=1), median_of(rows.norm(dim=1)))
-        keep = _screen(rows)
-        if not any(keep):
-            return torch.zeros_like(rows[0])
-        return mean_rows(clipped[torch.tensor(keep, device=rows.device)])
+        clipped, keep = _screen(rows)
+        return _kept_mean(clipped, keep) if any(keep) else torch.zeros_like(rows[0])
 
 
-def _screen(rows: torch.Tensor) -> list[bool]:
-    """Which of ``rows`` (n x d, finite), clipped to their median norm, agree with the sum of
-    the others (an all-zero row never: it is empty, as on top-k)."""
+def _screen(rows: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
+    """``rows`` (n x d, finite) clipped to their median norm, and which of them agree with the
+    sum of the others (an all-zero row never: it is empty, as on top-k)."""
     clipped = clip_to(rows, rows.norm(dim=1), median_of(rows.norm(dim=1)))
     total = sum_rows(clipped)
     n = len(clipped)
-    return [bool(r.any()) and _agrees(torch.dot(r, total - r), n) for r in clipped]
+    return clipped, [bool(r.any()) and _agrees(torch.dot(r, total - r), n) for r in clipped]
+
+
+def _kept_mean(clipped: torch.Tensor, keep: list[bool]) -> torch.Tensor:
+    return mean_rows(clipped[torch.tensor(keep, device=clipped.device)])
 
 
 def _agrees(dot: torch.Tensor, n: int) -> bool:
