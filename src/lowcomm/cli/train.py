@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,7 @@ def _site_folder(path: str) -> list[Path]:
             f"--out {out} holds a finished run (summary.json): give another --out, or "
             f"--overwrite to replace it"
         )
-    if (out / "metrics.jsonl").exists():
+    if (out / "metrics.jsonl").exists() and int(os.environ.get("RANK", "0")) == 0:
         print(f"lowcomm: --out {out} holds this site's unfinished run: the site comes back "
               f"into the run (it heals from the live sites) and appends to its files",
               flush=True)  # fmt: skip

@@ -28,8 +28,9 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -52,6 +53,9 @@ from .decide import (
 )
 from .groups import arrive, gloo_group, group_name, store_of, unreachable
 from .link import Link
+from .site import SiteRanks
+
+T = TypeVar("T")
 
 log = logging.getLogger("lowcomm")
 
@@ -122,9 +126,15 @@ class Elastic:
 class Membership:
     """This site's membership: heartbeats, quorums, the commit vote and each quorum's group."""
 
-    def __init__(self, elastic: Elastic, fingerprint: str = "") -> None:
+    def __init__(
+        self, elastic: Elastic, fingerprint: str = "", site: SiteRanks | None = None
+    ) -> None:
         self.elastic = elastic
         self.fingerprint = fingerprint  # the run's settings: a site with others is refused
+        # a site of several ranks: rank 0 asks the lighthouse for all (see .site)
+        self.site = site
+        self.ranks = site.size if site is not None else 1
+        self.position = site.rank if site is not None else 0  # this rank's place in its site
         self.generation = 0  # the runner's failed commits so far (a joiner adopts the run's)
         self.incarnation = uuid.uuid4().hex[:8]  # this process, among the site's restarts
         self._refused: set[int] = set()  # sites already told they were refused
@@ -135,16 +145,21 @@ class Membership:
         self._excluded_inc: dict[int, str] = {}  # ... the process excluded (a restart is not)
         self._blame: tuple[int, str] | None = None  # this site's accusation in its next vote
         self._unreached: list[int] = []  # sites this site could not reach (its next vote)
-        # this site hosts a store; the group of a quorum lives on its first member's store
-        host = os.environ.get("LOWCOMM_ADDR", "127.0.0.1")
-        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        self.store_address = f"{host}:{self._store.port}"
         self._groups: dict[tuple[int, int, str], dist.ProcessGroup] = {}
         secret = read_secret(elastic.secret_file)
         self.admission = Admission(elastic.site, elastic.run_id, secret, elastic.sites)
+        atexit.register(self.close)  # groups aborted before torch tears itself down
+        self._store: dist.TCPStore | None = None
+        self._link: Link | None = None
+        self.store_address = ""
+        if site is not None and not site.leads:
+            return  # a site's other ranks: rank 0 hosts the store and talks to the lighthouse
+        # this site hosts a store; the groups of a quorum live on its first member's store
+        host = os.environ.get("LOWCOMM_ADDR", "127.0.0.1")
+        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self.store_address = f"{host}:{self._store.port}"
         # heartbeats from now on; quorums wait out an outage
         self._link = Link(elastic, self.admission.seal)
-        atexit.register(self.close)  # groups aborted before torch tears itself down
 
     def quorum(
         self, tag: str, ok: bool = True, phase: str = "sync", ready: bool = False,
@@ -162,8 +177,29 @@ class Membership:
         the failed attempt still missing). ``blame``: (site, why) when this site's attempt
         failed on that site's payload (a commit vote carries it; see :func:`blamed`);
         ``unreached``: the sites this site could not reach at the attempt's group (its commit
-        vote carries them too)."""
-        self._blame, self._unreached = blame, list(unreached or [])
+        vote carries them too). A site of several ranks votes ok only if every rank did
+        (:meth:`.site.SiteRanks.vote`); its rank 0 asks, and every rank gets the view."""
+        unreached = list(unreached or [])
+        if self.site is not None and phase == "commit":
+            ok, blame, unreached = self.site.vote(ok, blame, unreached)
+
+        def ask() -> tuple[View, bool]:
+            return self._quorum(tag, ok, phase, ready, blame, unreached, retry), self.joiner_waiting
+
+        view, self.joiner_waiting = self._lead(ask)
+        return view
+
+    def _lead(self, fn: Callable[[], T]) -> T:
+        """``fn()`` here, or for a site of several ranks on its rank 0, every rank getting
+        its result (see :meth:`.site.SiteRanks.lead`)."""
+        return fn() if self.site is None else self.site.lead(fn)
+
+    def _quorum(
+        self, tag: str, ok: bool, phase: str, ready: bool, blame: tuple[int, str] | None,
+        unreached: list[int], retry: Retry | None,
+    ) -> View:  # fmt: skip
+        """:meth:`quorum` of this process (a site's rank 0)."""
+        self._blame, self._unreached = blame, unreached
         view = self._member_view(tag, ok, phase, ready)
         # a commit vote is never asked again: an attempt's vote among fewer sites fails it, and
         # the next attempt's quorum (which may admit a joiner) is the one that must be enough
@@ -194,12 +230,28 @@ class Membership:
                             self.elastic.site, d["site"], d.get("fp"))  # fmt: skip
         return admit(view, self.fingerprint, tag, phase)
 
+    def enter(self) -> tuple[View, str] | None:
+        """A site launched on its own: None to start the run with the others, else the view
+        and sync that admit it into the running run (see :mod:`.enter`)."""
+        from .enter import enter
+
+        admitted = self._lead(lambda: enter(self))
+        if admitted is not None:
+            self.generation = attempt_of(admitted[0])  # as every member reads it
+        return admitted
+
     def join(self, first: View | None = None) -> tuple[View, str]:
         """A joining site: ask until the run admits it at a sync; that view and the sync's tag.
         Raises MembershipError, before any model state moves, when the run's settings differ
         or no other site has been alive for ``timeout_s``. ``first``: a quorum this site has
         already asked for as a joiner (see :func:`~.enter.enter`), read first: the members may
         have admitted it there, and a view passed over would leave them waiting at its group."""
+        view, tag = self._lead(lambda: self._join(first))
+        self.generation = attempt_of(view)  # as every member reads it
+        return view, tag
+
+    def _join(self, first: View | None) -> tuple[View, str]:
+        """:meth:`join` of this process (a site's rank 0)."""
         alone_since: float | None = None
         while True:
             asked = time.monotonic()
@@ -209,6 +261,7 @@ class Membership:
                 alone_since = self._alone(asked, alone_since, answered=view is not None)
                 continue
             ref = old[0]
+            self._same_shape(ref)
             if ref.get("fp") != self.fingerprint:
                 raise MembershipError(
                     f"site {self.elastic.site} was refused by the run: its settings differ "
@@ -217,13 +270,18 @@ class Membership:
                 )
             admitted, ref = admitted_at(view, self.fingerprint)
             if admits(admitted, self.elastic.site, self.elastic.min_workers):
-                self.generation = attempt_of(admitted)  # as every member reads it
                 return admitted, ref["tag"]
 
     def rejoin(self, tag: str) -> View | None:
         """A site that missed a sync (rounds=quorum) asks back in at ``tag``: the view that
         admits it there, to heal from; None when the others have already gone past ``tag``
         (it missed this one too)."""
+        view = self._lead(lambda: self._rejoin(tag))
+        if view is not None:
+            self.generation = attempt_of(view)  # as every member reads it
+        return view
+
+    def _rejoin(self, tag: str) -> View | None:
         step = step_of(tag)
         self._join_at = tag
         alone_since: float | None = None
@@ -237,7 +295,6 @@ class Membership:
                     continue
                 admitted, ref = admitted_at(view, self.fingerprint)
                 if admits(admitted, self.elastic.site, self.elastic.min_workers):
-                    self.generation = attempt_of(admitted)  # as every member reads it
                     return admitted
                 if step_of(ref["tag"]) > step:
                     return None
@@ -247,7 +304,8 @@ class Membership:
     @property
     def store(self) -> dist.TCPStore:
         """This site's own store (it hosts it): quorum groups of which it is first, and the
-        hints of quorum rounds (:mod:`.rounds`)."""
+        hints of quorum rounds (:mod:`.rounds`); a site's rank 0 only."""
+        assert self._store is not None, "a site's other ranks host no store"
         return self._store
 
     def _ask_to_join(self) -> View | None:
@@ -291,7 +349,7 @@ class Membership:
             "site": e.site, "tag": tag, "ok": ok, "store": self.store_address, "phase": phase,
             "fp": self.fingerprint, "run": e.run_id, "gen": self.generation, "join": join,
             "join_from": e.join_from, "join_at": self._join_at or e.join_at,
-            "inc": self.incarnation, "ready": ready, "enter": e.enter,
+            "inc": self.incarnation, "ready": ready, "enter": e.enter, "ranks": self.ranks,
         }  # fmt: skip
         if self._blame is not None and phase == "commit":
             data.update(blame=self._blame[0], why=self._blame[1][:200])
@@ -300,6 +358,7 @@ class Membership:
         # a live peer may reach the vote up to timeout_s late (a collective waiting on a lost
         # site) after connect_s at a group, and the lighthouse waits timeout_s for stragglers:
         # a wait of exactly timeout_s would give up on a peer about to arrive
+        assert self._link is not None, "only a site's rank 0 asks the lighthouse"
         q = self._link.quorum(tag, data, 2 * e.timeout_s + e.connect_s, self.store_address)
         data = [d for d in (_readable(m.data, m.replica_id) for m in q.participants) if d]
         data = self.admission.screen(data, "join" if join else "start" if tag == "start" else "")
@@ -316,6 +375,9 @@ class Membership:
         settings stops every site that sees it, itself too, with one line: the run cannot
         start as asked."""
         keep = [d for d in data if d.get("join") or d.get("fp") == self.fingerprint]
+        for d in keep:
+            if not d.get("join"):
+                self._same_shape(d)
         for d in data:
             if d not in keep and d.get("run") == self.elastic.run_id:
                 raise MembershipError(
@@ -329,6 +391,17 @@ class Membership:
                             "asked this lighthouse; not a member", self.elastic.site, d["site"],
                             d.get("fp"))  # fmt: skip
         return keep
+
+    def _same_shape(self, d: dict[str, Any]) -> None:
+        """Every site of a run has as many ranks (each syncs its shard with the same rank of
+        the others): a member of another shape stops this site with one line."""
+        theirs = as_int(d.get("ranks", 1))
+        if theirs != self.ranks:
+            raise MembershipError(
+                f"site {self.elastic.site} has {self.ranks} ranks but site {d['site']} of the "
+                f"run has {theirs}: every site of a run needs the same number of ranks "
+                f"(torchrun --nproc-per-node) and the same sharding"
+            )
 
     def start(self) -> View:
         """The first quorum that holds every starting site (an early one may form while a
@@ -390,11 +463,14 @@ class Membership:
             return self._groups[key]
         for k in [k for k in self._groups if k[:3] != key[:3]]:  # done with, or broken
             self._groups.pop(k).abort()
-        if view.members[0] == self.elastic.site:
+        if view.members[0] == self.elastic.site and self._store is not None:
             store = self._store
-        else:
+        else:  # (a site's other ranks use its rank 0's store as the other sites do)
             store = store_of(view, self.elastic.connect_s)
-        prefix = dist.PrefixStore(group_name(self.elastic.run_id, view, generation), store)
+        name = group_name(self.elastic.run_id, view, generation)
+        if self.ranks > 1:  # each rank syncs its shard with the same rank of the other sites
+            name += f"p{self.position}/"
+        prefix = dist.PrefixStore(name, store)
         rank, size = view.rank_of(self.elastic.site), len(view.members)
         arrive(prefix, rank, size, self.elastic.connect_s)
         group = gloo_group(prefix, rank, size, self.elastic.timeout_s)
@@ -415,7 +491,8 @@ class Membership:
 
     def close(self) -> None:
         """Stop the heartbeats (the lighthouse then leaves this site out) and the groups."""
-        self._link.close()
+        if self._link is not None:
+            self._link.close()
         for group in self._groups.values():
             group.abort()
         self._groups.clear()

@@ -179,19 +179,36 @@ class Runner:
     def heal_in(self, view: View, tag: str, load: Callable[[dict], dict]) -> None:
         """A joiner, on the view that admitted it: receive the run's shared state and its
         record of members, ``load`` it (returns what the engine then holds), compare digests
-        with every member; its first ``run`` is then sync ``tag`` on this same view."""
+        with every member; its first ``run`` is then sync ``tag`` on this same view. A site of
+        several ranks heals each rank's shard on its own group, and is in only when every
+        shard's digest agreed (its ranks raise alike)."""
+        failed: BaseException | None = None
+        try:
+            got, fine = self._heal_shard(view, tag, load)
+        except (RuntimeError, ValueError) as err:  # the healer or a member went mid-way
+            got, fine, failed = None, False, err
+        worst = 0 if fine else 1 if failed is not None else 2
+        site = self.membership.site
+        worst = site.worst(worst) if site is not None else worst
+        if worst == 2:
+            raise MembershipError(heal.mismatch(tag))
+        if worst == 1:
+            raise failed or RuntimeError("the heal of another rank of this site failed")
+        assert got is not None
+        self.events, self.members = list(got["events"]), list(got["members"])
+        self._last_tag, self._last_step = got["last"]
+        self.admitted = view
+        if self.rounds is not None:
+            self.rounds.admitted(step_of(tag))
+
+    def _heal_shard(self, view: View, tag: str, load: Callable[[dict], dict]) -> tuple[dict, bool]:
+        """This rank's part of :meth:`heal_in`: the record, and whether the digests agree."""
         transport = self._on(view)[0]
         joiners = [view.rank_of(s) for s in view.joiners]
         seal = self._heal_seal(view, tag)
         state, got, _, _ = heal.hand_over(transport, joiners, view.healer, None, seal=seal)
         loaded = load(state)
-        self.events, self.members = list(got["events"]), list(got["members"])
-        self._last_tag, self._last_step = got["last"]
-        if not heal.agree(transport, loaded):
-            raise MembershipError(heal.mismatch(tag))
-        self.admitted = view
-        if self.rounds is not None:
-            self.rounds.admitted(step_of(tag))
+        return got, heal.agree(transport, loaded)
 
     def join_again(self) -> tuple[View, str]:
         """A joiner whose heal failed (its healer died mid-hand-over): this attempt's group

@@ -160,7 +160,9 @@ class LowComm:
     def fingerprint(self) -> str:
         """What every site of this run must share, hashed (:func:`.wiring.fingerprint`); the
         empty string without elastic=."""
-        return fingerprint(self._placement.elastic, self.config, self._by_name, self.fragment_names)
+        place = self._placement
+        ranks = max(1, len(place.site_ranks))
+        return fingerprint(place.elastic, self.config, self._by_name, self.fragment_names, ranks)
 
     def _load_step(self, value: Any) -> None:
         """The step counter's state part loads here: the engine owns its step."""

@@ -18,6 +18,7 @@ import torch.nn as nn
 from .. import _buffers
 from ..config import ConfigError
 from ..elastic import Elastic, Membership, View
+from ..elastic.site import SiteRanks
 from ..transport import Transport, shutdown_at_exit
 from .fragment import Fragment
 from .tensors import DTensor, Part, local, views
@@ -43,11 +44,8 @@ class Placement:
         check_mesh(mesh, process_group)
         if elastic is not None and not isinstance(elastic, Elastic):
             raise ConfigError(f"elastic must be a lowcomm.Elastic, got {type(elastic).__name__}")
-        if elastic is not None and (process_group is not None or mesh is not None):
-            raise ConfigError(
-                "elastic= decides the group itself: give neither process_group= nor mesh= "
-                "(several ranks per site are not elastic yet)"
-            )
+        if elastic is not None:
+            check_site_mesh(mesh, process_group)
         self.elastic = elastic
         self.membership: Membership | None = None
         self.start_members: list[int] = []  # the sites of the first quorum
@@ -59,20 +57,21 @@ class Placement:
         self.timeout_s = timeout_s
         self.part: Part | None = None  # DDP inside a worker: (this rank's part, parts)
         self.inner: Transport | None = None  # the ranks of this worker, to share the parts
+        # elastic with mesh=: the site's ranks (each syncs its shard with the same rank of
+        # the other sites; rank 0 talks to the lighthouse for all: see elastic.site)
+        self.site_ranks = site_ranks(mesh) if elastic is not None and mesh is not None else []
 
     def join(self, fingerprint: str = "") -> dist.ProcessGroup:
         """The outer group this rank syncs on (created here unless given); with membership,
         the group of the first quorum that holds every starting site, or, for a site joining
         a running run, of the quorum that admits it (``fingerprint``: the run's settings)."""
         if self.elastic is not None:
-            self.membership = Membership(self.elastic, fingerprint)
+            self.membership = Membership(self.elastic, fingerprint, self._site())
             admitted = None
             if self.elastic.join:
                 admitted = self.membership.join()
             elif self.elastic.enter:  # launched on its own: the lighthouse says start or join
-                from ..elastic.enter import enter
-
-                admitted = enter(self.membership)
+                admitted = self.membership.enter()
             if admitted is not None:
                 self.admission = admitted
                 view = admitted[0]
@@ -90,6 +89,27 @@ class Placement:
         # A group of its own, so engine traffic (possibly on the comm thread) never
         # interleaves with the training loop's own collectives on the default group.
         return dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=self.timeout_s))
+
+    def _site(self) -> SiteRanks | None:
+        """A site of several ranks (elastic with mesh=): its groups, and with DDP inside it
+        this rank's part of every weight (None: a site of one process)."""
+        if len(self.site_ranks) < 2:
+            return None
+        e = self.elastic
+        assert e is not None
+        if e.rounds == "quorum":
+            raise ConfigError(
+                "rounds=quorum with several ranks per site is not built: use rounds=lockstep, "
+                "or one rank per site"
+            )
+        # a rank waits at its site's vote for the slowest rank's collectives and group
+        site = SiteRanks(self.site_ranks, 2 * e.timeout_s + e.connect_s)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not any(isinstance(p, DTensor) for p in params):
+            check_replicated(self.model, site.size)
+            inner = dist.new_group(self.site_ranks, timeout=timedelta(seconds=self.timeout_s))
+            self.part, self.inner = (site.rank, site.size), Transport(inner)
+        return site
 
     def _join_mesh(self) -> dist.ProcessGroup:
         """The outer group of this rank's position; with DDP inside a worker, also the part
@@ -156,6 +176,36 @@ def check_mesh(mesh: Any, process_group: Any) -> None:
             "'replicate', e.g. init_device_mesh('cpu', (workers, ranks_per_worker), "
             "mesh_dim_names=('replicate', 'shard'))"
         )
+
+
+def check_site_mesh(mesh: Any, process_group: Any) -> None:
+    """With elastic=, mesh= is the site's own ranks (FSDP2 or DDP inside it): a 1-D mesh, or
+    2-D with a "replicate" dimension of 1 (the membership decides which sites sync)."""
+    if process_group is not None:
+        raise ConfigError(
+            "elastic= decides the group between sites itself: give no process_group= (mesh= "
+            "names a site's own ranks)"
+        )
+    if mesh is not None and mesh.ndim > 1 and workers_of(mesh) != 1:
+        raise ConfigError(
+            f"with elastic=, mesh= is this site's own ranks (a site is one member of the run), "
+            f"but its 'replicate' dimension holds {workers_of(mesh)} workers: give the site's "
+            f"mesh, e.g. init_device_mesh('cpu', (ranks,), mesh_dim_names=('shard',))"
+        )
+    if mesh is None and dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        if world > 1:
+            raise ConfigError(
+                f"elastic= in a process group of {world} ranks without mesh=: a site of several "
+                f"ranks gives its mesh (init_device_mesh('cpu', ({world},), "
+                f"mesh_dim_names=('shard',))) so they act as one member; one process per site "
+                f"needs no process group"
+            )
+
+
+def site_ranks(mesh: Any) -> list[int]:
+    """The global ranks of a site's mesh, in order (rank 0 of them talks for the site)."""
+    return [int(r) for r in mesh.mesh.reshape(-1).tolist()]
 
 
 def check_replicated(model: nn.Module, per_worker: int) -> None:

@@ -151,10 +151,11 @@ def fingerprint(
     cfg: SyncConfig,
     by_name: Mapping[str, torch.Tensor],
     fragment_names: list[list[str]],
+    ranks: int = 1,
 ) -> str:
     """What every site of one run must share, hashed: the run id, the sync settings (but where
-    a site keeps its state) and the fragments' parameter names, shapes and dtypes ("" without
-    ``elastic``: a fixed world checks nothing here)."""
+    a site keeps its state), the fragments' parameter names, shapes and dtypes, and how many
+    ranks a site has ("" without ``elastic``: a fixed world checks nothing here)."""
     if elastic is None:
         return ""
     settings: dict[str, Any] = dataclasses.asdict(cfg)
@@ -165,7 +166,8 @@ def fingerprint(
     ]
     # how contributions are merged: the same everywhere
     rounds = [elastic.rounds, elastic.late, elastic.weighting]
-    text = json.dumps([elastic.run_id, settings, shapes, rounds], sort_keys=True, default=str)
+    what = [elastic.run_id, settings, shapes, rounds] + ([ranks] if ranks > 1 else [])
+    text = json.dumps(what, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

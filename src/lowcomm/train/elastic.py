@@ -85,8 +85,20 @@ def check_elastic(spec: RunSpec, workers: int) -> None:
             f"--faults lighthouse: kills the lighthouse the launcher started; lighthouse="
             f"{cfg.lighthouse} is not ours to kill: drop lighthouse= or the fault"
         )
-    if cfg.ranks_per_worker != 1:
-        raise ConfigError("elastic=true runs one rank per site for now: set ranks_per_worker=1")
+    if cfg.ranks_per_worker != 1 and cfg.site < 0:
+        raise ConfigError(
+            "elastic=true with --workers starts sites of one rank: launch each site of several "
+            "ranks on its own (torchrun --nproc-per-node R ... site=N sites=S lighthouse=...)"
+        )
+    if cfg.ranks_per_worker != 1 and cfg.rounds == "quorum":
+        raise ConfigError(
+            "rounds=quorum with several ranks per site is not built: use rounds=lockstep"
+        )
+    if cfg.ranks_per_worker != 1 and spec.sync.evict:
+        raise ConfigError(
+            "evict=true with several ranks per site is not built (each rank judges its own "
+            "shard, and they could differ): drop evict, offenders are still named"
+        )
     if spec.sync.resolved_reduce == "two-phase":  # (the engine refuses it too, for own loops)
         raise ConfigError(
             "reduce=two-phase is not elastic yet: each shard's sum is owned by a group rank, "

@@ -128,6 +128,8 @@ def run_site(role: SiteRole, spec: RunSpec) -> dict[str, Any] | None:
     another site writes the run's)."""
     from .loop import run_worker
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a site of several ranks: its torchrun
+        return run_worker(spec, role=role)  # world, which set_up joins (and leaves)
     dist.init_process_group(
         "gloo", store=dist.HashStore(), rank=0, world_size=1,
         timeout=timedelta(seconds=spec.train.timeout_s),

@@ -186,11 +186,16 @@ def _own_site(spec: RunSpec, on_checked: Callable[[], None] | None) -> dict[str,
     from .site_role import SiteRole
 
     cfg = spec.train
-    if under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
+    ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else 1
+    if cfg.ranks_per_worker not in (1, ranks):
         raise ConfigError(
-            "site= under torchrun with several ranks: a site of several ranks is not elastic "
-            "yet; launch it with --nproc-per-node 1"
+            f"ranks_per_worker={cfg.ranks_per_worker} but this site has {ranks} ranks: a site "
+            f"launched on its own is its torchrun world (--nproc-per-node {cfg.ranks_per_worker}"
+            f"), or drop ranks_per_worker"
         )
+    if ranks > 1:  # the site's ranks are its torchrun world: FSDP2 (or DDP) inside it
+        spec.train.ranks_per_worker = ranks
+        spec.strategy.check(spec.sync, cfg, spec.resume)
     check_elastic(spec, cfg.sites)
     for warning in preflight(spec, cfg.sites):
         print(f"warning: {warning}", file=sys.stderr, flush=True)
@@ -198,9 +203,10 @@ def _own_site(spec: RunSpec, on_checked: Callable[[], None] | None) -> dict[str,
         on_checked()
     if not os.environ.get("LOWCOMM_DEBUG"):
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's client logs every quorum at INFO
-    print(f"lowcomm: site {cfg.site} of {cfg.sites} asks the lighthouse at {cfg.lighthouse} "
-          f"whether the run is going (it starts with the others, or joins and heals)",
-          flush=True)  # fmt: skip
+    if int(os.environ.get("RANK", "0")) == 0:  # the site's first rank speaks for it
+        print(f"lowcomm: site {cfg.site} of {cfg.sites} asks the lighthouse at {cfg.lighthouse} "
+              f"whether the run is going (it starts with the others, or joins and heals)",
+              flush=True)  # fmt: skip
     role = SiteRole(cfg.site, cfg.sites, cfg.lighthouse, alone=True)
     return run_site(role, spec)
 

@@ -69,7 +69,7 @@ def run_worker(spec: RunSpec, role: SiteRole | None = None) -> dict[str, Any] | 
     alone = role is not None and role.alone  # launched on its own: its folder is its own
     log = RunLog(
         spec.out,
-        0 if alone else run.place.rank,
+        run.place.site.part if alone else run.place.rank,  # alone: the site's first rank writes
         append=alone,
         start_step=run.progress.start_step,
         total_steps=cfg.steps,

@@ -272,7 +272,7 @@ class Run:
         """Whether this rank writes the run's files: rank 0, or the lowest live site (every
         site launched on its own: its folder is its own)."""
         if self.place.role is not None and self.place.role.alone:
-            return True
+            return self.place.site.part == 0  # the site's first rank
         members = self.membership.members if self.membership is not None else None
         if self.place.role is not None and members:
             return members[0] == self.place.role.site
@@ -335,10 +335,10 @@ def set_up(spec: RunSpec, role: SiteRole | None = None) -> Run:
         torch.set_num_threads(cfg.threads)
     owns_group = init_distributed(cfg.timeout_s, device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if role is not None:
-        rank, world = role.site, role.sites
+    if role is not None:  # its own world: this site's ranks (one, or a torchrun's of a site)
+        rank, world = role.site * world + rank, role.sites * world
     site = site_of(rank, world, cfg.ranks_per_worker)
-    owns_folder = rank == 0 or (role is not None and role.alone)
+    owns_folder = rank == 0 or (role is not None and role.alone and site.part == 0)
     if owns_folder:
         spec.out.mkdir(parents=True, exist_ok=True)
     corpus = load_corpus(cfg.data, tokenizer=cfg.tokenizer)
@@ -348,7 +348,7 @@ def set_up(spec: RunSpec, role: SiteRole | None = None) -> Run:
     vocab = max(corpus.vocab_size, 1)
     model = build_model(cfg.model, vocab_size=vocab, max_seq_len=max(cfg.seq_len, 1)).to(device)
     inner_meter = ByteMeter()
-    hsdp_meter = _shard_for_site(model, site, spec, device, inner_meter)
+    hsdp_meter = _shard_for_site(model, site, spec, device, inner_meter, elastic=role is not None)
     opt = torch.optim.AdamW(
         model.parameters(),
         lr=cfg.inner_lr,
@@ -371,13 +371,15 @@ def set_up(spec: RunSpec, role: SiteRole | None = None) -> Run:
 
 
 def _shard_for_site(
-    model: nn.Module, site: Site, spec: RunSpec, device: torch.device, meter: ByteMeter
-) -> ByteMeter | None:
+    model: nn.Module, site: Site, spec: RunSpec, device: torch.device, meter: ByteMeter,
+    elastic: bool = False,
+) -> ByteMeter | None:  # fmt: skip
     """FSDP2 inside a multi-rank worker (HSDP for per-step DDP); the HSDP meter, if any.
-    With DDP inside, only the mesh: the model is wrapped in wrap_for_strategy."""
+    With DDP inside, only the mesh: the model is wrapped in wrap_for_strategy. ``elastic``:
+    the world is this site's ranks alone (the membership joins the sites)."""
     if not site.sharded:
         return None
-    build_mesh(site, device)
+    build_mesh(site, device, replicas=1 if elastic else site.replicas)
     if spec.train.inner_parallel == "ddp":
         return None
     hsdp = spec.strategy.per_step

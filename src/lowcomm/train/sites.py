@@ -56,13 +56,14 @@ def site_of(rank: int, world: int, ranks_per_worker: int) -> Site:
     return Site(world // n, n, rank // n, rank % n)
 
 
-def build_mesh(site: Site, device: torch.device) -> None:
-    """The ("replicate", "shard") mesh of a multi-rank site (every rank calls this)."""
+def build_mesh(site: Site, device: torch.device, replicas: int | None = None) -> None:
+    """The ("replicate", "shard") mesh of a multi-rank site (every rank calls this);
+    ``replicas``: how many sites the world holds (1: an elastic site's world is its own)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     site.mesh = init_device_mesh(
         device.type,
-        (site.replicas, site.ranks_per_worker),
+        (site.replicas if replicas is None else replicas, site.ranks_per_worker),
         mesh_dim_names=("replicate", "shard"),
     )
 
