@@ -79,6 +79,20 @@ def unreachable(stores: dict[int, str], timeout_s: float) -> list[int]:
     return sorted(r for r, fine in ok.items() if not fine)
 
 
+def listening_store(host: str) -> tuple[dist.TCPStore, socket.socket]:
+    """A store this site hosts, listening on ``host`` alone (torch's own listens on every
+    interface); the socket it was handed must live as long as the store."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                          master_listen_fd=sock.fileno())  # fmt: skip
+    return store, sock
+
+
 class Unreachable(RuntimeError):
     """Members of a new group that this member could not reach (group ranks): dead, stopped,
     or cut off on the data plane. The commit vote carries them (see :func:`_unreached`)."""
@@ -88,10 +102,21 @@ class Unreachable(RuntimeError):
         self.ranks = ranks
 
 
-def gloo_group(store: Any, rank: int, size: int, timeout_s: float) -> dist.ProcessGroup:
-    """A gloo ProcessGroup on ``store`` that torch's default world does not need to know."""
+def gloo_group(
+    store: Any, rank: int, size: int, timeout_s: float, host: str = ""
+) -> dist.ProcessGroup:
+    """A gloo ProcessGroup on ``store`` that torch's default world does not need to know;
+    ``host``: the address its connections use (else gloo's default: GLOO_SOCKET_IFNAME, or
+    the address of this machine's name)."""
     timeout = timedelta(seconds=timeout_s)
-    backend = dist.ProcessGroupGloo(store, rank, size, timeout)
+    Gloo = dist.ProcessGroupGloo
+    if host:
+        options = Gloo._Options()
+        options._timeout = timeout
+        options._devices = [Gloo.create_device(hostname=host)]
+        backend = Gloo(store, rank, size, options)
+    else:
+        backend = Gloo(store, rank, size, timeout)
     group = dist.ProcessGroup(store, rank, size)
     group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)

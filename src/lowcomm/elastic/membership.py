@@ -51,7 +51,7 @@ from .decide import (
     step_of,
     without,
 )
-from .groups import arrive, gloo_group, group_name, store_of, unreachable
+from .groups import arrive, gloo_group, group_name, listening_store, store_of, unreachable
 from .link import Link
 from .site import SiteRanks
 
@@ -149,15 +149,18 @@ class Membership:
         secret = read_secret(elastic.secret_file)
         self.admission = Admission(elastic.site, elastic.run_id, secret, elastic.sites)
         atexit.register(self.close)  # groups aborted before torch tears itself down
+        # the address this site's data plane listens on and advertises (its store, and its
+        # gloo connections to the other sites); unset: loopback, gloo's own choice
+        self.host = os.environ.get("LOWCOMM_ADDR", "")
         self._store: dist.TCPStore | None = None
         self._link: Link | None = None
         self.store_address = ""
         if site is not None and not site.leads:
             return  # a site's other ranks: rank 0 hosts the store and talks to the lighthouse
-        # this site hosts a store; the groups of a quorum live on its first member's store
-        host = os.environ.get("LOWCOMM_ADDR", "127.0.0.1")
-        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        self.store_address = f"{host}:{self._store.port}"
+        # this site hosts a store, on its data-plane address alone; the groups of a quorum
+        # live on its first member's store
+        self._store, self._listening = listening_store(self.host or "127.0.0.1")
+        self.store_address = f"{self.host or '127.0.0.1'}:{self._store.port}"
         # heartbeats from now on; quorums wait out an outage
         self._link = Link(elastic, self.admission.seal)
 
@@ -473,7 +476,7 @@ class Membership:
         prefix = dist.PrefixStore(name, store)
         rank, size = view.rank_of(self.elastic.site), len(view.members)
         arrive(prefix, rank, size, self.elastic.connect_s)
-        group = gloo_group(prefix, rank, size, self.elastic.timeout_s)
+        group = gloo_group(prefix, rank, size, self.elastic.timeout_s, self.host)
         self._groups[key] = group
         return group
 

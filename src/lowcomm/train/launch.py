@@ -189,7 +189,8 @@ def _own_site(spec: RunSpec, on_checked: Callable[[], None] | None) -> dict[str,
     ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else 1
     if cfg.ranks_per_worker not in (1, ranks):
         raise ConfigError(
-            f"ranks_per_worker={cfg.ranks_per_worker} but this site has {ranks} ranks: a site "
+            f"ranks_per_worker={cfg.ranks_per_worker} but this site has {ranks} "
+            f"rank{'s' if ranks > 1 else ''}: a site "
             f"launched on its own is its torchrun world (--nproc-per-node {cfg.ranks_per_worker}"
             f"), or drop ranks_per_worker"
         )
