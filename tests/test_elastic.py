@@ -514,3 +514,16 @@ def test_the_fingerprint_tells_apart_what_a_joiner_must_share():
     assert fp(model_seed=1) == base  # the same shapes: weights come with the heal
     assert fp(state_device="cpu") == base
     assert len({base, fp(run_id="b"), fp(width=7), fp(preset="SparseLoCo"), fp(codec="int8")}) == 5
+
+
+def test_two_phase_is_refused_in_an_elastic_run_when_the_engine_is_made_with_the_reason():
+    """Before any group or lighthouse: its shards are cut for the starting size and owned."""
+    import torch.nn as nn
+
+    from lowcomm.config import ConfigError
+
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    elastic = lowcomm.Elastic(lighthouse="127.0.0.1:1", site=0, sites=2)
+    with pytest.raises(ConfigError, match="two-phase is not elastic: its payload is cut"):
+        lowcomm.DiLoCo(model, opt, elastic=elastic, reduce="two-phase", codec="int8")

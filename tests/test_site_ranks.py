@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,11 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lowcomm.bench.deployed import LOWCOMM, Deployment
 from lowcomm.elastic.membership import Membership
 from lowcomm.elastic.site import SiteRanks
 from lowcomm.errors import MembershipError
 
-LOWCOMM = [sys.executable, "-m", "lowcomm.cli"]
 TRAIN = ["train", "--strategy", "diloco", "--model", "tiny", "sync_every=10", "progress=false",
          "eval_every=0", "threads=1", "elastic=true", "heartbeat_timeout_s=1",
          "timeout_s=30"]  # fmt: skip
@@ -43,6 +42,15 @@ def _agree(rank: int, port: int, out: list) -> None:
     said.append(site.vote(rank == 0, blame, [rank + 4]))
     said.append(site.vote(True, None, []))
     said.append(site.worst(rank * 2))
+    import lowcomm
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:  # two ranks that do not say they are one site
+        lowcomm.DiLoCo(model, opt, elastic=lowcomm.Elastic(lighthouse="127.0.0.1:1", site=0,
+                                                           sites=2))  # fmt: skip
+    except lowcomm.ConfigError as err:
+        said.append(str(err).split(":")[0])
     out.append((rank, said))
     dist.destroy_process_group()
 
@@ -60,13 +68,14 @@ def test_a_sites_ranks_read_rank_0s_answers_and_vote_ok_only_if_all_completed():
         (False, (3, "bad payload"), [4, 5]),  # rank 1 failed: not ok; its blame; both unreached
         (True, None, []),
         2,
+        "elastic= in a process group of 2 ranks without mesh=",  # refused before any group
     ]
 
 
 def test_a_site_of_another_shape_is_refused_with_one_line():
     me = SimpleNamespace(ranks=2, elastic=SimpleNamespace(site=0))
     Membership._same_shape(me, {"site": 1, "ranks": 2})  # the same: fine
-    with pytest.raises(MembershipError, match="has 2 ranks but site 1 of the run has 1"):
+    with pytest.raises(MembershipError, match="has 2 ranks but site 1 of the run has 1 rank:"):
         Membership._same_shape(me, {"site": 1})  # a request without it: one rank
 
 
@@ -97,60 +106,15 @@ def test_sites_of_several_ranks_refuse_what_they_cannot_run(tmp_path, extra, env
 # --- as deployed: namespaces, one torchrun per site -------------------------------------------
 
 
-class Sites:
+def _sites(net, root: Path, sites: int, steps: int, extra: tuple = ()) -> Deployment:
     """A lighthouse in the switch's namespace and sites of 2 ranks, each in its own namespace
     (a "machine": its own address, its uplink shaped), each started by its own command."""
 
-    def __init__(self, net, root: Path, sites: int, steps: int) -> None:
-        from lowcomm.train.ports import free_port
+    def train(site: int, lighthouse: str) -> list[str]:
+        return [*TRAIN, "--steps", str(steps), f"sites={sites}", f"site={site}",
+                "min_workers=2", f"lighthouse={lighthouse}", *extra]  # fmt: skip
 
-        self.net, self.root, self.sites, self.steps = net, root, sites, steps
-        self.port = free_port(host="")
-        self.lighthouse = subprocess.Popen(
-            ["ip", "netns", "exec", net.switch, *LOWCOMM, "lighthouse", "--host",
-            net.switch_addr, "--port", str(self.port), "--timeout-s", "30",
-            "--heartbeat-timeout-s", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        assert "lowcomm: lighthouse at" in self.lighthouse.stdout.readline()
-        self.procs: dict[int, subprocess.Popen] = {}
-
-    def out(self, i: int) -> Path:
-        return self.root / f"site{i}"
-
-    def start(self, i: int) -> None:
-        """Site ``i``'s own command, as its machine would run it (the same to bring it back)."""
-        command = self.net.command(i, [
-            "env", f"LOWCOMM_ADDR={self.net.address(i)}", "GLOO_SOCKET_IFNAME=lo",
-            "torchrun", "--standalone", "--nproc-per-node", "2", "-m", "lowcomm.cli", *TRAIN,
-            "--steps", str(self.steps), f"sites={self.sites}", f"site={i}", "min_workers=2",
-            f"lighthouse={self.net.switch_addr}:{self.port}", "--out", str(self.out(i)),
-        ])  # fmt: skip
-        log = open(self.root / f"site{i}.{len(list(self.root.glob(f'site{i}.*.log')))}.log", "w")
-        self.procs[i] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-
-    def syncs(self, i: int) -> int:
-        path = self.out(i) / "sites" / f"site{i}.syncs.jsonl"
-        return len(path.read_text().splitlines()) if path.exists() else 0
-
-    def rank_pid(self, i: int, rank: int) -> int:
-        """The process of rank ``rank`` of site ``i`` (a child of its torchrun)."""
-        kids = subprocess.run(["pgrep", "-P", str(self.procs[i].pid)], capture_output=True,
-                              text=True).stdout.split()  # fmt: skip
-        for pid in kids:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            if f"RANK={rank}".encode() in env:
-                return int(pid)
-        raise AssertionError(f"no rank {rank} under site {i}'s torchrun ({kids})")
-
-    def close(self) -> None:
-        for p in self.procs.values():
-            p.kill()
-        self.lighthouse.send_signal(signal.SIGTERM)
-        self.lighthouse.communicate(timeout=30)
-
-    def log(self, i: int) -> str:
-        return "\n".join(p.read_text()[-3000:] for p in sorted(self.root.glob(f"site{i}.*.log")))
+    return Deployment(root, 2, train, net, timeout_s=30)
 
 
 @pytest.fixture
@@ -185,8 +149,10 @@ def test_sites_of_two_ranks_in_namespaces_lose_a_rank_leave_whole_and_come_back_
     """Rank 1 of site 2 is SIGKILLed after the site's third sync: torchrun stops the site's
     other rank, the whole site leaves and the two others go on; the same command brings it
     back: it joins the run and heals (each rank its own shard, admitted only when every
-    shard's digest agrees), and the three sites end with the same parameters."""
-    sites = Sites(network, tmp_path, sites=3, steps=300)
+    shard's digest agrees), and the three sites end with the same parameters. ``--replay`` of
+    the run, site 2 started again by the same command when it has left, repeats it bit for
+    bit."""
+    sites = _sites(network, tmp_path / "run", sites=3, steps=300)
     try:
         for i in range(3):
             sites.start(i)
@@ -207,6 +173,22 @@ def test_sites_of_two_ranks_in_namespaces_lose_a_rank_leave_whole_and_come_back_
     events = [json.loads(x) for x in (sites.out(0) / "membership.jsonl").read_text().splitlines()]
     assert events[0]["left"] == [2] and events[-1].get("joined") == [2], events
     assert events[-1]["heal_bytes"] > 0
+    record = sites.out(0) / "membership.jsonl"
+    again = _sites(network, tmp_path / "replay", sites=3, steps=300, extra=("--replay", record))
+    try:
+        for i in range(3):
+            again.start(i)
+        assert again.procs[2].wait(timeout=300) == 0, again.log(2)  # it left, as recorded
+        assert f"will leave after {events[0]['after']}" in again.log(2)
+        again.start(2)  # whoever brought it back then brings it back now
+        codes = [again.procs[i].wait(timeout=900) for i in range(3)]
+        assert codes == [0, 0, 0], [again.log(i) for i in range(3)]
+    finally:
+        again.close()
+    assert f"comes back at {events[-1]['at']}" in again.log(2)
+    replayed = _models([again.out(i) for i in range(3)])
+    assert all(_same(m, models[0]) for m in replayed)
+    assert (again.out(0) / "membership.jsonl").read_text().count('"joined": [2]') == 1
 
 
 @pytest.mark.slow
@@ -216,7 +198,7 @@ def test_two_sites_of_two_ranks_launched_per_site_equal_the_fixed_world_bit_for_
     """The same run two ways: two sites of 2 ranks, each its own torchrun in its own namespace
     under the lighthouse; and one fixed world of 2 workers x 2 ranks (``--workers 2
     ranks_per_worker=2``, no membership): the same parameters, bit for bit."""
-    sites = Sites(network, tmp_path, sites=2, steps=40)
+    sites = _sites(network, tmp_path, sites=2, steps=40)
     try:
         for i in range(2):
             sites.start(i)

@@ -263,7 +263,10 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seeds", default="0-39", help="A-B or a comma list")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--rounds", default=",".join(ROUNDS))
-    p.add_argument("--sites", type=int, default=4)
+    p.add_argument("--sites", type=int, default=None, help="4 (3 with --ranks above 1)")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="above 1: sites of this many ranks, each its own torchrun, faults done "
+                   "from outside (see lowcomm.bench.chaos_sites)")  # fmt: skip
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--limit", type=float, default=240.0, help="seconds before a run is a hang")
     p.add_argument("--out", default="runs/bench-chaos")
@@ -277,6 +280,12 @@ def main(argv: list[str]) -> int:
     """Run every seed's schedule one at a time; a line per run; exit 1 on any violation."""
     a = _args(argv)
     methods, rounds = a.methods.split(","), a.rounds.split(",")
+    if a.ranks > 1:  # sites as deployed: lock-step (quorum rounds are one rank per site)
+        from . import chaos_sites
+
+        return chaos_sites.main(_seeds(a.seeds), methods, a.sites or 3, a.ranks, a.steps,
+                                a.limit, Path(a.out), a.dry_run)  # fmt: skip
+    a.sites = a.sites or 4
     unknown = sorted(set(methods) - set(METHODS)) + sorted(set(rounds) - set(ROUNDS))
     if unknown:
         raise SystemExit(f"lowcomm bench chaos: unknown {unknown}: use {list(METHODS)}, {ROUNDS}")

@@ -16,7 +16,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return run(args)
 
 
-BENCHES = ("codecs", "overhead", "sync", "elastic", "heal", "stragglers", "chaos", "attacks")
+BENCHES = (
+    "codecs",
+    "overhead",
+    "sync",
+    "elastic",
+    "sites",
+    "heal",
+    "stragglers",
+    "chaos",
+    "attacks",
+)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -239,8 +239,8 @@ def _check_own_site(t: Any) -> None:
         )
     if not 0 <= t.site < t.sites:
         raise ConfigError(f"site={t.site} must be in [0, sites={t.sites}): give sites=S")
-    if t.site_link or t.faults or t.replay:
+    if t.site_link or t.faults:
         raise ConfigError(
-            "site= runs one site as deployed: site_link=, --faults and --replay are the local "
-            "launcher's (kill a site from its own shell instead)"
+            "site= runs one site as deployed: site_link= and --faults are the local launcher's "
+            "(kill a site from its own shell instead)"
         )

@@ -206,7 +206,7 @@ class Membership:
         view = self._member_view(tag, ok, phase, ready)
         # a commit vote is never asked again: an attempt's vote among fewer sites fails it, and
         # the next attempt's quorum (which may admit a joiner) is the one that must be enough
-        patience = Patience(self.elastic, self._excluded_inc, retry)
+        patience = Patience(self.elastic, self._excluded_inc, retry, tag in self.elastic.heal_at)
         while phase == "sync" and patience.more(view):
             log.debug("site %d: %s quorum of %s: not yet; asking again", self.elastic.site, tag,
                       view.members)  # fmt: skip
@@ -401,8 +401,8 @@ class Membership:
         theirs = as_int(d.get("ranks", 1))
         if theirs != self.ranks:
             raise MembershipError(
-                f"site {self.elastic.site} has {self.ranks} ranks but site {d['site']} of the "
-                f"run has {theirs}: every site of a run needs the same number of ranks "
+                f"site {self.elastic.site} has {_ranks(self.ranks)} but site {d['site']} of "
+                f"the run has {_ranks(theirs)}: every site of a run needs the same number of ranks "
                 f"(torchrun --nproc-per-node) and the same sharding"
             )
 
@@ -519,16 +519,23 @@ class Patience:
     it whose store still answers (alive: a dead site's refuses, a cut one's does not answer)
     is missing, for the failed attempt's deadline: a member that fails a collective later
     than the others (still waiting on a dead peer) asks a moment after they did, and a
-    quorum without it would leave it out of the run (chaos seed 140)."""
+    quorum without it would leave it out of the run (chaos seed 140). ``heal``: a replay's
+    sync where a site joined in the recorded run: asked again until a joiner is admitted, for
+    ``timeout_s`` (its command may be started again a moment later than the others got there)."""
 
-    def __init__(self, elastic: Elastic, excluded: dict[int, str], retry: Retry | None) -> None:
+    def __init__(
+        self, elastic: Elastic, excluded: dict[int, str], retry: Retry | None, heal: bool = False
+    ) -> None:
         self.elastic, self.excluded, self.retry = elastic, excluded, retry
         self._until: float | None = None
         self._awaiting: float | None = None
+        self._heal: float | None = time.monotonic() + elastic.timeout_s if heal else None
 
     def more(self, view: View) -> bool:
         """Whether to ask again after ``view``."""
         now, retry = time.monotonic(), self.retry
+        if self._heal is not None and not view.joiners and now < self._heal:
+            return True
         split = list(retry.members) if retry is not None and retry.split else None
         if ask_again(view, self.excluded, self.elastic.min_workers, split):
             self._until = self._until or now + self.elastic.timeout_s
@@ -542,6 +549,10 @@ class Patience:
 
 
 _PROBE_S = 0.5  # a live member's store answers at once, a cut one's never
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" + ("s" if n != 1 else "")
 
 
 def check_rounds(rounds: str, quorum: int, grace: float, late: str, sites: int) -> None:

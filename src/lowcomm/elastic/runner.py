@@ -316,8 +316,9 @@ class Runner:
     def _leave(self, tag: str) -> None:
         """Replay: this site left here in the recorded run; it leaves the same way, at once
         (its heartbeat stops, so the others go on without it from the next sync)."""
-        print(f"lowcomm: replay: site {self._site} leaves before {tag}, after "
-              f"{self._last_tag}, as in the recorded run", flush=True)  # fmt: skip
+        if self.membership.position == 0:  # a site of several ranks says it once
+            print(f"lowcomm: replay: site {self._site} leaves before {tag}, after "
+                  f"{self._last_tag}, as in the recorded run", flush=True)  # fmt: skip
         self.membership.close()
         os._exit(0)
 

@@ -127,8 +127,6 @@ class Placement:
         """With membership, what runs each sync on the live quorum (None without)."""
         if self.membership is None:
             return None
-        if aggregator.method == "two-phase":
-            raise ConfigError("reduce=two-phase is not elastic yet: use reduce=gather or auto")
         from ..elastic import Runner
 
         runner = Runner(self.membership, transport.meter, buffers.meter, transport.delay_s)
@@ -176,6 +174,15 @@ def check_mesh(mesh: Any, process_group: Any) -> None:
             "'replicate', e.g. init_device_mesh('cpu', (workers, ranks_per_worker), "
             "mesh_dim_names=('replicate', 'shard'))"
         )
+
+
+# why two-phase stays out of elastic runs (said by the engine and the CLI alike)
+TWO_PHASE_ELASTIC = (
+    "reduce=two-phase is not elastic: its payload is cut into one shard per member of the run's "
+    "starting size and each owner re-encodes its shard with compensation state of its own, so "
+    "a change of members would have to re-encode (a retry resends the same bytes) and move "
+    "that state: use reduce=gather (or auto)"
+)
 
 
 def check_site_mesh(mesh: Any, process_group: Any) -> None:

@@ -33,6 +33,7 @@ from ..elastic.faults import (
 )
 from ..elastic.membership import check_rounds
 from ..elastic.rounds import LIGHTHOUSE_JOIN_S
+from ..engine.placement import TWO_PHASE_ELASTIC
 from ..errors import LowCommError
 from .entry import error_file, run_entry, user_errors
 from .join_site import RUN_FILE, run_site, write_run_file
@@ -100,10 +101,7 @@ def check_elastic(spec: RunSpec, workers: int) -> None:
             "shard, and they could differ): drop evict, offenders are still named"
         )
     if spec.sync.resolved_reduce == "two-phase":  # (the engine refuses it too, for own loops)
-        raise ConfigError(
-            "reduce=two-phase is not elastic yet: each shard's sum is owned by a group rank, "
-            "and a site that leaves mid-sync takes its shards' sums with it: use reduce=gather"
-        )
+        raise ConfigError(TWO_PHASE_ELASTIC)
     if cfg.min_workers > workers:
         raise ConfigError(f"min_workers={cfg.min_workers} is more than --workers {workers}")
     if cfg.rounds == "quorum":

@@ -12,15 +12,19 @@ import re
 import sys
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import ConfigError, TrainConfig
 from ..errors import LowCommError
-from .elastic import SitesFailed, check_elastic, run_sites
+from .elastic import SitesFailed, check_elastic, replay_joins, replay_leaves, run_sites
 from .entry import error_file, run_entry, user_errors
 from .ports import check_port, free_port
 from .spec import RunSpec
+
+if TYPE_CHECKING:
+    from .site_role import SiteRole
 
 
 class LaunchError(RuntimeError):
@@ -209,7 +213,37 @@ def _own_site(spec: RunSpec, on_checked: Callable[[], None] | None) -> dict[str,
               f"whether the run is going (it starts with the others, or joins and heals)",
               flush=True)  # fmt: skip
     role = SiteRole(cfg.site, cfg.sites, cfg.lighthouse, alone=True)
+    if cfg.replay:
+        role = _replayed_site(role, spec)
     return run_site(role, spec)
+
+
+def _replayed_site(role: SiteRole, spec: RunSpec) -> SiteRole:
+    """A site launched on its own re-enacting a recorded run (``--replay``, any site's
+    membership.jsonl of it): it leaves where it left then, and its command run again into the
+    same folder (which then holds its unfinished run) brings it back at the sync where it
+    joined then. Whoever restarted it then (an operator, a scheduler) restarts it now."""
+    cfg = spec.train
+    leaves, joins = replay_leaves(cfg.replay, cfg.sites), replay_joins(cfg.replay, cfg.sites)
+    heal_at = tuple(joins.values())  # every site offers a heal where one joined
+    back = (spec.out / "metrics.jsonl").exists()
+    say = int(os.environ.get("RANK", "0")) == 0
+    if back:
+        if cfg.site not in joins:
+            raise ConfigError(
+                f"--replay {cfg.replay}: site {cfg.site} did not come back in the recorded run, "
+                f"but --out {spec.out} holds its unfinished run: give a fresh --out"
+            )
+        if say:
+            print(f"lowcomm: replay: site {cfg.site} comes back at {joins[cfg.site]}, as in "
+                  f"the recorded run", flush=True)  # fmt: skip
+        return replace(role, join=True, join_at=joins[cfg.site], heal_at=heal_at)
+    if cfg.site in leaves and say:
+        again = f"; run this command again to bring it back at {joins[cfg.site]}" if (
+            cfg.site in joins) else ""  # fmt: skip
+        print(f"lowcomm: replay: site {cfg.site} will leave after {leaves[cfg.site]} as in the "
+              f"recorded run{again}", flush=True)  # fmt: skip
+    return replace(role, leave_after=leaves.get(cfg.site, ""), heal_at=heal_at)
 
 
 def _under_torchrun(spec: RunSpec, on_checked: Callable[[], None] | None) -> dict[str, Any] | None:
