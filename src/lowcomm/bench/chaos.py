@@ -209,15 +209,17 @@ def check(sched: Schedule, out: Path, code: int | None, wall_s: float, limit: fl
 
 
 def _split(out: Path) -> str:
-    """'' when every site that logged a step logged the same global copy there."""
-    by_step: dict[int, dict[str, str]] = {}
+    """'' when every site that logged a step logged the same global copy there (in sites of
+    several ranks, each shard the same as the same rank's in every other site)."""
+    by_step: dict[tuple[int, str], dict[str, str]] = {}
     for f in sorted((out / "sites").glob("site*.syncs.jsonl")):
+        site, _, shard = f.name.removesuffix(".syncs.jsonl").partition(".")
         for line in f.read_text().splitlines():
             rec = json.loads(line)
-            by_step.setdefault(int(rec["step"]), {})[f.name.split(".")[0]] = rec["theta"]
-    for step in sorted(by_step):
-        if len(set(by_step[step].values())) > 1:
-            return f"at step {step}: {by_step[step]}"
+            by_step.setdefault((int(rec["step"]), shard), {})[site] = rec["theta"]
+    for step, shard in sorted(by_step):
+        if len(set(by_step[step, shard].values())) > 1:
+            return f"at step {step}{' (' + shard + ')' if shard else ''}: {by_step[step, shard]}"
     if not by_step:
         return "no site logged a sync"
     return ""

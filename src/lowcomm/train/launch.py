@@ -198,6 +198,11 @@ def _own_site(spec: RunSpec, on_checked: Callable[[], None] | None) -> dict[str,
             f"launched on its own is its torchrun world (--nproc-per-node {cfg.ranks_per_worker}"
             f"), or drop ranks_per_worker"
         )
+    if ranks > 1 and cfg.checkpoint_every:
+        raise ConfigError(
+            "checkpoint_every= with several ranks per site is not built (a site that comes "
+            "back heals from the live sites instead): drop it, or give one rank per site"
+        )
     if ranks > 1:  # the site's ranks are its torchrun world: FSDP2 (or DDP) inside it
         spec.train.ranks_per_worker = ranks
         spec.strategy.check(spec.sync, cfg, spec.resume)

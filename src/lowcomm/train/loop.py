@@ -103,7 +103,8 @@ def _train_loop(run: Run, faults: Any, log: RunLog, fresh: bool) -> None:
     run.progress.loop_started = time.perf_counter()
     synclog = None
     if role is not None and not run.spec.strategy.peer:  # a peer's engine has no global copy
-        synclog = SyncLog(run.spec.out, replica, run.comm.engine, fresh and not _healed(run))
+        synclog = SyncLog(run.spec.out, replica, run.comm.engine, fresh and not _healed(run),
+                          run.place.site.part)  # fmt: skip
     while step <= steps:
         act(faults, replica, step, run.spec.out)
         started, synced = time.perf_counter(), _sync_s(run)
@@ -324,7 +325,7 @@ def summarize(run: Run, log: RunLog) -> RunSummary | None:
         starting = run.place.role.starting if run.place.role is not None else 0
         record_membership(
             events,
-            run.place.world,
+            run.place.site.replicas,  # the sites (a site of several ranks counts once)
             run.spec.train.steps,
             per_step,
             run.spec.out,

@@ -15,11 +15,14 @@ if TYPE_CHECKING:
 
 
 class SyncLog:
-    """Appends ``{"step", "syncs", "theta"}`` whenever the engine's sync count grew."""
+    """Appends ``{"step", "syncs", "theta"}`` whenever the engine's sync count grew. In a site
+    of several ranks each rank logs its own shard (``siteN.rankR.syncs.jsonl`` beside rank 0's
+    ``siteN.syncs.jsonl``): a checker compares each shard with the same rank's elsewhere."""
 
-    def __init__(self, out: Path, site: int, engine: LowComm, fresh: bool) -> None:
+    def __init__(self, out: Path, site: int, engine: LowComm, fresh: bool, rank: int = 0) -> None:
         self.engine = engine
-        self.path = out / "sites" / f"site{site}.syncs.jsonl"
+        self.path = out / "sites" / (f"site{site}.rank{rank}" if rank else f"site{site}")
+        self.path = self.path.with_name(self.path.name + ".syncs.jsonl")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if fresh:  # a new run into a used folder: an older run's records are not this run's
             self.path.unlink(missing_ok=True)
