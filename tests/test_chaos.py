@@ -83,3 +83,20 @@ def test_a_sites_sync_record_belongs_to_one_run_and_matches_the_replica_checksum
     assert int(rec["theta"], 16) == checksum(frag.global_flat)
     SyncLog(tmp_path, 1, engine, fresh=False)  # a resume or a joiner keeps the record
     assert old.read_text().count("\n") == 1
+
+
+def test_the_checker_compares_each_shard_of_sites_of_several_ranks_with_the_same_ranks(tmp_path):
+    """Rank 0 and rank 1 of a site hold different shards: never a split between them; a shard
+    that differs from the same rank's shard of another site is."""
+    from lowcomm.bench.chaos import _split
+
+    for site in (0, 1):
+        _site(tmp_path, site, {10: "a", 20: "b"})  # rank 0's shard
+        (tmp_path / "sites" / f"site{site}.rank1.syncs.jsonl").write_text(
+            json.dumps({"step": 10, "syncs": 1, "theta": "x"}) + "\n"
+        )  # rank 1's: another shard
+    assert _split(tmp_path) == ""
+    (tmp_path / "sites" / "site1.rank1.syncs.jsonl").write_text(
+        json.dumps({"step": 10, "syncs": 1, "theta": "y"}) + "\n"
+    )
+    assert _split(tmp_path).startswith("at step 10 (rank1)")
