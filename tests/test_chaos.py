@@ -88,7 +88,7 @@ def test_a_sites_sync_record_belongs_to_one_run_and_matches_the_replica_checksum
 def test_the_checker_compares_each_shard_of_sites_of_several_ranks_with_the_same_ranks(tmp_path):
     """Rank 0 and rank 1 of a site hold different shards: never a split between them; a shard
     that differs from the same rank's shard of another site is."""
-    from lowcomm.bench.chaos import _split
+    from lowcomm.bench.records import split as _split
 
     for site in (0, 1):
         _site(tmp_path, site, {10: "a", 20: "b"})  # rank 0's shard

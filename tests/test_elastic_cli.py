@@ -481,7 +481,7 @@ def test_a_healer_killed_inside_the_hand_over_costs_the_joiner_one_more_ask(tmp_
     dies after the joiner learnt the state's size and before the state came. The member left
     retries the sync without it, the joiner asks again and heals from site 1, and the two go on
     to the end, their global copies the same after every sync (their own records)."""
-    from lowcomm.bench.chaos import _split
+    from lowcomm.bench.records import split as _split
 
     out = tmp_path / "run"
     faults = "kill:2@25,join:2@45,healer:0@40"

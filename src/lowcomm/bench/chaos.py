@@ -45,6 +45,7 @@ from typing import Any
 
 from .. import strategies
 from ..elastic import faults
+from . import records
 
 TRAIN = [sys.executable, "-m", "lowcomm.cli", "train"]
 METHODS = {
@@ -194,7 +195,7 @@ def check(sched: Schedule, out: Path, code: int | None, wall_s: float, limit: fl
         broken.append(f"bounded: still running after {limit:g} s (killed)")
     elif code != 0 and sched.sites - sched.lost >= MIN_WORKERS:
         broken.append(f"no needless stop: exit {code} with {sched.sites - sched.lost} able sites")
-    split = _split(out)
+    split = records.split(out)
     if split:
         broken.append(f"no split: {split}")
     summary = out / "summary.json"
@@ -206,23 +207,6 @@ def check(sched: Schedule, out: Path, code: int | None, wall_s: float, limit: fl
         if not 0 < tokens <= most:
             broken.append(f"accounted: tokens {tokens} outside (0, {most}]")
     return broken
-
-
-def _split(out: Path) -> str:
-    """'' when every site that logged a step logged the same global copy there (in sites of
-    several ranks, each shard the same as the same rank's in every other site)."""
-    by_step: dict[tuple[int, str], dict[str, str]] = {}
-    for f in sorted((out / "sites").glob("site*.syncs.jsonl")):
-        site, _, shard = f.name.removesuffix(".syncs.jsonl").partition(".")
-        for line in f.read_text().splitlines():
-            rec = json.loads(line)
-            by_step.setdefault((int(rec["step"]), shard), {})[site] = rec["theta"]
-    for step, shard in sorted(by_step):
-        if len(set(by_step[step, shard].values())) > 1:
-            return f"at step {step}{' (' + shard + ')' if shard else ''}: {by_step[step, shard]}"
-    if not by_step:
-        return "no site logged a sync"
-    return ""
 
 
 def run_one(sched: Schedule, out: Path, limit: float) -> dict[str, Any]:

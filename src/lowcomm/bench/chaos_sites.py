@@ -18,7 +18,6 @@ what each site recorded in its own folder, as :mod:`.chaos` does, and also:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import random
@@ -29,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import records
 from .deployed import Deployment
 
 METHODS = {"diloco": [], "streaming": ["fragments=2", "overlap=1"], "sparseloco": [], "co2": []}
@@ -163,8 +163,6 @@ def run_one(sched: SitesSchedule, out: Path, limit: float) -> dict[str, Any]:
 
 def check(sched: SitesSchedule, out: Path, codes: dict[int, int | None], limit: float) -> list:
     """The invariants this deployed run broke (empty: none), from the sites' own folders."""
-    from .chaos import _split
-
     broken = []
     hit = {f["site"] for f in sched.faults if f["kind"] != "lighthouse"}
     for s, code in codes.items():
@@ -180,10 +178,12 @@ def check(sched: SitesSchedule, out: Path, codes: dict[int, int | None], limit: 
     for s in range(sched.sites):
         for f in (out / f"site{s}" / "sites").glob("site*.syncs.jsonl"):
             shutil.copy(f, merged / "sites" / f.name)
-    split = _split(merged)
+    split = records.split(merged)
     if split:
         broken.append(f"no split: {split}")
-    ends = {s: _digest(out / f"site{s}" / "model.pt") for s, c in codes.items() if c == 0}
+    ends = {
+        s: records.model_digest(out / f"site{s}" / "model.pt") for s, c in codes.items() if c == 0
+    }
     if len(set(ends.values())) > 1:
         broken.append(f"same end: the finished sites' models differ {ends}")
     most = (sched.steps * BATCH * SEQ) * sched.sites
@@ -198,18 +198,6 @@ def check(sched: SitesSchedule, out: Path, codes: dict[int, int | None], limit: 
 
 def _again(sched: SitesSchedule, site: int) -> bool:
     return any(f["kind"] == "rejoin" and f["site"] == site for f in sched.faults)
-
-
-def _digest(path: Path) -> str:
-    import torch
-
-    if not path.exists():
-        return "missing"
-    state = torch.load(path, weights_only=True)
-    h = hashlib.sha256()
-    for k in sorted(state):
-        h.update(k.encode() + state[k].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:12]
 
 
 def main(seeds: list[int], methods: list[str], sites: int, ranks: int, steps: int,

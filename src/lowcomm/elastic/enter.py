@@ -15,13 +15,21 @@ from __future__ import annotations
 import time
 
 from ..errors import MembershipError
-from .decide import View, run_tag
+from .decide import View, attempt_of, run_tag
 from .membership import Membership
 
 
 def enter(m: Membership) -> tuple[View, str] | None:
     """None: start the run with the others (:meth:`Membership.start`); else the view and the
-    sync that admit this site into the running run (it heals there)."""
+    sync that admit this site into the running run (it heals there). A site of several ranks
+    asks on its rank 0; every rank gets the answer."""
+    admitted = m.lead(lambda: _enter(m))
+    if admitted is not None:
+        m.generation = attempt_of(admitted[0])  # as every member reads it
+    return admitted
+
+
+def _enter(m: Membership) -> tuple[View, str] | None:
     e = m.elastic
     deadline = time.monotonic() + e.timeout_s
     while True:

@@ -39,8 +39,6 @@ from .admission import Admission, read_secret
 from .decide import (
     View,
     admit,
-    admits,
-    admitted_at,
     as_int,
     ask_again,
     asking,
@@ -48,10 +46,10 @@ from .decide import (
     exclusion,
     in_sync,
     run_tag,
-    step_of,
     without,
 )
 from .groups import arrive, gloo_group, group_name, listening_store, store_of, unreachable
+from .joining import Joining
 from .link import Link
 from .site import SiteRanks
 
@@ -123,8 +121,9 @@ class Elastic:
         return f"site{self.site:04d}"
 
 
-class Membership:
-    """This site's membership: heartbeats, quorums, the commit vote and each quorum's group."""
+class Membership(Joining):
+    """This site's membership: heartbeats, quorums, the commit vote and each quorum's group
+    (the joiner's side: :class:`.joining.Joining`)."""
 
     def __init__(
         self, elastic: Elastic, fingerprint: str = "", site: SiteRanks | None = None
@@ -189,10 +188,10 @@ class Membership:
         def ask() -> tuple[View, bool]:
             return self._quorum(tag, ok, phase, ready, blame, unreached, retry), self.joiner_waiting
 
-        view, self.joiner_waiting = self._lead(ask)
+        view, self.joiner_waiting = self.lead(ask)
         return view
 
-    def _lead(self, fn: Callable[[], T]) -> T:
+    def lead(self, fn: Callable[[], T]) -> T:
         """``fn()`` here, or for a site of several ranks on its rank 0, every rank getting
         its result (see :meth:`.site.SiteRanks.lead`)."""
         return fn() if self.site is None else self.site.lead(fn)
@@ -233,76 +232,24 @@ class Membership:
                             self.elastic.site, d["site"], d.get("fp"))  # fmt: skip
         return admit(view, self.fingerprint, tag, phase)
 
-    def enter(self) -> tuple[View, str] | None:
-        """A site launched on its own: None to start the run with the others, else the view
-        and sync that admit it into the running run (see :mod:`.enter`)."""
-        from .enter import enter
-
-        admitted = self._lead(lambda: enter(self))
-        if admitted is not None:
-            self.generation = attempt_of(admitted[0])  # as every member reads it
-        return admitted
-
     def join(self, first: View | None = None) -> tuple[View, str]:
         """A joining site: ask until the run admits it at a sync; that view and the sync's tag.
         Raises MembershipError, before any model state moves, when the run's settings differ
         or no other site has been alive for ``timeout_s``. ``first``: a quorum this site has
         already asked for as a joiner (see :func:`~.enter.enter`), read first: the members may
         have admitted it there, and a view passed over would leave them waiting at its group."""
-        view, tag = self._lead(lambda: self._join(first))
+        view, tag = self.lead(lambda: self._join(first))
         self.generation = attempt_of(view)  # as every member reads it
         return view, tag
-
-    def _join(self, first: View | None) -> tuple[View, str]:
-        """:meth:`join` of this process (a site's rank 0)."""
-        alone_since: float | None = None
-        while True:
-            asked = time.monotonic()
-            view, first = (first, None) if first is not None else (self._ask_to_join(), None)
-            old = [d for d in view.data if not d.get("join")] if view else []
-            if not old:
-                alone_since = self._alone(asked, alone_since, answered=view is not None)
-                continue
-            ref = old[0]
-            self._same_shape(ref)
-            if ref.get("fp") != self.fingerprint:
-                raise MembershipError(
-                    f"site {self.elastic.site} was refused by the run: its settings differ "
-                    f"(run id, model, strategy or codec: {self.fingerprint} vs the run's "
-                    f"{ref.get('fp')}); start it with the run's settings"
-                )
-            admitted, ref = admitted_at(view, self.fingerprint)
-            if admits(admitted, self.elastic.site, self.elastic.min_workers):
-                return admitted, ref["tag"]
 
     def rejoin(self, tag: str) -> View | None:
         """A site that missed a sync (rounds=quorum) asks back in at ``tag``: the view that
         admits it there, to heal from; None when the others have already gone past ``tag``
         (it missed this one too)."""
-        view = self._lead(lambda: self._rejoin(tag))
+        view = self.lead(lambda: self._rejoin(tag))
         if view is not None:
             self.generation = attempt_of(view)  # as every member reads it
         return view
-
-    def _rejoin(self, tag: str) -> View | None:
-        step = step_of(tag)
-        self._join_at = tag
-        alone_since: float | None = None
-        try:
-            while True:
-                asked = time.monotonic()
-                view = self._ask_to_join()
-                old = [d for d in view.data if not d.get("join")] if view else []
-                if view is None or not old:  # the others gone (the run over) stops it here
-                    alone_since = self._alone(asked, alone_since, view is not None, tag)
-                    continue
-                admitted, ref = admitted_at(view, self.fingerprint)
-                if admits(admitted, self.elastic.site, self.elastic.min_workers):
-                    return admitted
-                if step_of(ref["tag"]) > step:
-                    return None
-        finally:
-            self._join_at = ""
 
     @property
     def store(self) -> dist.TCPStore:
@@ -310,41 +257,6 @@ class Membership:
         hints of quorum rounds (:mod:`.rounds`); a site's rank 0 only."""
         assert self._store is not None, "a site's other ranks host no store"
         return self._store
-
-    def _ask_to_join(self) -> View | None:
-        """One quorum as a joiner; None when it timed out (the run's sites are alive but
-        between syncs: the lighthouse holds a lone joiner until they ask)."""
-        asked = time.monotonic()
-        try:  # read as the members read their quorum: their votes are no members (see asking)
-            view = self._ask("join", True, "join", join=True, ready=False)
-            return asking(view, run_tag(view) or "")
-        except MembershipError:
-            if time.monotonic() - asked < self.elastic.timeout_s:
-                raise  # at once: the lighthouse is gone
-            return None
-
-    def _alone(
-        self, asked: float, since: float | None, answered: bool, back_at: str = ""
-    ) -> float | None:
-        """Only joiners asked. The lighthouse answers a lone joiner at once only when no other
-        site beats (the run is over, or not on this lighthouse): give up after ``timeout_s``
-        of that. Returns since when this joiner has been alone (None: others are alive).
-        ``back_at``: a site asking back in at that sync (it missed the one before)."""
-        e = self.elastic
-        now = time.monotonic()
-        since = (since or asked) if answered and now - asked < e.timeout_s / 2 else None
-        if since is not None and now - since > e.timeout_s:
-            if back_at:
-                raise MembershipError(
-                    f"site {e.site} missed a sync and asked back in at {back_at}, but no other "
-                    f"site has been in the run for {e.timeout_s:g} s (it is over): it stops here"
-                )
-            raise MembershipError(
-                f"site {e.site} found no run to join at {e.lighthouse} (run id {e.run_id}): "
-                f"start it while the run is going"
-            )
-        time.sleep(e.heartbeat_s)
-        return since
 
     def _ask(self, tag: str, ok: bool, phase: str, join: bool, ready: bool) -> View:
         e = self.elastic

@@ -20,7 +20,7 @@ from ..schedule import Schedule
 from .build import check_arguments, resolve_fragments, trainable_params
 from .join import check_healed_at, join_run, rejoin
 from .merge import make_merge
-from .placement import TWO_PHASE_ELASTIC, Placement
+from .placement import Placement, check_elastic_config
 from .quorum import cut_short, in_round
 from .send import counted, send
 from .state import RunState, StatePart
@@ -78,8 +78,7 @@ class LowComm:
         check_arguments(model, inner_optimizer, config, timeout_s, overrides)
         self._placement = Placement(model, process_group, mesh, float(timeout_s), elastic)
         self.config = dataclasses.replace(config or SyncConfig(), **overrides)
-        if elastic is not None and self.config.resolved_reduce == "two-phase":
-            raise ConfigError(TWO_PHASE_ELASTIC)
+        check_elastic_config(self.config, elastic, mesh)
         self.model, self.inner_optimizer = model, inner_optimizer
         self._by_name = trainable_params(model, inner_optimizer)
         self.fragment_names = resolve_fragments(model, self.config, fragment_modules)

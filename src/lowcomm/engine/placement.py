@@ -71,7 +71,9 @@ class Placement:
             if self.elastic.join:
                 admitted = self.membership.join()
             elif self.elastic.enter:  # launched on its own: the lighthouse says start or join
-                admitted = self.membership.enter()
+                from ..elastic.enter import enter
+
+                admitted = enter(self.membership)
             if admitted is not None:
                 self.admission = admitted
                 view = admitted[0]
@@ -183,6 +185,17 @@ TWO_PHASE_ELASTIC = (
     "a change of members would have to re-encode (a retry resends the same bytes) and move "
     "that state: use reduce=gather (or auto)"
 )
+
+
+def check_elastic_config(config: Any, elastic: Elastic | None, mesh: Any) -> None:
+    """Sync settings an elastic run cannot have, refused when the engine is made."""
+    if elastic is not None and config.resolved_reduce == "two-phase":
+        raise ConfigError(TWO_PHASE_ELASTIC)
+    if elastic is not None and mesh is not None and config.evict:
+        raise ConfigError(
+            "evict=True with several ranks per site is not built (each rank judges only its "
+            "own shard, and they could differ): drop evict, offenders are still named"
+        )
 
 
 def check_site_mesh(mesh: Any, process_group: Any) -> None:
