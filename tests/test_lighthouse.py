@@ -31,7 +31,6 @@ def _bare(site: int = 0, fingerprint: str = "fp") -> Membership:
     m = object.__new__(Membership)
     m.elastic = Elastic(lighthouse="http://nowhere:1", site=site, sites=2)
     m.fingerprint, m._refused, m._store, m._groups = fingerprint, set(), object(), {}
-    m.site, m.ranks, m.position, m.host = None, 1, 0, ""  # a site of one process
     return m
 
 

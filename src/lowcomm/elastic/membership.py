@@ -125,6 +125,11 @@ class Membership(Joining):
     """This site's membership: heartbeats, quorums, the commit vote and each quorum's group
     (the joiner's side: :class:`.joining.Joining`)."""
 
+    # a site of one process (set per instance for a site of several ranks: see __init__)
+    site: SiteRanks | None = None
+    ranks, position, host = 1, 0, ""
+    joiner_waiting = False  # a site with this run's settings asked to join, last quorum
+
     def __init__(
         self, elastic: Elastic, fingerprint: str = "", site: SiteRanks | None = None
     ) -> None:
