@@ -106,3 +106,24 @@ def test_a_site_launched_on_its_own_without_what_it_needs_is_refused_with_one_li
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 2 and says in done.stderr, done.stderr[-1000:]
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_replay_refuses_to_bring_back_a_site_that_never_came_back_with_one_line(tmp_path):
+    """--replay with site=: a folder holding this site's unfinished run means its command is
+    run again, which the recorded run must show (here only site 1 left and came back)."""
+    record = tmp_path / "membership.jsonl"
+    record.write_text(
+        json.dumps({"at": "sync@30", "after": "sync@20", "last_step": 20, "left": [1],
+                    "members": [0, 2], "resync_s": 0.1}) + "\n"
+        + json.dumps({"at": "sync@60", "after": "sync@50", "last_step": 50, "left": [],
+                      "members": [0, 1, 2], "resync_s": 0.1, "joined": [1]}) + "\n"
+    )  # fmt: skip
+    out = tmp_path / "site0"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")  # this site's unfinished run
+    done = subprocess.run([*LOWCOMM, *SITE, "site=0", "lighthouse=127.0.0.1:1", "--replay",
+                           str(record), "--out", str(out)], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stderr[-1000:]
+    assert "site 0 did not come back in the recorded run" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
