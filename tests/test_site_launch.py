@@ -127,3 +127,26 @@ def test_a_replay_refuses_to_bring_back_a_site_that_never_came_back_with_one_lin
     assert done.returncode == 2, done.stderr[-1000:]
     assert "site 0 did not come back in the recorded run" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_two_sites_launched_on_their_own_train_to_the_same_model(tmp_path):
+    """The default suite's case of one launch per site (one rank each, no fault): two
+    commands, two folders, the lighthouse between them; both end with the same parameters and
+    write their own summary."""
+    lighthouse, port = _lighthouse()
+    outs = [tmp_path / f"site{i}" for i in range(2)]
+    short = [a if a != "240" else "30" for a in SITE if a != "sites=3"] + ["sites=2"]
+    try:
+        procs = [subprocess.Popen([*LOWCOMM, *short, f"site={i}", f"lighthouse=127.0.0.1:{port}",
+                                   "--out", str(outs[i])], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for i in range(2)]  # fmt: skip
+        said = [p.communicate(timeout=300) for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in said]
+    finally:
+        for p in procs:
+            p.kill()
+        lighthouse.send_signal(signal.SIGTERM)
+        lighthouse.communicate(timeout=30)
+    a, b = (torch.load(o / "model.pt", weights_only=True) for o in outs)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all((o / "summary.json").exists() for o in outs)
