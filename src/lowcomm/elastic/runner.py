@@ -295,10 +295,11 @@ class Runner:
                     seconds, size, sources = self._heal
                     event.update(heal_s=round(seconds, 3), heal_bytes=size, heal_from=sources)
             self.events.append(event)
-            if gone:
+            said = self.membership.position == 0  # a site of several ranks says it once
+            if gone and said:
                 log.warning("site %d: sites %s left at %s; %d sites go on", self._site, gone,
                             tag, len(view.members))  # fmt: skip
-            if view.joiners:
+            if view.joiners and said:
                 log.warning("site %d: sites %s joined at %s; %d sites go on", self._site,
                             view.joiners, tag, len(view.members))  # fmt: skip
         self._heal = None
