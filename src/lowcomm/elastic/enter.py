@@ -31,6 +31,8 @@ def enter(m: Membership) -> tuple[View, str] | None:
 
 def _enter(m: Membership) -> tuple[View, str] | None:
     e = m.elastic
+    if e.back:  # its folder's run is unfinished: it continues only a run that is going
+        return m.join()
     deadline = time.monotonic() + e.timeout_s
     while True:
         view = m._ask_to_join()

@@ -81,6 +81,7 @@ class Elastic:
     join: bool = False  # this site joins a running run (it heals from a live peer)
     # launched on its own: it starts with the others, or joins the run if it is going (enter)
     enter: bool = False
+    back: bool = False  # ... into its folder's unfinished run: it joins a run going, never starts
     join_from: int = 0  # ... admitted at the run's first sync at or after this inner step
     join_at: str = ""  # ... or exactly at this sync (a replay of a recorded join)
     heal_at: tuple[str, ...] = ()  # replay: the syncs where sites joined (offer a heal there)

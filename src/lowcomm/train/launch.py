@@ -217,7 +217,10 @@ def _own_site(spec: RunSpec, on_checked: Callable[[], None] | None) -> dict[str,
         print(f"lowcomm: site {cfg.site} of {cfg.sites} asks the lighthouse at {cfg.lighthouse} "
               f"whether the run is going (it starts with the others, or joins and heals)",
               flush=True)  # fmt: skip
-    role = SiteRole(cfg.site, cfg.sites, cfg.lighthouse, alone=True)
+    # its folder holds its unfinished run: it only joins the run going (read before this
+    # site writes anything; of a site's ranks, rank 0's reading is the one that asks)
+    back = (spec.out / "metrics.jsonl").exists()
+    role = SiteRole(cfg.site, cfg.sites, cfg.lighthouse, alone=True, back=back)
     if cfg.replay:
         role = _replayed_site(role, spec)
     return run_site(role, spec)
@@ -231,24 +234,26 @@ def _replayed_site(role: SiteRole, spec: RunSpec) -> SiteRole:
     cfg = spec.train
     leaves, joins = replay_leaves(cfg.replay, cfg.sites), replay_joins(cfg.replay, cfg.sites)
     heal_at = tuple(joins.values())  # every site offers a heal where one joined
-    back = (spec.out / "metrics.jsonl").exists()
-    say = int(os.environ.get("RANK", "0")) == 0
-    if back:
+    # (each rank of a site decides alike: rank 0 alone asks, and a comeback never reaches its
+    # recorded leave again; only rank 0 refuses or speaks)
+    role = replace(role, leave_after=leaves.get(cfg.site, ""), heal_at=heal_at,
+                   join_at=joins.get(cfg.site, "") if role.back else "")  # fmt: skip
+    if int(os.environ.get("RANK", "0")) != 0:
+        return role
+    if role.back:
         if cfg.site not in joins:
             raise ConfigError(
                 f"--replay {cfg.replay}: site {cfg.site} did not come back in the recorded run, "
                 f"but --out {spec.out} holds its unfinished run: give a fresh --out"
             )
-        if say:
-            print(f"lowcomm: replay: site {cfg.site} comes back at {joins[cfg.site]}, as in "
-                  f"the recorded run", flush=True)  # fmt: skip
-        return replace(role, join=True, join_at=joins[cfg.site], heal_at=heal_at)
-    if cfg.site in leaves and say:
+        print(f"lowcomm: replay: site {cfg.site} comes back at {joins[cfg.site]}, as in "
+              f"the recorded run", flush=True)  # fmt: skip
+    elif cfg.site in leaves:
         again = f"; run this command again to bring it back at {joins[cfg.site]}" if (
             cfg.site in joins) else ""  # fmt: skip
         print(f"lowcomm: replay: site {cfg.site} will leave after {leaves[cfg.site]} as in the "
               f"recorded run{again}", flush=True)  # fmt: skip
-    return replace(role, leave_after=leaves.get(cfg.site, ""), heal_at=heal_at)
+    return role
 
 
 def _under_torchrun(spec: RunSpec, on_checked: Callable[[], None] | None) -> dict[str, Any] | None:

@@ -481,7 +481,7 @@ def _elastic(run: Run) -> Elastic | None:
         lighthouse=role.lighthouse, site=role.site, sites=role.starting or role.sites,
         min_workers=cfg.min_workers, timeout_s=cfg.timeout_s, leave_after=role.leave_after,
         connect_s=min(10.0, cfg.timeout_s), join=role.join, join_from=role.join_from,
-        enter=role.alone,
+        enter=role.alone, back=role.back,
         join_at=role.join_at, heal_at=role.heal_at, rounds=cfg.rounds, quorum=cfg.quorum,
         grace=cfg.grace, late=cfg.late, weighting=cfg.weighting, secret_file=cfg.secret_file,
     )  # fmt: skip

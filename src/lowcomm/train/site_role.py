@@ -40,6 +40,7 @@ class SiteRole:
     # launched on its own (site=): it starts with the others or joins the running run, as the
     # lighthouse says, and its folder is its own (it writes its files whoever else is in)
     alone: bool = False
+    back: bool = False  # ... into its folder's unfinished run: it only joins the run going
 
 
 class QuorumControl:
