@@ -448,5 +448,11 @@ def test_a_vanished_peer_under_torchrun_is_one_line_with_the_resume_hint(tmp_pat
     assert "(Connection closed by peer [127.0.0.1]:38535)" in said
     assert "No checkpoint was written" in said and "GLHF" not in said
     assert peer_lost_message(RuntimeError("shape mismatch"), tmp_path) is None  # a real bug
+    # a rank of a site launched on its own (site=2): the site leaves, the same command again
+    monkeypatch.setattr("lowcomm.train.launch._site_launched", 2)
+    said = peer_lost_message(gloo, tmp_path)
+    assert said is not None and said.startswith("site 2, rank 3: another rank of this site is gone")
+    assert "the whole site leaves the run" in said and "--resume" not in said
+    monkeypatch.setattr("lowcomm.train.launch._site_launched", None)
     monkeypatch.delenv("RANK")
     assert peer_lost_message(gloo, tmp_path) is None  # our own launcher names the lost worker

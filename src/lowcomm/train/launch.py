@@ -189,7 +189,9 @@ def _own_site(spec: RunSpec, on_checked: Callable[[], None] | None) -> dict[str,
     from .join_site import run_site
     from .site_role import SiteRole
 
+    global _site_launched
     cfg = spec.train
+    _site_launched = cfg.site
     ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else 1
     if cfg.ranks_per_worker not in (1, ranks):
         raise ConfigError(
@@ -359,6 +361,9 @@ def _last_logged_step(out: Path) -> int:
     return step
 
 
+# the site this process is a rank of, when launched on its own (site=N): see peer_lost_message
+_site_launched: int | None = None
+
 # what gloo and NCCL say when a collective's peer process is gone
 _PEER_GONE = ("closed by peer", "reset by peer", "Broken pipe", "timed out", "Timed out")
 
@@ -374,6 +379,12 @@ def peer_lost_message(e: BaseException, out_dir: str | Path | None) -> str | Non
         return None
     first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0])  # gloo's source location
     first = first.split(". ")[0]  # its first sentence: the rest is advice about logs
+    if _site_launched is not None:  # a rank of a site launched on its own: the site leaves
+        return (
+            f"site {_site_launched}, rank {os.environ['RANK']}: another rank of this site is "
+            f"gone ({first[:120]}); the whole site leaves the run and the others go on: run "
+            f"the same command again to bring it back (it heals from the live sites)"
+        )
     return (
         f"rank {os.environ['RANK']}: a collective failed because another worker is gone "
         f"({first[:120]}); this run stopped. {_last_checkpoint_hint(out_dir)} "
