@@ -49,6 +49,8 @@ def test_the_checker_reads_a_split_a_needless_stop_and_a_hang_from_the_records(t
     assert check(sched, tmp_path, 0, 10.0, 60.0)[0].startswith("accounted")
 
 
+# 14 s: by hand (-m slow), as the campaign it samples; draw and check are pinned above
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="needs torchft")
 def test_one_seeded_schedule_runs_clean(tmp_path):
     # seed 2: SparseLoCo, lock-step, site 0 (the one that hosts the first group's store and

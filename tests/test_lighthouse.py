@@ -109,6 +109,8 @@ def test_a_killed_lighthouse_is_started_again_and_every_site_finishes(tmp_path):
     assert all(x == last[0] for x in last) and last[0]["syncs"] == 6, last
 
 
+# 26 s: by hand (-m slow); both fault campaigns kill and restart the lighthouse in every pass
+@pytest.mark.slow
 def test_a_standalone_lighthouse_serves_a_run_and_survives_a_restart_at_its_address(tmp_path):
     """`lowcomm lighthouse --port P`: the sites of `lowcomm train ... lighthouse=...:P` meet
     there; killed (SIGKILL) and started again by the same command while they train, the run
