@@ -97,14 +97,12 @@ class Joining:
                     f"site {e.site} missed a sync and asked back in at {back_at}, but no other "
                     f"site has been in the run for {e.timeout_s:g} s (it is over): it stops here"
                 )
-            unfinished = (
-                (
-                    " (its folder holds an unfinished run: a run whose sites all stopped "
-                    "is not continued; give a fresh --out, or --overwrite)"
+            unfinished = ""
+            if e.back:  # started into its folder's unfinished run: say why it is not continued
+                unfinished = (
+                    " (its folder holds an unfinished run: a run whose sites all "
+                    "stopped is not continued; give a fresh --out, or --overwrite)"
                 )
-                if e.back
-                else ""
-            )
             raise MembershipError(
                 f"site {e.site} found no run to join at {e.lighthouse} (run id {e.run_id}): "
                 f"start it while the run is going{unfinished}"
