@@ -7,6 +7,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from lowcomm.bench.chaos import MIN_WORKERS, Schedule, check, draw, run_one
 from lowcomm.elastic.faults import parse_faults
@@ -102,3 +103,27 @@ def test_the_checker_compares_each_shard_of_sites_of_several_ranks_with_the_same
         json.dumps({"step": 10, "syncs": 1, "theta": "y"}) + "\n"
     )
     assert _split(tmp_path).startswith("at step 10 (rank1)")
+
+
+def test_the_deployed_checker_reads_each_sites_folder(tmp_path):
+    """lowcomm bench chaos --ranks 2: a site no fault touched must finish; a site brought back
+    may instead say the run was over; the finished sites' models must be equal; each shard is
+    compared with the same rank's elsewhere."""
+    from lowcomm.bench.chaos_sites import SitesSchedule, check
+
+    sched = SitesSchedule(0, "diloco", 3, 2, 100, [{"kind": "rejoin", "site": 2, "rank": 1,
+                                                    "sync": 3}], lost=1)  # fmt: skip
+    model = {"w": torch.ones(2)}
+    for s in range(3):
+        _site(tmp_path / f"site{s}", s, {10: "a", 20: "b"})
+        torch.save(model, tmp_path / f"site{s}" / "model.pt")
+        (tmp_path / f"site{s}" / "summary.json").write_text(json.dumps({"tokens": 1000}))
+    (tmp_path / "site2.1.log").write_text("error: site 2 found no run to join at ...")
+    assert check(sched, tmp_path, {0: 0, 1: 0, 2: 1}, 60.0) == []  # back too late: said so
+    found = check(sched, tmp_path, {0: 0, 1: 1, 2: 0}, 60.0)
+    assert found == ["no needless stop: site 1 (no fault) exit 1"]
+    torch.save({"w": torch.zeros(2)}, tmp_path / "site1" / "model.pt")
+    assert check(sched, tmp_path, {0: 0, 1: 0, 2: None}, 60.0)[1].startswith("same end")
+    _site(tmp_path / "site0", 0, {10: "a", 20: "c"})
+    assert any(v.startswith("no split: at step 20") for v in
+               check(sched, tmp_path, {0: 0, 1: 1, 2: 1}, 60.0))  # fmt: skip

@@ -173,6 +173,8 @@ def check(sched: SitesSchedule, out: Path, codes: dict[int, int | None], limit: 
             broken.append(f"no needless stop: site {s} (no fault) exit {code}")
         elif code != 0 and _again(sched, s) and not any(w in log for w in OVER):
             broken.append(f"no needless stop: site {s} came back and exit {code}")
+        elif code == 0 and not (out / f"site{s}" / "summary.json").exists():
+            broken.append(f"no needless stop: site {s} exit 0 without a summary")
     merged = out / "all"
     (merged / "sites").mkdir(parents=True, exist_ok=True)
     for s in range(sched.sites):
