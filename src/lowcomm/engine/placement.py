@@ -187,15 +187,19 @@ TWO_PHASE_ELASTIC = (
 )
 
 
+# why evict stays out of sites of several ranks (said by the engine and the CLI alike)
+EVICT_SITE_RANKS = (
+    "evict=true with several ranks per site is not built (each rank judges only its own shard, "
+    "and they could differ): drop evict, offenders are still named"
+)
+
+
 def check_elastic_config(config: Any, elastic: Elastic | None, mesh: Any) -> None:
     """Sync settings an elastic run cannot have, refused when the engine is made."""
     if elastic is not None and config.resolved_reduce == "two-phase":
         raise ConfigError(TWO_PHASE_ELASTIC)
     if elastic is not None and mesh is not None and config.evict:
-        raise ConfigError(
-            "evict=True with several ranks per site is not built (each rank judges only its "
-            "own shard, and they could differ): drop evict, offenders are still named"
-        )
+        raise ConfigError(EVICT_SITE_RANKS)
 
 
 def check_site_mesh(mesh: Any, process_group: Any) -> None:

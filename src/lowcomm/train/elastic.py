@@ -33,7 +33,7 @@ from ..elastic.faults import (
 )
 from ..elastic.membership import check_rounds
 from ..elastic.rounds import LIGHTHOUSE_JOIN_S
-from ..engine.placement import TWO_PHASE_ELASTIC
+from ..engine.placement import EVICT_SITE_RANKS, TWO_PHASE_ELASTIC
 from ..errors import LowCommError
 from .entry import error_file, run_entry, user_errors
 from .join_site import RUN_FILE, run_site, write_run_file
@@ -96,10 +96,7 @@ def check_elastic(spec: RunSpec, workers: int) -> None:
             "rounds=quorum with several ranks per site is not built: use rounds=lockstep"
         )
     if cfg.ranks_per_worker != 1 and spec.sync.evict:
-        raise ConfigError(
-            "evict=true with several ranks per site is not built (each rank judges its own "
-            "shard, and they could differ): drop evict, offenders are still named"
-        )
+        raise ConfigError(EVICT_SITE_RANKS)
     if spec.sync.resolved_reduce == "two-phase":  # (the engine refuses it too, for own loops)
         raise ConfigError(TWO_PHASE_ELASTIC)
     if cfg.min_workers > workers:

@@ -21,8 +21,8 @@ class SyncLog:
 
     def __init__(self, out: Path, site: int, engine: LowComm, fresh: bool, rank: int = 0) -> None:
         self.engine = engine
-        self.path = out / "sites" / (f"site{site}.rank{rank}" if rank else f"site{site}")
-        self.path = self.path.with_name(self.path.name + ".syncs.jsonl")
+        shard = f".rank{rank}" if rank else ""
+        self.path = out / "sites" / f"site{site}{shard}.syncs.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if fresh:  # a new run into a used folder: an older run's records are not this run's
             self.path.unlink(missing_ok=True)
