@@ -36,6 +36,7 @@ from torch import nn
 
 from .config import split_sync_kwargs
 from .errors import ConfigError
+from .transport import Transport
 
 if TYPE_CHECKING:  # the engine is imported when one is made (lowcomm.hf stays light)
     from .engine import LowComm
@@ -288,13 +289,11 @@ def _grads_identical_everywhere(model: nn.Module) -> bool:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return False
     grads = [p.grad.detach().double() for p in model.parameters() if p.grad is not None]
-    device = grads[0].device if grads and dist.get_backend() == "nccl" else torch.device("cpu")
-    probe = torch.zeros(2, dtype=torch.float64, device=device)
+    probe = torch.zeros(2, dtype=torch.float64)
     for g in grads:
-        probe[0] += g.sum().to(device)
-        probe[1] += g.pow(2).sum().to(device)
-    everyone = [torch.zeros_like(probe) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, probe)
+        probe[0] += g.sum().cpu()
+        probe[1] += g.pow(2).sum().cpu()
+    everyone = Transport().all_gather(probe, control=True)
     return all(torch.equal(everyone[0], other) for other in everyone[1:])
 
 

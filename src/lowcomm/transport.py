@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -94,6 +94,15 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def device_types(backend: str) -> set[str]:
+    """The device types a process group's backend moves tensors of: ``nccl`` CUDA, ``gloo``
+    (and any other) the CPU, and a device-mapped one (``cpu:gloo,cuda:nccl``) each it names."""
+    name = backend.lower()
+    if ":" in name:
+        return {part.split(":", 1)[0].strip() for part in name.split(",")}
+    return {"cuda"} if name == "nccl" else {"cpu"}
+
+
 class Transport:
     """Collectives over one process group, metered; async work on a single ordered comm thread."""
 
@@ -124,25 +133,45 @@ class Transport:
             self.world_size = dist.get_world_size(group)
         self.delay_s = delay_s
         self._pool: ThreadPoolExecutor | None = None
-        # NCCL moves only CUDA tensors: payloads built on the CPU (the global copy may live
-        # there) are staged through this device and handed back where they came from.
+        # A backend moves tensors of some device types only (NCCL: CUDA; gloo: CPU here, its
+        # CUDA support being partial); a tensor of another type is staged through one it takes
+        # and handed back where it came from (see :meth:`_stage`).
         backend = group.name() if self._detached else dist.get_backend(group)
+        self.takes = device_types(str(backend))
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
-            if backend == "nccl"
+            if self.takes == {"cuda"}
             else torch.device("cpu")
         )
 
+    # -- staging ---------------------------------------------------------------------------------
+    def _stage(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` itself where this group's backend takes its device; else a copy on one it
+        takes: a CUDA tensor on a gloo group goes through pinned host memory (the shape that
+        lets workers share a GPU), a CPU tensor on an NCCL group through this rank's GPU."""
+        if t.device.type in self.takes:
+            return t
+        if t.device.type == "cuda":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t)  # a copy to the host waits for the kernels that made t
+        return t.to(self.device)
+
+    @staticmethod
+    def _unstage(buf: torch.Tensor, t: torch.Tensor) -> None:
+        """Write a staged result back into ``t`` (nothing when ``t`` was used itself)."""
+        if buf is not t:
+            t.copy_(buf)
+
     # -- collectives (blocking; call from the comm thread for overlap) ------------------------
-    def all_reduce(self, t: torch.Tensor, control: bool = False) -> torch.Tensor:
-        """Sum ``t`` in place across workers; returns it."""
+    def all_reduce(self, t: torch.Tensor, control: bool = False, op: str = "sum") -> torch.Tensor:
+        """Reduce ``t`` in place across workers (``op``: sum or max); returns it."""
         self._maybe_delay()
         m = self.world_size
         n = _nbytes(t)
-        buf = t.to(self.device)
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
-        if buf is not t:
-            t.copy_(buf)
+        buf = self._stage(t)
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        dist.all_reduce(buf, op=reduce_op, group=self.group)
+        self._unstage(buf, t)
         wire = ring_all_reduce_bytes(n, m)
         self.meter.record(n, wire, wire, control)
         return t
@@ -151,7 +180,7 @@ class Transport:
         """Every worker's ``t`` (all equal in shape and dtype), in rank order."""
         self._maybe_delay()
         m = self.world_size
-        src = t.contiguous().to(self.device)
+        src = self._stage(t.contiguous())
         out = [torch.empty_like(src) for _ in range(m)]
         dist.all_gather(out, src, group=self.group)
         n = _nbytes(t)
@@ -167,7 +196,7 @@ class Transport:
         m = self.world_size
         if len(chunks) != m:
             raise ValueError(f"all_to_all needs {m} chunks, got {len(chunks)}")
-        flat_in = torch.stack([c.contiguous() for c in chunks]).to(self.device)
+        flat_in = self._stage(torch.stack([c.contiguous() for c in chunks]))
         flat_out = torch.empty_like(flat_in)
         dist.all_to_all_single(flat_out, flat_in, group=self.group)
         n = _nbytes(flat_in)
@@ -191,14 +220,13 @@ class Transport:
         (control traffic by default). ``src`` counts within this transport's group."""
         m = self.world_size
         n = _nbytes(t)
-        buf = t.to(self.device)
+        buf = self._stage(t)
         # torch's src is a global rank; in a replica group rank 0 is not global rank 0
         if self._detached:
             dist.broadcast(buf, group=self.group, group_src=src)
         else:
             dist.broadcast(buf, src=self._global_rank(src), group=self.group)
-        if buf is not t:
-            t.copy_(buf)
+        self._unstage(buf, t)
         wire = (m - 1) / m * n
         self.meter.record(n if self.rank == src else 0, wire, wire, control)
         return t
@@ -217,6 +245,25 @@ class Transport:
             w.wait()
         sent = sum(_nbytes(t) for t in sends.values())
         self.meter.record(sent, sent, sum(_nbytes(t) for t in recvs.values()), control)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Group rank ``src``'s picklable ``obj`` on every rank (control traffic: not metered)."""
+        box = [obj]
+        if self._detached:
+            dist.broadcast_object_list(box, group=self.group, group_src=src)
+        else:
+            dist.broadcast_object_list(box, src=self._global_rank(src), group=self.group)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in group rank order (control traffic: not metered)."""
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, obj, group=self.group)
+        return everyone
+
+    def barrier(self) -> None:
+        """Wait until every rank of the group gets here."""
+        dist.barrier(group=self.group)
 
     def _global_rank(self, group_rank: int) -> int:
         if self.group is None or self.group is dist.GroupMember.WORLD:

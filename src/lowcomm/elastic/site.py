@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import MembershipError
+from ..transport import Transport
 
 T = TypeVar("T")
 _LEAD_TIMEOUT = timedelta(days=7)  # a follower waits on rank 0 as long as rank 0 waits
@@ -41,6 +42,7 @@ class SiteRanks:
         # every rank of the world calls new_group for each group, in one order
         self._lead = dist.new_group(self.ranks, backend="gloo", timeout=_LEAD_TIMEOUT)
         self._vote = dist.new_group(self.ranks, backend="gloo", timeout=timedelta(seconds=wait_s))
+        self._leads_t, self._votes_t = Transport(self._lead), Transport(self._vote)
         self._leading = False
 
     @property
@@ -62,8 +64,7 @@ class SiteRanks:
                 box[0] = ("err", err)
             finally:
                 self._leading = False
-        dist.broadcast_object_list(box, src=self.ranks[0], group=self._lead)
-        kind, value = box[0]
+        kind, value = self._leads_t.broadcast_object(box[0], src=0)
         if kind == "err":
             raise value
         return value
@@ -75,9 +76,8 @@ class SiteRanks:
         member some rank could not reach. Raises MembershipError (the site leaves) when a rank
         does not reach the vote within ``wait_s``."""
         mine = [ok, blame, sorted(unreached)]
-        everyone: list[Any] = [None] * self.size
         try:
-            dist.all_gather_object(everyone, mine, group=self._vote)
+            everyone = self._votes_t.all_gather_object(mine)
         except RuntimeError as err:
             raise MembershipError(
                 f"a rank of this site did not reach its vote within {self.wait_s:g} s "
@@ -90,5 +90,5 @@ class SiteRanks:
     def worst(self, code: int) -> int:
         """The highest of the site's ranks' ``code`` (every rank learns it)."""
         t = torch.tensor([code], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._vote)
+        self._votes_t.all_reduce(t, control=True, op="max")
         return int(t.item())

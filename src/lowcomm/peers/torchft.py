@@ -46,7 +46,7 @@ import torch.nn as nn
 from ..config import ConfigError, SyncConfig
 from ..elastic import Elastic
 from ..engine import SyncStats
-from ..transport import ByteMeter, ring_all_reduce_bytes
+from ..transport import ByteMeter, Transport, ring_all_reduce_bytes
 
 
 def _import_torchft() -> Any:
@@ -180,7 +180,7 @@ class TorchftDiLoCo:
                 self._lighthouse = ft.LighthouseServer(bind="0.0.0.0:0", min_replicas=self.world)
                 port = urlparse(self._lighthouse.address()).port
                 addr = [f"http://{_own_address()}:{port}"]
-            dist.broadcast_object_list(addr, src=0)
+            addr = [Transport().broadcast_object(addr[0], src=0)]
         host = _own_address()
         if os.environ.get("LOWCOMM_ADDR"):
             # torchft advertises socket.gethostname() for its process group's store; inside a
@@ -314,7 +314,7 @@ class TorchftDiLoCo:
     def __exit__(self, *exc: Any) -> None:
         self.diloco.__exit__(*exc)
         # every replica leaves its last quorum before rank 0 takes the lighthouse down
-        dist.barrier()
+        Transport().barrier()
         self.manager.shutdown(wait=False)
         if self._lighthouse is not None:
             self._lighthouse.shutdown()

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..config import ConfigError
 from ..loco import TorchHookState
+from ..transport import Transport
 from . import checkpoint as ckpt
 from .run import Run
 
@@ -39,11 +39,11 @@ def save_checkpoint(run: Run, step: int) -> Path:
         _save_sharded(run, d)
     state = _rank_state(run, step)
     sha = ckpt.save_rank_state(d, run.place.rank, state)
-    shas: list[Any] = [None] * run.place.world
-    dist.all_gather_object(shas, sha)
+    world = Transport()
+    shas = world.all_gather_object(sha)
     if run.place.rank == 0:
         _finalize(run, step, d, shas)
-    dist.barrier()
+    world.barrier()
     return d
 
 
