@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,26 @@ def run_entry(out_dir: str, rank: int | str, train: Callable[[], Any]) -> Any:
         except OSError:
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1 if isinstance(e, MembershipError) else 2)
+    except Exception:  # a bug, or the backend's own failure: its whole stack, beside the run
+        with contextlib.suppress(OSError):
+            trace_file(out_dir, rank).write_text(traceback.format_exc())
+        raise
+
+
+def trace_file(out_dir: str | Path, rank: str | int) -> Path:
+    """Where worker ``rank`` leaves the stack of an unexpected failure (the launcher's error
+    line names it)."""
+    return Path(out_dir) / f"traceback-rank{rank}.txt"
+
+
+def failure_of(out_dir: str | Path, rank: str | int) -> str | None:
+    """'<the exception's last line> (stack: <file>)' where worker ``rank`` left its stack."""
+    path = trace_file(out_dir, rank)
+    try:
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+    except OSError:
+        return None
+    return f"{lines[-1].strip() if lines else 'no message'} (its stack: {path})"
 
 
 def error_file(out_dir: str | Path, rank: str | int) -> Path:

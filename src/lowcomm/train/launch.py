@@ -7,6 +7,7 @@ import contextlib
 import importlib.util
 import json
 import logging
+import multiprocessing
 import os
 import re
 import sys
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ..config import ConfigError, TrainConfig
 from ..errors import LowCommError
 from .elastic import SitesFailed, check_elastic, replay_joins, replay_leaves, run_sites
-from .entry import error_file, run_entry, user_errors
+from .entry import error_file, failure_of, run_entry, user_errors
 from .ports import check_port, free_port
 from .spec import RunSpec
 
@@ -95,6 +96,7 @@ def preflight(spec: RunSpec, workers: int) -> list[str]:
     if cfg.device not in ("auto", "cpu") and not re.fullmatch(r"cuda(:\d+)?", cfg.device):
         raise ConfigError(f"device={cfg.device!r}: choose auto, cpu, cuda or cuda:N")
     check_log_backend(cfg.log)
+    check_gpu_shape(cfg, local_ranks(workers * cfg.ranks_per_worker))
     spec.strategy.check_sites(cfg)
     _check_faults(spec, workers)
     warnings = []
@@ -111,6 +113,32 @@ def preflight(spec: RunSpec, workers: int) -> list[str]:
             warnings.append(warn)
     _check_schedule(spec, vocab)
     return warnings
+
+
+def local_ranks(launched: int) -> int:
+    """How many ranks run on this machine: torchrun's per-node count, else what we launch."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", launched)) if under_torchrun() else launched
+
+
+def check_gpu_shape(cfg: TrainConfig, ranks: int) -> None:
+    """A shape that cannot run on this machine's GPUs, refused before any worker starts.
+
+    Workers of one rank may share a GPU (their groups are gloo then); ranks inside a worker
+    (FSDP2 or DDP over ``ranks_per_worker``) talk over NCCL, which needs a GPU per rank.
+    """
+    from .run import gpus_for
+
+    gpus, n = gpus_for(cfg.device), cfg.ranks_per_worker
+    if gpus == 0 or n == 1 or ranks <= gpus:
+        return
+    workers = max(1, gpus // n)
+    raise ConfigError(
+        f"ranks_per_worker={n} runs FSDP2 (or DDP) inside each worker over NCCL, which needs a "
+        f"GPU per rank, but {ranks} ranks would share this machine's {gpus} GPU"
+        f"{'s' if gpus > 1 else ''} (device={cfg.device}): start at most {gpus} ranks here "
+        f"(--workers {workers} ranks_per_worker={min(n, gpus)}), or ranks_per_worker=1 (workers "
+        f"of one rank may share a GPU)"
+    )
 
 
 def _check_data(cfg: TrainConfig, workers: int) -> Any:
@@ -277,6 +305,10 @@ def _under_torchrun(spec: RunSpec, on_checked: Callable[[], None] | None) -> dic
     return run_worker(spec)
 
 
+#: what the workers' fork server imports once (the fixed world's and the elastic sites')
+WORKER_PRELOAD = ["torch", "torch.distributed", "lowcomm.train.loop"]
+
+
 def _run_local(spec: RunSpec, workers: int, port: int | None) -> dict[str, Any] | None:
     """Start ``workers`` local processes with torch's elastic launcher; rank 0's summary."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -287,8 +319,8 @@ def _run_local(spec: RunSpec, workers: int, port: int | None) -> dict[str, Any] 
         # we report a failed worker in one line ourselves; LOWCOMM_DEBUG=1 shows torch's logs
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     cfg, out_dir = spec.train, spec.out
-    for stale in out_dir.glob(".error-rank*"):  # left by a launcher that was killed
-        stale.unlink(missing_ok=True)
+    for stale in [*out_dir.glob(".error-rank*"), *out_dir.glob("traceback-rank*.txt")]:
+        stale.unlink(missing_ok=True)  # left by an earlier launch into this folder
     lc = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -298,8 +330,11 @@ def _run_local(spec: RunSpec, workers: int, port: int | None) -> dict[str, Any] 
         rdzv_endpoint=f"127.0.0.1:{port or free_port()}",
         max_restarts=0,
         monitor_interval=0.2,
-        start_method="spawn",
+        # forked from a server that imported torch and lowcomm once (it starts no threads, so a
+        # fork from it is as clean as a spawn): each worker saves that import, ~2 s of CPU
+        start_method="forkserver",
     )
+    multiprocessing.get_context("forkserver").set_forkserver_preload(WORKER_PRELOAD)
     try:
         results = elastic_launch(lc, _entry)(spec)
     except (KeyboardInterrupt, SignalException):
@@ -324,6 +359,7 @@ def _worker_failure(e: Any, out_dir: Path) -> LaunchError:
         if failure.exitcode < 0
         else f"failed (exit code {failure.exitcode})"
     )
+    msg = failure_of(out_dir, rank) or msg  # torch's own says only where to read about @record
     return LaunchError(
         f"worker {rank} (pid {failure.pid}) {what}: {msg}; the other workers were "
         f"stopped. {_last_checkpoint_hint(out_dir)}"

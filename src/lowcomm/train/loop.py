@@ -20,11 +20,10 @@ import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..elastic.faults import act, pace, parse_faults
 from ..provenance import git_rev
-from ..transport import ring_all_reduce_bytes, shutdown
+from ..transport import Transport, ring_all_reduce_bytes, shutdown
 from .log import RunLog
 from .model import count_params
 from .resume import load_state, restore, save_checkpoint
@@ -184,9 +183,12 @@ def train_step(run: Run) -> None:
         learner.opt.step()  # the engine's hook runs the outer step here when due
         learner.sched.step()
         learner.opt.zero_grad(set_to_none=True)
-        run.progress.loss_sum[0] += loss.detach().item()
+        # summed where the loss is (no host sync per step); read when a record is logged
+        run.progress.loss_sum[0] += loss.detach().double()
         run.progress.loss_sum[1] += 1
         if device.type == "cuda":
+            # the one host sync per step, on purpose: the clock times the step's kernels, not
+            # their launches (compute_s and the utilization are defined by that time)
             torch.cuda.synchronize()
 
 
@@ -252,7 +254,8 @@ def _due(run: Run, step: int, every: int) -> bool:
 def _train_record(run: Run, step: int) -> dict[str, Any]:
     """The metrics record of a logged step: mean train loss since the last one, bytes, times."""
     run.comm.control.all_reduce(run.progress.loss_sum, control=True)
-    train_loss = float(run.progress.loss_sum[0] / max(run.progress.loss_sum[1], 1))
+    total, count = run.progress.loss_sum.tolist()
+    train_loss = total / max(count, 1)
     run.progress.loss_sum.zero_()
     totals = run.meter_totals()
     return {
@@ -309,7 +312,7 @@ def summarize(run: Run, log: RunLog) -> RunSummary | None:
     rss = torch.tensor(
         [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64
     )
-    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    Transport().all_reduce(rss, control=True, op="max")  # this process's world
     rounds = _rounds_table(run)  # a collective: before the other sites may have left
     state = full_state_dict(run.learner.model)  # a collective when sharded: every rank gathers
     if not run.writes:
@@ -448,7 +451,7 @@ def _tear_down(run: Run) -> None:
     if run.place.rank == 0:
         with contextlib.suppress(FileNotFoundError):
             (run.spec.out / "workers.json").unlink()
-    dist.barrier()
+    Transport().barrier()
     if run.place.owns_group:
         # Tear gloo down while the interpreter is whole (see transport.shutdown): left to exit,
         # its threads can abort the process after the summary was written.
@@ -457,9 +460,8 @@ def _tear_down(run: Run) -> None:
 
 def _write_workers_json(run: Run) -> None:
     """DIR/workers.json: rank and pid of each live local worker, for operators and scripts."""
-    entries: list[Any] = [None] * run.place.world
     me = {"rank": run.place.rank, "pid": os.getpid(), "host": os.uname().nodename}
-    dist.all_gather_object(entries, me)
+    entries = Transport().all_gather_object(me)
     if run.place.rank == 0:
         tmp = run.spec.out / "workers.json.tmp"
         tmp.write_text(json.dumps(entries, indent=2) + "\n")

@@ -231,6 +231,7 @@ class Progress:
     clock: Clock = field(default_factory=Clock)
     start_step: int = 1
     loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
+    """The train loss summed since the last record, and the steps summed (on the device)."""
     pending_checkpoint: bool = False
     """A checkpoint is due: taken at the next sync boundary."""
     events_logged: int = 0
@@ -333,7 +334,7 @@ def set_up(spec: RunSpec, role: SiteRole | None = None) -> Run:
     device = resolve_device(cfg.device)
     if device.type == "cpu":
         torch.set_num_threads(cfg.threads)
-    owns_group = init_distributed(cfg.timeout_s, device)
+    owns_group = init_distributed(cfg.timeout_s, device, gpus_for(cfg.device))
     rank, world = dist.get_rank(), dist.get_world_size()
     if role is not None:  # its own world: this site's ranks (one, or a torchrun's of a site)
         rank, world = role.site * world + rank, role.sites * world
@@ -367,6 +368,7 @@ def set_up(spec: RunSpec, role: SiteRole | None = None) -> Run:
         learner=Learner(model, opt, sched, vocab),
         data=Data(corpus.description, corpus.tokenizer_file, batches, val),
         comm=Comm(Transport(), inner_meter, hsdp_meter),
+        progress=Progress(loss_sum=torch.zeros(2, dtype=torch.float64, device=device)),
     )
 
 
@@ -533,16 +535,38 @@ def _ddp_hook(run: Run, transport: Transport) -> tuple[GradReduceState, Callable
     return GradReduceState(transport), allreduce_hook
 
 
-def init_distributed(timeout_s: float, device: torch.device) -> bool:
-    """Join the process group described by the environment (torchrun / our launcher).
+def init_distributed(timeout_s: float, device: torch.device, gpus: int | None = None) -> bool:
+    """Join the process group described by the environment (torchrun / our launcher), on the
+    backend :func:`backend_for` picks.
 
     Returns True when this call created the group (the caller then destroys it when done).
     """
     if dist.is_initialized():
         return False
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if gpus is None:
+        gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    backend = backend_for(device.type, local, gpus)
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     return True
+
+
+def gpus_for(device: str) -> int:
+    """How many GPUs this machine's ranks spread over: every one for ``cuda``/``auto`` (rank i
+    takes GPU i mod count), one for ``cuda:N`` (they all take GPU N), none on the CPU."""
+    if device == "cpu" or not torch.cuda.is_available():
+        return 0
+    return torch.cuda.device_count() if device in ("auto", "cuda") else 1
+
+
+def backend_for(device_type: str, local_ranks: int, gpus: int) -> str:
+    """The world's backend, by rule: gloo on the CPU; on GPUs, NCCL for CUDA tensors where
+    each of this machine's ``local_ranks`` owns one of its ``gpus`` (gloo beside it for CPU
+    tensors), and gloo alone where ranks share a GPU (NCCL refuses two ranks on one device;
+    gloo stages CUDA tensors through pinned host memory). Groups made later inherit it."""
+    if device_type != "cuda" or local_ranks > gpus:
+        return "gloo"
+    return "cpu:gloo,cuda:nccl"
 
 
 def resolve_device(name: str) -> torch.device:
