@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from .codecs._format import div_scalar
 from .outer import chunk
 
 if TYPE_CHECKING:  # annotations only: config must not be needed to import the math
@@ -145,7 +146,7 @@ class _BufferStore:
         value = value.detach()
         if self.dtype == torch.int8:
             absmax = value.abs().amax() if value.numel() else value.new_zeros(())
-            scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+            scale = torch.where(absmax > 0, div_scalar(absmax, 127.0), torch.ones_like(absmax))
             q = torch.round(value / scale).clamp_(-127, 127).to(torch.int8)
             device = self.device or value.device
             self.buffers[key] = q.to(device)

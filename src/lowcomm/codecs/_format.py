@@ -47,6 +47,15 @@ def chunk_elems(device: torch.device) -> int:
     return CPU_CHUNK if device.type == "cpu" else DEVICE_CHUNK
 
 
+def div_scalar(t: torch.Tensor, c: float) -> torch.Tensor:
+    """``t / c``, rounded alike on every device. CUDA divides by a Python (CPU) scalar as a
+    multiplication by its reciprocal, which can miss the true quotient by the last bit; a
+    divisor on the tensor's own device is divided by exactly, as on the CPU."""
+    if t.device.type == "cpu":
+        return t / c
+    return t / torch.tensor(c, dtype=t.dtype, device=t.device)
+
+
 def numel_of(shape) -> int:
     return math.prod(tuple(shape))
 

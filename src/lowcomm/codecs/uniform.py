@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from ._block import DEFAULT_BLOCK_SIZE, BlockCodec, dither
+from ._format import div_scalar
 from .registry import register
 
 _MAGIC = float(2**23)
@@ -68,5 +69,5 @@ class UniformCodec(BlockCodec):
 
     def _dequantize(self, codes, scales, out, iwork):
         out.copy_(codes.view(out.shape))
-        out.sub_(float(self.offset)).mul_((scales / self.qmax)[:, None])
+        out.sub_(float(self.offset)).mul_(div_scalar(scales, self.qmax)[:, None])
         return codes.amin() == 0  # (uint8 min is far faster than == / any on a CPU)
