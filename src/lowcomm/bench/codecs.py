@@ -73,9 +73,17 @@ def transformer_shapes(
 
 
 def _timed(fn: Callable[[], object]) -> float:
+    """Seconds of ``fn()``, its device work included (a GPU runs kernels after they return)."""
+    _settle()
     t0 = time.perf_counter()
     fn()
+    _settle()
     return time.perf_counter() - t0
+
+
+def _settle() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _against_copy(

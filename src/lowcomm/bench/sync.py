@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..transport import Transport
 from .floor import FLOOR_STAGES, engine_floor
 from .spawn import run_workers_json
 
@@ -167,12 +168,11 @@ class Stepper:
 def copy_seconds(numel: int, repeats: int = 3) -> list[float]:
     """Seconds of ``dst.copy_(src)`` over ``numel`` FP32 elements (one read and one write
     pass), ``repeats`` times after a touching copy; every rank runs it at once, as it syncs."""
-    import torch.distributed as dist
 
     src = torch.randn(numel)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    dist.barrier()
+    Transport().barrier()
     out = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -196,7 +196,6 @@ def _drain(engine: LowComm) -> None:
 
 def _round(engine: LowComm, st: Stepper, clock: HookClock, args: argparse.Namespace) -> tuple:
     """H inner steps (the first few real); returns (stage deltas, the real steps' times)."""
-    import torch.distributed as dist
 
     before, inner = _times(engine), []
     for s in range(args.sync_every):
@@ -207,7 +206,7 @@ def _round(engine: LowComm, st: Stepper, clock: HookClock, args: argparse.Namesp
         else:
             if s == args.inner_steps:
                 # the real steps' noise must not reach the sync as one rank waiting for another
-                dist.barrier()
+                Transport().barrier()
             st.idle_step()
         _drain(engine)
     after = _times(engine)
@@ -218,10 +217,8 @@ def _across_ranks(rounds: list[dict], inner: list[float], peak: int, copies: lis
     """Every rank's records: rounds averaged over ranks (a rank's collective holds its wait
     for the slowest peer), every rank's inner steps, each rank's round totals, the largest
     peak RSS, every rank's copy times."""
-    import torch.distributed as dist
 
-    got: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(got, (rounds, inner, peak, copies))
+    got = Transport().all_gather_object((rounds, inner, peak, copies))
     mean = [
         {k: statistics.fmean(g[0][i][k] for g in got) for k in rounds[i]}
         for i in range(len(rounds))
@@ -330,7 +327,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             "strategies": strategies,
         }
         Path(out).write_text(json.dumps(res))
-    dist.barrier()
+    Transport().barrier()
     shutdown()
 
 
@@ -349,6 +346,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--device", default="cpu", help="cpu; cuda runs the GPU reference workload")
     return p
 
 
@@ -384,9 +382,15 @@ def _engine_preset(method: Any) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark and print a markdown table (or JSON)."""
+    """Run the benchmark and print a markdown table (or JSON); ``--device cuda``: the GPU
+    reference workload instead (:mod:`lowcomm.bench.gpu`)."""
     from .. import strategies
 
+    argv = sys.argv[1:] if argv is None else argv
+    if _device_asked(argv) not in ("", "cpu"):
+        from .gpu import main as on_device
+
+        return on_device(argv)
     p = _parser()
     args = p.parse_args(argv)
     bad = [s for s in args.strategies.split(",") if not _engine_preset(strategies.find(s))]
@@ -404,6 +408,16 @@ def main(argv: list[str] | None = None) -> int:
     res = run_workers_json(_worker, args.workers, args)
     print(json.dumps(res, indent=1) if args.json else _table(res))
     return 0
+
+
+def _device_asked(argv: list[str]) -> str:
+    """The value of ``--device`` in ``argv`` ("" without one)."""
+    for i, a in enumerate(argv):
+        if a.startswith("--device="):
+            return a.split("=", 1)[1]
+        if a == "--device" and i + 1 < len(argv):
+            return argv[i + 1]
+    return ""
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -8,7 +8,9 @@ import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
+
+import torch
 
 from ..transport import ByteMeter, Transport
 from .state import RunState, StatePart
@@ -101,12 +103,20 @@ class SyncTimes:
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:
-        """Add the seconds of the block to stage ``name``."""
+        """Add the seconds of the block to stage ``name`` (with :attr:`on_device`, its GPU
+        work too: the device is waited for at the stage's edges)."""
+        if self.on_device:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         try:
             yield
         finally:
+            if self.on_device:
+                torch.cuda.synchronize()
             setattr(self, name, getattr(self, name) + time.perf_counter() - t0)
+
+    #: time the stages' GPU work too (benchmarks: it adds a host synchronisation per edge)
+    on_device: ClassVar[bool] = False
 
 
 class Unblocked:

@@ -1,0 +1,288 @@
+"""`lowcomm bench sync --device cuda`: the GPU reference workload, every method against the
+plain loop in the same process.
+
+Your own loop (the README's pattern) around GPT-2 small (124M parameters, ``transformers``,
+built from a config: nothing downloaded), bf16 autocast, fused AdamW, batches of random tokens
+(8 x 512 by default). For each method in turn: the plain loop (no engine) for ``--warmup`` +
+``--steps`` steps, then the same loop inside the method's ``with sync:`` block (its preset at
+``--sync-every``, or at its own H with ``--preset-h``), timed over the last ``--steps`` steps
+with the device synchronised at both ends. Reported per method:
+
+- ``speed``: tokens/s as a ratio to the plain loop measured just before it;
+- the sync's stages per sync (``engine.sync_times``, the device synchronised at each stage's
+  edges for this benchmark only) and the sync's share of a round of H plain steps;
+- kernel launches per sync: CUDA kernels, copies and fills (``torch.profiler``) of a step that
+  syncs less those of one that does not, for the model and for one of half its layers (a sync
+  on flat buffers launches as many for both);
+- peak GPU memory over the plain loop's (the peak is reset before each phase).
+
+Shapes: ``--world 1`` (an NCCL world of one: no wire, the sync's own work) and ``--world 2``
+(two processes sharing the GPU over gloo, their tensors staged through pinned host memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STRATEGIES = "diloco,streaming,sparseloco,co2"
+
+
+def gpt2(layers: int, width: int, heads: int, seq: int) -> torch.nn.Module:
+    """A GPT-2 causal LM from a config (GPT-2 small at 12 layers, width 768, 12 heads)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=max(seq, 8))
+    return GPT2LMHeadModel(cfg)
+
+
+class Loop:
+    """The user's loop: a model, fused AdamW, random token batches on the device."""
+
+    def __init__(self, args: argparse.Namespace, layers: int, device: torch.device) -> None:
+        torch.manual_seed(0)
+        self.device = device
+        self.model = gpt2(layers, args.width, args.heads, args.seq).to(device)
+        self.params = sum(p.numel() for p in self.model.parameters())
+        self.tensors = sum(1 for _ in self.model.parameters())
+        fused = device.type == "cuda"
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, fused=fused)
+        vocab = self.model.config.vocab_size
+        self.batch = torch.randint(0, vocab, (args.batch, args.seq), device=device)
+        self.tokens_per_step = args.batch * args.seq
+
+    def step(self) -> None:
+        """One inner step: forward (bf16 autocast on the GPU), backward, optimizer."""
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+        with autocast:
+            loss = self.model(self.batch, labels=self.batch).loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def timed(self, steps: int) -> float:
+        """Seconds of ``steps`` steps, the device's work included."""
+        _settle(self.device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        _settle(self.device)
+        return time.perf_counter() - t0
+
+
+def _settle(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peak(device: torch.device) -> int:
+    return torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def plain(loop: Loop, args: argparse.Namespace) -> dict[str, float]:
+    """The loop without lowcomm: tokens/s and peak memory."""
+    _reset_peak(loop.device)
+    loop.timed(args.warmup)
+    seconds = loop.timed(args.steps)
+    return {"s": seconds, "tok_s": args.steps * loop.tokens_per_step / seconds,
+            "peak": _peak(loop.device)}  # fmt: skip
+
+
+def method(loop: Loop, strategy: str, h: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The same loop inside ``strategy``'s block at H = ``h``: speed, stages, memory."""
+    from ..engine import LowComm
+    from ..presets import preset_config
+
+    _reset_peak(loop.device)
+    world = torch.distributed.get_world_size()
+    engine = LowComm(loop.model, loop.opt, preset_config(strategy, workers=world, sync_every=h))
+    engine.sync_times.on_device = loop.device.type == "cuda"
+    with engine:
+        loop.timed(args.warmup)
+        before, syncs = _stages(engine), engine.stats.syncs
+        seconds = loop.timed(args.steps)
+        after, done = _stages(engine), engine.stats.syncs - syncs
+        peak = _peak(loop.device)
+    per_sync = {k: (after[k] - before[k]) / max(done, 1) for k in after}
+    return {"s": seconds, "tok_s": args.steps * loop.tokens_per_step / seconds, "h": h,
+            "syncs": done, "stages_s": per_sync, "peak": peak}  # fmt: skip
+
+
+def _stages(engine: Any) -> dict[str, float]:
+    t = engine.sync_times
+    names = ("encode", "collective", "decode_sum", "outer", "merge")
+    return {**{n: getattr(t, n) for n in names}, "total": t.total}
+
+
+def launches_per_sync(loop: Loop, strategy: str) -> int | None:
+    """CUDA kernels, copies and fills of a step that syncs less those of a step that does not
+    (H = 2: the first step of the block does not sync, the second does)."""
+    if loop.device.type != "cuda":
+        return None
+    from ..engine import LowComm
+    from ..presets import preset_config
+
+    world = torch.distributed.get_world_size()
+    engine = LowComm(loop.model, loop.opt, preset_config(strategy, workers=world, sync_every=2))
+    with engine:
+        loop.timed(2)  # warm: the engine's buffers and the codecs' tables exist
+        quiet, syncing = _launches(loop), _launches(loop)
+    return syncing - quiet
+
+
+def _launches(loop: Loop) -> int:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    _settle(loop.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        loop.step()
+        _settle(loop.device)
+    return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+
+
+def run(args: argparse.Namespace, rank: int) -> dict[str, Any]:
+    """Every method on this rank's loop; the rows (rank 0 reports them)."""
+    device = torch.device(args.device)
+    loop = Loop(args, args.layers, device)
+    rows = []
+    for strategy in args.strategies.split(","):
+        hs = [args.sync_every] + ([_preset_h(strategy)] if args.preset_h else [])
+        for h in dict.fromkeys(hs):
+            base = plain(loop, args)
+            got = method(loop, strategy, h, args)
+            round_s = h * base["s"] / args.steps
+            rows.append({
+                "strategy": strategy, **{k: v for k, v in got.items() if k != "peak"},
+                "plain_tok_s": base["tok_s"], "speed": got["tok_s"] / base["tok_s"],
+                "sync_share_of_round": got["stages_s"]["total"] / round_s,
+                "extra_peak_bytes": got["peak"] - base["peak"],
+            })  # fmt: skip
+            if rank == 0:
+                print(_line(rows[-1]), file=sys.stderr, flush=True)
+    if args.launches and device.type == "cuda":
+        half = Loop(args, max(1, args.layers // 2), device)
+        for row in rows:
+            row["launches_per_sync"] = launches_per_sync(loop, row["strategy"])
+            row["launches_per_sync_half_layers"] = launches_per_sync(half, row["strategy"])
+        counts = {"tensors": loop.tensors, "tensors_half_layers": half.tensors}
+    else:
+        counts = {"tensors": loop.tensors}
+    return {"params": loop.params, **counts, "rows": rows}
+
+
+def _preset_h(strategy: str) -> int:
+    from ..presets import preset_config
+
+    return preset_config(strategy).sync_every
+
+
+def _line(r: dict[str, Any]) -> str:
+    st = r["stages_s"]
+    return (f"{r['strategy']:11s} H={r['h']:<3d} {r['speed']:.3f}x plain "
+            f"({r['tok_s']:,.0f} vs {r['plain_tok_s']:,.0f} tok/s); per sync "
+            f"{1e3 * st['total']:.1f} ms (encode {1e3 * st['encode']:.1f}, collective "
+            f"{1e3 * st['collective']:.1f}, decode+sum {1e3 * st['decode_sum']:.1f}, outer "
+            f"{1e3 * st['outer']:.1f}, merge {1e3 * st['merge']:.1f}), "
+            f"{100 * r['sync_share_of_round']:.1f} % of a round")  # fmt: skip
+
+
+def table(result: dict[str, Any]) -> str:
+    """The rows as a markdown table."""
+    head = ("| method | H | × plain | tok/s | plain tok/s | sync ms | encode | collective | "
+            "decode+sum | outer | merge | % of round | launches/sync (½ layers) | "
+            "extra peak MiB |")  # fmt: skip
+    lines = [head, "|" + "---|" * 14]
+    for r in result["rows"]:
+        st = {k: 1e3 * v for k, v in r["stages_s"].items()}
+        launches = r.get("launches_per_sync")
+        half = r.get("launches_per_sync_half_layers")
+        lines.append(
+            f"| {r['strategy']} | {r['h']} | {r['speed']:.3f} | {r['tok_s']:,.0f} | "
+            f"{r['plain_tok_s']:,.0f} | {st['total']:.1f} | {st['encode']:.1f} | "
+            f"{st['collective']:.1f} | {st['decode_sum']:.1f} | {st['outer']:.1f} | "
+            f"{st['merge']:.1f} | {100 * r['sync_share_of_round']:.2f} | "
+            f"{launches if launches is not None else '-'} ({half if half is not None else '-'}) | "
+            f"{r['extra_peak_bytes'] / 2**20:,.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    import torch.distributed as dist
+
+    from ..transport import shutdown
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    backend = "gloo" if world > 1 or args.device == "cpu" else "cpu:gloo,cuda:nccl"
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    if args.device.startswith("cuda"):  # both processes of --world 2 share this GPU
+        torch.cuda.set_device(torch.device(args.device).index or 0)
+    try:
+        result = run(args, rank)
+        if rank == 0:
+            Path(out).write_text(json.dumps(result))
+    finally:
+        shutdown()
+
+
+def parser() -> argparse.ArgumentParser:
+    """The options of the GPU workload."""
+    p = argparse.ArgumentParser(prog="lowcomm bench sync --device cuda", description=__doc__)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--world", type=int, default=1, help="1: NCCL world of one; 2: gloo, shared")
+    p.add_argument("--strategies", default=STRATEGIES)
+    p.add_argument("--sync-every", type=int, default=50, help="H for every method")
+    p.add_argument("--preset-h", action="store_true", help="also each preset's own H")
+    p.add_argument("--steps", type=int, default=150, help="timed steps per phase")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--width", type=int, default=768)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--launches", action="store_true", help="count kernel launches per sync")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the workload on ``--world`` processes; print the table (or JSON)."""
+    from .spawn import run_workers_json
+
+    args = parser().parse_args(argv)
+    result = run_workers_json(_worker, args.world, args)
+    result.update(world=args.world, device=_device_name(args.device), torch=torch.__version__)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        speed = statistics.median(r["speed"] for r in result["rows"])
+        print(f"{result['device']}, torch {result['torch']}, world {args.world}, "
+              f"{result['params'] / 1e6:.1f}M parameters in {result['tensors']} tensors, "
+              f"median speed {speed:.3f}")  # fmt: skip
+        print(table(result))
+    return 0
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
+    return device
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
