@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: install demo test test-slow clean
+.PHONY: install demo test test-slow gpu-wheels gpu-check clean
 
 $(BIN)/activate: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -37,6 +37,24 @@ test: install
 
 test-slow: install
 	$(BIN)/python -m pytest -m slow
+
+# The GPU check, on a machine with one GPU and torch with CUDA, transformers and pytest already
+# there (no network, no .venv): the cuda tests, a train per strategy, the codecs and the sync on
+# the device, one table. Elastic runs need torchft: `make gpu-wheels` here first, then carry
+# .whl/ along (the check installs those wheels and nothing else).
+GPU_PY ?= python3
+gpu-check:
+	PYTHON=$(GPU_PY) bash scripts/gpu_check.sh
+
+# torchft and what it imports, as Python 3.12 wheels for the GPU machine, into .whl/
+GPU_WHEELS := torchft-nightly==2026.10.26 opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 \
+	opentelemetry-exporter-otlp-proto-http==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 \
+	opentelemetry-proto==1.45.2 opentelemetry-semantic-conventions==0.66b2 \
+	opentelemetry-exporter-http-transport==0.66b2 opentelemetry-exporter-otlp-common==0.66b2 \
+	googleapis-common-protos==1.76.0
+gpu-wheels: install
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info

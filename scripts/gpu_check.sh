@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# `make gpu-check`: lowcomm on one GPU, in under 5 minutes, from the source tree (PYTHONPATH=src)
+# with the machine's own torch, transformers and pytest; installs nothing but the wheels in
+# .whl/ (torchft for the elastic tests: `make gpu-wheels` on a machine with pip's index).
+# Each part's output goes to $OUT/PART.out, every part's stderr to $OUT/stderr.log (default
+# OUT: runs/gpu-check); the last lines are one table.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=${OUT:-runs/gpu-check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=src
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/lowcomm-site \
+    .whl/*.whl >>"$OUT/stderr.log" 2>&1 && export PYTHONPATH=src:/tmp/lowcomm-site
+fi
+$PY - <<'PY'
+import torch
+print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+PY
+results=()
+step() {  # step NAME TIMEOUT COMMAND...: run it, log it, keep its status for the table
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "== $name" >>"$OUT/stderr.log"
+  timeout "$limit" "$@" >"$OUT/$name.out" 2> >(tee -a "$OUT/stderr.log" | tail -n 12 >&2)
+  local rc=$?
+  results+=("| $name | $([ $rc = 0 ] && echo ok || echo "FAILED ($rc)") | $((SECONDS - t0)) s |")
+  echo "== $name (rc $rc)"; tail -n 6 "$OUT/$name.out"
+}
+workers=$($PY -c "import xdist" 2>/dev/null && echo "-n 6" || echo "")
+step tests 180 $PY -m pytest -q -p no:cacheprovider -m cuda $workers tests/test_cuda.py
+step codec-tests 50 $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_codecs.py \
+  tests/test_compensation.py
+for n in 16777216 134217728; do
+  step codecs-$n 45 $PY -m lowcomm.cli bench codecs --device cuda --no-mix --repeats 5 \
+    --codecs fp32,bf16,int8,int4,fp4,topk --numel $n --json
+done
+step sync-world1 120 $PY -m lowcomm.cli bench sync --device cuda --world 1 --steps 100 \
+  --launches --json
+step sync-shared 100 $PY -m lowcomm.cli bench sync --device cuda --world 2 --steps 60 \
+  --strategies diloco,sparseloco --json
+$PY - "$OUT" <<'PY'
+import json, pathlib, sys
+from lowcomm.bench.gpu import table
+out = pathlib.Path(sys.argv[1])
+def read(name):
+    try:
+        return json.loads((out / f"{name}.out").read_text())
+    except (OSError, ValueError):
+        return None
+codecs = (read("codecs-16777216") or []) + (read("codecs-134217728") or [])
+if codecs:
+    print("\n| codec | numel | encode × copy | decode × copy |\n|---|---|---|---|")
+    for r in codecs:
+        print(f"| {r['codec']} | {r['numel']:,} | {r['encode_vs_copy']:.3f} | "
+              f"{r['decode_vs_copy']:.3f} |")
+for name in ("sync-world1", "sync-shared"):
+    res = read(name)
+    if res:
+        print(f"\n{name}: {res['device']}, torch {res['torch']}, {res['tensors']} tensors")
+        print(table(res))
+PY
+printf '\n| part | result | time |\n|---|---|---|\n'
+printf '%s\n' "${results[@]}"
