@@ -28,18 +28,28 @@ step() {  # step NAME TIMEOUT COMMAND...: run it, log it, keep its status for th
   results+=("| $name | $([ $rc = 0 ] && echo ok || echo "FAILED ($rc)") | $((SECONDS - t0)) s |")
   echo "== $name (rc $rc)"; tail -n 6 "$OUT/$name.out"
 }
-workers=$($PY -c "import xdist" 2>/dev/null && echo "-n 6" || echo "")
-step tests 180 $PY -m pytest -q -p no:cacheprovider -m cuda $workers tests/test_cuda.py
-step codec-tests 50 $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_codecs.py \
-  tests/test_compensation.py
-for n in 16777216 134217728; do
-  step codecs-$n 45 $PY -m lowcomm.cli bench codecs --device cuda --no-mix --repeats 5 \
-    --codecs fp32,bf16,int8,int4,fp4,topk --numel $n --json
+# the parts, in this order unless PARTS names some (e.g. PARTS="tests codecs")
+PARTS=${PARTS:-"codec-tests codecs sync-world1 sync-shared tests"}
+workers=$($PY -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")
+timeout_flag=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout 150" || echo "")
+for part in $PARTS; do
+  case $part in
+    codec-tests) step codec-tests 50 $PY -m pytest -q -p no:cacheprovider -k cuda \
+      tests/test_codecs.py tests/test_compensation.py ;;
+    codecs) for n in 16777216 134217728; do
+        step codecs-$n 45 $PY -m lowcomm.cli bench codecs --device cuda --no-mix --repeats 5 \
+          --codecs fp32,bf16,int8,int4,fp4,topk --numel $n --json
+      done ;;
+    sync-world1) step sync-world1 120 $PY -m lowcomm.cli bench sync --device cuda --world 1 \
+      --steps 100 --launches --json ;;
+    sync-shared) step sync-shared 100 $PY -m lowcomm.cli bench sync --device cuda --world 2 \
+      --steps 60 --strategies diloco,sparseloco --json ;;
+    diagnose) step diagnose 60 $PY -m lowcomm.cli bench sync --device cuda --world 1 \
+      --diagnose sparseloco,streaming,diloco --json ;;
+    tests) step tests 200 $PY -m pytest -v -p no:cacheprovider -p no:benchmark -m cuda \
+      $workers $timeout_flag --durations=0 tests/test_cuda.py ;;
+  esac
 done
-step sync-world1 120 $PY -m lowcomm.cli bench sync --device cuda --world 1 --steps 100 \
-  --launches --json
-step sync-shared 100 $PY -m lowcomm.cli bench sync --device cuda --world 2 --steps 60 \
-  --strategies diloco,sparseloco --json
 $PY - "$OUT" <<'PY'
 import json, pathlib, sys
 from lowcomm.bench.gpu import table
@@ -57,9 +67,15 @@ if codecs:
               f"{r['decode_vs_copy']:.3f} |")
 for name in ("sync-world1", "sync-shared"):
     res = read(name)
-    if res:
+    if res and "rows" in res:
         print(f"\n{name}: {res['device']}, torch {res['torch']}, {res['tensors']} tensors")
         print(table(res))
+for d in (read("diagnose") or {}).get("diagnoses", []):
+    sites = sorted(d["sync_sites"].items(), key=lambda kv: -kv[1])[:12]
+    print(f"\n{d['strategy']}: {d['host_syncs']} host syncs in one sync step: {sites}")
+    for e in d["by_device"][:10]:
+        print(f"  {e['device_ms']:8.2f} ms device {e['self_cpu_ms']:8.2f} ms cpu "
+              f"x{e['count']:<5d} {e['name'][:60]}")
 PY
 printf '\n| part | result | time |\n|---|---|---|\n'
 printf '%s\n' "${results[@]}"

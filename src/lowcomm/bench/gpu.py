@@ -155,10 +155,62 @@ def _launches(loop: Loop) -> int:
     return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
 
 
+def diagnose(loop: Loop, strategy: str, top: int = 25) -> dict[str, Any]:
+    """Where one sync's time goes on the device: the host synchronisations it makes (CUDA's
+    sync debug mode, counted by the line of lowcomm that caused each) and its most expensive
+    operators (``torch.profiler``, by self CPU and by device time). H = 2: the second step of
+    the block syncs."""
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..engine import LowComm
+    from ..presets import preset_config
+
+    world = torch.distributed.get_world_size()
+    engine = LowComm(loop.model, loop.opt, preset_config(strategy, workers=world, sync_every=2))
+    sites: dict[str, int] = {}
+    with engine:
+        loop.timed(2)
+        loop.step()  # no sync
+        _settle(loop.device)
+        debug = loop.device.type == "cuda"
+        if debug:
+            torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if debug else [])
+            with profile(activities=activities) as prof:
+                loop.step()  # the sync
+                _settle(loop.device)
+        if debug:
+            torch.cuda.set_sync_debug_mode(0)
+        for w in caught:  # attributed to the Python line that synchronised
+            where = f"{Path(w.filename).parent.name}/{Path(w.filename).name}:{w.lineno}"
+            sites[where] = sites.get(where, 0) + 1
+    averages = prof.key_averages()
+    by_cpu = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    by_dev = sorted(averages, key=lambda e: _device_us(e), reverse=True)[:top]
+    row = lambda e: {"name": e.key, "count": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,  # noqa: E731
+                     "device_ms": _device_us(e) / 1e3}  # fmt: skip
+    return {"strategy": strategy, "host_syncs": sum(sites.values()), "sync_sites": sites,
+            "by_cpu": [row(e) for e in by_cpu], "by_device": [row(e) for e in by_dev]}  # fmt: skip
+
+
+def _device_us(event: Any) -> float:
+    for name in ("self_device_time_total", "self_cuda_time_total"):
+        if hasattr(event, name):
+            return float(getattr(event, name))
+    return 0.0
+
+
 def run(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     """Every method on this rank's loop; the rows (rank 0 reports them)."""
     device = torch.device(args.device)
     loop = Loop(args, args.layers, device)
+    if args.diagnose:
+        diagnoses = [diagnose(loop, s) for s in args.diagnose.split(",")]
+        return {"params": loop.params, "tensors": loop.tensors, "diagnoses": diagnoses}
     rows = []
     for strategy in args.strategies.split(","):
         hs = [args.sync_every] + ([_preset_h(strategy)] if args.preset_h else [])
@@ -257,6 +309,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--launches", action="store_true", help="count kernel launches per sync")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--diagnose", default="", help="methods whose one sync is profiled instead")
     return p
 
 
