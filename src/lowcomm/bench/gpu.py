@@ -84,6 +84,15 @@ def _settle(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def _release(device: torch.device) -> None:
+    """Free what the last engine held (its buffers may sit in reference cycles)."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _peak(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
 
@@ -128,64 +137,70 @@ def _stages(engine: Any) -> dict[str, float]:
     return {**{n: getattr(t, n) for n in names}, "total": t.total}
 
 
-def launches_per_sync(loop: Loop, strategy: str) -> int | None:
-    """CUDA kernels, copies and fills of a step that syncs less those of a step that does not
-    (H = 2: the first step of the block does not sync, the second does)."""
-    if loop.device.type != "cuda":
-        return None
+#: H of the profiled rounds: short, and a valid schedule for every preset on GPT-2 (Streaming's
+#: fragments each land before the next is sent)
+PROFILED_H = 10
+
+
+def _engine(loop: Loop, strategy: str, h: int) -> Any:
     from ..engine import LowComm
     from ..presets import preset_config
 
     world = torch.distributed.get_world_size()
-    engine = LowComm(loop.model, loop.opt, preset_config(strategy, workers=world, sync_every=2))
-    with engine:
-        loop.timed(2)  # warm: the engine's buffers and the codecs' tables exist
-        quiet, syncing = _launches(loop), _launches(loop)
-    return syncing - quiet
+    return LowComm(loop.model, loop.opt, preset_config(strategy, workers=world, sync_every=h))
 
 
-def _launches(loop: Loop) -> int:
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    _settle(loop.device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        loop.step()
-        _settle(loop.device)
-    return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
-
-
-def diagnose(loop: Loop, strategy: str, top: int = 25) -> dict[str, Any]:
-    """Where one sync's time goes on the device: the host synchronisations it makes (CUDA's
-    sync debug mode, counted by the line of lowcomm that caused each) and its most expensive
-    operators (``torch.profiler``, by self CPU and by device time). H = 2: the second step of
-    the block syncs."""
+def _profiled_round(loop: Loop, engine: Any | None, cpu: bool = False) -> tuple[Any, int, list]:
+    """One round of ``PROFILED_H`` steps (in ``engine``'s block when given) under the profiler
+    and CUDA's sync debug mode: (profile, fragment syncs in it, the warnings it raised)."""
     import warnings
 
     from torch.profiler import ProfilerActivity, profile
 
-    from ..engine import LowComm
-    from ..presets import preset_config
-
-    world = torch.distributed.get_world_size()
-    engine = LowComm(loop.model, loop.opt, preset_config(strategy, workers=world, sync_every=2))
-    sites: dict[str, int] = {}
-    with engine:
-        loop.timed(2)
-        loop.step()  # no sync
-        _settle(loop.device)
-        debug = loop.device.type == "cuda"
-        if debug:
-            torch.cuda.set_sync_debug_mode("warn")
-        with warnings.catch_warnings(record=True) as caught:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu else [])
+    syncs0 = engine.stats.fragment_syncs if engine is not None else 0
+    _settle(loop.device)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught, profile(activities=activities) as p:
             warnings.simplefilter("always")
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if debug else [])
-            with profile(activities=activities) as prof:
-                loop.step()  # the sync
-                _settle(loop.device)
-        if debug:
-            torch.cuda.set_sync_debug_mode(0)
-        for w in caught:  # attributed to the Python line that synchronised
+            for _ in range(PROFILED_H):
+                loop.step()
+            _settle(loop.device)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = engine.stats.fragment_syncs - syncs0 if engine is not None else 0
+    return p, syncs, list(caught)
+
+
+def _kernels(prof: Any) -> int:
+    from torch.autograd import DeviceType
+
+    return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+
+
+def launches_per_sync(loop: Loop, strategy: str) -> int | None:
+    """CUDA kernels, copies and fills per (fragment) sync: those of a round of PROFILED_H steps
+    inside the block less those of as many plain steps, over the syncs the round made."""
+    if loop.device.type != "cuda":
+        return None
+    plain_round, _, _ = _profiled_round(loop, None)
+    with (engine := _engine(loop, strategy, PROFILED_H)):
+        loop.timed(PROFILED_H)  # warm: the engine's buffers and the codecs' tables exist
+        prof, syncs, _ = _profiled_round(loop, engine)
+    return round((_kernels(prof) - _kernels(plain_round)) / max(syncs, 1))
+
+
+def diagnose(loop: Loop, strategy: str, top: int = 25) -> dict[str, Any]:
+    """Where a round's syncs spend their time on the device: the host synchronisations lowcomm
+    made (CUDA's sync debug mode, by the line that made each) and the costliest operators
+    (``torch.profiler``, by device and by self CPU time), over a round of PROFILED_H steps."""
+    with (engine := _engine(loop, strategy, PROFILED_H)):
+        loop.timed(PROFILED_H)
+        prof, syncs, caught = _profiled_round(loop, engine, cpu=True)
+    sites: dict[str, int] = {}
+    for w in caught:  # attributed to the Python line that synchronised; lowcomm's only
+        if "lowcomm" in w.filename:
             where = f"{Path(w.filename).parent.name}/{Path(w.filename).name}:{w.lineno}"
             sites[where] = sites.get(where, 0) + 1
     averages = prof.key_averages()
@@ -193,8 +208,9 @@ def diagnose(loop: Loop, strategy: str, top: int = 25) -> dict[str, Any]:
     by_dev = sorted(averages, key=lambda e: _device_us(e), reverse=True)[:top]
     row = lambda e: {"name": e.key, "count": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,  # noqa: E731
                      "device_ms": _device_us(e) / 1e3}  # fmt: skip
-    return {"strategy": strategy, "host_syncs": sum(sites.values()), "sync_sites": sites,
-            "by_cpu": [row(e) for e in by_cpu], "by_device": [row(e) for e in by_dev]}  # fmt: skip
+    return {"strategy": strategy, "syncs": syncs, "host_syncs": sum(sites.values()),
+            "sync_sites": sites, "by_cpu": [row(e) for e in by_cpu],
+            "by_device": [row(e) for e in by_dev]}  # fmt: skip
 
 
 def _device_us(event: Any) -> float:
@@ -208,21 +224,28 @@ def run(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     """Every method on this rank's loop; the rows (rank 0 reports them)."""
     device = torch.device(args.device)
     loop = Loop(args, args.layers, device)
-    if args.diagnose:
+    if args.diagnose and device.type == "cuda":
         diagnoses = [diagnose(loop, s) for s in args.diagnose.split(",")]
         return {"params": loop.params, "tensors": loop.tensors, "diagnoses": diagnoses}
     rows = []
     for strategy in args.strategies.split(","):
         hs = [args.sync_every] + ([_preset_h(strategy)] if args.preset_h else [])
         for h in dict.fromkeys(hs):
-            base = plain(loop, args)
+            # the plain loop just before and just after: the device's own drift (clocks,
+            # allocator) between phases is as large as the effects looked for
+            before = plain(loop, args)
             got = method(loop, strategy, h, args)
-            round_s = h * base["s"] / args.steps
+            _release(loop.device)
+            after = plain(loop, args)
+            base_s = (before["s"] + after["s"]) / 2
+            base_tok_s = args.steps * loop.tokens_per_step / base_s
             rows.append({
                 "strategy": strategy, **{k: v for k, v in got.items() if k != "peak"},
-                "plain_tok_s": base["tok_s"], "speed": got["tok_s"] / base["tok_s"],
-                "sync_share_of_round": got["stages_s"]["total"] / round_s,
-                "extra_peak_bytes": got["peak"] - base["peak"],
+                "plain_tok_s": base_tok_s, "plain_tok_s_before_after": [before["tok_s"],
+                                                                        after["tok_s"]],
+                "speed": got["tok_s"] / base_tok_s,
+                "sync_share_of_round": got["stages_s"]["total"] / (h * base_s / args.steps),
+                "extra_peak_bytes": got["peak"] - max(before["peak"], after["peak"]),
             })  # fmt: skip
             if rank == 0:
                 print(_line(rows[-1]), file=sys.stderr, flush=True)
