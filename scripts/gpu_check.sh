@@ -44,8 +44,8 @@ for part in $PARTS; do
       --steps 100 --launches --json ;;
     sync-shared) step sync-shared 100 $PY -m lowcomm.cli bench sync --device cuda --world 2 \
       --steps 60 --strategies diloco,sparseloco --json ;;
-    diagnose) step diagnose 60 $PY -m lowcomm.cli bench sync --device cuda --world 1 \
-      --diagnose sparseloco,streaming,diloco --json ;;
+    diagnose) step diagnose 240 $PY -m lowcomm.cli bench sync --device cuda --world 1 \
+      --diagnose sparseloco --json ;;
     tests) step tests 200 $PY -m pytest -v -p no:cacheprovider -p no:benchmark -m cuda \
       $workers $timeout_flag --durations=0 tests/test_cuda.py ;;
   esac

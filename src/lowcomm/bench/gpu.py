@@ -184,6 +184,7 @@ def launches_per_sync(loop: Loop, strategy: str) -> int | None:
     inside the block less those of as many plain steps, over the syncs the round made."""
     if loop.device.type != "cuda":
         return None
+    loop.timed(2)  # a model's first steps launch set-up kernels (workspaces) a round does not
     plain_round, _, _ = _profiled_round(loop, None)
     with (engine := _engine(loop, strategy, PROFILED_H)):
         loop.timed(PROFILED_H)  # warm: the engine's buffers and the codecs' tables exist
