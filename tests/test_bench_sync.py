@@ -73,3 +73,33 @@ def test_floor_counts_the_passes_of_each_method() -> None:
     assert total("sparseloco", "replace", False, 0.0, sparse=True) == 13.0
     # Δ 3 + codec 2 + own 1 | outer 3 | continue 6
     assert total("co2", "continue", True, 4.0) == 15.0
+
+
+def _gpu_workload(rank: int, world: int) -> dict:
+    from lowcomm.bench import gpu
+
+    args = gpu.parser().parse_args(
+        ["--device", "cpu", "--layers", "2", "--width", "32", "--heads", "2", "--seq", "16",
+         "--vocab", "256", "--batch", "2", "--steps", "4", "--warmup", "1", "--sync-every", "2",
+         "--strategies", "diloco,sparseloco"]
+    )  # fmt: skip
+    return gpu.run(args, rank)
+
+
+def test_the_gpu_workload_runs_its_loop_and_table_on_a_cpu(workers):
+    """`bench sync --device cuda`'s workload on the CPU in a tiny shape (a world of one): every
+    method gets a row with its speed against the plain loop before and after, and stages per
+    sync that add up to no more than their total."""
+    pytest.importorskip("transformers")
+    from lowcomm.bench.gpu import table
+
+    (result,) = workers(_gpu_workload, 1)
+    rows = result["rows"]
+    assert [r["strategy"] for r in rows] == ["diloco", "sparseloco"]
+    for r in rows:
+        assert r["syncs"] == 2 and len(r["plain_tok_s_before_after"]) == 2
+        assert r["speed"] == pytest.approx(r["tok_s"] / r["plain_tok_s"])
+        stages = r["stages_s"]
+        parts = sum(stages[k] for k in ("encode", "collective", "decode_sum", "outer", "merge"))
+        assert 0 < parts <= stages["total"] + 1e-9
+    assert "| sparseloco | 2 |" in table(result)

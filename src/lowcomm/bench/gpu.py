@@ -30,18 +30,23 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from ..engine import LowComm
 
 STRATEGIES = "diloco,streaming,sparseloco,co2"
 
 
-def gpt2(layers: int, width: int, heads: int, seq: int) -> torch.nn.Module:
+def gpt2(layers: int, width: int, heads: int, seq: int, vocab: int = 50257) -> torch.nn.Module:
     """A GPT-2 causal LM from a config (GPT-2 small at 12 layers, width 768, 12 heads)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=max(seq, 8))
+    cfg = GPT2Config(
+        n_layer=layers, n_embd=width, n_head=heads, n_positions=max(seq, 8), vocab_size=vocab
+    )
     return GPT2LMHeadModel(cfg)
 
 
@@ -51,7 +56,7 @@ class Loop:
     def __init__(self, args: argparse.Namespace, layers: int, device: torch.device) -> None:
         torch.manual_seed(0)
         self.device = device
-        self.model = gpt2(layers, args.width, args.heads, args.seq).to(device)
+        self.model = gpt2(layers, args.width, args.heads, args.seq, args.vocab).to(device)
         self.params = sum(p.numel() for p in self.model.parameters())
         self.tensors = sum(1 for _ in self.model.parameters())
         fused = device.type == "cuda"
@@ -131,7 +136,7 @@ def method(loop: Loop, strategy: str, h: int, args: argparse.Namespace) -> dict[
             "syncs": done, "stages_s": per_sync, "peak": peak}  # fmt: skip
 
 
-def _stages(engine: Any) -> dict[str, float]:
+def _stages(engine: LowComm) -> dict[str, float]:
     t = engine.sync_times
     names = ("encode", "collective", "decode_sum", "outer", "merge")
     return {**{n: getattr(t, n) for n in names}, "total": t.total}
@@ -142,7 +147,7 @@ def _stages(engine: Any) -> dict[str, float]:
 PROFILED_H = 10
 
 
-def _engine(loop: Loop, strategy: str, h: int) -> Any:
+def _engine(loop: Loop, strategy: str, h: int) -> LowComm:
     from ..engine import LowComm
     from ..presets import preset_config
 
@@ -150,7 +155,7 @@ def _engine(loop: Loop, strategy: str, h: int) -> Any:
     return LowComm(loop.model, loop.opt, preset_config(strategy, workers=world, sync_every=h))
 
 
-def _profiled_round(loop: Loop, engine: Any | None, cpu: bool = False) -> tuple[Any, int, list]:
+def _profiled_round(loop: Loop, engine: LowComm | None, cpu: bool = False) -> tuple[Any, int, list]:
     """One round of ``PROFILED_H`` steps (in ``engine``'s block when given) under the profiler
     and CUDA's sync debug mode: (profile, fragment syncs in it, the warnings it raised)."""
     import warnings
@@ -331,6 +336,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--width", type=int, default=768)
     p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--vocab", type=int, default=50257)
     p.add_argument("--launches", action="store_true", help="count kernel launches per sync")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--diagnose", default="", help="methods whose one sync is profiled instead")
