@@ -189,6 +189,8 @@ def loco_hook(state: LoCoState, bucket: dist.GradBucket) -> torch.futures.Future
     parts = state.plan(names, [g.shape for g in grads])
     t0 = time.perf_counter()
     with torch.no_grad():
+        # a host sync per bucket, on purpose: whether this worker's gradient is finite decides
+        # what it sends (its validity flag) and whether its error buffers may take it
         valid = all(bool(torch.isfinite(g).all()) for g in grads)
         encoded = [
             encode_compensated(

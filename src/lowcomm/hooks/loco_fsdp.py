@@ -130,7 +130,7 @@ class LoCoReduceScatter(_ReduceScatterBase or object):  # type: ignore[misc]
             self.loss_scale.follow(self.scaler)
         with torch.no_grad():
             x = input_tensor.detach().float().view(m, -1)
-            valid = bool(torch.isfinite(x).all())
+            valid = bool(torch.isfinite(x).all())  # a host sync, on purpose: as in loco_ddp
             mask = self.dense_mask(x.shape[1], m, x.device)
             if mask is None:
                 red = self._quantised(x, valid, transport)
