@@ -112,8 +112,11 @@ def plain(loop: Loop, args: argparse.Namespace) -> dict[str, float]:
     _reset_peak(loop.device)
     loop.timed(args.warmup)
     seconds = loop.timed(args.steps)
-    return {"s": seconds, "tok_s": args.steps * loop.tokens_per_step / seconds,
-            "peak": _peak(loop.device)}  # fmt: skip
+    return {
+        "s": seconds,
+        "tok_s": args.steps * loop.tokens_per_step / seconds,
+        "peak": _peak(loop.device),
+    }
 
 
 def method(loop: Loop, strategy: str, h: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -132,8 +135,14 @@ def method(loop: Loop, strategy: str, h: int, args: argparse.Namespace) -> dict[
         after, done = _stages(engine), engine.stats.syncs - syncs
         peak = _peak(loop.device)
     per_sync = {k: (after[k] - before[k]) / max(done, 1) for k in after}
-    return {"s": seconds, "tok_s": args.steps * loop.tokens_per_step / seconds, "h": h,
-            "syncs": done, "stages_s": per_sync, "peak": peak}  # fmt: skip
+    return {
+        "s": seconds,
+        "tok_s": args.steps * loop.tokens_per_step / seconds,
+        "h": h,
+        "syncs": done,
+        "stages_s": per_sync,
+        "peak": peak,
+    }
 
 
 def _stages(engine: LowComm) -> dict[str, float]:
@@ -212,11 +221,23 @@ def diagnose(loop: Loop, strategy: str, top: int = 25) -> dict[str, Any]:
     averages = prof.key_averages()
     by_cpu = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
     by_dev = sorted(averages, key=lambda e: _device_us(e), reverse=True)[:top]
-    row = lambda e: {"name": e.key, "count": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,  # noqa: E731
-                     "device_ms": _device_us(e) / 1e3}  # fmt: skip
-    return {"strategy": strategy, "syncs": syncs, "host_syncs": sum(sites.values()),
-            "sync_sites": sites, "by_cpu": [row(e) for e in by_cpu],
-            "by_device": [row(e) for e in by_dev]}  # fmt: skip
+
+    def row(e: Any) -> dict[str, Any]:
+        return {
+            "name": e.key,
+            "count": e.count,
+            "self_cpu_ms": e.self_cpu_time_total / 1e3,
+            "device_ms": _device_us(e) / 1e3,
+        }
+
+    return {
+        "strategy": strategy,
+        "syncs": syncs,
+        "host_syncs": sum(sites.values()),
+        "sync_sites": sites,
+        "by_cpu": [row(e) for e in by_cpu],
+        "by_device": [row(e) for e in by_dev],
+    }
 
 
 def _device_us(event: Any) -> float:
@@ -245,14 +266,17 @@ def run(args: argparse.Namespace, rank: int) -> dict[str, Any]:
             after = plain(loop, args)
             base_s = (before["s"] + after["s"]) / 2
             base_tok_s = args.steps * loop.tokens_per_step / base_s
-            rows.append({
-                "strategy": strategy, **{k: v for k, v in got.items() if k != "peak"},
-                "plain_tok_s": base_tok_s, "plain_tok_s_before_after": [before["tok_s"],
-                                                                        after["tok_s"]],
-                "speed": got["tok_s"] / base_tok_s,
-                "sync_share_of_round": got["stages_s"]["total"] / (h * base_s / args.steps),
-                "extra_peak_bytes": got["peak"] - max(before["peak"], after["peak"]),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "strategy": strategy,
+                    **{k: v for k, v in got.items() if k != "peak"},
+                    "plain_tok_s": base_tok_s,
+                    "plain_tok_s_before_after": [before["tok_s"], after["tok_s"]],
+                    "speed": got["tok_s"] / base_tok_s,
+                    "sync_share_of_round": got["stages_s"]["total"] / (h * base_s / args.steps),
+                    "extra_peak_bytes": got["peak"] - max(before["peak"], after["peak"]),
+                }
+            )
             if rank == 0:
                 print(_line(rows[-1]), file=sys.stderr, flush=True)
     if args.launches and device.type == "cuda":
@@ -274,19 +298,23 @@ def _preset_h(strategy: str) -> int:
 
 def _line(r: dict[str, Any]) -> str:
     st = r["stages_s"]
-    return (f"{r['strategy']:11s} H={r['h']:<3d} {r['speed']:.3f}x plain "
-            f"({r['tok_s']:,.0f} vs {r['plain_tok_s']:,.0f} tok/s); per sync "
-            f"{1e3 * st['total']:.1f} ms (encode {1e3 * st['encode']:.1f}, collective "
-            f"{1e3 * st['collective']:.1f}, decode+sum {1e3 * st['decode_sum']:.1f}, outer "
-            f"{1e3 * st['outer']:.1f}, merge {1e3 * st['merge']:.1f}), "
-            f"{100 * r['sync_share_of_round']:.1f} % of a round")  # fmt: skip
+    return (
+        f"{r['strategy']:11s} H={r['h']:<3d} {r['speed']:.3f}x plain "
+        f"({r['tok_s']:,.0f} vs {r['plain_tok_s']:,.0f} tok/s); per sync "
+        f"{1e3 * st['total']:.1f} ms (encode {1e3 * st['encode']:.1f}, collective "
+        f"{1e3 * st['collective']:.1f}, decode+sum {1e3 * st['decode_sum']:.1f}, outer "
+        f"{1e3 * st['outer']:.1f}, merge {1e3 * st['merge']:.1f}), "
+        f"{100 * r['sync_share_of_round']:.1f} % of a round"
+    )
 
 
 def table(result: dict[str, Any]) -> str:
     """The rows as a markdown table."""
-    head = ("| method | H | × plain | tok/s | plain tok/s | sync ms | encode | collective | "
-            "decode+sum | outer | merge | % of round | launches/sync (½ layers) | "
-            "extra peak MiB |")  # fmt: skip
+    head = (
+        "| method | H | × plain | tok/s | plain tok/s | sync ms | encode | collective | "
+        "decode+sum | outer | merge | % of round | launches/sync (½ layers) | "
+        "extra peak MiB |"
+    )
     lines = [head, "|" + "---|" * 14]
     for r in result["rows"]:
         st = {k: 1e3 * v for k, v in r["stages_s"].items()}
@@ -354,9 +382,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=1))
     else:
         speed = statistics.median(r["speed"] for r in result["rows"])
-        print(f"{result['device']}, torch {result['torch']}, world {args.world}, "
-              f"{result['params'] / 1e6:.1f}M parameters in {result['tensors']} tensors, "
-              f"median speed {speed:.3f}")  # fmt: skip
+        print(
+            f"{result['device']}, torch {result['torch']}, world {args.world}, "
+            f"{result['params'] / 1e6:.1f}M parameters in {result['tensors']} tensors, "
+            f"median speed {speed:.3f}"
+        )
         print(table(result))
     return 0
 
