@@ -35,7 +35,7 @@ from ..elastic.membership import check_rounds
 from ..elastic.rounds import LIGHTHOUSE_JOIN_S
 from ..engine.placement import EVICT_SITE_RANKS, TWO_PHASE_ELASTIC
 from ..errors import LowCommError
-from .entry import error_file, run_entry, user_errors
+from .entry import WORKER_PRELOAD, error_file, run_entry, user_errors
 from .join_site import RUN_FILE, run_site, write_run_file
 from .lighthouse import Keeper
 from .site_role import SiteRole
@@ -176,7 +176,7 @@ def run_sites(spec: RunSpec, workers: int) -> dict[str, Any] | None:
     # that saves each site its own ~2 s of imports (the server starts no threads, so a fork
     # from it is as clean as a spawn)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "lowcomm.train.loop", "lowcomm.train.join_site"])
+    ctx.set_forkserver_preload([*WORKER_PRELOAD, "lowcomm.train.join_site"])
     servers = []
     address, keeper = cfg.lighthouse, None
     net = _site_network(cfg, workers)

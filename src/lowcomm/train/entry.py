@@ -14,6 +14,11 @@ from typing import Any
 
 from ..errors import LowCommError, MembershipError
 
+#: what the workers' fork server imports once, so that each worker forked from it need not
+#: (the fixed world's and the elastic sites'); torch._dynamo is what the first torch.optim
+#: optimizer of a process imports (~0.4 s of CPU each)
+WORKER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "lowcomm.train.loop"]
+
 
 def run_entry(out_dir: str, rank: int | str, train: Callable[[], Any]) -> Any:
     """Run ``train`` as a launched worker of rank (or site) ``rank``.

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ..config import ConfigError, TrainConfig
 from ..errors import LowCommError
 from .elastic import SitesFailed, check_elastic, replay_joins, replay_leaves, run_sites
-from .entry import error_file, failure_of, run_entry, user_errors
+from .entry import WORKER_PRELOAD, error_file, failure_of, run_entry, user_errors
 from .ports import check_port, free_port
 from .spec import RunSpec
 
@@ -303,10 +303,6 @@ def _under_torchrun(spec: RunSpec, on_checked: Callable[[], None] | None) -> dic
     if on_checked is not None:
         on_checked()
     return run_worker(spec)
-
-
-#: what the workers' fork server imports once (the fixed world's and the elastic sites')
-WORKER_PRELOAD = ["torch", "torch.distributed", "lowcomm.train.loop"]
 
 
 def _run_local(spec: RunSpec, workers: int, port: int | None) -> dict[str, Any] | None:
