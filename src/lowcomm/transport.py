@@ -156,6 +156,15 @@ class Transport:
             return host.copy_(t)  # a copy to the host waits for the kernels that made t
         return t.to(self.device)
 
+    def _landing(self, t: torch.Tensor) -> torch.Tensor:
+        """Where a receive into ``t`` lands: ``t`` itself where the backend takes its device,
+        else an empty buffer like it on one that it takes (pinned host memory for CUDA)."""
+        if t.device.type in self.takes:
+            return t
+        if t.device.type == "cuda":
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return torch.empty(t.shape, dtype=t.dtype, device=self.device)
+
     @staticmethod
     def _unstage(buf: torch.Tensor, t: torch.Tensor) -> None:
         """Write a staged result back into ``t`` (nothing when ``t`` was used itself)."""
@@ -239,10 +248,13 @@ class Transport:
         only where they are needed."""
         group = self.group if self.group is not None else dist.group.WORLD
         assert group is not None
-        works = [group.send([t.contiguous()], j, 0) for j, t in sends.items()]
-        works += [group.recv([t], i, 0) for i, t in recvs.items()]
+        landings = {i: self._landing(t) for i, t in recvs.items()}
+        works = [group.send([self._stage(t.contiguous())], j, 0) for j, t in sends.items()]
+        works += [group.recv([landings[i]], i, 0) for i in recvs]
         for w in works:
             w.wait()
+        for i, t in recvs.items():
+            self._unstage(landings[i], t)
         sent = sum(_nbytes(t) for t in sends.values())
         self.meter.record(sent, sent, sum(_nbytes(t) for t in recvs.values()), control)
 
