@@ -1,5 +1,7 @@
-"""One site of an elastic test run (spawned by tests/test_elastic.py): DiLoCo-family training
-on the tiny model with membership on a lighthouse, optionally killing itself at a step."""
+"""One site of an elastic test run (a process of its own, forked by tests/test_elastic.py and
+test_admission.py through conftest.SiteProcess; ``python elastic_site.py JSON`` runs it too):
+DiLoCo-family training on the tiny model with membership on a lighthouse, optionally killing
+itself at a step."""
 
 from __future__ import annotations
 

@@ -2,7 +2,9 @@
 
 Not our model and not our trainer: a small network with a nested block list, BatchNorm, a frozen
 parameter and tied weights, trained by a plain loop inside ``with sync:``. Usage:
-``torchrun --nproc-per-node 2 own_loop_script.py STRATEGY OUT.pt``. Rank 0 writes the results.
+``torchrun --nproc-per-node 2 own_loop_script.py STRATEGY[,STRATEGY...] OUT.pt``. Rank 0 writes
+the results; with several strategies (one after the other in the same processes, which saves a
+torchrun's start per strategy), OUT names each one's file through ``{strategy}``.
 """
 
 from __future__ import annotations
@@ -144,9 +146,14 @@ def reference_diloco(steps: int, world: int) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    strategy, out = sys.argv[1], sys.argv[2]
+    strategies, out = sys.argv[1].split(","), sys.argv[2]
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
+    for strategy in strategies:
+        contract(strategy, out.format(strategy=strategy))
+
+
+def contract(strategy: str, out: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     one = train(strategy, [40])
     two = train(strategy, [20, 20])

@@ -4,9 +4,11 @@
     torchrun --nproc-per-node 4 replica_script.py ddp OUT    # 2 replicas x 2 ranks, DDP inside
     torchrun --nproc-per-node 2 replica_script.py plain OUT  # 2 replicas x 1 rank, same data
     torchrun --nproc-per-node 2 replica_script.py split OUT  # as plain, each weight in 2 halves
+    torchrun --nproc-per-node 2 replica_script.py plain,split OUT  # both, one after the other
 
 Every strategy trains the same model from the same start on the same per-replica batches; each
-rank saves the full final model (gathered from its shards) and its byte counts to OUT/rank{r}.pt.
+rank saves the full final model (gathered from its shards) and its byte counts to
+OUT/MODE/rank{r}.pt.
 In the FSDP run a replica's batch is split between its two ranks (FSDP2 averages their
 gradients, which equals the whole batch's mean gradient).
 
@@ -28,7 +30,9 @@ import torch.nn.functional as F
 import lowcomm
 from lowcomm.transport import shutdown
 
-DIM, BLOCKS, STEPS, BATCH = 32, 4, 24, 8
+# 12 steps: two syncs of every strategy (H = 6), each fragment of streaming's synced twice;
+# what the tests check (shard = whole, half the bytes) does not grow with the steps
+DIM, BLOCKS, STEPS, BATCH = 32, 4, 12, 8
 STRATEGIES = {
     "diloco": lambda m, o: lowcomm.DiLoCo(m, o, sync_every=6, **MESH),
     "streaming": lambda m, o: lowcomm.StreamingDiLoCo(m, o, sync_every=6, fragments=2, **MESH),
@@ -134,8 +138,14 @@ def batches(replica: int, part: int, parts: int):
         yield x, x @ target
 
 
-def main(mode: str, out: Path) -> None:
+def main(modes: str, out: Path) -> None:
     dist.init_process_group("gloo")
+    for mode in modes.split(","):  # modes of the same world size, in one torchrun
+        run(mode, out / mode)
+    shutdown()
+
+
+def run(mode: str, out: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     ranks_per_replica = 2 if mode in ("fsdp", "ddp") else 1
     replicas = world // ranks_per_replica
@@ -157,8 +167,8 @@ def main(mode: str, out: Path) -> None:
             "bytes_sent": sync.stats.bytes_sent,
             "inner_bytes_sent": sync.stats.extra.get("inner_bytes_sent", 0),
         }
+    out.mkdir(parents=True, exist_ok=True)
     torch.save(result, out / f"rank{rank}.pt")
-    shutdown()
 
 
 if __name__ == "__main__":

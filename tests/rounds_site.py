@@ -1,5 +1,7 @@
-"""One site of a quorum-rounds test run (spawned by tests/test_rounds.py): the own loop on the
-tiny model, driven by the engine's step (a round cut short makes it jump), optionally slow.
+"""One site of a quorum-rounds test run (a process of its own, forked by tests/test_rounds.py
+and test_admission.py through conftest.SiteProcess; ``python rounds_site.py JSON`` runs it
+too): the own loop on the tiny model, driven by the engine's step (a round cut short makes it
+jump), optionally slow.
 
 Before every inner step's engine hook it notes the site's global copy, local weights and unsent
 steps; when that step synced, it keeps them with the global copy after it, so the test can
@@ -24,16 +26,18 @@ from lowcomm.errors import MembershipError
 def site(
     index: int, sites: int, lighthouse: str, out: str, preset: str, kw: dict, steps: int,
     rounds: dict, step_s: float = 0.0, slow_from: int = 0, hold: bool = False,
+    timeout_s: float = 30.0,
 ) -> None:  # fmt: skip
     """``rounds``: Elastic's quorum-round settings; ``step_s``: seconds of extra compute per
     inner step, from step ``slow_from``; ``hold``: once in the run, write this site's store
-    address to OUT/storeN and wait for OUT/go before training (a test writes into the stores)."""
+    address to OUT/storeN and wait for OUT/go before training (a test writes into the stores);
+    ``timeout_s``: Elastic's."""
     torch.set_num_threads(1)
     model = tiny_model(seed=0)
     opt = adamw(model)
     data = batches(index, sites)
     elastic = lowcomm.Elastic(lighthouse=lighthouse, site=index, sites=sites, min_workers=2,
-                              timeout_s=30, **rounds)  # fmt: skip
+                              timeout_s=timeout_s, **rounds)  # fmt: skip
     sync = getattr(lowcomm, preset)(model, opt, elastic=elastic, **kw)
     syncs: list[dict] = []
     before: dict = {}

@@ -83,89 +83,89 @@ def test_train_writes_summary_with_every_field(tmp_path):
     assert not (out / "workers.json").exists()  # only while the run is alive
 
 
-@pytest.mark.parametrize(
-    "args,words",
-    [
-        (["train", "--strategy", "dilloco"], ["unknown strategy", "diloco"]),
-        (["train", "--strategy", "diloco", "sync_evry=3"], ["unknown config key", "sync_every"]),
-        (["train", "--strategy", "diloco", "sync_every=0"], ["sync_every", ">= 1"]),
-        (["train", "--strategy", "diloco", "--workers", "0"], ["--workers", ">= 1"]),
-        (
-            ["train", "--strategy", "diloco", "data=/nonexistent/corpus.txt"],
-            ["/nonexistent/corpus.txt", "does not exist"],
-        ),
-        (["train", "--strategy", "diloco", "sync_every=abc"], ["sync_every", "not a valid int"]),
-        (["train", "--strategy", "diloco", "--model", "huge"], ["unknown model preset", "small"]),
-        (["train", "--strategy", "diloco", "--model", "124m"], ["now '85m'", "--model 85m"]),
-        (["compare", "--strategies", "ddp,nope"], ["unknown strategy"]),
-        (["compare", "--strategies", "sparseloco:density"], ["not key=value"]),
-        (["train"], ["--strategy"]),
-    ],
-)
-def test_bad_input_one_line_exit_2(tmp_path, args, words):
-    _assert_user_error(
-        _run(
-            args + ["--out", str(tmp_path / "o")]
-            if args[0] in ("train", "compare") and len(args) > 1
-            else args
-        ),
-        *words,
-    )
+def _refused(capsys, args, *words):
+    """``lowcomm ARGS`` run in this process (see conftest's ``no_start``): exit status 2 and
+    one line on stderr naming each of ``words``."""
+    from lowcomm import cli
+
+    code = cli.main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, (code, err)
+    for w in words:
+        assert w in err[0], err[0]
 
 
-def test_unwritable_output_folder(tmp_path):
+BAD_INPUT = [
+    (["train", "--strategy", "dilloco"], ["unknown strategy", "diloco"]),
+    (["train", "--strategy", "diloco", "sync_evry=3"], ["unknown config key", "sync_every"]),
+    (["train", "--strategy", "diloco", "sync_every=0"], ["sync_every", ">= 1"]),
+    (["train", "--strategy", "diloco", "--workers", "0"], ["--workers", ">= 1"]),
+    (
+        ["train", "--strategy", "diloco", "data=/nonexistent/corpus.txt"],
+        ["/nonexistent/corpus.txt", "does not exist"],
+    ),
+    (["train", "--strategy", "diloco", "sync_every=abc"], ["sync_every", "not a valid int"]),
+    (["train", "--strategy", "diloco", "--model", "huge"], ["unknown model preset", "small"]),
+    (["train", "--strategy", "diloco", "--model", "124m"], ["now '85m'", "--model 85m"]),
+    (["compare", "--strategies", "ddp,nope"], ["unknown strategy"]),
+    (["compare", "--strategies", "sparseloco:density"], ["not key=value"]),
+    (["train"], ["--strategy"]),
+]
+
+
+def _with_out(args, tmp_path):
+    if args[0] in ("train", "compare") and len(args) > 1:
+        return args + ["--out", str(tmp_path / "o")]
+    return args
+
+
+def test_bad_input_from_the_real_command_is_one_line_exit_2_no_traceback(tmp_path):
+    """The one case run as the user runs it (`python -m lowcomm.cli`, its own process): the
+    process's exit status is 2 and stderr holds one line, no traceback. The other refusals run
+    in this process (the same main(), ~2.5 s of imports each saved)."""
+    args, words = BAD_INPUT[0]
+    _assert_user_error(_run(_with_out(args, tmp_path)), *words)
+
+
+@pytest.mark.parametrize("args,words", BAD_INPUT)
+def test_bad_input_one_line_exit_2(tmp_path, capsys, no_start, args, words):
+    _refused(capsys, _with_out(args, tmp_path), *words)
+
+
+def test_unwritable_output_folder(tmp_path, capsys, no_start):
     blocker = tmp_path / "file"
     blocker.write_text("x")  # a file where a folder should be: unwritable even for root
-    _assert_user_error(
-        _run(["train", "--strategy", "diloco", "--out", str(blocker / "run")]),
+    _refused(
+        capsys,
+        ["train", "--strategy", "diloco", "--out", str(blocker / "run")],
         "cannot write to output folder",
     )
 
 
-def test_port_in_use(tmp_path):
+def test_port_in_use(tmp_path, capsys, no_start):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        _assert_user_error(
-            _run(
-                [
-                    "train",
-                    "--strategy",
-                    "diloco",
-                    "--port",
-                    str(port),
-                    "--out",
-                    str(tmp_path / "o"),
-                    *TINY,
-                ]
-            ),
-            f"port {port} is in use",
-        )
+        args = ["train", "--strategy", "diloco", "--port", str(port), "--out", str(tmp_path / "o")]
+        _refused(capsys, [*args, *TINY], f"port {port} is in use")
 
 
-def test_missing_config_file(tmp_path):
-    _assert_user_error(
-        _run(
-            [
-                "train",
-                "--strategy",
-                "diloco",
-                "--config",
-                str(tmp_path / "no.toml"),
-                "--out",
-                str(tmp_path / "o"),
-            ]
-        ),
+def test_missing_config_file(tmp_path, capsys, no_start):
+    _refused(
+        capsys,
+        ["train", "--strategy", "diloco", "--config", str(tmp_path / "no.toml"),
+         "--out", str(tmp_path / "o")],
         "no.toml",
         "not found",
-    )
+    )  # fmt: skip
 
 
-def test_toml_config(tmp_path):
+def test_toml_config(tmp_path, capsys, no_start):
     cfg = tmp_path / "c.toml"
     cfg.write_text("[sync]\nsync_every = 0\n")
-    _assert_user_error(
-        _run(["train", "--strategy", "diloco", "--config", str(cfg), "--out", str(tmp_path / "o")]),
+    _refused(
+        capsys,
+        ["train", "--strategy", "diloco", "--config", str(cfg), "--out", str(tmp_path / "o")],
         "sync_every",
     )

@@ -7,22 +7,18 @@ a LighthouseServer started here, the bytes from each quorum's gloo group.
 from __future__ import annotations
 
 import copy
-import json
-import subprocess
-import sys
 import time
-from pathlib import Path
 
+import elastic_site
 import pytest
 import torch
+from conftest import SiteProcess
 from helpers import adamw, batches, tiny_model
 
 import lowcomm
 from lowcomm.presets import preset_config
 
 pytest.importorskip("torchft")
-
-HERE = Path(__file__).parent
 
 
 @pytest.fixture
@@ -43,10 +39,7 @@ def _run_sites(tmp_path, lighthouse, preset, kw, steps, kill=None, in_sync=False
         args = dict(index=i, sites=sites, lighthouse=lighthouse, out=str(tmp_path), preset=preset,
                     kw=kw, steps=steps, kill_at=kill[1] if kill and kill[0] == i else None,
                     kill_in_sync=in_sync)  # fmt: skip
-        procs.append(subprocess.Popen(
-            [sys.executable, str(HERE / "elastic_site.py"), json.dumps(args)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE,
-        ))  # fmt: skip
+        procs.append(SiteProcess(elastic_site.site, args, tmp_path))
     t0 = time.time()
     outs = [p.communicate(timeout=180) for p in procs]
     return [p.returncode for p in procs], outs, time.time() - t0
@@ -190,7 +183,9 @@ def test_a_site_with_another_run_id_is_refused_and_changes_nothing(tmp_path, lig
     torch.testing.assert_close(a["global"], glob, atol=1e-6, rtol=0)
 
 
-def _site_process(tmp_path, lighthouse, preset, kw, index, **more) -> subprocess.Popen:
+def _site_process(tmp_path, lighthouse, preset, kw, index, **more) -> SiteProcess:
+    """Site ``index`` of a join test (tests/elastic_site.py's site(), forked: see
+    conftest.SiteProcess)."""
     args = dict(
         index=index,
         sites=3,
@@ -204,13 +199,10 @@ def _site_process(tmp_path, lighthouse, preset, kw, index, **more) -> subprocess
         step_s=0.04,
     )
     args.update(more)
-    return subprocess.Popen(
-        [sys.executable, str(HERE / "elastic_site.py"), json.dumps(args)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE,
-    )  # fmt: skip
+    return SiteProcess(elastic_site.site, args, tmp_path)
 
 
-def _start_sites(tmp_path, lighthouse, preset, kw) -> list[subprocess.Popen]:
+def _start_sites(tmp_path, lighthouse, preset, kw) -> list[SiteProcess]:
     """Sites 0-2 of a join test, paced (0.04 s a step) so the joiner, on standby from the
     start, is ready in time; site 2 is killed before step 12."""
     return [

@@ -163,7 +163,9 @@ def test_kill_minus_9_from_another_shell_is_survived(tmp_path):
     assert not (out / "workers.json").exists()
 
 
-def test_kill_minus_9_and_lowcomm_join_from_another_shell_bring_a_site_back(tmp_path):
+def test_kill_minus_9_and_lowcomm_join_from_another_shell_bring_a_site_back(
+    tmp_path, capsys, no_start
+):
     """An operator's night: site 2 is killed with `kill -9` from another shell once the run has
     logged step 20, the others go on; `lowcomm join DIR` takes the free site number, joins at
     the next sync, heals, and both it and the run exit 0; then, with nothing left to join, it
@@ -186,9 +188,13 @@ def test_kill_minus_9_and_lowcomm_join_from_another_shell_bring_a_site_back(tmp_
     gone, back = json.loads((out / "summary.json").read_text())["membership"]
     assert (gone["left"], back["joined"], back["members"]) == ([2], [2], [0, 1, 2])
     assert not (out / "elastic.json").exists() and not (out / "workers.json").exists()
-    again = subprocess.run([*JOIN, str(out)], capture_output=True, text=True, timeout=60)
-    assert again.returncode == 2 and "no elastic run is going there" in again.stderr
-    assert len(again.stderr.strip().splitlines()) == 1
+    # the refusal in this process (conftest's no_start: the join above ran as a process)
+    from lowcomm import cli
+
+    capsys.readouterr()
+    assert cli.main(["join", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "no elastic run is going there" in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("replay", [False, pytest.param(True, marks=pytest.mark.slow)])
@@ -496,11 +502,11 @@ def test_a_healer_killed_inside_the_hand_over_costs_the_joiner_one_more_ask(tmp_
     assert _split(out) == ""
 
 
-def test_two_phase_is_refused_before_any_site_starts_with_the_reason(tmp_path):
-    from test_cli import TINY, _assert_user_error, _run
+def test_two_phase_is_refused_before_any_site_starts_with_the_reason(tmp_path, capsys, no_start):
+    from test_cli import TINY, _refused
 
     args = ["train", "--strategy", "diloco", "--workers", "2", "elastic=true", "codec=int8",
             "reduce=two-phase", "--out", str(tmp_path / "r"), *TINY]  # fmt: skip
-    _assert_user_error(_run(args), "reduce=two-phase is not elastic", "use reduce=gather")
+    _refused(capsys, args, "reduce=two-phase is not elastic", "use reduce=gather")
     out = tmp_path / "r"
     assert not out.exists() or not any(out.iterdir())  # nothing started, nothing written

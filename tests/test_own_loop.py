@@ -46,15 +46,39 @@ def torchrun(
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-# by hand (-m slow): sparseloco (streaming's path with another codec)
+# the default cases share one torchrun (its start, ~4 s on 2 cores, paid once); by hand (-m
+# slow): sparseloco (streaming's path with another codec), in a torchrun of its own
+CONTRACT_DEFAULT = ["diloco", "streaming", "co2"]
+
+
+class _Contracts(dict):
+    """Each strategy's results of own_loop_script.py, from the first test that needs them."""
+
+    def __init__(self, factory) -> None:
+        super().__init__()
+        self.factory = factory
+
+    def __missing__(self, strategy: str) -> dict:
+        group = CONTRACT_DEFAULT if strategy in CONTRACT_DEFAULT else [strategy]
+        folder = self.factory.mktemp("own-loop")
+        out = folder / "result-{strategy}.pt"
+        proc = torchrun(HERE / "own_loop_script.py", ",".join(group), str(out), cwd=folder)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        for s in group:
+            self[s] = torch.load(str(out).format(strategy=s), weights_only=False)
+        return self[strategy]
+
+
+@pytest.fixture(scope="module")
+def contracts(tmp_path_factory):
+    return _Contracts(tmp_path_factory)
+
+
 @pytest.mark.parametrize(
     "strategy", ["diloco", "streaming", pytest.param("sparseloco", marks=pytest.mark.slow), "co2"]
 )
-def test_own_loop_contract(tmp_path, strategy):
-    out = tmp_path / "result.pt"
-    proc = torchrun(HERE / "own_loop_script.py", strategy, str(out), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = torch.load(out, weights_only=False)
+def test_own_loop_contract(contracts, strategy):
+    res = contracts[strategy]
     # two `with` blocks of 20 steps train bit for bit like one block of 40
     # (H = 6: both end mid-round)
     assert res["two_blocks_equal_one"]

@@ -27,19 +27,24 @@ STRATEGIES = ["diloco", "streaming", "streaming_fp32", "sparseloco", "co2"]
 
 class _Runs(dict):
     """Each mode's torchrun of replica_script.py, run once, when a test first needs it (so the
-    default suite, without the ddp cases, runs three of the four)."""
+    default suite, without the ddp cases, runs two torchruns: fsdp, then plain and split
+    together, whose world is the same)."""
 
     RANKS = {"fsdp": 4, "ddp": 4, "plain": 2, "split": 2}
+    TOGETHER = {"plain": ["plain", "split"], "split": ["plain", "split"]}
 
     def __init__(self, factory) -> None:
         super().__init__()
         self.factory = factory
 
     def __missing__(self, mode: str) -> list[dict]:
-        folder, ranks = self.factory.mktemp(mode), self.RANKS[mode]
-        proc = torchrun(HERE / "replica_script.py", mode, str(folder), cwd=folder, nproc=ranks)
+        modes, ranks = self.TOGETHER.get(mode, [mode]), self.RANKS[mode]
+        folder = self.factory.mktemp(mode)
+        proc = torchrun(HERE / "replica_script.py", ",".join(modes), str(folder), cwd=folder,
+                        nproc=ranks)  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
-        self[mode] = [torch.load(folder / f"rank{r}.pt") for r in range(ranks)]
+        for m in modes:
+            self[m] = [torch.load(folder / m / f"rank{r}.pt") for r in range(ranks)]
         return self[mode]
 
 
@@ -244,10 +249,10 @@ def test_trainer_with_two_ranks_per_worker_trains_as_one_rank_per_worker(tmp_pat
     assert two["inner_bytes_sent_per_worker"] >= 20 * 2 * 4 * two["params"]
 
 
-def test_ranks_per_worker_errors_come_before_workers_start(tmp_path):
-    from test_cli import TINY, _assert_user_error, _run
+def test_ranks_per_worker_errors_come_before_workers_start(tmp_path, capsys, no_start):
+    from test_cli import TINY, _refused
 
     base = ["train", "--workers", "2", "--ranks-per-worker", "2", "--out", str(tmp_path / "r")]
-    _assert_user_error(_run(base + ["--strategy", "loco"] + TINY), "loco", "ranks_per_worker=1")
+    _refused(capsys, base + ["--strategy", "loco"] + TINY, "loco", "ranks_per_worker=1")
     odd = [a for a in TINY if not a.startswith("batch_size")] + ["batch_size=3"]
-    _assert_user_error(_run(base + ["--strategy", "diloco"] + odd), "batch_size=3", "multiple of 2")
+    _refused(capsys, base + ["--strategy", "diloco"] + odd, "batch_size=3", "multiple of 2")

@@ -8,18 +8,15 @@ each sync's weighted merge from what every site held just before it.
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+import rounds_site
 import torch
+from conftest import SiteProcess
 
 pytest.importorskip("torchft")
 
-HERE = Path(__file__).parent
 STEPS = 20
 OUTER = {"sync_every": 5, "outer_optimizer": "sgd", "outer_lr": 0.7}  # no outer state to track
 
@@ -52,10 +49,7 @@ def _run(
     for i in range(3):
         args = dict(index=i, sites=3, lighthouse=lighthouse, out=str(tmp_path), preset=preset,
                     kw=kw or OUTER, steps=steps, rounds=rounds, step_s=step_s[i])  # fmt: skip
-        procs.append(subprocess.Popen(
-            [sys.executable, str(HERE / "rounds_site.py"), json.dumps(args)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE,
-        ))  # fmt: skip
+        procs.append(SiteProcess(rounds_site.site, args, tmp_path, hard_exit=True))
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]

@@ -92,6 +92,17 @@ def test_sites_launched_on_their_own_train_and_a_killed_one_comes_back_by_the_sa
     assert again.returncode == 2 and "holds a finished run" in again.stderr, again.stderr[-500:]
 
 
+def _refused(capsys, args: list[str], says: str) -> None:
+    """``lowcomm ARGS`` in this process (conftest's ``no_start``; test_cli runs the real
+    command's exit status once): exit 2, one line naming ``says``."""
+    from lowcomm import cli
+
+    code = cli.main(args)
+    err = capsys.readouterr().err
+    assert code == 2 and says in err, err[-1000:]
+    assert len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize(
     "extra, says",
     [(["site=0", "elastic=false"], "add elastic=true"),
@@ -100,15 +111,14 @@ def test_sites_launched_on_their_own_train_and_a_killed_one_comes_back_by_the_sa
      (["site=0", "lighthouse=127.0.0.1:1", "--workers", "3"], "drop --workers")],
 )  # fmt: skip
 def test_a_site_launched_on_its_own_without_what_it_needs_is_refused_with_one_line(
-    tmp_path, extra, says
+    tmp_path, capsys, no_start, extra, says
 ):
-    done = subprocess.run([*LOWCOMM, *SITE, *extra, "--out", str(tmp_path / "x")],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert done.returncode == 2 and says in done.stderr, done.stderr[-1000:]
-    assert len(done.stderr.strip().splitlines()) == 1
+    _refused(capsys, [*SITE, *extra, "--out", str(tmp_path / "x")], says)
 
 
-def test_a_replay_refuses_to_bring_back_a_site_that_never_came_back_with_one_line(tmp_path):
+def test_a_replay_refuses_to_bring_back_a_site_that_never_came_back_with_one_line(
+    tmp_path, capsys, no_start
+):
     """--replay with site=: a folder holding this site's unfinished run means its command is
     run again, which the recorded run must show (here only site 1 left and came back)."""
     record = tmp_path / "membership.jsonl"
@@ -121,12 +131,8 @@ def test_a_replay_refuses_to_bring_back_a_site_that_never_came_back_with_one_lin
     out = tmp_path / "site0"
     out.mkdir()
     (out / "metrics.jsonl").write_text("")  # this site's unfinished run
-    done = subprocess.run([*LOWCOMM, *SITE, "site=0", "lighthouse=127.0.0.1:1", "--replay",
-                           str(record), "--out", str(out)], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
-    assert done.returncode == 2, done.stderr[-1000:]
-    assert "site 0 did not come back in the recorded run" in done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1
+    args = [*SITE, "site=0", "lighthouse=127.0.0.1:1", "--replay", str(record), "--out", str(out)]
+    _refused(capsys, args, "site 0 did not come back in the recorded run")
 
 
 def test_two_sites_launched_on_their_own_train_to_the_same_model(tmp_path):

@@ -17,8 +17,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lowcomm.bench.deployed import LOWCOMM, Deployment
 from lowcomm.elastic.membership import Membership
@@ -30,8 +28,7 @@ TRAIN = ["train", "--strategy", "diloco", "--model", "tiny", "sync_every=10", "p
          "timeout_s=30"]  # fmt: skip
 
 
-def _agree(rank: int, port: int, out: list) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _agree(rank: int, world: int) -> list:
     site = SiteRanks([0, 1], wait_s=30)
     said = [site.lead(lambda: "from rank 0")]
     try:
@@ -51,16 +48,11 @@ def _agree(rank: int, port: int, out: list) -> None:
                                                            sites=2))  # fmt: skip
     except lowcomm.ConfigError as err:
         said.append(str(err).split(":")[0])
-    out.append((rank, said))
-    dist.destroy_process_group()
+    return said
 
 
-def test_a_sites_ranks_read_rank_0s_answers_and_vote_ok_only_if_all_completed():
-    from lowcomm.train.ports import free_port
-
-    out = mp.Manager().list()
-    mp.spawn(_agree, args=(free_port(), out), nprocs=2)
-    got = dict(out)
+def test_a_sites_ranks_read_rank_0s_answers_and_vote_ok_only_if_all_completed(workers):
+    got = workers(_agree, 2)  # two gloo ranks of one site (forked: conftest's run_workers)
     assert got[0] == got[1]  # every rank of the site reads the same
     assert got[0] == [
         "from rank 0",  # rank 1 never ran the function: rank 0's result
@@ -94,13 +86,19 @@ TORCHRUN = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "1
      (["site=0", "sites=2", "lighthouse=127.0.0.1:1", "ranks_per_worker=2"], {},
       "but this site has 1 rank: a site launched on its own is its torchrun world")],
 )  # fmt: skip
-def test_sites_of_several_ranks_refuse_what_they_cannot_run(tmp_path, extra, env, says):
-    done = subprocess.run(
-        [*LOWCOMM, *TRAIN, "--steps", "20", *extra, "--out", str(tmp_path / "x")],
-        capture_output=True, text=True, timeout=120, env={**os.environ, **env},
-    )  # fmt: skip
-    assert done.returncode == 2 and says in done.stderr, done.stderr[-1000:]
-    assert len(done.stderr.strip().splitlines()) == 1
+def test_sites_of_several_ranks_refuse_what_they_cannot_run(
+    tmp_path, capsys, monkeypatch, no_start, extra, env, says
+):
+    """In this process (conftest's ``no_start``), with torchrun's environment where given;
+    test_cli runs the real command's exit status once."""
+    from lowcomm import cli
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code = cli.main([*TRAIN, "--steps", "20", *extra, "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert code == 2 and says in err, err[-1000:]
+    assert len(err.strip().splitlines()) == 1
 
 
 # --- as deployed: namespaces, one torchrun per site -------------------------------------------
