@@ -410,6 +410,31 @@ def test_ctrl_c_stops_cleanly_with_a_resume_hint(tmp_path):
     assert not [pid for pid in pids if _alive(pid)]  # the workers are gone, not orphaned
 
 
+def test_workers_leave_when_their_launcher_is_killed(tmp_path):
+    """`kill -9` of `lowcomm train` itself: its workers (forked from a preloaded server, not the
+    launcher's own children) leave too instead of training on as orphans."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [*LOWCOMM, "train", "--strategy", "diloco", "--workers", "2", "--steps", "100000",
+         "--out", str(out), *TINY, "sync_every=4", "eval_every=0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.time() + 120
+    while not (out / "workers.json").exists():
+        assert proc.poll() is None and time.time() < deadline, "the workers never started"
+        time.sleep(0.05)
+    pids = [w["pid"] for w in json.loads((out / "workers.json").read_text())]
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 60
+    while any(_alive(pid) for pid in pids) and time.time() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in pids if _alive(pid)]
+    for pid in left:  # not to leave them running past a failure
+        os.kill(pid, 9)
+    assert not left, f"workers {left} trained on after their launcher was killed"
+
+
 def _alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie waiting to be reaped has stopped)."""
     try:
