@@ -58,7 +58,8 @@ def trace_file(out_dir: str | Path, rank: str | int) -> Path:
 
 
 def failure_of(out_dir: str | Path, rank: str | int) -> str | None:
-    """'<the exception's last line> (stack: <file>)' where worker ``rank`` left its stack."""
+    """'<the exception's last line> (its stack: <file>)' where worker ``rank`` left its stack
+    (None where it left none)."""
     path = trace_file(out_dir, rank)
     try:
         lines = [line for line in path.read_text().splitlines() if line.strip()]
