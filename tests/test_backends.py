@@ -111,3 +111,16 @@ def test_a_real_workers_failure_reaches_the_user_with_its_stack(tmp_path):
     assert "RuntimeError: planted: no backend for this tensor" in line, proc.stderr
     assert f"(its stack: {trace})" in line
     assert "_broken" in trace.read_text() and "Traceback" not in proc.stderr
+
+
+def test_the_error_line_names_the_killed_worker_not_the_peer_that_failed_after_it(tmp_path):
+    """A worker killed by a signal makes its peers fail in their next collective, sometimes
+    before the launcher sees the kill: the line names the killed one (the cause)."""
+    peer = SimpleNamespace(exitcode=1, pid=7, message="Connection closed by peer")
+    killed = SimpleNamespace(exitcode=-9, pid=8, message="Signal 9 (SIGKILL) received")
+    failed = SimpleNamespace(
+        failures={0: peer, 1: killed},
+        get_first_failure=lambda: (0, peer),  # torch's pick
+    )
+    said = str(launch._worker_failure(failed, tmp_path))
+    assert said.startswith("worker 1 (pid 8) was lost (killed by signal 9)"), said

@@ -411,8 +411,8 @@ def test_ctrl_c_stops_cleanly_with_a_resume_hint(tmp_path):
 
 
 def test_workers_leave_when_their_launcher_is_killed(tmp_path):
-    """`kill -9` of `lowcomm train` itself: its workers (forked from a preloaded server, not the
-    launcher's own children) leave too instead of training on as orphans."""
+    """`kill -9` of `lowcomm train` itself: its workers leave too instead of training on as
+    orphans (they were, for a while, when forked from a preloaded server rather than spawned)."""
     out = tmp_path / "run"
     proc = subprocess.Popen(
         [*LOWCOMM, "train", "--strategy", "diloco", "--workers", "2", "--steps", "100000",

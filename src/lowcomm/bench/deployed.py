@@ -59,8 +59,10 @@ class Deployment:
 
     def command(self, site: int) -> list[str]:
         """Site ``site``'s own command, as its machine would run it."""
-        argv = [
-            "torchrun",
+        argv = [  # torchrun, from this interpreter (its script need not be on PATH)
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
             "--standalone",
             "--nproc-per-node",
             str(self.ranks),

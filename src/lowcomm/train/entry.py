@@ -14,17 +14,10 @@ from typing import Any
 
 from ..errors import LowCommError, MembershipError
 
-#: what the workers' fork server imports once, so that each worker forked from it need not
-#: (the fixed world's and the elastic sites'); torch._dynamo is what the first torch.optim
-#: optimizer of a process imports (~0.4 s of CPU each); forkserver_tie makes the server, and
-#: so its workers, leave when the launcher dies
-WORKER_PRELOAD = [
-    "lowcomm.train.forkserver_tie",
-    "torch",
-    "torch.distributed",
-    "torch._dynamo",
-    "lowcomm.train.loop",
-]
+#: what the elastic sites' fork server imports once, so that each site forked from it need
+#: not; torch._dynamo is what the first torch.optim optimizer of a process imports (~0.4 s of
+#: CPU each)
+WORKER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "lowcomm.train.loop"]
 
 
 def run_entry(out_dir: str, rank: int | str, train: Callable[[], Any]) -> Any:

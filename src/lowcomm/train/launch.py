@@ -7,7 +7,6 @@ import contextlib
 import importlib.util
 import json
 import logging
-import multiprocessing
 import os
 import re
 import sys
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ..config import ConfigError, TrainConfig
 from ..errors import LowCommError
 from .elastic import SitesFailed, check_elastic, replay_joins, replay_leaves, run_sites
-from .entry import WORKER_PRELOAD, error_file, failure_of, run_entry, user_errors
+from .entry import error_file, failure_of, run_entry, user_errors
 from .ports import check_port, free_port
 from .spec import RunSpec
 
@@ -326,11 +325,12 @@ def _run_local(spec: RunSpec, workers: int, port: int | None) -> dict[str, Any] 
         rdzv_endpoint=f"127.0.0.1:{port or free_port()}",
         max_restarts=0,
         monitor_interval=0.2,
-        # forked from a server that imported torch and lowcomm once (it starts no threads, so a
-        # fork from it is as clean as a spawn): each worker saves that import, ~2 s of CPU
-        start_method="forkserver",
+        # spawned, the launcher's own children: torch ties each to it (a killed launcher takes
+        # them along) and reports a worker killed by a signal as the failure. Forked from a
+        # preloaded server instead (~2 s less per start on 2 cores), a worker's kill reached
+        # the launcher after its peers' failed collectives, which were then named instead
+        start_method="spawn",
     )
-    multiprocessing.get_context("forkserver").set_forkserver_preload(WORKER_PRELOAD)
     try:
         results = elastic_launch(lc, _entry)(spec)
     except (KeyboardInterrupt, SignalException):
@@ -341,8 +341,8 @@ def _run_local(spec: RunSpec, workers: int, port: int | None) -> dict[str, Any] 
 
 
 def _worker_failure(e: Any, out_dir: Path) -> LaunchError:
-    """One line naming the first failed worker and why, with the resume hint."""
-    rank, failure = e.get_first_failure()
+    """One line naming the failed worker and why, with the resume hint."""
+    rank, failure = _root_failure(e)
     msg = failure.message
     if isinstance(msg, dict):
         msg = msg.get("message", msg)
@@ -360,6 +360,13 @@ def _worker_failure(e: Any, out_dir: Path) -> LaunchError:
         f"worker {rank} (pid {failure.pid}) {what}: {msg}; the other workers were "
         f"stopped. {_last_checkpoint_hint(out_dir)}"
     )
+
+
+def _root_failure(e: Any) -> tuple[int, Any]:
+    """The failure that caused the others: a worker killed by a signal (its peers then fail in
+    their next collective, sometimes before the launcher notices the kill), else the first."""
+    killed = sorted((r, f) for r, f in getattr(e, "failures", {}).items() if f.exitcode < 0)
+    return killed[0] if killed else e.get_first_failure()
 
 
 def interrupted_message(out_dir: str | Path) -> str:
