@@ -6,18 +6,22 @@ built from a config: nothing downloaded), bf16 autocast, fused AdamW, batches of
 (8 x 512 by default). For each method in turn: the plain loop (no engine) for ``--warmup`` +
 ``--steps`` steps, then the same loop inside the method's ``with sync:`` block (its preset at
 ``--sync-every``, or at its own H with ``--preset-h``), timed over the last ``--steps`` steps
-with the device synchronised at both ends. Reported per method:
+with the device synchronised at both ends, then the plain loop again. Reported per method:
 
-- ``speed``: tokens/s as a ratio to the plain loop measured just before it;
+- ``speed``: tokens/s as a ratio to the mean of the plain loop's just before and just after
+  (the device drifts between phases about as much as the effects looked for);
 - the sync's stages per sync (``engine.sync_times``, the device synchronised at each stage's
   edges for this benchmark only) and the sync's share of a round of H plain steps;
-- kernel launches per sync: CUDA kernels, copies and fills (``torch.profiler``) of a step that
-  syncs less those of one that does not, for the model and for one of half its layers (a sync
-  on flat buffers launches as many for both);
+- with ``--launches``, kernel launches per sync: CUDA kernels, copies and fills
+  (``torch.profiler``) of a round of ``PROFILED_H`` steps inside the block less those of as
+  many plain steps, over the round's syncs, for the model and for one of half its layers (a
+  sync on flat buffers launches as many for both);
 - peak GPU memory over the plain loop's (the peak is reset before each phase).
 
 Shapes: ``--world 1`` (an NCCL world of one: no wire, the sync's own work) and ``--world 2``
 (two processes sharing the GPU over gloo, their tensors staged through pinned host memory).
+``--diagnose METHODS`` profiles a round of each instead (host synchronisations by line, the
+costliest operators).
 """
 
 from __future__ import annotations
@@ -36,8 +40,6 @@ import torch
 
 if TYPE_CHECKING:
     from ..engine import LowComm
-
-STRATEGIES = "diloco,streaming,sparseloco,co2"
 
 
 def gpt2(layers: int, width: int, heads: int, seq: int, vocab: int = 50257) -> torch.nn.Module:
@@ -121,18 +123,14 @@ def plain(loop: Loop, args: argparse.Namespace) -> dict[str, float]:
 
 def method(loop: Loop, strategy: str, h: int, args: argparse.Namespace) -> dict[str, Any]:
     """The same loop inside ``strategy``'s block at H = ``h``: speed, stages, memory."""
-    from ..engine import LowComm
-    from ..presets import preset_config
-
     _reset_peak(loop.device)
-    world = torch.distributed.get_world_size()
-    engine = LowComm(loop.model, loop.opt, preset_config(strategy, workers=world, sync_every=h))
+    engine = _engine(loop, strategy, h)
     engine.sync_times.on_device = loop.device.type == "cuda"
     with engine:
         loop.timed(args.warmup)
-        before, syncs = _stages(engine), engine.stats.syncs
+        before, syncs = engine.sync_times.stages(), engine.stats.syncs
         seconds = loop.timed(args.steps)
-        after, done = _stages(engine), engine.stats.syncs - syncs
+        after, done = engine.sync_times.stages(), engine.stats.syncs - syncs
         peak = _peak(loop.device)
     per_sync = {k: (after[k] - before[k]) / max(done, 1) for k in after}
     return {
@@ -143,12 +141,6 @@ def method(loop: Loop, strategy: str, h: int, args: argparse.Namespace) -> dict[
         "stages_s": per_sync,
         "peak": peak,
     }
-
-
-def _stages(engine: LowComm) -> dict[str, float]:
-    t = engine.sync_times
-    names = ("encode", "collective", "decode_sum", "outer", "merge")
-    return {**{n: getattr(t, n) for n in names}, "total": t.total}
 
 
 #: H of the profiled rounds: short, and a valid schedule for every preset on GPT-2 (Streaming's
@@ -351,10 +343,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
 
 def parser() -> argparse.ArgumentParser:
     """The options of the GPU workload."""
+    from ..strategies import names
+
+    ours = names(peers=False, per_step=False)
     p = argparse.ArgumentParser(prog="lowcomm bench sync --device cuda", description=__doc__)
     p.add_argument("--device", default="cuda")
     p.add_argument("--world", type=int, default=1, help="1: NCCL world of one; 2: gloo, shared")
-    p.add_argument("--strategies", default=STRATEGIES)
+    p.add_argument("--strategies", default=",".join(ours), help="every outer-loop method")
     p.add_argument("--sync-every", type=int, default=50, help="H for every method")
     p.add_argument("--preset-h", action="store_true", help="also each preset's own H")
     p.add_argument("--steps", type=int, default=150, help="timed steps per phase")
@@ -367,7 +362,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=50257)
     p.add_argument("--launches", action="store_true", help="count kernel launches per sync")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--diagnose", default="", help="methods whose one sync is profiled instead")
+    p.add_argument("--diagnose", default="", help="methods whose round is profiled instead")
     return p
 
 

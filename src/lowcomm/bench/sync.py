@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..engine.stats import SyncTimes
 from ..transport import Transport
 from .floor import FLOOR_STAGES, engine_floor
 from .spawn import run_workers_json
@@ -56,7 +57,7 @@ from .spawn import run_workers_json
 if TYPE_CHECKING:
     from ..engine import LowComm
 
-STAGES = ("encode", "collective", "decode_sum", "outer", "merge")
+STAGES = SyncTimes.STAGES
 DEFAULT_STRATEGIES = "diloco,streaming,sparseloco,co2"
 
 
@@ -183,11 +184,6 @@ def copy_seconds(numel: int, repeats: int = 3) -> list[float]:
     return out
 
 
-def _times(engine: LowComm) -> dict[str, float]:
-    t = engine.sync_times
-    return {**{s: getattr(t, s) for s in STAGES}, "total": t.total}
-
-
 def _drain(engine: LowComm) -> None:
     """Wait for the engine's comm thread (an overlapped exchange) to finish its queue."""
     if engine.transport is not None:
@@ -197,7 +193,7 @@ def _drain(engine: LowComm) -> None:
 def _round(engine: LowComm, st: Stepper, clock: HookClock, args: argparse.Namespace) -> tuple:
     """H inner steps (the first few real); returns (stage deltas, the real steps' times)."""
 
-    before, inner = _times(engine), []
+    before, inner = engine.sync_times.stages(), []
     for s in range(args.sync_every):
         if s < args.inner_steps:
             clock.last = 0.0
@@ -209,7 +205,7 @@ def _round(engine: LowComm, st: Stepper, clock: HookClock, args: argparse.Namesp
                 Transport().barrier()
             st.idle_step()
         _drain(engine)
-    after = _times(engine)
+    after = engine.sync_times.stages()
     return {k: after[k] - before[k] for k in after}, inner
 
 

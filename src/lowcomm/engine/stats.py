@@ -117,6 +117,12 @@ class SyncTimes:
 
     #: time the stages' GPU work too (benchmarks: it adds a host synchronisation per edge)
     on_device: ClassVar[bool] = False
+    #: the stages, in the order a sync runs them
+    STAGES: ClassVar[tuple[str, ...]] = ("encode", "collective", "decode_sum", "outer", "merge")
+
+    def stages(self) -> dict[str, float]:
+        """Each stage's seconds so far, and the total (for deltas over a round)."""
+        return {**{s: getattr(self, s) for s in self.STAGES}, "total": self.total}
 
 
 class Unblocked:
