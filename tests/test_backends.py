@@ -81,36 +81,51 @@ def test_a_workers_unexpected_failure_names_the_file_with_its_stack(tmp_path, mo
     assert "To enable traceback" not in said
 
 
-def test_a_real_workers_failure_reaches_the_user_with_its_stack(tmp_path):
-    """A worker process whose collectives raise (planted through sitecustomize, so the product
-    carries no test hook): the launcher's one error line names the file with its stack."""
+# what sitecustomize plants in every process (so the product carries no test hook): a fixed
+# world's collective that raises; an elastic site's optimizer step that raises (its failed
+# collectives would be retried on a new quorum, not raised)
+PLANTS = {
+    "fixed": ("import torch.distributed as dist\n"
+              "def _broken(*args, **kwargs):\n"
+              "    raise RuntimeError('planted: no backend for this tensor')\n"
+              "dist.all_reduce = _broken\n", [], "traceback-rank0.txt"),
+    "elastic": ("import torch\n"
+                "def _broken(*args, **kwargs):\n"
+                "    raise RuntimeError('planted: no backend for this tensor')\n"
+                "torch.optim.AdamW.step = _broken\n", ["elastic=true", "min_workers=1"],
+                "traceback-rank0.txt"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", ["fixed", "elastic"])
+def test_a_real_workers_failure_reaches_the_user_with_its_stack(tmp_path, shape):
+    """A worker process that fails on something other than a user error: the launcher's
+    one error line ends with the failure and names the file with its stack."""
     import os
     import subprocess
     import sys
 
+    if shape == "elastic":
+        pytest.importorskip("torchft")
+    code, extra, stack = PLANTS[shape]
     plant = tmp_path / "plant"
     plant.mkdir()
-    (plant / "sitecustomize.py").write_text(
-        "import torch.distributed as dist\n"
-        "def _broken(*args, **kwargs):\n"
-        "    raise RuntimeError('planted: no backend for this tensor')\n"
-        "dist.all_reduce = _broken\n"
-    )
+    (plant / "sitecustomize.py").write_text(code)
     src = Path(__file__).resolve().parent.parent / "src"
     env = {**os.environ, "PYTHONPATH": f"{plant}{os.pathsep}{src}"}
     out = tmp_path / "run"
+    workers = "2" if shape == "elastic" else "1"
     proc = subprocess.run(
-        [sys.executable, "-m", "lowcomm.cli", "train", "--strategy", "diloco", "--workers", "1",
-         "--model", "tiny", "--steps", "2", "--out", str(out), "batch_size=2", "seq_len=16",
-         "eval_batches=1", "progress=false", "sync_every=1"],
+        [sys.executable, "-m", "lowcomm.cli", "train", "--strategy", "diloco", "--workers",
+         workers, "--model", "tiny", "--steps", "2", "--out", str(out), "batch_size=2",
+         "seq_len=16", "eval_batches=1", "progress=false", "sync_every=1", *extra],
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
-    trace = out / "traceback-rank0.txt"
     assert "RuntimeError: planted: no backend for this tensor" in line, proc.stderr
-    assert f"(its stack: {trace})" in line
-    assert "_broken" in trace.read_text() and "Traceback" not in proc.stderr
+    assert f"(its stack: {out / stack})" in line, line
+    assert "_broken" in (out / stack).read_text() and "Traceback" not in proc.stderr
 
 
 def test_the_error_line_names_the_killed_worker_not_the_peer_that_failed_after_it(tmp_path):

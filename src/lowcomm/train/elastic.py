@@ -35,7 +35,7 @@ from ..elastic.membership import check_rounds
 from ..elastic.rounds import LIGHTHOUSE_JOIN_S
 from ..engine.placement import EVICT_SITE_RANKS, TWO_PHASE_ELASTIC
 from ..errors import LowCommError
-from .entry import WORKER_PRELOAD, error_file, run_entry, user_errors
+from .entry import clear_stale, error_file, failure_of, run_entry, user_errors
 from .join_site import RUN_FILE, run_site, write_run_file
 from .lighthouse import Keeper
 from .site_role import SiteRole
@@ -176,7 +176,10 @@ def run_sites(spec: RunSpec, workers: int) -> dict[str, Any] | None:
     # that saves each site its own ~2 s of imports (the server starts no threads, so a fork
     # from it is as clean as a spawn)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([*WORKER_PRELOAD, "lowcomm.train.join_site"])
+    # (torch._dynamo: what the first torch.optim optimizer of a process imports, ~0.4 s each)
+    ctx.set_forkserver_preload(
+        ["torch", "torch._dynamo", "lowcomm.train.loop", "lowcomm.train.join_site"]
+    )
     servers = []
     address, keeper = cfg.lighthouse, None
     net = _site_network(cfg, workers)
@@ -219,8 +222,7 @@ def _run_sites(
         servers.append(_lighthouse(cfg, min_replicas=cfg.min_workers))
         peer = servers[-1].address()
     roles, again, added = _plan(cfg, workers, address, peer)
-    for stale in out_dir.glob(".error-rank*"):  # left by a launcher that was killed
-        stale.unlink(missing_ok=True)
+    clear_stale(out_dir)
     if spec.strategy.joinable:  # `lowcomm join DIR` starts another site from it
         planned = sorted([*again, *(r.site for r in added)])
         write_run_file(spec, roles[0], address, planned, netns=net is not None)
@@ -393,11 +395,13 @@ def _end_laggards(procs: list[Any]) -> None:
 
 
 def _said(out_dir: Path, site: int) -> str:
-    """': ' and the one line a site that stopped itself left (its error file), or ''."""
+    """': ' and the one line a site that stopped itself left (its error file), or the last line
+    of the stack an unexpected failure left and where that stack is; or ''."""
     with contextlib.suppress(OSError):
         text = error_file(out_dir, site).read_text().strip()
         return f": {text}" if text else ""
-    return ""
+    stack = failure_of(out_dir, site)
+    return f": {stack}" if stack else ""
 
 
 def _stopped(pid: int) -> bool:
@@ -425,7 +429,9 @@ def _outcome(codes: list[int | None], out_dir: Path, started: float) -> dict[str
     if 130 in codes:  # the sites were interrupted (Ctrl-C): said as for any interrupted run
         raise KeyboardInterrupt
     code = 2 if any(c == 2 for c in codes) else 1
-    raise SitesFailed(messages or f"every site failed (exit codes {codes})", code)
+    stacks = [s for s in (failure_of(out_dir, i) for i in range(len(codes))) if s]
+    why = f"every site failed (exit codes {codes})" + (f": {stacks[0]}" if stacks else "")
+    raise SitesFailed(messages or why, code)
 
 
 def _site_main(role: SiteRole, spec: RunSpec) -> None:
@@ -438,7 +444,10 @@ def _site_main(role: SiteRole, spec: RunSpec) -> None:
         os.environ.update(LOWCOMM_ADDR=role.addr, GLOO_SOCKET_IFNAME=WORKER_IFNAME,
                           LOWCOMM_LIGHTHOUSE=role.lighthouse,
                           LOWCOMM_UPLINK=role.uplink)  # fmt: skip
-    run_entry(str(spec.out), role.site, lambda: run_site(role, spec))
+    try:
+        run_entry(str(spec.out), role.site, lambda: run_site(role, spec))
+    except Exception:  # its stack is in its traceback file, which the launcher's line names
+        sys.exit(1)
     # done, its files written: skip the native teardown (gloo, stores, the lighthouse client's
     # runtime), which took ~1.6 s a site here; the launcher waits for every site's exit
     sys.stdout.flush()

@@ -14,11 +14,6 @@ from typing import Any
 
 from ..errors import LowCommError, MembershipError
 
-#: what the elastic sites' fork server imports once, so that each site forked from it need
-#: not; torch._dynamo is what the first torch.optim optimizer of a process imports (~0.4 s of
-#: CPU each)
-WORKER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "lowcomm.train.loop"]
-
 
 def run_entry(out_dir: str, rank: int | str, train: Callable[[], Any]) -> Any:
     """Run ``train`` as a launched worker of rank (or site) ``rank``.
@@ -59,6 +54,13 @@ def failure_of(out_dir: str | Path, rank: str | int) -> str | None:
     except OSError:
         return None
     return f"{lines[-1].strip() if lines else 'no message'} (its stack: {path})"
+
+
+def clear_stale(out_dir: Path) -> None:
+    """Remove the error and stack files an earlier launch into ``out_dir`` left (a launcher
+    that was killed reads none of them)."""
+    for stale in [*out_dir.glob(".error-rank*"), *out_dir.glob("traceback-rank*.txt")]:
+        stale.unlink(missing_ok=True)
 
 
 def error_file(out_dir: str | Path, rank: str | int) -> Path:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ..config import ConfigError, TrainConfig
 from ..errors import LowCommError
 from .elastic import SitesFailed, check_elastic, replay_joins, replay_leaves, run_sites
-from .entry import error_file, failure_of, run_entry, user_errors
+from .entry import clear_stale, error_file, failure_of, run_entry, user_errors
 from .ports import check_port, free_port
 from .spec import RunSpec
 
@@ -314,8 +314,7 @@ def _run_local(spec: RunSpec, workers: int, port: int | None) -> dict[str, Any] 
         # we report a failed worker in one line ourselves; LOWCOMM_DEBUG=1 shows torch's logs
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     cfg, out_dir = spec.train, spec.out
-    for stale in [*out_dir.glob(".error-rank*"), *out_dir.glob("traceback-rank*.txt")]:
-        stale.unlink(missing_ok=True)  # left by an earlier launch into this folder
+    clear_stale(out_dir)
     lc = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
