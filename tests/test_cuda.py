@@ -1,7 +1,8 @@
 """The command line and the engine on a GPU (skipped where none is; `make gpu-check` runs them):
 `train` for every strategy writes its summary and model, `make demo`'s comparison runs, two
 workers share one GPU over gloo, a run resumes on the device, the own-loop engine and the codecs
-run there. Each `train` is a real launch, as a user types it."""
+run there (the codecs' device agreement: tests/test_codecs.py's cuda cases). Each `train`
+is a real launch, as a user types it."""
 
 from __future__ import annotations
 
@@ -98,17 +99,6 @@ def test_a_run_resumes_on_the_gpu(tmp_path):
     proc = _lowcomm("train", "--resume", str(out), "steps=24")
     summary = _trained(out, proc)
     assert summary["inner_steps"] == 24
-
-
-def test_the_codecs_roundtrip_on_the_gpu_as_on_the_cpu():
-    from lowcomm.codecs import make_codec
-
-    x = torch.randn(1 << 16)
-    for name in ("fp32", "bf16", "int8", "int4", "fp4", "loco"):
-        c = make_codec(name)
-        p = c.encode(x.cuda())
-        assert torch.equal(p.cpu(), c.encode(x)), name
-        assert torch.equal(c.decode(p, x.shape).cpu(), c.roundtrip(x)), name
 
 
 def _torchft() -> None:
