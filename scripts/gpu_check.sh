@@ -35,12 +35,12 @@ timeout_flag=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout 150
 for part in $PARTS; do
   case $part in
     codec-tests) step codec-tests 50 $PY -m pytest -q -p no:cacheprovider -k cuda \
-      tests/test_codecs.py tests/test_compensation.py ;;
+      tests/test_codecs.py tests/test_compensation.py tests/test_topk_many.py ;;
     codecs) for n in 16777216 134217728; do
         step codecs-$n 45 $PY -m lowcomm.cli bench codecs --device cuda --no-mix --repeats 5 \
           --codecs fp32,bf16,int8,int4,fp4,topk --numel $n --json
       done ;;
-    sync-world1) step sync-world1 120 $PY -m lowcomm.cli bench sync --device cuda --world 1 \
+    sync-world1) step sync-world1 180 $PY -m lowcomm.cli bench sync --device cuda --world 1 \
       --steps 100 --launches --json ;;
     sync-shared) step sync-shared 100 $PY -m lowcomm.cli bench sync --device cuda --world 2 \
       --steps 60 --strategies diloco,sparseloco --json ;;

@@ -110,7 +110,10 @@ def _sparseloco_worker(rank: int, world: int, aggregation: str, extra: int = 0) 
 
 
 @pytest.mark.parametrize("aggregation", ["mean", "selected-mean"])
-def test_sparseloco_matches_plain_torch(workers, aggregation):
+@pytest.mark.parametrize("at_once", ["0", "1"])
+def test_sparseloco_matches_plain_torch(workers, aggregation, at_once, monkeypatch):
+    # at_once=1: each bucket encoded, decoded and combined at once, as on a GPU (topk_many)
+    monkeypatch.setenv("LOWCOMM_BATCH", at_once)
     res = workers(_sparseloco_worker, 2, aggregation)
     torch.set_num_threads(1)
     expected = reference_sparseloco(2, aggregation)

@@ -237,6 +237,7 @@ class ErrorFeedback(_Compensation):
         self.beta = float(beta)
         self._store = _BufferStore(dtype, device)
         self._pending: dict[str, torch.Tensor] = {}
+        self._flats: dict[tuple[str, ...], torch.Tensor] = {}  # accumulate_flat's buffers
 
     def step(self) -> None:
         """Error feedback has no periodic reset: nothing to count."""
@@ -256,6 +257,63 @@ class ErrorFeedback(_Compensation):
     def before_send(self, key: str, x: torch.Tensor) -> torch.Tensor:
         """The engine's common call: what to encode for ``x`` (here ``accumulate``)."""
         return self.accumulate(key, x)
+
+    def accumulate_flat(
+        self, names: list[str], tensors: list[torch.Tensor], x: torch.Tensor
+    ) -> torch.Tensor | None:
+        """``accumulate`` of a group at once: ``x`` holds ``tensors`` (named ``names``) one
+        after another, and the group's buffers become views of one flat FP32 buffer, which is
+        returned (encode it; hand the encoding to :meth:`subtract_flat`). None where the
+        buffers are not FP32 on ``x``'s device: then go tensor by tensor."""
+        store = self._store
+        if store.dtype != torch.float32 or store.device not in (None, x.device):
+            return None
+        e = self._flat(names, tensors, x.device)
+        e.mul_(self.beta).add_(x.detach())
+        return e
+
+    def subtract_flat(self, e: torch.Tensor, enc: Any) -> None:
+        """``e <- e - D(C(e))`` for a group at once, from its encoding (an aggregate.Encoded):
+        at the sent entries of a sparse one, else everywhere."""
+        if enc.sparse_flat is not None:
+            idx, values = enc.sparse_flat
+            e.index_add_(0, idx, values, alpha=-1.0)
+        elif enc.sparse is not None:
+            at = 0
+            for shape, (idx, values) in zip(enc.shapes, enc.sparse):
+                e[at : at + shape.numel()].index_add_(0, idx, values, alpha=-1.0)
+                at += shape.numel()
+        else:
+            e.sub_(enc.local)
+
+    def _flat(
+        self, names: list[str], tensors: list[torch.Tensor], device: torch.device
+    ) -> torch.Tensor:
+        """The group's one buffer, made (from the buffers held, zeros where none is) unless
+        every name's buffer already is its view there."""
+        e = self._flats.get(tuple(names))
+        sizes = [t.numel() for t in tensors]
+        if e is not None and self._views_of(e, names, tensors):
+            return e
+        e = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+        at = 0
+        for name, t in zip(names, tensors):
+            view = e[at : at + t.numel()].view(t.shape)
+            if name in self._store:
+                view.copy_(self._store.get(name, view))
+            self._store.buffers[name] = view
+            at += t.numel()
+        self._flats[tuple(names)] = e
+        return e
+
+    def _views_of(self, e: torch.Tensor, names: list[str], tensors: list[torch.Tensor]) -> bool:
+        at = e.data_ptr()
+        for name, t in zip(names, tensors):
+            buf = self._store.buffers.get(name)
+            if buf is None or buf.data_ptr() != at or buf.shape != t.shape:
+                return False
+            at += t.numel() * 4
+        return True
 
     def after_send(self, key: str, sent: torch.Tensor, decoded: torch.Tensor) -> None:
         """The engine's common call once ``sent`` was encoded (here ``subtract``)."""

@@ -284,10 +284,13 @@ class Transport:
 
     # -- asynchrony ------------------------------------------------------------------------------
     def submit(self, fn: Callable[[], T]) -> Future:
-        """Run ``fn`` (a sequence of collectives) on the ordered comm thread; returns a Future."""
+        """Run ``fn`` (a sequence of collectives) on the ordered comm thread; returns a Future.
+
+        On a GPU it runs on the comm thread's own CUDA stream (:func:`_on_side_stream`), so
+        the exchange's kernels and host waits never hold up the compute stream."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lowcomm-comm")
-        return self._pool.submit(fn)
+        return self._pool.submit(_on_side_stream(fn))
 
     def wait(self, fut: Future) -> T:
         """Block until ``fut`` is done, counting the time as blocked on the network."""
@@ -330,6 +333,33 @@ class Transport:
 # Every transport, so that interpreter exit can let go of their process groups (see
 # release_all): a group must be destroyed while Python is still whole.
 _LIVE: weakref.WeakSet[Transport] = weakref.WeakSet()
+
+
+_SIDE: dict[int, torch.cuda.Stream] = {}  # the comm thread's stream, per GPU
+
+
+def _on_side_stream(fn: Callable[[], T]) -> Callable[[], T]:
+    """``fn`` to run on the comm thread's own CUDA stream (``fn`` itself where CUDA is not in
+    use): it starts after the work queued on the caller's stream so far (what it reads was
+    made there) and returns once its own work is done, so the caller may use what it made
+    as soon as the Future is. Its host waits (a flag read, a copy to pinned memory) then wait
+    for its own stream only, not for the training kernels queued behind the send."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return fn
+    device = torch.cuda.current_device()
+    ready = torch.cuda.Event()
+    ready.record()
+
+    def run() -> T:
+        with torch.cuda.device(device):
+            stream = _SIDE.setdefault(device, torch.cuda.Stream(device))
+            with torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                out = fn()
+            stream.synchronize()
+        return out
+
+    return run
 
 
 def _registered(group: dist.ProcessGroup) -> bool:

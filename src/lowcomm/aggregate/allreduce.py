@@ -38,6 +38,7 @@ class AllReduceAggregator(Aggregator):
         key: str | None = None,
         slab: torch.Tensor | None = None,
         sparse_local: bool = False,
+        flat: torch.Tensor | None = None,
     ) -> Encoded:
         """The tensors and the flag, cast, in one flat payload (see :meth:`Aggregator.encode`);
         in FP32 the ``slab``, if given, is the payload."""

@@ -34,6 +34,9 @@ class Encoded:
     out: torch.Tensor | None = None  # flat FP32 the exchange may write its mean into
     # sparse codecs asked for sparse_local: per tensor, (indices, values) peers will decode
     sparse: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # the same for a whole bucket encoded at once: (indices into its tensors one after
+    # another, values)
+    sparse_flat: tuple[torch.Tensor, torch.Tensor] | None = None
     # error feedback counted this whole message as sent: a weighted exchange hands back what
     # of it the weighted combination did not apply (Reduced.unapplied)
     keep_unapplied: bool = False
@@ -91,6 +94,7 @@ class Aggregator(ABC):
         key: str | None = None,
         slab: torch.Tensor | None = None,
         sparse_local: bool = False,
+        flat: torch.Tensor | None = None,
     ) -> Encoded:
         """Encode ``tensors`` (FP32, any shapes); ``need_local`` also returns our decoded view.
 
@@ -100,8 +104,10 @@ class Aggregator(ABC):
         ``slab``: a flat FP32 buffer whose first elements are ``tensors``, in order, plus one
         spare element; an exchange that can send it as it is takes it as the payload (no copy)
         and may overwrite it. ``sparse_local`` (with ``need_local``): a sparse codec may give
-        our decoded view as ``Encoded.sparse`` (per tensor, indices and values) instead of a
-        dense ``local``. Runs on the compute thread.
+        our decoded view as ``Encoded.sparse`` (per tensor, indices and values) or
+        ``Encoded.sparse_flat`` instead of a dense ``local``. ``flat``: the tensors one after
+        another in one FP32 buffer, for an exchange that encodes them at once (no copy).
+        Runs on the compute thread.
         """
 
     @abstractmethod
@@ -119,6 +125,11 @@ class Aggregator(ABC):
     @abstractmethod
     def payload_nbytes(self, shapes: list[torch.Size]) -> int:
         """Bytes this worker hands to the first collective for tensors of ``shapes`` (with flag)."""
+
+    def plan(self, shapes: list[torch.Size], device: torch.device) -> object | None:
+        """A plan that encodes a whole bucket of ``shapes`` on ``device`` at once, or None
+        (tensor by tensor): the engine then hands :meth:`encode` the bucket as one ``flat``."""
+        return None
 
     def step(self) -> None:
         """Count one optimizer step for the reduce-side buffers (their periodic reset).
@@ -164,6 +175,7 @@ def encode_compensated(
     valid: bool = True,
     key: str | None = None,
     need_dense: bool = True,
+    flat: torch.Tensor | None = None,
 ) -> Encoded:
     """Compensate, encode and record the loss of one group of named tensors (one collective).
 
@@ -171,11 +183,23 @@ def encode_compensated(
     what peers decode of x')``. A group that is not ``valid`` goes out flagged as left out and
     leaves the buffers alone (a non-finite gradient must not pollute them). Without
     ``need_dense`` (nobody reads ``Encoded.local``), a compensation that can subtract a sparse
-    decode does so at the sent entries only.
+    decode does so at the sent entries only. ``flat`` (the tensors one after another): a
+    compensation that keeps the group's buffers as one does the group at once.
     """
     comp = compensation if valid else None
-    to_send = [comp.before_send(n, t) for n, t in zip(names, tensors)] if comp else list(tensors)
     sparse_ok = comp is not None and not need_dense and hasattr(comp, "subtract_sparse")
+    whole = getattr(comp, "accumulate_flat", None) if flat is not None else None
+    e = whole(names, tensors, flat) if whole is not None else None
+    if comp is not None and e is not None:  # the group's buffers as one: no loop over tensors
+        to_send = _views(e, tensors)
+        enc = aggregator.encode(
+            to_send, need_local=True, valid=valid, key=key, sparse_local=sparse_ok, flat=e
+        )
+        comp.subtract_flat(e, enc)  # type: ignore[attr-defined]
+        enc.sparse = enc.sparse_flat = None
+        enc.keep_unapplied = hasattr(comp, "restore")
+        return enc
+    to_send = [comp.before_send(n, t) for n, t in zip(names, tensors)] if comp else list(tensors)
     enc = aggregator.encode(
         to_send, need_local=comp is not None, valid=valid, key=key, sparse_local=sparse_ok
     )
@@ -191,6 +215,15 @@ def encode_compensated(
             comp.after_send(n, h, enc.local[offset : offset + h.numel()].view_as(h))
             offset += h.numel()
     return enc
+
+
+def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like ``like``, one after another."""
+    out, at = [], 0
+    for t in like:
+        out.append(flat[at : at + t.numel()].view(t.shape))
+        at += t.numel()
+    return out
 
 
 def scaled_unapplied(

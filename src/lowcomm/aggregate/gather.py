@@ -10,6 +10,7 @@ import torch
 
 from ..codecs.base import Codec, PayloadError
 from ..elastic.forge import forge, forging, seen
+from . import batched
 from .base import Aggregator, Encoded, Reduced, contribution, flag, numel
 from .combine import Combine, Parts
 
@@ -39,8 +40,15 @@ class GatherAggregator(Aggregator):
         key: str | None = None,
         slab: torch.Tensor | None = None,
         sparse_local: bool = False,
+        flat: torch.Tensor | None = None,
     ) -> Encoded:
-        """Each tensor encoded, then one flag byte (see :meth:`Aggregator.encode`)."""
+        """Each tensor encoded, then one flag byte (see :meth:`Aggregator.encode`); where the
+        codec has a plan for the whole bucket on this device, the bucket at once (the same
+        bytes: :mod:`.batched`)."""
+        plan = self.plan([t.shape for t in tensors], tensors[0].device) if tensors else None
+        if plan is not None:
+            want = "" if not need_local else "sparse" if sparse_local else "dense"
+            return batched.encode(plan, tensors, [t.shape for t in tensors], valid, flat, want, key)
         tensors, shapes, n = contribution(tensors, valid)
         parts = [self.codec.encode(t) for t in tensors]
         flag_byte = torch.tensor(
@@ -68,7 +76,18 @@ class GatherAggregator(Aggregator):
         if forging():
             seen(enc.shapes, gathered, enc.key)
         me = transport.rank if enc.keep_unapplied else None
+        plan = self.plan(enc.shapes, payload.device)
+        if plan is not None and batched.combines(self.rule, weights, me):
+            got = batched.combine(
+                plan, self.rule, gathered, enc.numel, weights, enc.out, self.track
+            )
+            if got is not None:
+                return got
         return self._sum_gathered(gathered, enc.shapes, enc.numel, weights, enc.out, me)
+
+    def plan(self, shapes: list[torch.Size], device: torch.device) -> object | None:
+        """The codec's plan for a whole bucket of ``shapes`` on ``device``, if it goes at once."""
+        return batched.plan_for(self.codec, shapes, device)
 
     def payload_nbytes(self, shapes: list[torch.Size]) -> int:
         """The codec's bytes per tensor, plus the flag byte."""
@@ -125,7 +144,7 @@ class GatherAggregator(Aggregator):
                     left[senders[j]] = left.get(senders[j], 0) + n
             offset_b += nb
             offset_e += n
-        norms = {w: _inf_if_nan(float(v)) for w, v in sq.items()} if self.track else None
+        norms = {w: batched.inf_if_nan(float(v)) for w, v in sq.items()} if self.track else None
         for w, count in left.items():  # left out of most of what it sent: it offends
             if norms is not None and 2 * count > total_numel:
                 norms[w] = float("inf")
@@ -168,8 +187,3 @@ def _squared_norm(parts: Parts, j: int) -> torch.Tensor:
     except PayloadError:
         return torch.tensor(float("inf"), dtype=torch.float64)
     return x.double().square().sum()
-
-
-def _inf_if_nan(value: float) -> float:
-    """A squared norm that held a NaN reads as inf: not finite either way."""
-    return value if value == value else float("inf")

@@ -52,6 +52,7 @@ class TwoPhaseAggregator(Aggregator):
         key: str | None = None,
         slab: torch.Tensor | None = None,
         sparse_local: bool = False,
+        flat: torch.Tensor | None = None,
     ) -> Encoded:
         """Shard the flat buffer, one payload per destination worker (see
         :meth:`Aggregator.encode`)."""

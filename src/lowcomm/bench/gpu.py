@@ -5,8 +5,9 @@ Your own loop (the README's pattern) around GPT-2 small (124M parameters, ``tran
 built from a config: nothing downloaded), bf16 autocast, fused AdamW, batches of random tokens
 (8 x 512 by default). For each method in turn: the plain loop (no engine) for ``--warmup`` +
 ``--steps`` steps, then the same loop inside the method's ``with sync:`` block (its preset at
-``--sync-every``, or at its own H with ``--preset-h``), timed over the last ``--steps`` steps
-with the device synchronised at both ends, then the plain loop again. Reported per method:
+``--sync-every``, or at its own H with ``--preset-h``) for ``--warmup`` + H steps (through its
+first sync, which allocates its buffers) and ``--steps`` timed steps, the device synchronised
+at both ends, then the plain loop again. Reported per method:
 
 - ``speed``: tokens/s as a ratio to the mean of the plain loop's just before and just after
   (the device drifts between phases about as much as the effects looked for);
@@ -127,7 +128,8 @@ def method(loop: Loop, strategy: str, h: int, args: argparse.Namespace) -> dict[
     engine = _engine(loop, strategy, h)
     engine.sync_times.on_device = loop.device.type == "cuda"
     with engine:
-        loop.timed(args.warmup)
+        # through one sync first: the first allocates the engine's buffers and plans
+        loop.timed(args.warmup + h)
         before, syncs = engine.sync_times.stages(), engine.stats.syncs
         seconds = loop.timed(args.steps)
         after, done = engine.sync_times.stages(), engine.stats.syncs - syncs
@@ -246,6 +248,9 @@ def run(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     if args.diagnose and device.type == "cuda":
         diagnoses = [diagnose(loop, s) for s in args.diagnose.split(",")]
         return {"params": loop.params, "tensors": loop.tensors, "diagnoses": diagnoses}
+    # the device's first seconds run slower (clocks, the allocator, kernel choices): spent
+    # here, not on the first method's plain phase
+    loop.timed(5 * args.warmup)
     rows = []
     for strategy in args.strategies.split(","):
         hs = [args.sync_every] + ([_preset_h(strategy)] if args.preset_h else [])

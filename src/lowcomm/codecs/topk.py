@@ -40,6 +40,7 @@ from .base import Codec, PayloadError
 from .bitpack import bits_for, pack_bits, packed_nbytes, unpack_bits
 from .lut import LutCodec
 from .registry import make_codec, register
+from .topk_many import TopKPlan, wanted
 
 MAX_SIDE = 64
 
@@ -165,6 +166,7 @@ class TopKCodec(Codec):
         if not isinstance(value_codec, Codec) or not value_codec.elementwise:
             raise ValueError(f"top-k values need an element-wise codec, got {value_codec!r}")
         self.value_codec = value_codec
+        self._plans: dict[tuple, TopKPlan] = {}  # plan() caches one per (shapes, device)
 
     def __repr__(self) -> str:
         return f"TopKCodec(density={self.density}, value_codec={self.value_codec!r})"
@@ -233,6 +235,11 @@ class TopKCodec(Codec):
         return local, values
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
+        plan = self.plan([x.shape], x.device) if wanted(x.device) else None
+        if plan is not None:  # an accelerator: the plan's few launches (topk_many)
+            payload = torch.empty(plan.nbytes + 1, dtype=torch.uint8, device=x.device)
+            plan.encode(as_float_input(x), payload)
+            return payload[:-1]
         g = self.geometry(x.shape)
         _, idx_at, total = self._layout(g)
         payload = torch.empty(total, dtype=torch.uint8, device=x.device)
@@ -244,12 +251,28 @@ class TopKCodec(Codec):
         payload[idx_at:] = pack_bits(local.view(-1), g.index_bits)
         return payload
 
+    # ---- many tensors at once (an accelerator's path: topk_many) -----------------------------
+    def plan(self, shapes: list[torch.Size], device: torch.device) -> TopKPlan | None:
+        """The plan that encodes and decodes tensors of ``shapes`` together on ``device``
+        (cached), or None where this codec has none (a value codec other than the table)."""
+        if not isinstance(self.value_codec, LutCodec):
+            return None
+        key = (tuple(tuple(s) for s in shapes), str(device))
+        if key not in self._plans:
+            self._plans[key] = TopKPlan(self, [torch.Size(s) for s in shapes], device)
+        return self._plans[key]
+
     # ---- decode ------------------------------------------------------------------------------
     def decode_sparse(
         self, payload: torch.Tensor, shape: torch.Size, name: str = "tensor"
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Validated (flat int64 indices (K,), fp32 values (K,)) of a payload."""
         shape = torch.Size(shape)
+        plan = self._checked_plan(payload, shape)
+        if plan is not None:  # one host read; a payload that breaks a rule goes on below
+            idx, values, bad = plan.decode(payload)
+            if not bool(bad):
+                return idx, values
         g = self.geometry(shape)
         _, idx_at, total = self._layout(g)
         payload = check_payload(
@@ -286,6 +309,16 @@ class TopKCodec(Codec):
                 "unsorted)"
             )
         return g.global_index(local).view(-1), values
+
+    def _checked_plan(self, payload: torch.Tensor, shape: torch.Size) -> TopKPlan | None:
+        """The plan that decodes ``payload`` on its device, if it takes this path and is a
+        uint8 tensor of the right size (anything else is for check_payload to describe)."""
+        if not (isinstance(payload, torch.Tensor) and wanted(payload.device)):
+            return None
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            return None
+        plan = self.plan([shape], payload.device)
+        return plan if plan is not None and payload.numel() == plan.nbytes else None
 
     def decode(
         self, payload: torch.Tensor, shape: torch.Size, name: str = "tensor"

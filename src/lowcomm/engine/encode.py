@@ -12,7 +12,7 @@ from ..elastic.faults import attack, sends_nan
 from ..transport import Transport
 from .fragment import Fragment
 from .guards import NonFiniteGuard
-from .tensors import Slabs, all_finite
+from .tensors import Slabs, all_finite_each
 
 
 class Encoder:
@@ -67,7 +67,7 @@ class Encoder:
         finite = frag.pseudo_grad_into(slabs.views, take_snapshot=need_own)
         contributes = frag.unsent > 0
         if contributes and finite is None:
-            finite = all(all_finite(s[:-1]) for s in slabs.slabs)
+            finite = all_finite_each([s[:-1] for s in slabs.slabs])
         nonfinite = contributes and not finite
         if nonfinite:
             self.guard.leave_out(frag, self.rank, step)
@@ -99,10 +99,14 @@ class Encoder:
         for b, bucket in enumerate(frag.buckets):
             names, tensors = [frag.names[i] for i in bucket], [slabs.views[i] for i in bucket]
             key = f"fragment {frag.index} bucket {b}"
+            slab = slabs.slabs[b]
+            # a bucket the aggregator encodes at once is handed over as one flat buffer
+            whole = self.aggregator.plan([t.shape for t in tensors], slab.device) is not None
+            flat = slab[:-1] if whole else None
             if self.compensation is None or sends_nan():
                 encoded.append(
                     self.aggregator.encode(
-                        tensors, need_local=need_own, valid=valid, key=key, slab=slabs.slabs[b]
+                        tensors, need_local=need_own, valid=valid, key=key, slab=slab, flat=flat
                     )
                 )
             else:
@@ -115,6 +119,7 @@ class Encoder:
                         valid,
                         key=key,
                         need_dense=need_own,
+                        flat=flat,
                     )  # fmt: skip
                 )
         return encoded

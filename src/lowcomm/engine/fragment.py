@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from ..config import ConfigError
 from .state import RunState, StatePart
-from .tensors import Part, fused_minus, local, minus_params_into, pieces, views
+from .tensors import Part, copy_into, fused_minus, local, minus_params_into, pieces, views
 
 
 @dataclass
@@ -48,8 +48,8 @@ class Fragment:
 
     def load_global(self) -> None:
         """The global copy into the local parameters."""
-        for p, g in zip(self.params, self.global_views):
-            p.copy_(g)
+        with torch.no_grad():
+            copy_into(self.params, self.global_views)
 
     @property
     def reference(self) -> torch.Tensor:

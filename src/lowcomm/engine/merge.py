@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from ..codecs.topk_many import wanted
 from ..config import SyncConfig
 from ..schedule import Schedule
 from .fragment import Fragment
-from .tensors import pieces
+from .tensors import copy_into, pieces, views
 
 
 class Merge:
@@ -72,6 +73,9 @@ class Continue(Merge):
 
     def merge(self, frag: Fragment, in_flight: torch.Tensor | None) -> None:
         assert frag.snapshot is not None
+        if wanted(frag.global_flat.device):
+            self._merge_at_once(frag, in_flight)
+            return
         # chunk by chunk, so progress and the new weights are temporaries of one chunk: one
         # read of global, own, snapshot and local, one write of local and snapshot
         flats = [frag.global_flat, frag.snapshot]
@@ -83,6 +87,24 @@ class Continue(Merge):
             new_local.sub_(progress)
             torch.add(new_local, progress, out=snap)
             p.copy_(new_local)
+
+    def _merge_at_once(self, frag: Fragment, in_flight: torch.Tensor | None) -> None:
+        """The same steps as multi-tensor kernels over every parameter (an accelerator's
+        launches then do not grow with the number of parameters); the same bits."""
+        assert frag.snapshot is not None
+        params = frag.params
+        dev = frag.global_flat.device
+        local = [p.detach().to(dev, torch.float32) for p in params]
+        snap = views(frag.snapshot, params)
+        progress = torch._foreach_sub(snap, local)
+        glob = views(frag.global_flat, params)
+        if in_flight is not None:
+            new_local = torch._foreach_sub(glob, views(in_flight.to(dev), params), alpha=self.keep)
+        else:
+            new_local = [g.clone() for g in glob]
+        torch._foreach_sub_(new_local, progress)
+        torch._foreach_copy_(snap, torch._foreach_add(new_local, progress))
+        copy_into([p.detach() for p in params], new_local)
 
 
 def make_merge(cfg: SyncConfig, schedule: Schedule) -> Merge:

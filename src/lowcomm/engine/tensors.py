@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from .. import _buffers
 from ..codecs import _native
+from ..codecs.topk_many import wanted
 from ..outer import chunk
 
 try:
@@ -88,9 +89,29 @@ class Slabs:
 def minus_params_into(
     out: list[torch.Tensor], reference: torch.Tensor, params: list[torch.Tensor]
 ) -> None:
-    """``reference`` (flat) minus the params, written into ``out`` (views shaped like them)."""
-    for o, r, p in zip(out, views(reference, params), params):
-        torch.sub(r, p.detach().to(reference.device, torch.float32), out=o)
+    """``reference`` (flat) minus the params, written into ``out`` (views shaped like them).
+
+    On an accelerator as multi-tensor kernels (a copy, then the subtraction: the same bits),
+    whose launches do not grow with the number of parameters."""
+    refs = views(reference, params)
+    plain = [p.detach().to(reference.device, torch.float32) for p in params]
+    if wanted(reference.device):
+        torch._foreach_copy_(out, refs)
+        torch._foreach_sub_(out, plain)
+        return
+    for o, r, p in zip(out, refs, plain):
+        torch.sub(r, p, out=o)
+
+
+def copy_into(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Copy each source into its target: on an accelerator, with matching dtypes, as
+    multi-tensor kernels (launches that do not grow with the number of tensors)."""
+    same = all(t.dtype == s.dtype and t.device == s.device for t, s in zip(targets, sources))
+    if targets and same and wanted(targets[0].device):
+        torch._foreach_copy_(targets, sources)
+        return
+    for t, s in zip(targets, sources):
+        t.copy_(s)
 
 
 def pieces(params: list[torch.Tensor], *flats: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:
@@ -140,6 +161,16 @@ def fused_minus(
             )  # fmt: skip
         )
     return not bad
+
+
+def all_finite_each(ts: list[torch.Tensor]) -> bool:
+    """Whether every element of every tensor is finite, read from the device once."""
+    if not ts:
+        return True
+    ends = [torch.aminmax(t) for t in ts if t.numel()]
+    if not ends:
+        return True
+    return bool(torch.isfinite(torch.stack([v for pair in ends for v in pair])).all())
 
 
 def all_finite(t: torch.Tensor) -> bool:

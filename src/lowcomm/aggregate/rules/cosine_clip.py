@@ -21,7 +21,7 @@ import torch
 from ..combine import Parts
 from ._robust import clip_to, finite_rows, left_out, mean_rows, median_of, sum_rows
 from .norm_clip import NormClip, clipped_sparse
-from .selected_mean import selected_mean
+from .selected_mean import selected_mean, tile_k
 
 
 class CosineClip(NormClip):
@@ -39,7 +39,7 @@ class CosineClip(NormClip):
                 total.index_add_(0, idx, vals)
             keep = [_agrees(torch.dot(v, total[i] - v), len(sent)) for i, v in sent]
             self.excluded = left_out(parts, [j for j, ok in zip(at, keep) if ok])
-            return selected_mean([s for s, ok in zip(sent, keep) if ok], None, parts, out)
+            return selected_mean([s for s, ok in zip(sent, keep) if ok], None, out, tile_k(parts))
         rows, at = finite_rows(parts)
         clipped, keep = _screen(rows) if at else (rows, [])
         self.excluded = left_out(parts, [j for j, ok in zip(at, keep) if ok])

@@ -14,7 +14,7 @@ import torch
 
 from ..combine import Parts
 from ._robust import Robust, clip_to, left_out, mean_rows, median_of, readable
-from .selected_mean import selected_mean
+from .selected_mean import selected_mean, tile_k
 
 
 class NormClip(Robust):
@@ -28,7 +28,7 @@ class NormClip(Robust):
             return super().combine(parts, out)
         clipped, at = clipped_sparse(parts)
         self.excluded = left_out(parts, at)
-        return selected_mean(clipped, None, parts, out) if clipped else out.zero_()
+        return selected_mean(clipped, None, out, tile_k(parts)) if clipped else out.zero_()
 
     def robust(self, rows: torch.Tensor) -> torch.Tensor:
         norms = rows.norm(dim=1)

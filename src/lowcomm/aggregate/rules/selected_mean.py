@@ -17,7 +17,7 @@ class SelectedMean(Combine):
 
     def combine(self, parts: Parts, out: torch.Tensor) -> torch.Tensor:
         sent = [parts.sparse(j) for j in range(len(parts))]
-        return selected_mean(sent, parts.weights, parts, out)
+        return selected_mean(sent, parts.weights, out, tile_k(parts))
 
     def unapplied(self, parts: Parts, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         """At each entry part ``j`` sent: ``(1 - w_j c / W) v``, with ``c`` the count and ``W``
@@ -36,17 +36,23 @@ class SelectedMean(Combine):
         return idx, vals * (1.0 - share)
 
 
+def tile_k(parts: Parts) -> int:
+    """Values per tile of ``parts``' top-k codec at its shape (0 for a codec without tiles)."""
+    geometry = getattr(parts.codec, "geometry", None)
+    return geometry(parts.shape).k if geometry else 0
+
+
 def selected_mean(
     sent: list[tuple[torch.Tensor, torch.Tensor]],
     weights: list[float] | None,
-    parts: Parts,
     out: torch.Tensor,
+    k: int = 0,
 ) -> torch.Tensor:
-    """Each entry of ``sent`` (sites' indices and values for one tensor of ``parts``' codec
-    and shape) averaged over the sites that sent it (weighted by ``weights``), into ``out``."""
-    geometry = getattr(parts.codec, "geometry", None)
+    """Each entry of ``sent`` (sites' flat indices and values into ``out``) averaged over the
+    sites that sent it (weighted by ``weights``), into ``out``. ``k``: one tensor's values per
+    top-k tile, for the fused CPU kernel (0: not one tensor's, no kernel)."""
     out.zero_()
-    if _fused(sent, weights, geometry(parts.shape).k if geometry else 0, out):
+    if _fused(sent, weights, k, out):
         return out
     # counts are small integers, exact in any dtype: int16 halves the tensor-sized buffer
     dtype = torch.float32 if weights else torch.int16 if len(sent) < 2**15 else torch.int32

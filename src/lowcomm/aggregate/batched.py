@@ -1,0 +1,110 @@
+"""The gather exchange over a whole bucket at once, where the codec has a plan for it (top-k:
+:mod:`~lowcomm.codecs.topk_many`): one encode, one decode per sender and one combine over the
+bucket's flat coordinates, in kernel launches that do not grow with the number of tensors, and
+one host synchronisation per exchange (every sender's flag and decode check, read together).
+
+The same bytes on the wire as the per-tensor path (the table's statistics up to their last
+bit, see topk_many) and the same bits out of the mean and the selected mean. Anything else
+(another rule, per-sender norms, a weighted merge that needs what it left unapplied, a payload
+that breaks a rule) goes the per-tensor way, which also names a faulty sender.
+
+Used on accelerators; ``LOWCOMM_BATCH=1`` turns it on on the CPU too (tests), ``0`` off.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..codecs.topk_many import wanted
+from .base import Encoded, Reduced
+from .combine import Combine
+from .rules.mean import Mean, _divisor
+from .rules.selected_mean import SelectedMean, selected_mean
+
+
+def plan_for(codec: Any, shapes: list[torch.Size], device: torch.device) -> Any:
+    """The codec's plan for ``shapes`` on ``device`` where the bucket goes at once, else None."""
+    if not wanted(device):
+        return None
+    plan = getattr(codec, "plan", None)
+    return plan(shapes, device) if plan is not None else None
+
+
+def encode(
+    plan: Any,
+    tensors: list[torch.Tensor],
+    shapes: list[torch.Size],
+    valid: bool,
+    flat: torch.Tensor | None,
+    want: str,
+    key: str | None,
+) -> Encoded:
+    """The bucket's payload (flag last); ``want``: "" nothing of our own decode, "sparse" it as
+    (flat indices, values), "dense" as one flat FP32 tensor. ``flat``: the tensors one after
+    another, if the caller has them so (else they are concatenated)."""
+    n = sum(s.numel() for s in shapes)
+    dev = tensors[0].device
+    if not valid:
+        flat = torch.zeros(n, device=dev)
+    elif flat is None:
+        flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+    payload = torch.empty(plan.nbytes + 1, dtype=torch.uint8, device=dev)
+    idx, values = plan.encode(flat, payload)
+    payload[-1] = int(valid)  # after the packing, which used it as scratch
+    if want == "sparse":
+        return Encoded(payload, shapes, n, None, key, sparse_flat=(idx, values))
+    local = None
+    if want == "dense":
+        local = torch.zeros(n, device=dev).index_copy_(0, idx, values)
+    return Encoded(payload, shapes, n, local, key)
+
+
+def combines(rule: Combine, weights: list[float] | None, me: int | None) -> bool:
+    """Whether the bucket-at-once combine computes what ``rule`` would (the plain rules, with
+    nothing per tensor asked of them)."""
+    return type(rule) in (Mean, SelectedMean) and (weights is None or me is None)
+
+
+def combine(
+    plan: Any,
+    rule: Combine,
+    gathered: list[torch.Tensor],
+    numel: int,
+    weights: list[float] | None,
+    out: torch.Tensor | None,
+    track: bool = False,
+) -> Reduced | None:
+    """The rule's combination of every valid sender's bucket, or None where a sender's flag
+    or payload is bad (the per-tensor path then raises, naming it). ``track``: with each
+    sender's squared norm (FP64, of the values it sent; inf where not finite)."""
+    decoded = [plan.decode(g[:-1]) for g in gathered]
+    flags = torch.stack([g[-1].to(torch.float64) for g in gathered])
+    bad = torch.stack([d[2] for d in decoded]).to(torch.float64)
+    norms = [d[1].double().square().sum() for d in decoded] if track else []
+    read = torch.cat([flags, bad, *[n.view(1) for n in norms]]).tolist()  # the one host read
+    m = len(gathered)
+    flag, broken = read[:m], read[m : 2 * m]
+    if any(f not in (0, 1) or (f == 1 and b) for f, b in zip(flag, broken)):
+        return None
+    senders = [w for w, f in enumerate(flag) if f == 1]
+    tracked = {w: inf_if_nan(read[2 * m + w]) for w in senders} if track else None
+    dev = gathered[0].device
+    total = out if out is not None else torch.empty(numel, device=dev)
+    if not senders:
+        return Reduced(total.zero_(), 0)
+    sent = [(decoded[w][0], decoded[w][1]) for w in senders]
+    ws = [weights[w] for w in senders] if weights is not None else None
+    if isinstance(rule, SelectedMean):
+        return Reduced(selected_mean(sent, ws, total), len(senders), None, tracked)
+    total.zero_()
+    for j, (idx, values) in enumerate(sent):
+        total.index_add_(0, idx, values * ws[j] if ws is not None else values)
+    mean = total.div_(_divisor(sum(ws) if ws is not None else len(sent)))
+    return Reduced(mean, len(senders), None, tracked)
+
+
+def inf_if_nan(value: float) -> float:
+    """A squared norm that held a NaN reads as inf: not finite either way."""
+    return value if value == value else float("inf")
