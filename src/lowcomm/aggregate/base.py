@@ -219,11 +219,8 @@ def encode_compensated(
 
 def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     """Views of ``flat`` shaped like ``like``, one after another."""
-    out, at = [], 0
-    for t in like:
-        out.append(flat[at : at + t.numel()].view(t.shape))
-        at += t.numel()
-    return out
+    pieces = flat.split([t.numel() for t in like])
+    return [p.view(t.shape) for p, t in zip(pieces, like)]
 
 
 def scaled_unapplied(
