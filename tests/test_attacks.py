@@ -6,20 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowcomm.elastic import faults as faults_mod
-from lowcomm.elastic.faults import Fault, act, attack, parse_faults
 from lowcomm.errors import ConfigError
+from lowcomm.faults import Fault, parse_faults
+from lowcomm.faults.harness import Harness
+from lowcomm.protocols import NO_FAULTS
 
 
-@pytest.fixture(autouse=True)
-def _unarmed():
-    from lowcomm.elastic import forge
-
-    faults_mod._attacking.clear()
-    yield
-    faults_mod._attacking.clear()
-    faults_mod._colluders.clear()
-    forge._seen.clear()
+def harness(spec: str, site: int, sites: int = 2, step: int = 1) -> Harness:
+    """Site ``site``'s harness for ``spec``, acted up to ``step``."""
+    h = Harness(parse_faults(spec, sites, 100), site)
+    for s in range(1, step + 1):
+        h.act(s)
+    return h
 
 
 def test_attacks_are_read_from_the_fault_grammar():
@@ -36,18 +34,33 @@ def test_attacks_are_read_from_the_fault_grammar():
 
 def test_a_site_attacks_from_its_step_on_and_only_itself():
     planned = parse_faults("scale:1@3x10", 4, 100)
+    other, bad = Harness(planned, 0), Harness(planned, 1)
     x = [torch.ones(4)]
-    act(planned, site=0, step=3)  # another site's fault: this one sends as it is
-    act(planned, site=1, step=2)  # not yet
-    attack(x, 2)
+    other.act(3)  # another site's fault: this one sends as it is
+    bad.act(2)  # not yet
+    assert other.contribution(x, 3, "ef") == "ef" and bad.contribution(x, 2, "ef") == "ef"
     assert torch.equal(x[0], torch.ones(4))
-    act(planned, site=1, step=3)
+    bad.act(3)
     for step in (3, 4, 50):
         x = [torch.ones(4), torch.full((2,), -2.0)]
-        attack(x, step)
+        assert bad.contribution(x, step, "ef") == "ef"  # its compensation stays
         assert torch.equal(x[0], torch.full((4,), 10.0)) and torch.equal(
             x[1], torch.full((2,), -20.0)
         )
+
+
+def test_without_a_harness_nothing_happens():
+    x = [torch.ones(4)]
+    assert NO_FAULTS.contribution(x, 1, "ef") == "ef" and torch.equal(x[0], torch.ones(4))
+    p = torch.ones(5, dtype=torch.uint8)
+    NO_FAULTS.outgoing([p])
+    assert NO_FAULTS.forged(p, [], 0, None, None) is p and torch.equal(p, torch.ones(5))
+
+
+def test_a_nan_attack_skips_its_own_compensation():
+    x = [torch.ones(3)]
+    assert harness("nan:0", 0).contribution(x, 1, "ef") is None
+    assert bool(torch.isnan(x[0]).all())
 
 
 @pytest.mark.parametrize(("spec", "check"), [
@@ -57,20 +70,20 @@ def test_a_site_attacks_from_its_step_on_and_only_itself():
     ("noise:0x2", lambda x, y: 1.8 < float((y - x).norm() / x.norm()) < 2.2),
 ])  # fmt: skip
 def test_each_attack_does_what_it_says(spec, check):
-    act(parse_faults(spec, 2, 10), site=0, step=1)
+    h = harness(spec, 0)
     x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
     y = x.clone()
-    attack([y], 7)
+    h.contribution([y], 7, None)
     assert check(x, y)
 
 
 def test_noise_is_the_same_in_a_replay():
-    act(parse_faults("noise:0x1", 2, 10), site=0, step=1)
+    h = harness("noise:0x1", 0)
     a, b = [torch.ones(64)], [torch.ones(64)]
-    attack(a, 9)
-    attack(b, 9)
+    h.contribution(a, 9, None)
+    h.contribution(b, 9, None)
     c = [torch.ones(64)]
-    attack(c, 10)
+    h.contribution(c, 10, None)
     assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
 
 
@@ -99,21 +112,19 @@ def _gather_fp32():
 
 
 def test_copy_sends_another_sites_last_payload_byte_for_byte():
-    from lowcomm.elastic import forge
-
     agg, shapes = _gather_fp32(), [torch.Size([3]), torch.Size([2])]
-    act(parse_faults("copy:1", 4, 10), site=1, step=1)
+    h = harness("copy:1", 1, sites=4)
     mine = agg.encode([torch.ones(3), torch.ones(2)]).payload
-    assert torch.equal(forge.forge(mine, shapes, 1, agg), mine)  # nothing seen: honest
+    assert torch.equal(h.forged(mine, shapes, 1, agg, None), mine)  # nothing seen: honest
     rows = [agg.encode([torch.full((3,), float(r)), torch.zeros(2)], valid=r != 0).payload
             for r in range(4)]  # fmt: skip
-    forge.seen(shapes, rows)
+    h.gathered(shapes, rows, None)
     # site 0 sent nothing valid: the first other valid sender is site 2
-    assert torch.equal(forge.forge(mine, shapes, 1, agg), rows[2])
+    assert torch.equal(h.forged(mine, shapes, 1, agg, None), rows[2])
     # groups are told apart by their key: another fragment of the same shapes saw nothing yet
-    forge.seen(shapes, rows, "fragment 0 bucket 0")
-    assert torch.equal(forge.forge(mine, shapes, 1, agg, "fragment 0 bucket 0"), rows[2])
-    assert torch.equal(forge.forge(mine, shapes, 1, agg, "fragment 1 bucket 0"), mine)
+    h.gathered(shapes, rows, "fragment 0 bucket 0")
+    assert torch.equal(h.forged(mine, shapes, 1, agg, "fragment 0 bucket 0"), rows[2])
+    assert torch.equal(h.forged(mine, shapes, 1, agg, "fragment 1 bucket 0"), mine)
 
 
 def test_alie_sends_the_honest_mean_minus_z_times_their_spread():
@@ -121,19 +132,18 @@ def test_alie_sends_the_honest_mean_minus_z_times_their_spread():
 
     import numpy as np
 
-    from lowcomm.elastic import forge
+    from lowcomm.faults import forge
 
     # Baruch et al.: n = 8, m = 2: s = 3, z = Phi^-1(5/8)
     assert forge.alie_z(8, 2) == pytest.approx(statistics.NormalDist().inv_cdf(5 / 8))
     assert forge.alie_z(8, 1) == pytest.approx(0.0)
     agg, shapes = _gather_fp32(), [torch.Size([5]), torch.Size([2, 2])]
-    planned = parse_faults("alie:2,alie:3", 4, 10)
-    act(planned, site=3, step=1)
+    h = harness("alie:2,alie:3", 3, sites=4)
     g = torch.Generator().manual_seed(0)
     sent = [torch.randn(9, generator=g) for _ in range(4)]
-    forge.seen(shapes, [agg.encode([x[:5], x[5:].reshape(2, 2)]).payload for x in sent])
+    h.gathered(shapes, [agg.encode([x[:5], x[5:].reshape(2, 2)]).payload for x in sent], None)
     mine = agg.encode([torch.zeros(5), torch.zeros(2, 2)]).payload
-    got = agg._decode_flat(forge.forge(mine, shapes, 3, agg)[:-1], shapes, 9)
+    got = agg._decode_flat(h.forged(mine, shapes, 3, agg, None)[:-1], shapes, 9)
     honest = np.stack([sent[0].numpy(), sent[1].numpy()])  # sites 2 and 3 collude
     want = honest.mean(0) - forge.alie_z(4, 2) * honest.std(0, ddof=1)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
@@ -153,23 +163,21 @@ def _attacked_runs(rank: int, world: int, rule: str) -> dict:
     from helpers import adamw, batches, tiny_model
 
     import lowcomm
-    from lowcomm.elastic import forge
 
     out = {}
     for spec in ("", *REAL):
-        faults_mod._attacking.clear()
-        faults_mod._colluders.clear()
-        forge._seen.clear()
         planned = parse_faults(spec, world, STEPS)
+        h = Harness(planned, rank)
         model = tiny_model(seed=0)
         opt = adamw(model)
         data = batches(rank, world)
         sync = lowcomm.DiLoCo(model, opt, sync_every=2, outer_lr=0.7, aggregation=rule,
                               reduce="gather", nonfinite_patience=1)  # fmt: skip
+        sync.faults = h  # the harness, handed to the engine as the trainer does
         try:
             with sync:
                 for step in range(1, STEPS + 1):
-                    act(planned, rank, step)
+                    h.act(step)
                     x, y = data.next()
                     model(x, y).backward()
                     opt.step()

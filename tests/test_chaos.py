@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lowcomm.bench.chaos import MIN_WORKERS, Schedule, check, draw, run_one
-from lowcomm.elastic.faults import parse_faults
+from lowcomm.faults import parse_faults
 
 METHODS, ROUNDS = ["diloco", "streaming", "sparseloco", "co2"], ["lockstep", "quorum"]
 

@@ -233,8 +233,8 @@ def test_lowcomm_join_takes_no_site_the_launcher_itself_starts_again(tmp_path):
 
 
 def test_slow_fault_stretches_a_sites_compute_and_is_refused_without_a_factor(monkeypatch):
-    from lowcomm.elastic import faults as harness
-    from lowcomm.elastic.faults import Fault, pace, parse_faults
+    from lowcomm import faults as harness
+    from lowcomm.faults import Fault, pace, parse_faults
 
     assert parse_faults("slow:1x3,slow:0@40x1.5", 3, 90) == [
         Fault("slow", 1, 1, 3.0), Fault("slow", 0, 40, 1.5)

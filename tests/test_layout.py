@@ -154,6 +154,22 @@ def test_no_import_cycles():
     )
 
 
+def test_the_sync_imports_no_fault_code():
+    """Faults are a part the trainer hands in (lowcomm.protocols.FaultHooks): the engine, the
+    aggregators, the codecs, the transport and the protocol (elastic/) never import the harness
+    or the fault grammar, so no run without faults carries a fault branch."""
+    graph = import_graph()
+    sync = ("engine", "aggregate", "codecs", "elastic", "transport", "compensation", "outer")
+    leaks = [
+        f"{name} imports {target}"
+        for name, targets in graph.items()
+        if name.split(".")[1:2] and name.split(".")[1] in sync
+        for target in targets
+        if target == f"{PACKAGE}.faults" or target.startswith(f"{PACKAGE}.faults.")
+    ]
+    assert not leaks, leaks
+
+
 def test_the_trainer_does_not_reach_up_into_hf():
     graph = import_graph()
     into_hf = sorted(m for m, deps in graph.items() if "lowcomm.hf" in deps)

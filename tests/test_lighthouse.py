@@ -13,9 +13,9 @@ import pytest
 from lowcomm.config import ConfigError
 from lowcomm.elastic import membership
 from lowcomm.elastic.decide import View
-from lowcomm.elastic.faults import Fault, parse_faults
 from lowcomm.elastic.membership import Elastic, Membership
 from lowcomm.errors import MembershipError
+from lowcomm.faults import Fault, parse_faults
 
 pytest.importorskip("torchft")
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from lowcomm.elastic.admission import Admission
 from lowcomm.elastic.decide import View, admit, admitted_at, blamed, committed, in_sync, run_tag
+from lowcomm.elastic.joining import Joiner
 from lowcomm.elastic.membership import Elastic, Membership
 from lowcomm.errors import MembershipError
 
@@ -40,6 +41,7 @@ class _Checker(Membership):
                                min_workers=min_workers)  # fmt: skip
         self.excluded, self._excluded_inc, self._blame, self._unreached = {}, {}, None, []
         self.admission = Admission(site, self.elastic.run_id, None, sites)
+        self.asking_back_at, self.joiner = "", Joiner(self)
 
 
 def test_a_site_paused_past_its_heartbeat_stops_alone_and_the_others_go_on():
@@ -117,7 +119,7 @@ class _Lighthouse:
 
 def _asker(site: int, *data: dict, fp: str = "run-a") -> Membership:
     m = _Checker(site)
-    m.fingerprint, m._refused, m._join_at, m.generation = fp, set(), "", 0
+    m.fingerprint, m._refused, m.asking_back_at, m.generation = fp, set(), "", 0
     m.store_address, m.incarnation, m._link = "127.0.0.1:1", "x", _Lighthouse(*data)
     return m
 
@@ -130,16 +132,16 @@ def test_malformed_lighthouse_data_is_no_member_instead_of_a_crash():
         {**_d(4, "sync@10", fp="run-a"), "site": "4"},
         None,
     ]
-    view = _asker(0, *good, *bad)._ask("sync@10", True, "sync", join=False, ready=False)
+    view = _asker(0, *good, *bad).ask("sync@10", True, "sync", join=False, ready=False)
     assert view.members == [0, 1]
 
 
 def test_a_member_of_another_run_on_the_same_lighthouse_is_no_member():
     data = [_d(0, "sync@10", fp="run-a"), _d(1, "sync@10", fp="run-a"), _d(2, "sync@10", fp="b")]
-    view = _asker(0, *data)._ask("sync@10", True, "sync", join=False, ready=False)
+    view = _asker(0, *data).ask("sync@10", True, "sync", join=False, ready=False)
     assert view.members == [0, 1]
     # a joiner still sees the others' settings, to say why it is refused
-    joined = _asker(3, *data)._ask("join", True, "join", join=True, ready=False)
+    joined = _asker(3, *data).ask("join", True, "join", join=True, ready=False)
     assert joined.members == [0, 1, 2]
 
 
@@ -360,7 +362,7 @@ def test_a_vote_on_another_attempt_is_no_member_of_the_quorum_a_site_asks_for():
     assert asking(view).members == [3]
 
     class Scripted(_Checker):
-        def _ask(self, tag, ok, phase, join, ready):
+        def ask(self, tag, ok, phase, join, ready):
             return view
 
     member = Scripted(3)
@@ -598,12 +600,9 @@ def test_a_site_asking_back_in_runs_the_attempt_the_members_run():
     members = [_d(s, "sync@55", fp="a", ready=True, gen=g) for s, g in ((0, 1), (1, 2), (3, 2))]
     view = _view(members[0], members[1], joiner, members[2])
 
-    class Asking(_Checker):
-        def _ask_to_join(self):
-            return view
-
-    site = Asking(2)
-    site.fingerprint, site._join_at, site.generation = "a", "", 0
+    site = _Checker(2)
+    site.joiner.ask = lambda: view  # type: ignore[method-assign]  # the lighthouse's answer
+    site.fingerprint, site.asking_back_at, site.generation = "a", "", 0
     admitted = site.rejoin("sync@55")
     assert admitted is not None and admitted.joiners == [2]
     assert site.generation == 2

@@ -130,17 +130,21 @@ def test_check_before_apply_learns_a_bound_and_skips_what_is_past_it():
 def _attacked(rank: int, world: int, faults_spec: str, **kw) -> tuple[object, list]:
     """12 steps of DiLoCo (H = 2) on the tiny model, this rank acting out ``faults_spec``;
     the engine and the global copy after each sync."""
-    from lowcomm.elastic import faults
+    from lowcomm import faults
 
     model = tiny_model(seed=0)
     opt = adamw(model)
     data = batches(rank, world)
     planned = faults.parse_faults(faults_spec, world, 12)
     sync = lowcomm.DiLoCo(model, opt, sync_every=2, outer_lr=0.7, **kw)
+    from lowcomm.faults.harness import Harness
+
+    harness = Harness(planned, rank)
+    sync.faults = harness  # as the trainer hands it in
     globals_after = []
     with sync:
         for step in range(1, 13):
-            faults.act(planned, rank, step)
+            harness.act(step)
             x, y = data.next()
             model(x, y).backward()
             opt.step()

@@ -66,9 +66,9 @@ def test_a_sites_ranks_read_rank_0s_answers_and_vote_ok_only_if_all_completed(wo
 
 def test_a_site_of_another_shape_is_refused_with_one_line():
     me = SimpleNamespace(ranks=2, elastic=SimpleNamespace(site=0))
-    Membership._same_shape(me, {"site": 1, "ranks": 2})  # the same: fine
+    Membership.same_shape(me, {"site": 1, "ranks": 2})  # the same: fine
     with pytest.raises(MembershipError, match="has 2 ranks but site 1 of the run has 1 rank:"):
-        Membership._same_shape(me, {"site": 1})  # a request without it: one rank
+        Membership.same_shape(me, {"site": 1})  # a request without it: one rank
 
 
 # what torchrun --nproc-per-node 2 sets for its first rank (the checks run before any group)

@@ -39,3 +39,9 @@ class CheckpointError(LowCommError, RuntimeError):
 
 class MembershipError(LowCommError, RuntimeError):
     """This site cannot go on with the run: it was left out, or too few sites remain."""
+
+
+class SiteLeft(Exception):
+    """This site left the run on purpose, at a sync (a replay leaving where the recorded run's
+    site left): not a failure. It unwinds the site's trainer, which ends the process with exit
+    code 0; the others go on without it from the next sync."""

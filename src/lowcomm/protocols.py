@@ -54,6 +54,59 @@ class SiteMembership(Protocol):
         ...
 
 
+class FaultHooks(Protocol):
+    """The points of a sync where a site may act out a fault on itself (tests and chaos runs:
+    :class:`lowcomm.faults.Harness`). The engine calls these and holds :data:`NO_FAULTS`
+    unless the trainer hands a harness in (``LowComm.faults``); the engine, the aggregators and
+    the protocol import no fault code."""
+
+    def contribution(self, tensors: list[Any], step: int, compensation: Any) -> Any:
+        """Act on the pseudo-gradient about to be encoded at ``step`` (in place); returns the
+        compensation to encode it through (``compensation``, or None to skip it)."""
+        ...
+
+    def outgoing(self, payloads: list[Any]) -> None:
+        """Act on a sync's payloads about to be sent (in place)."""
+        ...
+
+    def forged(self, payload: Any, shapes: list[Any], rank: int, agg: Any, key: Any) -> Any:
+        """The gather payload this site sends in place of ``payload`` (``payload`` itself)."""
+        ...
+
+    def gathered(self, shapes: list[Any], rows: list[Any], key: Any) -> None:
+        """What every site sent in a gather exchange of group ``key``."""
+        ...
+
+    def at(self, point: str) -> None:
+        """A named point inside a sync (``collective``) or a heal (``healer``)."""
+        ...
+
+
+class NoFaults:
+    """The fault hooks of a run without faults: nothing happens at any point."""
+
+    def contribution(self, tensors: list[Any], step: int, compensation: Any) -> Any:
+        """Nothing to act out: the compensation as it is."""
+        return compensation
+
+    def outgoing(self, payloads: list[Any]) -> None:
+        """Nothing to spoil."""
+
+    def forged(self, payload: Any, shapes: list[Any], rank: int, agg: Any, key: Any) -> Any:
+        """The site's own payload."""
+        return payload
+
+    def gathered(self, shapes: list[Any], rows: list[Any], key: Any) -> None:
+        """Nothing to keep."""
+
+    def at(self, point: str) -> None:
+        """Nothing armed."""
+
+
+#: the hooks every engine holds until a harness is handed in
+NO_FAULTS: FaultHooks = NoFaults()
+
+
 @runtime_checkable
 class SyncEngine(Protocol):
     """An outer loop around (model, inner optimizer) that the reference trainer can drive:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from ..codecs.base import Codec, PayloadError
+from ..protocols import NO_FAULTS, FaultHooks
 from .combine import Combine, SumCombine, check_sum_only, combine_for
 
 if TYPE_CHECKING:  # the math never calls the transport's module, only the object handed in
@@ -72,6 +73,7 @@ class Aggregator(ABC):
     method: str  # "allreduce", "gather" or "two-phase": for callers that report or branch on it
     sums_only = True  # the exchange can only sum: it runs sum-decomposable rules only
     track = False  # each sender's contribution norm in every result (gather only: Reduced)
+    faults: FaultHooks = NO_FAULTS  # a fault harness's hooks on the gather payload, if any
 
     def __init__(
         self, codec: Codec | None, world_size: int, aggregation: str | Combine = "mean"

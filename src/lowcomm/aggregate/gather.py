@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..codecs.base import Codec, PayloadError
-from ..elastic.forge import forge, forging, seen
 from . import batched
 from .base import Aggregator, Encoded, Reduced, contribution, flag, numel
 from .combine import Combine, Parts
@@ -69,12 +68,10 @@ class GatherAggregator(Aggregator):
     ) -> Reduced:
         """All-gather the payloads and combine the valid ones by the rule (weighted: see
         :meth:`Aggregator.exchange`)."""
-        payload = enc.payload
-        if forging():  # a copy or alie attack on this site: forged from the last round's
-            payload = forge(payload, enc.shapes, transport.rank, self, enc.key)
+        # a fault harness's copy or alie attack forges the payload from the last round's
+        payload = self.faults.forged(enc.payload, enc.shapes, transport.rank, self, enc.key)
         gathered = self._timed(transport.all_gather, payload)
-        if forging():
-            seen(enc.shapes, gathered, enc.key)
+        self.faults.gathered(enc.shapes, gathered, enc.key)
         me = transport.rank if enc.keep_unapplied else None
         plan = self.plan(enc.shapes, payload.device)
         if plan is not None and batched.combines(self.rule, weights, me):

@@ -43,8 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import strategies
-from ..elastic import faults
+from .. import faults, strategies
 from . import records
 
 TRAIN = [sys.executable, "-m", "lowcomm.cli", "train"]

@@ -35,7 +35,7 @@ def _enter(m: Membership) -> tuple[View, str] | None:
         return m.join()
     deadline = time.monotonic() + e.timeout_s
     while True:
-        view = m._ask_to_join()
+        view = m.joiner.ask()
         old = [d for d in view.data if not d.get("join")] if view is not None else []
         if old:
             if run_tag(view) in (None, "start"):  # type: ignore[arg-type]

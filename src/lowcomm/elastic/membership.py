@@ -49,7 +49,7 @@ from .decide import (
     without,
 )
 from .groups import arrive, gloo_group, group_name, listening_store, store_of, unreachable
-from .joining import Joining
+from .joining import Joiner
 from .link import Link
 from .site import SiteRanks
 
@@ -122,9 +122,9 @@ class Elastic:
         return f"site{self.site:04d}"
 
 
-class Membership(Joining):
+class Membership:
     """This site's membership: heartbeats, quorums, the commit vote and each quorum's group
-    (the joiner's side: :class:`.joining.Joining`)."""
+    (the joiner's side: its :class:`.joining.Joiner`)."""
 
     # a site of one process (set per instance for a site of several ranks: see __init__)
     site: SiteRanks | None = None
@@ -144,7 +144,8 @@ class Membership(Joining):
         self.incarnation = uuid.uuid4().hex[:8]  # this process, among the site's restarts
         self._refused: set[int] = set()  # sites already told they were refused
         self.joiner_waiting = False  # a site with this run's settings asked to join, last quorum
-        self._join_at = ""  # a late site asking back in: the sync it asks for (see rejoin)
+        self.asking_back_at = ""  # a late site asking back in: the sync it asks for (rejoin)
+        self.joiner = Joiner(self)  # asks to join through this membership
         # sites excluded from the run (a payload refused, or unreachable), with the line said
         self.excluded: dict[int, str] = {}
         self._excluded_inc: dict[int, str] = {}  # ... the process excluded (a restart is not)
@@ -221,7 +222,7 @@ class Membership(Joining):
 
     def _member_view(self, tag: str, ok: bool, phase: str, ready: bool) -> View:
         """One quorum, as the members of the run see it (joiners filtered by :func:`admit`)."""
-        view = self._ask(tag, ok, phase, join=False, ready=ready)
+        view = self.ask(tag, ok, phase, join=False, ready=ready)
         if phase == "sync":  # a vote on another attempt is nobody who asks for this one
             view = asking(view, tag)
         self.joiner_waiting = any(
@@ -244,7 +245,7 @@ class Membership(Joining):
         or no other site has been alive for ``timeout_s``. ``first``: a quorum this site has
         already asked for as a joiner (see :func:`~.enter.enter`), read first: the members may
         have admitted it there, and a view passed over would leave them waiting at its group."""
-        view, tag = self.lead(lambda: self._join(first))
+        view, tag = self.lead(lambda: self.joiner.join(first))
         self.generation = attempt_of(view)  # as every member reads it
         return view, tag
 
@@ -252,7 +253,7 @@ class Membership(Joining):
         """A site that missed a sync (rounds=quorum) asks back in at ``tag``: the view that
         admits it there, to heal from; None when the others have already gone past ``tag``
         (it missed this one too)."""
-        view = self.lead(lambda: self._rejoin(tag))
+        view = self.lead(lambda: self.joiner.rejoin(tag))
         if view is not None:
             self.generation = attempt_of(view)  # as every member reads it
         return view
@@ -264,12 +265,12 @@ class Membership(Joining):
         assert self._store is not None, "a site's other ranks host no store"
         return self._store
 
-    def _ask(self, tag: str, ok: bool, phase: str, join: bool, ready: bool) -> View:
+    def ask(self, tag: str, ok: bool, phase: str, join: bool, ready: bool) -> View:
         e = self.elastic
         data = {
             "site": e.site, "tag": tag, "ok": ok, "store": self.store_address, "phase": phase,
             "fp": self.fingerprint, "run": e.run_id, "gen": self.generation, "join": join,
-            "join_from": e.join_from, "join_at": self._join_at or e.join_at,
+            "join_from": e.join_from, "join_at": self.asking_back_at or e.join_at,
             "inc": self.incarnation, "ready": ready, "enter": e.enter, "ranks": self.ranks,
         }  # fmt: skip
         if self._blame is not None and phase == "commit":
@@ -298,7 +299,7 @@ class Membership(Joining):
         keep = [d for d in data if d.get("join") or d.get("fp") == self.fingerprint]
         for d in keep:
             if not d.get("join"):
-                self._same_shape(d)
+                self.same_shape(d)
         for d in data:
             if d not in keep and d.get("run") == self.elastic.run_id:
                 raise MembershipError(
@@ -313,7 +314,7 @@ class Membership(Joining):
                             d.get("fp"))  # fmt: skip
         return keep
 
-    def _same_shape(self, d: dict[str, Any]) -> None:
+    def same_shape(self, d: dict[str, Any]) -> None:
         """Every site of a run has as many ranks (each syncs its shard with the same rank of
         the others): a member of another shape stops this site with one line."""
         theirs = as_int(d.get("ranks", 1))

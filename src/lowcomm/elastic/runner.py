@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TypeVar
 
-from ..errors import MembershipError, PayloadError
+from ..errors import MembershipError, PayloadError, SiteLeft
+from ..protocols import NO_FAULTS, FaultHooks
 from ..transport import ByteMeter, Transport
 from . import heal
 from .decide import View, attempt_of, blamed, committed, step_of
-from .faults import die_if_armed
 from .groups import Unreachable
 from .membership import Membership, Retry
 from .rounds import Rounds
@@ -33,9 +32,14 @@ class Runner:
     """Runs a sync's collectives on the live quorum; records who was in each sync."""
 
     def __init__(
-        self, membership: Membership, meter: ByteMeter, buffer_meter: ByteMeter, delay_s: float
+        self,
+        membership: Membership,
+        meter: ByteMeter,
+        buffer_meter: ByteMeter,
+        delay_s: float,
+        faults: FaultHooks = NO_FAULTS,
     ) -> None:
-        self.membership = membership
+        self.membership, self.faults = membership, faults
         self.meter, self.buffer_meter, self.delay_s = meter, buffer_meter, delay_s
         self.members: list[int] | None = None  # who took part in the last sync that stood
         self.events: list[dict] = []  # membership changes: step tag, who left, seconds lost
@@ -169,8 +173,7 @@ class Runner:
         )
         self._heal_joiners(view, transports[0], tag)
         if tag.startswith("sync@"):  # a sync of the outer loop: a collective: fault dies in it
-            die_if_armed("collective")
-            die_if_armed("stall")  # ... and a stall: one stops there
+            self.faults.at("collective")  # (and a stall: one stops there)
         t0 = time.perf_counter()
         result = collectives(*transports)
         self._collective_s = time.perf_counter() - t0
@@ -228,7 +231,9 @@ class Runner:
                   "last": [self._last_tag, self._last_step]}  # fmt: skip
         joiners = [view.rank_of(s) for s in view.joiners]
         seal = self._heal_seal(view, tag)
-        _, _, size, sources = heal.hand_over(transport, joiners, view.healer, state, record, seal)
+        _, _, size, sources = heal.hand_over(
+            transport, joiners, view.healer, state, record, seal, self.faults.at
+        )
         if not heal.agree(transport, state):
             raise RuntimeError(heal.mismatch(tag))  # this attempt fails; retried without it
         self._heal = (time.perf_counter() - t0, size, sources)
@@ -316,12 +321,13 @@ class Runner:
 
     def _leave(self, tag: str) -> None:
         """Replay: this site left here in the recorded run; it leaves the same way, at once
-        (its heartbeat stops, so the others go on without it from the next sync)."""
+        (its heartbeat stops, so the others go on without it from the next sync), by raising
+        SiteLeft, which the site's trainer ends its process on."""
         if self.membership.position == 0:  # a site of several ranks says it once
             print(f"lowcomm: replay: site {self._site} leaves before {tag}, after "
                   f"{self._last_tag}, as in the recorded run", flush=True)  # fmt: skip
         self.membership.close()
-        os._exit(0)
+        raise SiteLeft(tag)
 
 
 def _why(err: BaseException) -> str:

@@ -16,6 +16,7 @@ from ..config import ConfigError, SyncConfig
 from ..elastic import Elastic
 from ..elastic.rounds import Rounds
 from ..outer import OuterOptimizer, make_outer
+from ..protocols import NO_FAULTS, FaultHooks
 from ..schedule import Schedule
 from .build import check_arguments, resolve_fragments, trainable_params
 from .join import check_healed_at, join_run, rejoin
@@ -52,7 +53,7 @@ class LowComm:
         print(sync.stats)
 
     ``config.fragments`` is a count (the blocks are found in the model); explicit lists of
-    module or parameter names go in ``fragment_modules``.
+    module or parameter names go in ``fragment_modules``. ``faults``: a fault harness's hooks.
 
     A worker can be a whole site: give ``mesh``, a 2-D DeviceMesh with a ``"replicate"``
     dimension (one entry per worker) and the model sharded with FSDP2 ``fully_shard`` over the
@@ -73,6 +74,7 @@ class LowComm:
         timeout_s: float = 300.0,
         comm_delay_s: float = 0.0,
         elastic: Elastic | None = None,
+        faults: FaultHooks = NO_FAULTS,
         **overrides: Any,
     ) -> None:
         check_arguments(model, inner_optimizer, config, timeout_s, overrides)
@@ -84,7 +86,7 @@ class LowComm:
         self.fragment_names = resolve_fragments(model, self.config, fragment_modules)
         self.schedule = Schedule(self.config.sync_every, len(self.fragment_names), self.config.tau)
         self._merge = make_merge(self.config, self.schedule)
-        self._comm_delay_s = comm_delay_s
+        self._comm_delay_s, self.faults = comm_delay_s, faults
         self._hook: Any = None
         self.step = 0
         self.last_sync_step = -1  # the last step at which anything was sent or applied
@@ -94,8 +96,7 @@ class LowComm:
         # (what, fragment, time) for sent / completed / applied: lets tests and users see overlap
         self.events: list[tuple[str, int, float]] = []
         self.state = RunState()
-        # the parts built on the joined group at the first start (None until then: they need
-        # the group, which only exists inside the block)
+        # built on the joined group at the first start (a group exists only inside the block)
         self._parts: Parts | None = None
         self._started = False
         self.healed = False  # this site joined a running run: it healed from its members

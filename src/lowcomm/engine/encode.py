@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..aggregate import Aggregator, Encoded, encode_compensated
-from ..elastic.faults import attack, sends_nan
+from ..protocols import FaultHooks
 from ..transport import Transport
 from .fragment import Fragment
 from .guards import NonFiniteGuard
@@ -29,10 +29,11 @@ class Encoder:
         compensation: Any,
         guard: NonFiniteGuard,
         rank: int,
+        faults: FaultHooks,
         in_flight: int = 1,
     ) -> None:
         self.aggregator, self.compensation = aggregator, compensation
-        self.guard, self.rank = guard, rank
+        self.guard, self.rank, self.faults = guard, rank, faults
         self.in_flight = in_flight
         self._slabs: dict[int, list[Slabs]] = {}
         self._sends: dict[int, int] = {}
@@ -72,9 +73,10 @@ class Encoder:
         if nonfinite:
             self.guard.leave_out(frag, self.rank, step)
         valid = contributes and not nonfinite
-        if valid:  # an attack fault: a bad site sends what it likes, past its own checks
-            attack(slabs.views, step)
-        encoded = self._buckets(frag, slabs, valid, need_own)
+        compensation = self.compensation
+        if valid:  # a fault harness may act here: past the site's own checks, before encoding
+            compensation = self.faults.contribution(slabs.views, step, compensation)
+        encoded = self._buckets(frag, slabs, valid, need_own, compensation)
         own = None
         if need_own:
             own = slabs.own()
@@ -90,7 +92,9 @@ class Encoder:
         frag.unsent = 0
         return encoded, own, nonfinite
 
-    def _buckets(self, frag: Fragment, slabs: Slabs, valid: bool, need_own: bool) -> list[Encoded]:
+    def _buckets(
+        self, frag: Fragment, slabs: Slabs, valid: bool, need_own: bool, compensation: Any
+    ) -> list[Encoded]:
         """Encode per bucket, through the error compensation when there is one (error feedback:
         e <- beta e + delta, send e, e <- e - sent; LoCo: h = delta + e, e <- moving average of
         h - sent). The key names each bucket's buffer for a compensated two-phase reduce.
@@ -103,7 +107,7 @@ class Encoder:
             # a bucket the aggregator encodes at once is handed over as one flat buffer
             whole = self.aggregator.plan([t.shape for t in tensors], slab.device) is not None
             flat = slab[:-1] if whole else None
-            if self.compensation is None or sends_nan():
+            if compensation is None:
                 encoded.append(
                     self.aggregator.encode(
                         tensors, need_local=need_own, valid=valid, key=key, slab=slab, flat=flat
@@ -113,7 +117,7 @@ class Encoder:
                 encoded.append(
                     encode_compensated(
                         self.aggregator,
-                        self.compensation,
+                        compensation,
                         names,
                         tensors,
                         valid,

@@ -125,13 +125,14 @@ class Placement:
             self.inner = Transport(inner)
         return outer
 
-    def runner(self, aggregator: Any, transport: Transport, buffers: Transport) -> Any:
-        """With membership, what runs each sync on the live quorum (None without)."""
+    def runner(self, aggregator: Any, transport: Transport, buffers: Transport, faults: Any) -> Any:
+        """With membership, what runs each sync on the live quorum (None without); ``faults``:
+        the engine's fault hooks, which it calls inside a sync and a heal."""
         if self.membership is None:
             return None
         from ..elastic import Runner
 
-        runner = Runner(self.membership, transport.meter, buffers.meter, transport.delay_s)
+        runner = Runner(self.membership, transport.meter, buffers.meter, transport.delay_s, faults)
         runner.members = list(self.start_members)  # a site lost before the first sync counts
         if runner.rounds is not None:  # whom to tell of its arrivals at the first sync
             runner.rounds.expect(self.start_view, "start")

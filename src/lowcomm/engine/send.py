@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..elastic.faults import spoil_if_armed
 from .inflight import Result, in_hand
 
 if TYPE_CHECKING:
@@ -38,7 +37,7 @@ def send(
         for p in sends:
             encoded[p], owns[p], bad = parts.encoder.encode(frags[p], step)
             nonfinite |= bad
-    spoil_if_armed([e.payload for p in sends for e in encoded[p]])  # a corrupt: fault, if any
+    parts.faults.outgoing([e.payload for p in sends for e in encoded[p]])  # corrupt:, if any
     mine = None if flags is not None else parts.exchange.flags(step, False, nonfinite, covered)
     tag = f"sync@{step}"
     job = parts.exchange.job(encoded, mine, flags, tag)

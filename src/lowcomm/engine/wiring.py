@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from ..compensation import ErrorFeedback, MovingAverageCompensation
     from ..elastic import Runner
     from ..outer import OuterOptimizer
+    from ..protocols import FaultHooks
     from ..schedule import Schedule
     from .merge import Merge
     from .placement import Placement
@@ -61,6 +62,7 @@ class Built(Protocol):
     _by_name: dict[str, torch.Tensor]
     _merge: Merge
     _comm_delay_s: float
+    faults: FaultHooks
 
     def fingerprint(self) -> str:
         """What every site of the run must share, hashed."""
@@ -86,6 +88,7 @@ class Parts:
     replica: ReplicaCheck  # the periodic check that every worker holds the same global copy
     apply: Apply  # outer step and merge of a result
     leave: Leave  # the exit path of the with block
+    faults: FaultHooks  # what a fault harness does inside a sync (nothing by default)
 
 
 def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None]:
@@ -103,6 +106,7 @@ def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None
     # the codec and reduce chosen for the run's starting size, the same on a joiner
     size = placement.elastic.sites if placement.elastic is not None else transport.world_size
     aggregator = make_aggregator(cfg, size)
+    aggregator.faults = engine.faults
     compensation = make_compensation(cfg, _compensation_device(cfg))
     frags = build_fragments(
         engine.fragment_names, engine._by_name, cfg, placement,
@@ -116,10 +120,10 @@ def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None
     register_counters(state, engine.stats, transport.meter)
     local = LocalWeights(engine.model, frags, placement, state)
     encoder = Encoder(
-        aggregator, compensation, nonfinite, transport.rank,
+        aggregator, compensation, nonfinite, transport.rank, engine.faults,
         in_flight=2 if engine.schedule.is_round_overlap() else 1,
     )  # fmt: skip
-    runner = placement.runner(aggregator, transport, buffer_transport)
+    runner = placement.runner(aggregator, transport, buffer_transport, engine.faults)
     exchange = Exchange(
         engine.model, frags, cfg.buffers, aggregator, transport, buffer_transport,
         engine.stats, engine.sync_times, engine.events, runner, 2 * engine.schedule.sync_every,
@@ -141,7 +145,7 @@ def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None
         transport=transport, buffer_transport=buffer_transport, aggregator=aggregator,
         compensation=compensation, fragments=frags, inflight=inflight, nonfinite=nonfinite,
         local=local, encoder=encoder, membership=runner, exchange=exchange, replica=replica,
-        apply=apply, leave=leave,
+        apply=apply, leave=leave, faults=engine.faults,
     )  # fmt: skip
     return parts, admission
 

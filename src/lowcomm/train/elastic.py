@@ -22,7 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, TrainConfig
-from ..elastic.faults import (
+from ..elastic.membership import check_rounds
+from ..elastic.rounds import LIGHTHOUSE_JOIN_S
+from ..engine.placement import EVICT_SITE_RANKS, TWO_PHASE_ELASTIC
+from ..errors import LowCommError
+from ..faults import (
     adds,
     decoded,
     joins,
@@ -31,10 +35,6 @@ from ..elastic.faults import (
     parse_faults,
     paused,
 )
-from ..elastic.membership import check_rounds
-from ..elastic.rounds import LIGHTHOUSE_JOIN_S
-from ..engine.placement import EVICT_SITE_RANKS, TWO_PHASE_ELASTIC
-from ..errors import LowCommError
 from .entry import clear_stale, error_file, failure_of, run_entry, user_errors
 from .join_site import RUN_FILE, run_site, write_run_file
 from .lighthouse import Keeper

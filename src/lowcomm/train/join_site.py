@@ -26,6 +26,7 @@ from ..config import (
     build_configs,
     config_fields,
 )
+from ..errors import SiteLeft
 from .site_role import SiteRole
 from .spec import RunSpec
 
@@ -128,16 +129,19 @@ def run_site(role: SiteRole, spec: RunSpec) -> dict[str, Any] | None:
     another site writes the run's)."""
     from .loop import run_worker
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a site of several ranks: its torchrun
-        return run_worker(spec, role=role)  # world, which set_up joins (and leaves)
-    dist.init_process_group(
-        "gloo", store=dist.HashStore(), rank=0, world_size=1,
-        timeout=timedelta(seconds=spec.train.timeout_s),
-    )  # fmt: skip
     try:
-        return run_worker(spec, role=role)
-    finally:
-        dist.destroy_process_group()
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a site of several ranks: its torchrun
+            return run_worker(spec, role=role)  # world, which set_up joins (and leaves)
+        dist.init_process_group(
+            "gloo", store=dist.HashStore(), rank=0, world_size=1,
+            timeout=timedelta(seconds=spec.train.timeout_s),
+        )  # fmt: skip
+        try:
+            return run_worker(spec, role=role)
+        finally:
+            dist.destroy_process_group()
+    except SiteLeft:  # a replay left the run where the recorded site did: it ends here, done
+        return None
 
 
 def _alive(pid: int) -> bool:

@@ -61,8 +61,8 @@ _error_file, _user_errors = error_file, user_errors  # the names tests and calle
 def _check_faults(spec: RunSpec, workers: int) -> None:
     """The faults read (a typo said now, not by every worker), and the attacks forged from
     the others' payloads only where every site receives them (the gather exchange)."""
-    from ..elastic.faults import parse_faults
-    from ..elastic.forge import PAYLOAD_ATTACKS
+    from ..faults import parse_faults
+    from ..faults.forge import PAYLOAD_ATTACKS
 
     faults = parse_faults(spec.train.faults, workers, spec.train.steps)
     forged = sorted({f.kind for f in faults if f.kind in PAYLOAD_ATTACKS})

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..elastic.faults import LIGHTHOUSE_FAULT
+from ..faults import LIGHTHOUSE_FAULT
 from .ports import free_port
 
 _UP_S = 30.0  # bound on a (re)started lighthouse's process listening on its port

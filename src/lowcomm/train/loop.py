@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
-from ..elastic.faults import act, pace, parse_faults
+from ..faults import pace, parse_faults
+from ..faults.harness import Harness
+from ..protocols import NO_FAULTS
 from ..provenance import git_rev
 from ..transport import Transport, ring_all_reduce_bytes, shutdown
 from .log import RunLog
@@ -59,9 +61,10 @@ def run_worker(spec: RunSpec, role: SiteRole | None = None) -> dict[str, Any] | 
     run = set_up(spec, role)
     if role is None:
         _write_workers_json(run)  # an elastic run's launcher keeps it
-    wrap_for_strategy(run)
     site = run.place.site
     faults = role.faults if role else parse_faults(cfg.faults, site.replicas, cfg.steps)
+    harness = Harness(faults, site.replica, spec.out)  # a site acts its own faults out
+    wrap_for_strategy(run, harness if faults else NO_FAULTS)  # ... inside its syncs too
     saved = load_state(run, spec.resume) if spec.resume is not None else None
     if saved is not None:
         run.progress.start_step = int(saved["step"]) + 1
@@ -85,7 +88,7 @@ def run_worker(spec: RunSpec, role: SiteRole | None = None) -> dict[str, Any] | 
             if role is not None and _healed(run):
                 _joined(run)
                 after_step(run, run.progress.start_step - 1, log)  # the others' collectives
-            _train_loop(run, faults, log, fresh=saved is None)
+            _train_loop(run, harness, log, fresh=saved is None)
             finish(run)
         summary = summarize(run, log)
     finally:
@@ -94,8 +97,9 @@ def run_worker(spec: RunSpec, role: SiteRole | None = None) -> dict[str, Any] | 
     return summary.to_dict() if summary is not None else None
 
 
-def _train_loop(run: Run, faults: Any, log: RunLog, fresh: bool) -> None:
-    """Every inner step from the start step to the last, with the faults a test planned;
+def _train_loop(run: Run, harness: Harness, log: RunLog, fresh: bool) -> None:
+    """Every inner step from the start step to the last, with the faults a test planned (the
+    site's harness acts before each step; the engine holds it for what it does inside a sync);
     ``fresh``: not resumed (a starting elastic site begins its sync record afresh)."""
     role, replica, steps = run.place.role, run.place.site.replica, run.spec.train.steps
     step = run.progress.start_step
@@ -105,12 +109,12 @@ def _train_loop(run: Run, faults: Any, log: RunLog, fresh: bool) -> None:
         synclog = SyncLog(run.spec.out, replica, run.comm.engine, fresh and not _healed(run),
                           run.place.site.part)  # fmt: skip
     while step <= steps:
-        act(faults, replica, step, run.spec.out)
+        harness.act(step)
         started, synced = time.perf_counter(), _sync_s(run)
         train_step(run)
         # a slow: fault stretches the step's compute, not the sync inside it
         took = time.perf_counter() - started - (_sync_s(run) - synced)
-        pace(faults, replica, step, took)
+        pace(harness.faults, replica, step, took)
         step = _follow(run, step, log)
         if synclog is not None:
             synclog.after_step(step)

@@ -27,7 +27,7 @@ from ..engine import LowComm
 from ..engine.state import RunState, StatePart
 from ..loco import GradReduceState, LoCoState, TorchHookState, allreduce_hook, loco_hook, torch_hook
 from ..peers import torchft
-from ..protocols import SyncEngine
+from ..protocols import NO_FAULTS, FaultHooks, SyncEngine
 from ..transport import ByteMeter, Transport
 from . import checkpoint as ckpt
 from .build import build_model
@@ -399,10 +399,11 @@ def comm_delay_for_tests() -> float:
     return float(os.environ.get("LOWCOMM_TEST_COMM_DELAY_S", "0"))
 
 
-def wrap_for_strategy(run: Run) -> None:
-    """Give the run its communication: DDP and a metered hook, or the engine (or a peer)."""
+def wrap_for_strategy(run: Run, faults: FaultHooks = NO_FAULTS) -> None:
+    """Give the run its communication: DDP and a metered hook, or the engine (or a peer);
+    ``faults``: the site's fault harness, which our engine calls inside a sync."""
     if not run.spec.strategy.per_step:
-        _attach_engine(run)
+        _attach_engine(run, faults)
     else:
         _attach_ddp(run)
     register_state(run)
@@ -446,7 +447,7 @@ def register_state(run: Run) -> None:
     state.register("rng", StatePart(ckpt.rng_state, ckpt.set_rng_state))
 
 
-def _attach_engine(run: Run) -> None:
+def _attach_engine(run: Run, faults: FaultHooks) -> None:
     """An outer-loop strategy: our engine around the model (or a peer library's)."""
     spec, role = run.spec, run.place.role
     run.learner.train_model = run.learner.model
@@ -469,6 +470,7 @@ def _attach_engine(run: Run) -> None:
             timeout_s=spec.train.timeout_s,
             comm_delay_s=comm_delay_for_tests(),
             elastic=_elastic(run),
+            faults=faults,
         )
     if role is not None:
         run.comm.control = QuorumControl(run.comm.engine)

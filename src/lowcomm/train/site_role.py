@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..elastic.faults import Fault
+from ..faults import Fault
 from ..transport import ByteMeter
 
 if TYPE_CHECKING:

@@ -22,32 +22,29 @@ from typing import Any
 
 import torch
 
-from . import faults
-
 PAYLOAD_ATTACKS = ("copy", "alie")
-# the last round's payloads of each group sent: by its key (fragment and bucket, so Streaming
-# DiLoCo's fragments of equal shapes stay apart), else by its shapes
-_seen: dict[Any, list[torch.Tensor]] = {}
-
-
-def forging() -> bool:
-    """Whether this process acts out a ``copy`` or ``alie`` attack."""
-    return bool(faults._attacking) and faults._attacking[0].kind in PAYLOAD_ATTACKS
 
 
 def forge(
-    payload: torch.Tensor, shapes: list[torch.Size], rank: int, agg: Any, key: str | None = None
+    payload: torch.Tensor,
+    shapes: list[torch.Size],
+    rank: int,
+    agg: Any,
+    last: list[torch.Tensor] | None,
+    kind: str,
+    colluders: list[int],
 ) -> torch.Tensor:
-    """The payload a bad site sends in place of its own ``payload`` of group ``key`` (``rank``:
-    its group rank; ``agg``: the gather aggregator, which decodes and encodes for it)."""
-    last = _seen.get(key or tuple(shapes))
+    """The payload a bad site (group rank ``rank``) acting out ``kind`` sends in place of its
+    own ``payload``, from ``last``, what every site sent last round of this group (None:
+    nothing seen yet); ``agg``: the gather aggregator, which decodes and encodes for it;
+    ``colluders``: the sites of every ``alie`` attack."""
     if last is None or not int(payload[-1]):  # nothing seen yet, or nothing to contribute
         return payload
     valid = [r for r, p in enumerate(last) if int(p[-1]) == 1]
-    if faults._attacking[0].kind == "copy":
+    if kind == "copy":
         victim = next((r for r in valid if r != rank), None)
         return payload if victim is None else last[victim].clone()
-    bad = set(faults._colluders)
+    bad = set(colluders)
     honest = [r for r in valid if r not in bad]
     if not honest:
         return payload
@@ -57,11 +54,6 @@ def forge(
     forged = rows.mean(dim=0) - alie_z(len(last), len(bad)) * spread
     pieces = list(torch.split(forged, [s.numel() for s in shapes]))
     return agg.encode([p.reshape(s) for p, s in zip(pieces, shapes)]).payload
-
-
-def seen(shapes: list[torch.Size], gathered: list[torch.Tensor], key: str | None = None) -> None:
-    """What every site sent this round of group ``key`` (kept for the next by a forger)."""
-    _seen[key or tuple(shapes)] = [p.clone() for p in gathered]
 
 
 def alie_z(n: int, m: int) -> float:

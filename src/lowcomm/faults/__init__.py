@@ -1,4 +1,8 @@
-"""Faults on purpose: the ``--faults`` grammar, and a site acting them out on itself.
+"""Faults on purpose: the ``--faults`` grammar and the launcher's side of it; a site acts its
+own out through a :class:`.harness.Harness`, which the trainer hands the engine as its fault
+hooks (``LowComm.faults``). The engine, the aggregators and the protocol import nothing from
+here: they call the hooks they were given (:class:`lowcomm.protocols.FaultHooks`, none by
+default).
 
 ``KIND:SITE[@STEP][xFACTOR]``, comma-separated, sites 0-based:
 
@@ -59,12 +63,9 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 from urllib.parse import urlparse
 
 from ..errors import ConfigError
@@ -188,44 +189,12 @@ def adds(faults: list[Fault]) -> dict[int, int]:
     return {f.site: int(f.step or 0) for f in faults if f.kind == "add"}
 
 
-_armed: set[str] = set()  # faults this process acts out on what it sends next (corrupt)
-_attacking: list[Fault] = []  # the attack this process acts out on every send from now on
-_colluders: list[int] = []  # the sites of every alie attack (they know each other)
-# a site asks its launcher to kill the lighthouse by writing this file into the run's folder
 LIGHTHOUSE_FAULT = ".fault-lighthouse"
-_ASK_S = 10.0  # how long a site waits for the launcher to take its request (then goes on)
 
 
 def lighthouse_down(faults: list[Fault]) -> bool:
     """Whether ``faults`` kill the lighthouse (``lighthouse:``)."""
     return any(f.kind == "lighthouse" for f in faults)
-
-
-def act(faults: list[Fault], site: int, step: int, out: Path | None = None) -> None:
-    """Before inner step ``step`` of ``site``: carry out the faults due now, on this process
-    (``lighthouse:`` on the launcher's, through a file in ``out``, the run's folder: the site
-    goes on once the launcher has killed it, so the fault lands before this very step)."""
-    for f in faults:
-        if f.site != site or f.step != step:
-            continue
-        if f.kind in ("corrupt", "healer", "collective", "stall"):
-            _armed.add(f.kind)
-        if f.kind in ATTACKS:
-            _attacking[:] = [f]
-            _colluders[:] = sorted({g.site for g in faults if g.kind == "alie"})
-        if f.kind == "lighthouse" and out is not None:
-            ask = out / LIGHTHOUSE_FAULT
-            ask.write_text(f"{f.factor:g}\n")
-            deadline = time.monotonic() + _ASK_S
-            while ask.exists() and time.monotonic() < deadline:
-                time.sleep(0.02)
-        if f.kind == "pause":  # the helper outlives nothing: it wakes this process, then ends
-            pid = os.getpid()
-            subprocess.Popen(["sh", "-c", f"sleep {f.factor:g}; kill -CONT {pid}"])
-        if f.kind == "link":
-            cut_link(f.factor or 0.0)
-        if f.kind in ("kill", "hang", "pause"):
-            os.kill(os.getpid(), signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
 
 
 def links(faults: list[Fault]) -> bool:
@@ -257,56 +226,6 @@ def cut_link(seconds: float) -> None:
     if os.environ.get("LOWCOMM_UPLINK"):  # the shaping the cut replaced, put back
         back += f" && tc qdisc add dev {dev} root tbf {os.environ['LOWCOMM_UPLINK']}"
     subprocess.Popen(["sh", "-c", f"sleep {seconds:g}; {back}"])
-
-
-def spoil_if_armed(payloads: list[Any]) -> bool:
-    """A ``corrupt:`` fault armed on this process: spoil the validity flag (the last byte of
-    each row) of every payload of the sync about to be sent, once. Returns whether it did."""
-    if "corrupt" not in _armed:
-        return False
-    _armed.discard("corrupt")
-    for payload in payloads:
-        payload[..., -1] = 0x7F  # neither 0 (left out) nor 1 (valid): refused on decode
-    return True
-
-
-def attack(tensors: list[Any], step: int) -> None:
-    """An attack armed on this process (``signflip``, ``scale``, ``noise``, ``zero``, ``nan``):
-    act it out, in place, on the contribution about to be encoded at ``step`` (its noise
-    drawn from the site and step, so a replay sends the same)."""
-    if not _attacking:
-        return
-    import torch  # the fault grammar is read where torch is not needed
-
-    f = _attacking[0]
-    for i, t in enumerate(tensors):  # (copy and alie: on the payload, see forge)
-        if f.kind == "signflip":
-            t.neg_()
-        elif f.kind == "scale":
-            t.mul_(f.factor)
-        elif f.kind == "zero":
-            t.zero_()
-        elif f.kind == "nan":
-            t.fill_(float("nan"))
-        elif f.kind == "noise" and t.numel():
-            g = torch.Generator().manual_seed(f.site * 1_000_003 + step * 1_009 + i)
-            noise = torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.device, t.dtype)
-            t.add_(noise * (f.factor * t.norm() / t.numel() ** 0.5))
-
-
-def sends_nan() -> bool:
-    """Whether this process acts out a ``nan`` attack: it sends NaN without running it
-    through its error compensation, whose decode of its own NaN payload would stop the site
-    itself (a bad site need not keep its own buffers)."""
-    return bool(_attacking) and _attacking[0].kind == "nan"
-
-
-def die_if_armed(kind: str) -> None:
-    """A fault armed on this process that kills it at this point (``healer:``: inside a heal's
-    hand-over; ``collective:``: inside a sync's collectives), now; ``stall:`` stops it there
-    instead (SIGSTOP)."""
-    if kind in _armed:
-        os.kill(os.getpid(), signal.SIGSTOP if kind == "stall" else signal.SIGKILL)
 
 
 def decoded(faults: list[Fault]) -> list[Fault]:
