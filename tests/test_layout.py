@@ -170,6 +170,23 @@ def test_the_sync_imports_no_fault_code():
     assert not leaks, leaks
 
 
+def test_the_engine_and_the_protocol_take_few_positional_parameters():
+    """A constructor of the engine's or the protocol's parts takes at most 7 positional
+    parameters: the rest are named where the part is built (or come as the parts they are)."""
+    long = []
+    for d in ("engine", "elastic"):
+        for path in sorted((SRC / PACKAGE / d).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.ClassDef):
+                    continue
+                for f in node.body:
+                    if isinstance(f, ast.FunctionDef) and f.name == "__init__":
+                        n = len(f.args.posonlyargs) + len(f.args.args) - 1
+                        if n > 7:
+                            long.append(f"{_rel(path)}: {node.name} takes {n}")
+    assert not long, long
+
+
 def test_the_trainer_does_not_reach_up_into_hf():
     graph = import_graph()
     into_hf = sorted(m for m, deps in graph.items() if "lowcomm.hf" in deps)

@@ -32,6 +32,7 @@ class Apply:
         frags: list[Fragment],
         outer: OuterOptimizer,
         merge: Merge,
+        *,
         merge_at_first_send: bool,
         inflight: InFlight,
         guard: NonFiniteGuard,

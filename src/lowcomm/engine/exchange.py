@@ -75,6 +75,7 @@ class Exchange:
         self,
         model: nn.Module,
         frags: list[Fragment],
+        *,
         buffers: str,
         aggregator: Aggregator,
         transport: Transport,

@@ -29,6 +29,7 @@ class Leave:
         model: nn.Module,
         frags: list[Fragment],
         placement: Placement,
+        *,
         transport: Transport,
         exchange: Exchange,
         inflight: InFlight,

@@ -125,22 +125,47 @@ def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None
     )  # fmt: skip
     runner = placement.runner(aggregator, transport, buffer_transport, engine.faults)
     exchange = Exchange(
-        engine.model, frags, cfg.buffers, aggregator, transport, buffer_transport,
-        engine.stats, engine.sync_times, engine.events, runner, 2 * engine.schedule.sync_every,
-    )  # fmt: skip
+        engine.model,
+        frags,
+        buffers=cfg.buffers,
+        aggregator=aggregator,
+        transport=transport,
+        buffer_transport=buffer_transport,
+        stats=engine.stats,
+        times=engine.sync_times,
+        events=engine.events,
+        runner=runner,
+        most_steps=2 * engine.schedule.sync_every,
+    )
     replica = ReplicaCheck(transport, exchange.on_group, engine.stats)
     apply = Apply(
-        engine.model, engine.inner_optimizer, frags, engine.outer, engine._merge,
-        engine.schedule.is_round_overlap(), inflight, nonfinite, placement, engine.sync_times,
-        compensation, UpdateCheck(cfg.update_bound, state),
-        Offenders(cfg.offender_syncs, cfg.evict, engine.stats, runner),
-    )  # fmt: skip
+        engine.model,
+        engine.inner_optimizer,
+        frags,
+        engine.outer,
+        engine._merge,
+        merge_at_first_send=engine.schedule.is_round_overlap(),
+        inflight=inflight,
+        guard=nonfinite,
+        placement=placement,
+        times=engine.sync_times,
+        compensation=compensation,
+        check=UpdateCheck(cfg.update_bound, state),
+        offenders=Offenders(cfg.offender_syncs, cfg.evict, engine.stats, runner),
+    )
     # offenders are told apart by their contributions' norms: a robust rule's gather gives them
     aggregator.track = cfg.offender_syncs > 0 and not aggregator.rule.sum_decomposable
     leave = Leave(
-        engine.model, frags, placement, transport, exchange, inflight, engine.outer,
-        engine.events, 0 if engine._merge.needs_snapshot else engine.schedule.overlap,
-    )  # fmt: skip
+        engine.model,
+        frags,
+        placement,
+        transport=transport,
+        exchange=exchange,
+        inflight=inflight,
+        outer=engine.outer,
+        events=engine.events,
+        consumed=0 if engine._merge.needs_snapshot else engine.schedule.overlap,
+    )
     parts = Parts(
         transport=transport, buffer_transport=buffer_transport, aggregator=aggregator,
         compensation=compensation, fragments=frags, inflight=inflight, nonfinite=nonfinite,
