@@ -27,9 +27,16 @@ from pathlib import Path
 from typing import Any
 
 TRAIN = [sys.executable, "-m", "lowcomm.cli", "train"]
-ATTACKS = {"none": "", "signflip": "signflip:{s}", "scale": "scale:{s}x1000",
-           "noise": "noise:{s}x2", "zero": "zero:{s}", "nan": "nan:{s}", "copy": "copy:{s}",
-           "alie": "alie:{s}"}  # fmt: skip
+ATTACKS = {
+    "none": "",
+    "signflip": "signflip:{s}",
+    "scale": "scale:{s}x1000",
+    "noise": "noise:{s}x2",
+    "zero": "zero:{s}",
+    "nan": "nan:{s}",
+    "copy": "copy:{s}",
+    "alie": "alie:{s}",
+}
 RULES = ("auto", "norm-clip", "cosine-clip", "trimmed-mean", "median", "centered-clip")
 
 
@@ -78,19 +85,41 @@ def _cell(
     sites = range(a.workers - bad, a.workers)
     faults = ",".join(ATTACKS[attack].format(s=s) for s in sites)
     args = [
-        "--strategy", strategy, "--model", a.model, "--workers", str(a.workers),
-        "--steps", str(a.steps), f"sync_every={a.sync_every}", f"eval_every={a.steps}",
-        "progress=false", "threads=1", f"seed={seed}", f"aggregation={rule}", "reduce=gather",
-        "--overwrite", "--out", str(out / name), *a.set.split(),
-    ]  # fmt: skip
+        "--strategy",
+        strategy,
+        "--model",
+        a.model,
+        "--workers",
+        str(a.workers),
+        "--steps",
+        str(a.steps),
+        f"sync_every={a.sync_every}",
+        f"eval_every={a.steps}",
+        "progress=false",
+        "threads=1",
+        f"seed={seed}",
+        f"aggregation={rule}",
+        "reduce=gather",
+        "--overwrite",
+        "--out",
+        str(out / name),
+        *a.set.split(),
+    ]
     if faults:
         args += ["--faults", faults]
     t0 = time.perf_counter()
     done = subprocess.run(TRAIN + args, capture_output=True, text=True)
-    row: dict[str, Any] = {"strategy": strategy, "seed": seed, "rule": rule, "attack": attack,
-                           "bad": bad, "exit": done.returncode, "loss": None,
-                           "wall_s": round(time.perf_counter() - t0, 1),
-                           "command": "lowcomm train " + " ".join(args)}  # fmt: skip
+    row: dict[str, Any] = {
+        "strategy": strategy,
+        "seed": seed,
+        "rule": rule,
+        "attack": attack,
+        "bad": bad,
+        "exit": done.returncode,
+        "loss": None,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "command": "lowcomm train " + " ".join(args),
+    }
     summary = out / name / "summary.json"
     if done.returncode == 0 and summary.exists():
         loss = json.loads(summary.read_text()).get("final_val_loss")
@@ -113,13 +142,16 @@ def table(rows: list[dict[str, Any]], diverged: float) -> str:
         rules = list(dict.fromkeys(r["rule"] for r in mine))
         clean = [r["loss"] for r in mine if r["rule"] == "auto" and r["attack"] == "none"]
         base = sum(x for x in clean if x) / max(1, len([x for x in clean if x])) if clean else None
-        lines += [f"\n{strategy} (clean, plain rule: {base if base is None else round(base, 4)})",
-                  "| attack | bad | " + " | ".join(rules) + " |",
-                  "|---|---|" + "---|" * len(rules)]  # fmt: skip
+        lines += [
+            f"\n{strategy} (clean, plain rule: {base if base is None else round(base, 4)})",
+            "| attack | bad | " + " | ".join(rules) + " |",
+            "|---|---|" + "---|" * len(rules),
+        ]
         for attack, bad in dict.fromkeys((r["attack"], r["bad"]) for r in mine):
             here = [r for r in mine if r["attack"] == attack and r["bad"] == bad]
-            cells = [_cell_text([r for r in here if r["rule"] == rule], base, diverged)
-                     for rule in rules]  # fmt: skip
+            cells = [
+                _cell_text([r for r in here if r["rule"] == rule], base, diverged) for rule in rules
+            ]
             lines.append(f"| {attack} | {bad} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -74,12 +74,31 @@ class Schedule:
 
     def command(self, out: Path) -> list[str]:
         """The ``lowcomm train`` command that runs this schedule into ``out``."""
-        args = [*TRAIN, "--strategy", self.method, "--workers", str(self.sites), "--model",
-                "tiny", "--steps", str(self.steps), "--out", str(out), "sync_every=10",
-                f"batch_size={BATCH}", f"seq_len={SEQ}", "eval_every=0", "progress=false",
-                "elastic=true", f"min_workers={MIN_WORKERS}", "heartbeat_timeout_s=1",
-                "timeout_s=10", f"rounds={self.rounds}", f"seed={self.seed}",
-                *METHODS[self.method]]  # fmt: skip
+        args = [
+            *TRAIN,
+            "--strategy",
+            self.method,
+            "--workers",
+            str(self.sites),
+            "--model",
+            "tiny",
+            "--steps",
+            str(self.steps),
+            "--out",
+            str(out),
+            "sync_every=10",
+            f"batch_size={BATCH}",
+            f"seq_len={SEQ}",
+            "eval_every=0",
+            "progress=false",
+            "elastic=true",
+            f"min_workers={MIN_WORKERS}",
+            "heartbeat_timeout_s=1",
+            "timeout_s=10",
+            f"rounds={self.rounds}",
+            f"seed={self.seed}",
+            *METHODS[self.method],
+        ]
         if self.faults:
             args += ["--faults", ",".join(self.faults)]
         return args
@@ -229,11 +248,16 @@ def run_one(sched: Schedule, out: Path, limit: float) -> dict[str, Any]:
     broken = check(sched, out, code, wall, limit)
     summary = json.loads((out / "summary.json").read_text()) if code == 0 else {}
     events = summary.get("membership") or []
-    return {**asdict(sched), "exit": code, "wall_s": round(wall, 1),
-            "loss": summary.get("final_val_loss"), "goodput": summary.get("goodput"),
-            "resync_s": [e["resync_s"] for e in events if e.get("left") and "resync_s" in e],
-            "heal_s": [e["heal_s"] for e in events if "heal_s" in e],
-            "violations": broken}  # fmt: skip
+    return {
+        **asdict(sched),
+        "exit": code,
+        "wall_s": round(wall, 1),
+        "loss": summary.get("final_val_loss"),
+        "goodput": summary.get("goodput"),
+        "resync_s": [e["resync_s"] for e in events if e.get("left") and "resync_s" in e],
+        "heal_s": [e["heal_s"] for e in events if "heal_s" in e],
+        "violations": broken,
+    }
 
 
 def _seeds(text: str) -> list[int]:
@@ -249,15 +273,22 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--rounds", default=",".join(ROUNDS))
     p.add_argument("--sites", type=int, default=None, help="4 (3 with --ranks above 1)")
-    p.add_argument("--ranks", type=int, default=1,
-                   help="above 1: sites of this many ranks, each its own torchrun, faults done "
-                   "from outside (see lowcomm.bench.chaos_sites)")  # fmt: skip
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="above 1: sites of this many ranks, each its own torchrun, faults done "
+        "from outside (see lowcomm.bench.chaos_sites)",
+    )
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--limit", type=float, default=240.0, help="seconds before a run is a hang")
     p.add_argument("--out", default="runs/bench-chaos")
     p.add_argument("--dry-run", action="store_true", help="print the schedules, run nothing")
-    p.add_argument("--baseline", action="store_true",
-                   help="also a run without faults per method and round mode")  # fmt: skip
+    p.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also a run without faults per method and round mode",
+    )
     return p.parse_args(argv)
 
 
@@ -268,19 +299,32 @@ def main(argv: list[str]) -> int:
     if a.ranks > 1:  # sites as deployed: lock-step (quorum rounds are one rank per site)
         from . import chaos_sites
 
-        return chaos_sites.main(_seeds(a.seeds), methods, a.sites or 3, a.ranks, a.steps,
-                                a.limit, Path(a.out), a.dry_run)  # fmt: skip
+        return chaos_sites.main(
+            _seeds(a.seeds),
+            methods,
+            a.sites or 3,
+            a.ranks,
+            a.steps,
+            a.limit,
+            Path(a.out),
+            a.dry_run,
+        )
     a.sites = a.sites or 4
     unknown = sorted(set(methods) - set(METHODS)) + sorted(set(rounds) - set(ROUNDS))
     if unknown:
         raise SystemExit(f"lowcomm bench chaos: unknown {unknown}: use {list(METHODS)}, {ROUNDS}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    cut = [s for s in _seeds(a.seeds) if any(f.startswith("link:") for f in
-           draw(s, methods, rounds, a.sites, a.steps).faults)]  # fmt: skip
+    cut = [
+        s
+        for s in _seeds(a.seeds)
+        if any(f.startswith("link:") for f in draw(s, methods, rounds, a.sites, a.steps).faults)
+    ]
     if cut and not a.dry_run and (os.geteuid() != 0 or shutil.which("tc") is None):
-        raise SystemExit(f"lowcomm bench chaos: seeds {cut[:5]}... cut a site's link (tc in "
-                         f"namespaces): run as root with iproute2, or leave them out")  # fmt: skip
+        raise SystemExit(
+            f"lowcomm bench chaos: seeds {cut[:5]}... cut a site's link (tc in "
+            f"namespaces): run as root with iproute2, or leave them out"
+        )
     rows = []
     for seed in _seeds(a.seeds):
         sched = draw(seed, methods, rounds, a.sites, a.steps)
@@ -290,8 +334,11 @@ def main(argv: list[str]) -> int:
         row = run_one(sched, out / f"seed{seed}", a.limit)
         rows.append(row)
         verdict = "ok" if not row["violations"] else "; ".join(row["violations"])
-        print(f"seed {seed} {sched.method} {sched.rounds} {','.join(sched.faults)}: exit "
-              f"{row['exit']} in {row['wall_s']} s: {verdict}", flush=True)  # fmt: skip
+        print(
+            f"seed {seed} {sched.method} {sched.rounds} {','.join(sched.faults)}: exit "
+            f"{row['exit']} in {row['wall_s']} s: {verdict}",
+            flush=True,
+        )
         (out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
     bad = [r for r in rows if r["violations"]]
     if a.baseline and not a.dry_run:
@@ -330,8 +377,11 @@ def summarize(rows: list[dict[str, Any]]) -> str:
     the baseline run, where there is one), by fault kind, and resync and heal times."""
     base = {(x["method"], x["rounds"]): x["goodput"] for x in rows if x.get("baseline")}
     rows = [x for x in rows if not x.get("baseline")]
-    lines = ["| method | rounds | schedules | violations | median wall s | goodput: median of "
-             "finished runs / without faults |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| method | rounds | schedules | violations | median wall s | goodput: median of "
+        "finished runs / without faults |",
+        "|---|---|---|---|---|---|",
+    ]
     for m in METHODS:
         for r in ROUNDS:
             sel = [x for x in rows if x["method"] == m and x["rounds"] == r]
@@ -342,13 +392,17 @@ def summarize(rows: list[dict[str, Any]]) -> str:
                 ratio = "-"
                 if good and base.get((m, r)):
                     ratio = f"{good[len(good) // 2]:,.0f} / {base[(m, r)]:,.0f} tok/s"
-                lines.append(f"| {m} | {r} | {len(sel)} | {bad} | {walls[len(walls) // 2]} | "
-                             f"{ratio} |")  # fmt: skip
+                lines.append(
+                    f"| {m} | {r} | {len(sel)} | {bad} | {walls[len(walls) // 2]} | {ratio} |"
+                )
     resync = [t for x in rows for t in x.get("resync_s", [])]
     heals = [t for x in rows for t in x.get("heal_s", [])]
-    lines += ["", f"Resync after a site left (s, median / p95 of {len(resync)}): "
-              f"{_median_p95(resync)}; heal (s, median / p95 of {len(heals)}): "
-              f"{_median_p95(heals)}"]  # fmt: skip
+    lines += [
+        "",
+        f"Resync after a site left (s, median / p95 of {len(resync)}): "
+        f"{_median_p95(resync)}; heal (s, median / p95 of {len(heals)}): "
+        f"{_median_p95(heals)}",
+    ]
     lines += ["", "| fault kind | schedules with it | violations |", "|---|---|---|"]
     drawn = {f.split(":")[0] for x in rows for f in x["faults"]}
     for kind in sorted(drawn, key=lambda k: (FAULT_ORDER.index(k) if k in FAULT_ORDER else 99, k)):
@@ -357,6 +411,9 @@ def summarize(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {kind} | {len(sel)} | {bad} |")
     bad = [x for x in rows if x["violations"]]
     lines += ["", f"{len(rows)} schedules, {len(bad)} with violations"]
-    lines += [f"- seed {x['seed']} ({x['method']}, {x['rounds']}, {','.join(x['faults'])}): "
-              f"{'; '.join(x['violations'])}" for x in bad]  # fmt: skip
+    lines += [
+        f"- seed {x['seed']} ({x['method']}, {x['rounds']}, {','.join(x['faults'])}): "
+        f"{'; '.join(x['violations'])}"
+        for x in bad
+    ]
     return "\n".join(lines)

@@ -53,12 +53,28 @@ class SitesSchedule:
     def train(self, site: int, lighthouse: str) -> list[str]:
         """Site ``site``'s ``lowcomm train`` arguments (the same to bring it back)."""
         return [
-            "train", "--strategy", self.method, "--model", "tiny", "--steps", str(self.steps),
-            f"sync_every={EVERY}", f"batch_size={BATCH}", f"seq_len={SEQ}", "eval_every=0",
-            "progress=false", "elastic=true", f"min_workers={MIN_WORKERS}",
-            "heartbeat_timeout_s=1", "timeout_s=10", f"seed={self.seed}", f"site={site}",
-            f"sites={self.sites}", f"lighthouse={lighthouse}", *METHODS[self.method],
-        ]  # fmt: skip
+            "train",
+            "--strategy",
+            self.method,
+            "--model",
+            "tiny",
+            "--steps",
+            str(self.steps),
+            f"sync_every={EVERY}",
+            f"batch_size={BATCH}",
+            f"seq_len={SEQ}",
+            "eval_every=0",
+            "progress=false",
+            "elastic=true",
+            f"min_workers={MIN_WORKERS}",
+            "heartbeat_timeout_s=1",
+            "timeout_s=10",
+            f"seed={self.seed}",
+            f"site={site}",
+            f"sites={self.sites}",
+            f"lighthouse={lighthouse}",
+            *METHODS[self.method],
+        ]
 
 
 def draw(seed: int, methods: list[str], sites: int, ranks: int, steps: int) -> SitesSchedule:
@@ -72,16 +88,21 @@ def draw(seed: int, methods: list[str], sites: int, ranks: int, steps: int) -> S
         if sched.lost >= sites - MIN_WORKERS or not free:
             break
         kind, site = rng.choice(KINDS), rng.choice(free)
-        fault = {"kind": kind, "site": site, "rank": rng.randrange(ranks),
-                 "sync": rng.randint(2, max(2, syncs // 2))}  # fmt: skip
+        fault = {
+            "kind": kind,
+            "site": site,
+            "rank": rng.randrange(ranks),
+            "sync": rng.randint(2, max(2, syncs // 2)),
+        }
         if kind == "pause":
             fault["seconds"] = rng.choice([2, 8, 30])
         sched.faults.append(fault)
         sched.lost += 1
         busy.add(site)
     if rng.random() < 0.3:
-        sched.faults.append({"kind": "lighthouse", "sync": rng.randint(2, syncs - 3),
-                             "seconds": rng.choice([1, 3])})  # fmt: skip
+        sched.faults.append(
+            {"kind": "lighthouse", "sync": rng.randint(2, syncs - 3), "seconds": rng.choice([1, 3])}
+        )
     return sched
 
 
@@ -202,8 +223,16 @@ def _again(sched: SitesSchedule, site: int) -> bool:
     return any(f["kind"] == "rejoin" and f["site"] == site for f in sched.faults)
 
 
-def main(seeds: list[int], methods: list[str], sites: int, ranks: int, steps: int,
-         limit: float, out: Path, dry_run: bool) -> int:  # fmt: skip
+def main(
+    seeds: list[int],
+    methods: list[str],
+    sites: int,
+    ranks: int,
+    steps: int,
+    limit: float,
+    out: Path,
+    dry_run: bool,
+) -> int:
     """Every seed's deployed schedule, one at a time; a line each; exit 1 on any violation."""
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -216,13 +245,18 @@ def main(seeds: list[int], methods: list[str], sites: int, ranks: int, steps: in
         rows.append(row)
         verdict = "ok" if not row["violations"] else "; ".join(row["violations"])
         said = ",".join(_fault(f) for f in sched.faults)
-        print(f"seed {seed} {sched.method} {sites}x{ranks} {said}: exit {row['exit']} in "
-              f"{row['wall_s']} s: {verdict}", flush=True)  # fmt: skip
+        print(
+            f"seed {seed} {sched.method} {sites}x{ranks} {said}: exit {row['exit']} in "
+            f"{row['wall_s']} s: {verdict}",
+            flush=True,
+        )
         (out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
     bad = [r for r in rows if r["violations"]]
     if rows:
-        print(f"{len(rows)} deployed schedules ({sites} sites x {ranks} ranks), {len(bad)} with "
-              f"violations")  # fmt: skip
+        print(
+            f"{len(rows)} deployed schedules ({sites} sites x {ranks} ranks), {len(bad)} with "
+            f"violations"
+        )
     return 1 if bad else 0
 
 

@@ -23,9 +23,13 @@ class Deployment:
     site's ``lowcomm train`` arguments (the same each time it is started)."""
 
     def __init__(
-        self, root: Path, ranks: int, train: Callable[[int, str], list[str]], net: Any = None,
+        self,
+        root: Path,
+        ranks: int,
+        train: Callable[[int, str], list[str]],
+        net: Any = None,
         timeout_s: float = 10.0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         from ..train.ports import free_port
 
         root.mkdir(parents=True, exist_ok=True)
@@ -40,12 +44,27 @@ class Deployment:
 
     def start_lighthouse(self) -> subprocess.Popen:
         """The lighthouse at its fixed address (started again there after a kill)."""
-        argv = [*LOWCOMM, "lighthouse", "--host", self.host, "--port", str(self.port),
-                "--timeout-s", f"{self.timeout_s:g}", "--heartbeat-timeout-s", "1"]  # fmt: skip
+        argv = [
+            *LOWCOMM,
+            "lighthouse",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--timeout-s",
+            f"{self.timeout_s:g}",
+            "--heartbeat-timeout-s",
+            "1",
+        ]
         if self.net is not None:
             argv = ["ip", "netns", "exec", self.net.switch, *argv]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         assert proc.stdout is not None
         line = proc.stdout.readline()
         if "lighthouse at" not in line:
@@ -83,9 +102,9 @@ class Deployment:
         n = self.started.get(site, 0)
         self.started[site] = n + 1
         with open(self.root / f"site{site}.{n}.log", "w") as log:
-            self.procs[site] = subprocess.Popen(self.command(site), stdout=log,
-                                                stderr=subprocess.STDOUT,
-                                                start_new_session=True)  # fmt: skip
+            self.procs[site] = subprocess.Popen(
+                self.command(site), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def syncs(self, site: int) -> int:
         """How many syncs site ``site`` has logged (over all its starts)."""
@@ -94,8 +113,9 @@ class Deployment:
 
     def rank_pid(self, site: int, rank: int) -> int | None:
         """The process of ``rank`` of ``site`` (a child of its torchrun); None if gone."""
-        kids = subprocess.run(["pgrep", "-P", str(self.procs[site].pid)], capture_output=True,
-                              text=True).stdout.split()  # fmt: skip
+        kids = subprocess.run(
+            ["pgrep", "-P", str(self.procs[site].pid)], capture_output=True, text=True
+        ).stdout.split()
         for pid in kids:
             with contextlib.suppress(OSError):
                 env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")

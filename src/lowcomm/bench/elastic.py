@@ -55,9 +55,16 @@ def main(argv: list[str]) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     common = [
-        "--model", a.model, "--steps", str(a.steps), f"sync_every={a.sync_every}",
-        "progress=false", f"eval_every={a.sync_every}", "threads=1", "--overwrite",
-    ]  # fmt: skip
+        "--model",
+        a.model,
+        "--steps",
+        str(a.steps),
+        f"sync_every={a.sync_every}",
+        "progress=false",
+        f"eval_every={a.sync_every}",
+        "threads=1",
+        "--overwrite",
+    ]
     cases = a.cases.split(",")
     unknown = sorted(set(cases) - set(CASES))
     if unknown or "uninterrupted" not in cases:
@@ -66,8 +73,9 @@ def main(argv: list[str]) -> int:
     with _network(a.bandwidth) as wrap:
         for seed in [int(s) for s in a.seeds.split(",")]:
             args = [*common, f"seed={seed}"]
-            these = [CASES[c](wrap, args, a.workers, kill_at, a, out / f"{c}-{seed}")
-                     for c in cases]  # fmt: skip
+            these = [
+                CASES[c](wrap, args, a.workers, kill_at, a, out / f"{c}-{seed}") for c in cases
+            ]
             for r in these:
                 r["seed"] = seed
             _equal_tokens(these)
@@ -103,26 +111,41 @@ class _network:
 
 
 def _uninterrupted(
-    wrap: _network, args: list[str], m: int, kill_at: int, a: argparse.Namespace, out: Path,
-    strategy: str = "diloco", case: str = "uninterrupted",
-) -> dict[str, Any]:  # fmt: skip
-    done, wall = wrap([*TRAIN, "--strategy", strategy, "--workers", str(m), *args, "--out",
-                       str(out)])  # fmt: skip
+    wrap: _network,
+    args: list[str],
+    m: int,
+    kill_at: int,
+    a: argparse.Namespace,
+    out: Path,
+    strategy: str = "diloco",
+    case: str = "uninterrupted",
+) -> dict[str, Any]:
+    done, wall = wrap(
+        [*TRAIN, "--strategy", strategy, "--workers", str(m), *args, "--out", str(out)]
+    )
     _check(done, out)
     s = json.loads((out / "summary.json").read_text())
     return _row(case, s, wall, m, out)
 
 
 def _elastic(
-    wrap: _network, args: list[str], m: int, kill_at: int, a: argparse.Namespace, out: Path,
-    strategy: str = "diloco", case: str = "elastic", rejoin: bool = False,
-) -> dict[str, Any]:  # fmt: skip
+    wrap: _network,
+    args: list[str],
+    m: int,
+    kill_at: int,
+    a: argparse.Namespace,
+    out: Path,
+    strategy: str = "diloco",
+    case: str = "elastic",
+    rejoin: bool = False,
+) -> dict[str, Any]:
     faults = f"kill:{m - 1}@{kill_at}"
     if rejoin:  # the killed site starts again and joins at two thirds
         faults += f",join:{m - 1}@{2 * a.steps // 3}"
     fault = ["elastic=true", "min_workers=2", "--faults", faults]
-    done, wall = wrap([*TRAIN, "--strategy", strategy, "--workers", str(m), *args, *fault,
-                       "--out", str(out)])  # fmt: skip
+    done, wall = wrap(
+        [*TRAIN, "--strategy", strategy, "--workers", str(m), *args, *fault, "--out", str(out)]
+    )
     _check(done, out)
     s = json.loads((out / "summary.json").read_text())
     events = s.get("membership", [])
@@ -134,21 +157,41 @@ def _elastic(
     row["discarded_steps"] = sum(e.get("discarded_steps", 0) for e in events)
     heals = [e for e in events if e.get("joined")]
     if heals:
-        row.update(joined_at=heals[0]["at"], heal_s=heals[0]["heal_s"],
-                   heal_bytes=heals[0]["heal_bytes"])  # fmt: skip
+        row.update(
+            joined_at=heals[0]["at"], heal_s=heals[0]["heal_s"], heal_bytes=heals[0]["heal_bytes"]
+        )
     return row
 
 
 def _restart(
-    wrap: _network, args: list[str], m: int, kill_at: int, a: argparse.Namespace, out: Path,
-    case: str = "checkpoint-restart", rejoin: bool = False,
-) -> dict[str, Any]:  # fmt: skip
+    wrap: _network,
+    args: list[str],
+    m: int,
+    kill_at: int,
+    a: argparse.Namespace,
+    out: Path,
+    case: str = "checkpoint-restart",
+    rejoin: bool = False,
+) -> dict[str, Any]:
     """The kill stops the run; it resumes at once from its last checkpoint on the others.
     ``rejoin``: when the site is back (two thirds of the way) that run stops right after its
     next checkpoint, and all of them resume from it (a planned stop: no step is lost there)."""
     ckpt = f"checkpoint_every={a.sync_every}"
-    first, wall1 = wrap([*TRAIN, "--strategy", "diloco", "--workers", str(m), *args, ckpt,
-                         "--faults", f"kill:{m - 1}@{kill_at}", "--out", str(out)])  # fmt: skip
+    first, wall1 = wrap(
+        [
+            *TRAIN,
+            "--strategy",
+            "diloco",
+            "--workers",
+            str(m),
+            *args,
+            ckpt,
+            "--faults",
+            f"kill:{m - 1}@{kill_at}",
+            "--out",
+            str(out),
+        ]
+    )
     if first.returncode == 0:
         raise RuntimeError(f"{case}: the killed run did not stop:\n{first.stdout}")
     back = -(-(2 * a.steps // 3) // a.sync_every) * a.sync_every  # the checkpoint after it
@@ -239,8 +282,10 @@ def interp(curve: list[tuple[float, float]], x: float) -> float:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows as a markdown table."""
-    head = ("| seed | case | final val loss | uninterrupted loss at its tokens | tokens | "
-            "wall (outside) s | goodput tok/s | per surviving site | resync s |")  # fmt: skip
+    head = (
+        "| seed | case | final val loss | uninterrupted loss at its tokens | tokens | "
+        "wall (outside) s | goodput tok/s | per surviving site | resync s |"
+    )
     lines = [head, "|---" * 9 + "|"]
     for r in rows:
         lines.append(

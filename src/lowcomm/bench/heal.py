@@ -31,8 +31,15 @@ from pathlib import Path
 from typing import Any
 
 TRAIN = [sys.executable, "-m", "lowcomm.cli", "train"]
-SMALL = ["batch_size=2", "seq_len=32", "eval_every=0", "progress=false", "threads=1",
-         "--overwrite", "eval_batches=1"]  # fmt: skip
+SMALL = [
+    "batch_size=2",
+    "seq_len=32",
+    "eval_every=0",
+    "progress=false",
+    "threads=1",
+    "--overwrite",
+    "eval_batches=1",
+]
 
 
 def main(argv: list[str]) -> int:
@@ -55,8 +62,13 @@ def main(argv: list[str]) -> int:
         return _by_members(a, out)
     rows = []
     for model in a.models.split(","):
-        rows.append({"model": model, **_heal(model, out / f"heal-{model}"),
-                     **_restart(model, out / f"restart-{model}")})  # fmt: skip
+        rows.append(
+            {
+                "model": model,
+                **_heal(model, out / f"heal-{model}"),
+                **_restart(model, out / f"restart-{model}"),
+            }
+        )
         (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
     print(json.dumps(rows, indent=2) if a.json else table(rows))
     return 0
@@ -71,9 +83,26 @@ def _run(args: list[str]) -> tuple[subprocess.CompletedProcess, float]:
 
 
 def _heal(model: str, out: Path) -> dict[str, Any]:
-    _run(["--strategy", "diloco", "--workers", "2", "--model", model, "--steps", "8",
-          "sync_every=2", *SMALL, "elastic=true", "min_workers=1", "--faults", "kill:1@3,join:1@6",
-          "--out", str(out)])  # fmt: skip
+    _run(
+        [
+            "--strategy",
+            "diloco",
+            "--workers",
+            "2",
+            "--model",
+            model,
+            "--steps",
+            "8",
+            "sync_every=2",
+            *SMALL,
+            "elastic=true",
+            "min_workers=1",
+            "--faults",
+            "kill:1@3,join:1@6",
+            "--out",
+            str(out),
+        ]
+    )
     events = json.loads((out / "summary.json").read_text())["membership"]
     (joined,) = [e for e in events if e.get("joined")]
     return {"heal_s": joined["heal_s"], "heal_bytes": joined["heal_bytes"]}
@@ -86,9 +115,27 @@ def _by_members(a: argparse.Namespace, out: Path) -> int:
     for model in a.models.split(","):
         for n in [int(x) for x in a.members.split(",")]:
             run = out / f"members-{model}-{n}"
-            _run(["--strategy", "diloco", "--workers", str(n + 1), "--model", model, "--steps",
-                  "8", "sync_every=2", *SMALL, "elastic=true", "min_workers=1", *link,
-                  "--faults", f"kill:{n}@3,join:{n}@6", "--out", str(run)])  # fmt: skip
+            _run(
+                [
+                    "--strategy",
+                    "diloco",
+                    "--workers",
+                    str(n + 1),
+                    "--model",
+                    model,
+                    "--steps",
+                    "8",
+                    "sync_every=2",
+                    *SMALL,
+                    "elastic=true",
+                    "min_workers=1",
+                    *link,
+                    "--faults",
+                    f"kill:{n}@3,join:{n}@6",
+                    "--out",
+                    str(run),
+                ]
+            )
             events = json.loads((run / "summary.json").read_text())["membership"]
             (joined,) = [e for e in events if e.get("joined")]
             measured = {k: joined[k] for k in ("heal_s", "heal_bytes", "heal_from")}
@@ -99,8 +146,10 @@ def _by_members(a: argparse.Namespace, out: Path) -> int:
         return 0
     print("| model | link | members | sent by | heal bytes | heal s |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['link']} | {r['members']} | {r['heal_from']} | "
-              f"{r['heal_bytes']:,} | {r['heal_s']:.3f} |")  # fmt: skip
+        print(
+            f"| {r['model']} | {r['link']} | {r['members']} | {r['heal_from']} | "
+            f"{r['heal_bytes']:,} | {r['heal_s']:.3f} |"
+        )
     return 0
 
 
@@ -119,6 +168,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     head = "| model | heal bytes | heal s | checkpoint write s | restart s (start, load, 1 step) |"
     lines = [head, "|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['heal_bytes']:,} | {r['heal_s']:.3f} | "
-                     f"{r['checkpoint_write_s']:.3f} | {r['restart_s']:.2f} |")  # fmt: skip
+        lines.append(
+            f"| {r['model']} | {r['heal_bytes']:,} | {r['heal_s']:.3f} | "
+            f"{r['checkpoint_write_s']:.3f} | {r['restart_s']:.2f} |"
+        )
     return "\n".join(lines)

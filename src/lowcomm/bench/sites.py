@@ -46,12 +46,29 @@ def _args(argv: list[str]) -> argparse.Namespace:
 
 def _train(a: argparse.Namespace, seed: int) -> Any:
     def train(site: int, lighthouse: str) -> list[str]:
-        return ["train", "--strategy", "diloco", "--model", a.model, "--steps", str(a.steps),
-                f"sync_every={a.sync_every}", f"batch_size={a.batch_size}",
-                f"seq_len={a.seq_len}", "progress=false", "eval_every=0", "threads=1",
-                "elastic=true", "min_workers=2", "heartbeat_timeout_s=2", "timeout_s=60",
-                f"seed={seed}", f"site={site}", f"sites={a.sites}",
-                f"lighthouse={lighthouse}"]  # fmt: skip
+        return [
+            "train",
+            "--strategy",
+            "diloco",
+            "--model",
+            a.model,
+            "--steps",
+            str(a.steps),
+            f"sync_every={a.sync_every}",
+            f"batch_size={a.batch_size}",
+            f"seq_len={a.seq_len}",
+            "progress=false",
+            "eval_every=0",
+            "threads=1",
+            "elastic=true",
+            "min_workers=2",
+            "heartbeat_timeout_s=2",
+            "timeout_s=60",
+            f"seed={seed}",
+            f"site={site}",
+            f"sites={a.sites}",
+            f"lighthouse={lighthouse}",
+        ]
 
     return train
 
@@ -84,10 +101,16 @@ def run(a: argparse.Namespace, net: Any, seed: int, lose: bool) -> dict[str, Any
         raise RuntimeError(f"{name}: exits {codes}:\n{d.log(codes.index(max(codes)))[-3000:]}")
     summary = json.loads((d.out(0) / "summary.json").read_text())
     events = summary.get("membership") or []
-    return {"seed": seed, "run": name, "wall_s": round(wall, 1), "tokens": summary["tokens"],
-            "goodput": round(summary["tokens"] / wall, 1),
-            "final_val_loss": summary["final_val_loss"], "events": events,
-            "bytes_sent_per_worker": summary.get("bytes_sent_per_worker")}  # fmt: skip
+    return {
+        "seed": seed,
+        "run": name,
+        "wall_s": round(wall, 1),
+        "tokens": summary["tokens"],
+        "goodput": round(summary["tokens"] / wall, 1),
+        "final_val_loss": summary["final_val_loss"],
+        "events": events,
+        "bytes_sent_per_worker": summary.get("bytes_sent_per_worker"),
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -97,16 +120,23 @@ def main(argv: list[str]) -> int:
     a = _args(argv)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     rows = []
-    with ShapedNetwork(a.bandwidth, topology="per-worker", workers=a.sites,
-                       name_prefix="lcbench") as net:  # fmt: skip
-        print(f"lowcomm bench sites: {a.sites} sites x {a.ranks} ranks, each uplink "
-              f"{a.bandwidth} (measured {net.measured_mbit} Mbit/s)", flush=True)  # fmt: skip
+    with ShapedNetwork(
+        a.bandwidth, topology="per-worker", workers=a.sites, name_prefix="lcbench"
+    ) as net:
+        print(
+            f"lowcomm bench sites: {a.sites} sites x {a.ranks} ranks, each uplink "
+            f"{a.bandwidth} (measured {net.measured_mbit} Mbit/s)",
+            flush=True,
+        )
         for seed in [int(s) for s in a.seeds.split(",")]:
             for lose in (False, True):
                 rows.append({**run(a, net, seed, lose), "measured_mbit": net.measured_mbit})
                 r = rows[-1]
-                print(f"seed {seed} {r['run']}: wall {r['wall_s']} s, tokens {r['tokens']}, "
-                      f"goodput {r['goodput']:,.0f} tok/s, loss {r['final_val_loss']:.4f}, "
-                      f"events {r['events']}", flush=True)  # fmt: skip
+                print(
+                    f"seed {seed} {r['run']}: wall {r['wall_s']} s, tokens {r['tokens']}, "
+                    f"goodput {r['goodput']:,.0f} tok/s, loss {r['final_val_loss']:.4f}, "
+                    f"events {r['events']}",
+                    flush=True,
+                )
                 (Path(a.out) / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
     return 0

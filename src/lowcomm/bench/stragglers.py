@@ -98,24 +98,44 @@ def _weightings(a: argparse.Namespace, out: Path) -> int:
         for rule in a.weightings.split(","):
             these = [r for r in rows if r["strategy"] == strategy and r["weighting"] == rule]
             losses = [r["final_val_loss"] for r in these]
-            print(f"| {strategy} | {rule} | {sum(losses) / len(losses):.4f} | "
-                  f"{' / '.join(f'{x:.4f}' for x in losses)} | "
-                  f"{sum(r['tokens'] for r in these) // len(these):,} |")  # fmt: skip
+            print(
+                f"| {strategy} | {rule} | {sum(losses) / len(losses):.4f} | "
+                f"{' / '.join(f'{x:.4f}' for x in losses)} | "
+                f"{sum(r['tokens'] for r in these) // len(these):,} |"
+            )
     return 0
 
 
 def _case(
-    case: str, strategy: str, seed: int, a: argparse.Namespace, out: Path,
+    case: str,
+    strategy: str,
+    seed: int,
+    a: argparse.Namespace,
+    out: Path,
     extra: tuple[str, ...] = (),
-) -> dict:  # fmt: skip
+) -> dict:
     """One run of ``case`` (``extra``: settings added to it); its row."""
     workers = a.workers - 1 if case == "removed" else a.workers
     args = [
-        "--strategy", strategy, "--model", a.model, "--workers", str(workers),
-        "--steps", str(a.steps), f"sync_every={a.sync_every}", f"eval_every={a.sync_every}",
-        "progress=false", "threads=1", f"seed={seed}", "elastic=true", "--overwrite",
-        "--out", str(out), *STRATEGIES[strategy],
-    ]  # fmt: skip
+        "--strategy",
+        strategy,
+        "--model",
+        a.model,
+        "--workers",
+        str(workers),
+        "--steps",
+        str(a.steps),
+        f"sync_every={a.sync_every}",
+        f"eval_every={a.sync_every}",
+        "progress=false",
+        "threads=1",
+        f"seed={seed}",
+        "elastic=true",
+        "--overwrite",
+        "--out",
+        str(out),
+        *STRATEGIES[strategy],
+    ]
     if case != "removed":
         args += ["--faults", f"slow:{a.slow}", f"rounds={case}"]
     if case == "quorum":
@@ -170,8 +190,10 @@ def _first_below(curve: list[tuple[float, float]], target: float) -> float | Non
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows as a markdown table."""
-    head = ("| strategy | seed | case | final val loss | loss at quorum's wall | time to target s "
-            "(target) | tokens | train wall s | wall (outside) s | goodput tok/s |")  # fmt: skip
+    head = (
+        "| strategy | seed | case | final val loss | loss at quorum's wall | time to target s "
+        "(target) | tokens | train wall s | wall (outside) s | goodput tok/s |"
+    )
     lines = [head, "|---" * 10 + "|"]
     for r in rows:
         ttt = r["time_to_target_s"]

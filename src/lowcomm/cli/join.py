@@ -15,9 +15,11 @@ def _add_join(sub: Any) -> None:
     )
     j.add_argument("dir", metavar="DIR", help="the --out folder of a running elastic run")
     j.add_argument(
-        "--site", type=int, default=None, help="the site number to take (default: the lowest "
-        "one no live process holds)",
-    )  # fmt: skip
+        "--site",
+        type=int,
+        default=None,
+        help="the site number to take (default: the lowest one no live process holds)",
+    )
     j.set_defaults(func=cmd_join)
 
 

@@ -23,15 +23,31 @@ def _add_lighthouse(sub: Any) -> None:
         "lighthouse", help="run a lighthouse at a fixed address for elastic sites elsewhere"
     )
     h.add_argument("--port", type=int, default=29510, help="TCP port to listen on (29510)")
-    h.add_argument("--host", default="::", help="the address to listen on (:: = every "
-                   "interface; give a private one, e.g. a WireGuard address, to keep it off "
-                   "the others)")  # fmt: skip
-    h.add_argument("--rounds", choices=("lockstep", "quorum"), default="lockstep",
-                   help="the runs' rounds= (quorum: it gathers askers for 0.5 s)")  # fmt: skip
-    h.add_argument("--timeout-s", type=float, default=300.0,
-                   help="the runs' timeout_s (lock-step: a quorum waits so long)")  # fmt: skip
-    h.add_argument("--heartbeat-timeout-s", type=float, default=2.0,
-                   help="a site silent this long is left out of the next quorum (2)")  # fmt: skip
+    h.add_argument(
+        "--host",
+        default="::",
+        help="the address to listen on (:: = every "
+        "interface; give a private one, e.g. a WireGuard address, to keep it off "
+        "the others)",
+    )
+    h.add_argument(
+        "--rounds",
+        choices=("lockstep", "quorum"),
+        default="lockstep",
+        help="the runs' rounds= (quorum: it gathers askers for 0.5 s)",
+    )
+    h.add_argument(
+        "--timeout-s",
+        type=float,
+        default=300.0,
+        help="the runs' timeout_s (lock-step: a quorum waits so long)",
+    )
+    h.add_argument(
+        "--heartbeat-timeout-s",
+        type=float,
+        default=2.0,
+        help="a site silent this long is left out of the next quorum (2)",
+    )
     h.set_defaults(func=cmd_lighthouse)
 
 
@@ -53,17 +69,23 @@ def cmd_lighthouse(args: argparse.Namespace) -> int:
         ) from None
     join_s = LIGHTHOUSE_JOIN_S if args.rounds == "quorum" else args.timeout_s
     server = LighthouseServer(
-        bind=_bind(args.host, args.port), min_replicas=1, join_timeout_ms=int(join_s * 1000),
-        quorum_tick_ms=20, heartbeat_timeout_ms=int(args.heartbeat_timeout_s * 1000),
-    )  # fmt: skip
+        bind=_bind(args.host, args.port),
+        min_replicas=1,
+        join_timeout_ms=int(join_s * 1000),
+        quorum_tick_ms=20,
+        heartbeat_timeout_ms=int(args.heartbeat_timeout_s * 1000),
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     where = socket.gethostname() if args.host in ("::", "0.0.0.0") else args.host
     where = f"[{where}]" if ":" in where else where
-    print(f"lowcomm: lighthouse at http://{where}:{args.port} (rounds="
-          f"{args.rounds}); point the sites at it with lighthouse=HOST:{args.port}; Ctrl-C "
-          f"stops it", flush=True)  # fmt: skip
+    print(
+        f"lowcomm: lighthouse at http://{where}:{args.port} (rounds="
+        f"{args.rounds}); point the sites at it with lighthouse=HOST:{args.port}; Ctrl-C "
+        f"stops it",
+        flush=True,
+    )
     stop.wait()
     server.shutdown()
     print("lowcomm: lighthouse stopped", flush=True)

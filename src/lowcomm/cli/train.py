@@ -76,9 +76,12 @@ def _site_folder(path: str) -> list[Path]:
             f"--overwrite to replace it"
         )
     if (out / "metrics.jsonl").exists() and int(os.environ.get("RANK", "0")) == 0:
-        print(f"lowcomm: --out {out} holds this site's unfinished run: the site comes back "
-              f"into the run if it is going (it heals from the live sites; it waits up to "
-              f"timeout_s for one) and appends to its files", flush=True)  # fmt: skip
+        print(
+            f"lowcomm: --out {out} holds this site's unfinished run: the site comes back "
+            f"into the run if it is going (it heals from the live sites; it waits up to "
+            f"timeout_s for one) and appends to its files",
+            flush=True,
+        )
     return []
 
 

@@ -113,9 +113,15 @@ class FP4Codec(BlockCodec):
         unit = math.lcm(2 * PLANE_BYTES, self.block_size)  # whole blocks and packing groups
         span = unit * max(1, (1 << 16) // unit)
         return not kernels.lc_fp4_encode(
-            _native.ptr(flat), flat.numel(), self.block_size, span, MIN_SCALE, self.pad_code,
-            _native.ptr(scales), _native.ptr(packed),
-        )  # fmt: skip
+            _native.ptr(flat),
+            flat.numel(),
+            self.block_size,
+            span,
+            MIN_SCALE,
+            self.pad_code,
+            _native.ptr(scales),
+            _native.ptr(packed),
+        )
 
     def decode_mean(self, payloads, shape, out, weights=None, divisor=1.0, names=None) -> bool:
         kernels = _native.usable(out)
@@ -127,9 +133,15 @@ class FP4Codec(BlockCodec):
         for w, payload in enumerate(payloads):
             name = names[w] if names else f"payload {w}"
             payload = check_payload(
-                payload, name=name, codec=self.name, describe=self.describe(),
-                expected_nbytes=total, param=self.block_size, numel=n, shape=shape,
-            )  # fmt: skip
+                payload,
+                name=name,
+                codec=self.name,
+                describe=self.describe(),
+                expected_nbytes=total,
+                param=self.block_size,
+                numel=n,
+                shape=shape,
+            )
             sc = payload[HEADER_BYTES:codes_at].view(torch.float32)
             check_finite_scales(sc, name)
             packed.append(payload[codes_at:])
@@ -138,10 +150,15 @@ class FP4Codec(BlockCodec):
             return False
         w32 = torch.tensor(weights, dtype=torch.float32) if weights is not None else None
         bad = kernels.lc_fp4_decode_mean(
-            len(payloads), _native.addresses(packed), _native.addresses(scales),
-            None if w32 is None else _native.ptr(w32), divisor, n, self.block_size,
+            len(payloads),
+            _native.addresses(packed),
+            _native.addresses(scales),
+            None if w32 is None else _native.ptr(w32),
+            divisor,
+            n,
+            self.block_size,
             _native.ptr(out),
-        )  # fmt: skip
+        )
         return bad == 0  # invalid codes: the one-by-one decode names the payload
 
     def _dequantize(self, codes, scales, out, iwork):

@@ -120,9 +120,13 @@ class LutCodec(Codec):
             out = torch.empty(n, dtype=torch.float32)
             lut = stats[1:].contiguous()
             kernels.lc_lut_decode(
-                _native.ptr(payload[self._codes_at() :]), n, self.bits, _native.ptr(lut),
-                float(stats[0]), _native.ptr(out),
-            )  # fmt: skip
+                _native.ptr(payload[self._codes_at() :]),
+                n,
+                self.bits,
+                _native.ptr(lut),
+                float(stats[0]),
+                _native.ptr(out),
+            )
             return out.view(shape)
         codes = unpack_bits(payload[self._codes_at() :], self.bits, n)
         out = stats[1:].index_select(0, codes)

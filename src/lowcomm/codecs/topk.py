@@ -295,9 +295,17 @@ class TopKCodec(Codec):
         if kernels is not None:  # unpacked, checked and placed in one pass (the same bits)
             flat = torch.empty(g.K, dtype=torch.int64)
             if not kernels.lc_topk_indices(
-                _native.ptr(payload[idx_at:]), g.K, g.index_bits, g.k, g.L, g.ntj, g.tr,
-                g.tc, g.C, _native.ptr(flat),
-            ):  # fmt: skip
+                _native.ptr(payload[idx_at:]),
+                g.K,
+                g.index_bits,
+                g.k,
+                g.L,
+                g.ntj,
+                g.tr,
+                g.tc,
+                g.C,
+                _native.ptr(flat),
+            ):
                 return flat, values
         local = unpack_bits(payload[idx_at:], g.index_bits, g.K).view(g.ntiles, g.k)
         if bool((local >= g.L).any()):

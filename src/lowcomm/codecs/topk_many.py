@@ -131,8 +131,17 @@ class TopKPlan:
         self.codes = Streams(codes, device)
         self.indices = Streams(indices, device)
         cols = torch.tensor(per_tensor, dtype=torch.int64).reshape(-1, 9).t().to(device)
-        (self.elem_at, self.kept_at, self.count, self.k, self.tr, self.tc, self.row, self.ntj,
-         self.tile) = cols.contiguous()  # fmt: skip
+        (
+            self.elem_at,
+            self.kept_at,
+            self.count,
+            self.k,
+            self.tr,
+            self.tc,
+            self.row,
+            self.ntj,
+            self.tile,
+        ) = cols.contiguous()
         self.seg = torch.repeat_interleave(
             torch.arange(self.tensors, device=device), self.count, output_size=kept
         )

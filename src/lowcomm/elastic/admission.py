@@ -107,9 +107,12 @@ class Admission:
             who = (int(d.get("site", -1)), str(d.get("inc", "")))
             if who not in self._told:
                 self._told.add(who)
-                log.warning("site %d: a quorum request from site %d without a valid MAC (no run "
-                            "secret, another one, or another run) was ignored: not a member",
-                            self.site, who[0])  # fmt: skip
+                log.warning(
+                    "site %d: a quorum request from site %d without a valid MAC (no run "
+                    "secret, another one, or another run) was ignored: not a member",
+                    self.site,
+                    who[0],
+                )
         if entering and self.odd_one_out(good, bad, entering == "join"):
             raise MembershipError(self._refusal(bad))
         return good

@@ -69,8 +69,9 @@ def in_sync(view: View, tag: str) -> View:
     gone = [d["site"] for d in view.data if d not in keep]
     log.warning("sites %s are at another sync than %s: left out of it", gone, tag)
     members = [int(d["site"]) for d in keep]
-    return View(view.quorum_id, members, keep, [j for j in view.joiners if j in members],
-                view.voting)  # fmt: skip
+    return View(
+        view.quorum_id, members, keep, [j for j in view.joiners if j in members], view.voting
+    )
 
 
 def committed(view: View, commit: View, generation: int, ok: bool) -> bool:
@@ -171,8 +172,9 @@ def without(view: View, excluded: dict[int, str]) -> View:
     if len(keep) == len(view.data):
         return view
     members = [int(d["site"]) for d in keep]
-    return View(view.quorum_id, members, keep, [j for j in view.joiners if j in members],
-                view.voting)  # fmt: skip
+    return View(
+        view.quorum_id, members, keep, [j for j in view.joiners if j in members], view.voting
+    )
 
 
 def asking(view: View, tag: str = "") -> View:

@@ -42,9 +42,10 @@ def _enter(m: Membership) -> tuple[View, str] | None:
                 return None
             return m.join(view)  # this quorum may admit it already: read it, not the next
         entering = {
-            int(d["site"]) for d in (view.data if view is not None else [])
+            int(d["site"])
+            for d in (view.data if view is not None else [])
             if d.get("enter") and d.get("fp") == m.fingerprint
-        }  # fmt: skip
+        }
         if entering >= set(range(e.sites)):
             return None
         if time.monotonic() > deadline:

@@ -51,8 +51,7 @@ def store_of(view: View, connect_s: float) -> dist.TCPStore:
     address = view.data[0]["store"]
     host, port = address.rsplit(":", 1)
     try:
-        return dist.TCPStore(host, int(port), is_master=False,
-                             timeout=timedelta(seconds=connect_s))  # fmt: skip
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=connect_s))
     except (RuntimeError, OSError) as e:  # torch's DistNetworkError is a RuntimeError
         others = {r: d["store"] for r, d in enumerate(view.data) if r > 0}
         raise Unreachable(
@@ -88,8 +87,9 @@ def listening_store(host: str) -> tuple[dist.TCPStore, socket.socket]:
     sock.bind((host, 0))
     sock.listen(128)
     port = sock.getsockname()[1]
-    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                          master_listen_fd=sock.fileno())  # fmt: skip
+    store = dist.TCPStore(
+        host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.fileno()
+    )
     return store, sock
 
 

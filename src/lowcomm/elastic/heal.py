@@ -104,8 +104,9 @@ def hand_over(
         digest_ = bytes(metas[healer][8:40].tolist())
         if _sha(payload) != digest_:
             raise RuntimeError("the healed state's bytes differ from their digest: asking again")
-        if not hmac.compare_digest(bytes(metas[healer][_MAC].tolist()),
-                                   seal(digest_ + _sha(got)).ljust(32, b"\0")):  # fmt: skip
+        if not hmac.compare_digest(
+            bytes(metas[healer][_MAC].tolist()), seal(digest_ + _sha(got)).ljust(32, b"\0")
+        ):
             raise MembershipError(
                 "the healed state carries no valid MAC under this site's run secret: refused"
             )

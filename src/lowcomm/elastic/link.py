@@ -83,9 +83,15 @@ class Link:
                     f"than min_workers={e.min_workers} sites may remain"
                 ) from None
             except Exception as err:  # unreachable (refused, reset): it may be restarting
-                log.warning("site %d: the lighthouse at %s is unreachable at %s (%s); asking "
-                            "again for up to %g s", e.site, e.lighthouse, tag,
-                            str(err).splitlines()[0][:120], e.timeout_s)  # fmt: skip
+                log.warning(
+                    "site %d: the lighthouse at %s is unreachable at %s (%s); asking "
+                    "again for up to %g s",
+                    e.site,
+                    e.lighthouse,
+                    tag,
+                    str(err).splitlines()[0][:120],
+                    e.timeout_s,
+                )
                 self._reach(tag, asked)
 
     def adopt(self, epochs: list[int]) -> None:
@@ -118,8 +124,12 @@ class Link:
         time.sleep(SETTLE_BEATS * e.heartbeat_s)
         self._client = client
         self.epoch += 1
-        log.warning("site %d: the lighthouse at %s answers again; epoch %d", e.site,
-                    e.lighthouse, self.epoch)  # fmt: skip
+        log.warning(
+            "site %d: the lighthouse at %s answers again; epoch %d",
+            e.site,
+            e.lighthouse,
+            self.epoch,
+        )
 
     def close(self) -> None:
         """Stop the heartbeats (the lighthouse then leaves this site out)."""

@@ -214,8 +214,7 @@ class Membership:
         # the next attempt's quorum (which may admit a joiner) is the one that must be enough
         patience = Patience(self.elastic, self._excluded_inc, retry, tag in self.elastic.heal_at)
         while phase == "sync" and patience.more(view):
-            log.debug("site %d: %s quorum of %s: not yet; asking again", self.elastic.site, tag,
-                      view.members)  # fmt: skip
+            log.debug("site %d: %s quorum of %s: not yet", self.elastic.site, tag, view.members)
             time.sleep(self.elastic.heartbeat_s)  # the lighthouse answers a lone asker at once
             view = self._member_view(tag, ok, phase, ready)
         return view
@@ -235,8 +234,7 @@ class Membership:
         for d in view.data:  # one line, once, for each site with another run's settings
             if d.get("join") and d.get("fp") != self.fingerprint and d["site"] not in self._refused:
                 self._refused.add(d["site"])
-                log.warning("site %d: site %d asked to join with other settings (%s); refused",
-                            self.elastic.site, d["site"], d.get("fp"))  # fmt: skip
+                self._say("site %d asked to join with other settings (%s); refused", d, d.get("fp"))
         return admit(view, self.fingerprint, tag, phase)
 
     def join(self, first: View | None = None) -> tuple[View, str]:
@@ -309,10 +307,17 @@ class Membership:
                 )
             if d not in keep and d["site"] not in self._refused:
                 self._refused.add(d["site"])
-                log.warning("site %d: a site %d of another run or with other settings (%s) "
-                            "asked this lighthouse; not a member", self.elastic.site, d["site"],
-                            d.get("fp"))  # fmt: skip
+                self._say(
+                    "a site %d of another run or with other settings (%s) asked this "
+                    "lighthouse; not a member",
+                    d,
+                    d.get("fp"),
+                )
         return keep
+
+    def _say(self, message: str, asker: dict[str, Any], fp: Any) -> None:
+        """Warn, once per site, of a request from ``asker`` this site refused."""
+        log.warning("site %d: " + message, self.elastic.site, asker["site"], fp)
 
     def same_shape(self, d: dict[str, Any]) -> None:
         """Every site of a run has as many ranks (each syncs its shard with the same rank of
@@ -369,8 +374,7 @@ class Membership:
         for site, why in sites.items():
             self._excluded_inc[site] = incs.get(site, "")
             self.excluded[site] = exclusion(site, tag, why)
-            log.warning("site %d: site %d excluded at %s: %s", self.elastic.site, site, tag,
-                        why)  # fmt: skip
+            log.warning("site %d: site %d excluded at %s: %s", self.elastic.site, site, tag, why)
 
     def group(self, view: View, generation: int = 0) -> dist.ProcessGroup:
         """The gloo group of ``view``'s members for attempt ``generation`` (made once each).
@@ -459,8 +463,11 @@ class Patience:
         if ask_again(view, self.excluded, self.elastic.min_workers, split):
             self._until = self._until or now + self.elastic.timeout_s
             return now < self._until
-        absent = {s: a for s, a in (retry.members if retry else {}).items()
-                  if s not in view.members and s not in self.excluded}  # fmt: skip
+        absent = {
+            s: a
+            for s, a in (retry.members if retry else {}).items()
+            if s not in view.members and s not in self.excluded
+        }
         if absent and len(unreachable(absent, _PROBE_S)) < len(absent):
             self._awaiting = self._awaiting or now + (retry.wait_s if retry else 0.0)
             return now < self._awaiting

@@ -114,8 +114,12 @@ class Rounds:
             self.late_syncs += 1
             self.stale = True
             self._post(_key(0, f"stale{self._site}"))  # the others wait for it at its next sync
-            log.warning("site %d: late for sync@%d (it closed on a quorum); it skips it and "
-                        "asks back in at its next sync", self._site, step)  # fmt: skip
+            log.warning(
+                "site %d: late for sync@%d (it closed on a quorum); it skips it and "
+                "asks back in at its next sync",
+                self._site,
+                step,
+            )
             return False
         self._post(_key(step, "arrived"))
         self._post(_key(step, f"at{self._site}"))
@@ -240,8 +244,12 @@ class Rounds:
         posts = self._posts.get(address)
         if posts is None:
             posts = self._posts[address] = queue.Queue()
-            threading.Thread(target=self._post_loop, args=(address, posts),
-                             name=f"lowcomm-rounds-{address}", daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=self._post_loop,
+                args=(address, posts),
+                name=f"lowcomm-rounds-{address}",
+                daemon=True,
+            ).start()
         return posts
 
     def _post_loop(self, address: str, posts: queue.Queue[tuple[str, str]]) -> None:

@@ -49,15 +49,23 @@ class UpdateCheck:
             del past[:-WINDOW]
             return True
         self.skipped += 1
-        why = "not finite" if not math.isfinite(norm) else (
-            f"above {self.bound:g}x the median of its last {len(past)} ({limit:.4g})")  # fmt: skip
-        log.warning("step %d: fragment %d's combined update has norm %.4g, %s: its outer step "
-                    "is skipped on every site", step, p, norm, why)  # fmt: skip
+        why = (
+            "not finite"
+            if not math.isfinite(norm)
+            else (f"above {self.bound:g}x the median of its last {len(past)} ({limit:.4g})")
+        )
+        log.warning(
+            "step %d: fragment %d's combined update has norm %.4g, %s: its outer step "
+            "is skipped on every site",
+            step,
+            p,
+            norm,
+            why,
+        )
         return False
 
     def save(self) -> dict:
-        return {"norms": {str(p): list(v) for p, v in self.norms.items()},
-                "skipped": self.skipped}  # fmt: skip
+        return {"norms": {str(p): list(v) for p, v in self.norms.items()}, "skipped": self.skipped}
 
     def load(self, saved: dict | None) -> None:
         saved = saved or {}
@@ -108,14 +116,21 @@ class Offenders:
         return named
 
     def _name(self, site: int, step: int) -> None:
-        why = (f"its contribution was left out by the combine rule (not finite, unreadable, "
-               f"empty or against the others) or above {OFFENDER_RATIO:g}x the median norm in "
-               f"{self.syncs} syncs in a row")  # fmt: skip
+        why = (
+            f"its contribution was left out by the combine rule (not finite, unreadable, "
+            f"empty or against the others) or above {OFFENDER_RATIO:g}x the median norm in "
+            f"{self.syncs} syncs in a row"
+        )
         seen = self.stats.extra.setdefault("offenders", {})
         seen[str(site)] = seen.get(str(site), 0) + 1
         evicting = self.evict and self.runner is not None and self.runner.settled is not None
-        log.warning("step %d: site %d is named: %s%s", step, site, why,
-                    "; it is excluded (evict=true)" if evicting else "")  # fmt: skip
+        log.warning(
+            "step %d: site %d is named: %s%s",
+            step,
+            site,
+            why,
+            "; it is excluded (evict=true)" if evicting else "",
+        )
         if evicting:
             tag, view = self.runner.settled
             self.runner.membership.exclude({site: why}, tag, view)

@@ -124,6 +124,6 @@ class Encoder:
                         key=key,
                         need_dense=need_own,
                         flat=flat,
-                    )  # fmt: skip
+                    )
                 )
         return encoded

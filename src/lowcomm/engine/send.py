@@ -20,10 +20,16 @@ if TYPE_CHECKING:
 
 
 def send(
-    parts: Parts, schedule: Schedule, times: SyncTimes, events: list[tuple[str, int, float]],
-    state: RunState, sends: list[int], step: int, flags: torch.Tensor | None,
+    parts: Parts,
+    schedule: Schedule,
+    times: SyncTimes,
+    events: list[tuple[str, int, float]],
+    state: RunState,
+    sends: list[int],
+    step: int,
+    flags: torch.Tensor | None,
     results: dict[int, Result],
-) -> None:  # fmt: skip
+) -> None:
     """Encode fragments ``sends`` after inner step ``step`` and exchange them; ``flags``: the
     control flags already gathered (a worker that has left); a blocking exchange's results go
     into ``results``."""
@@ -54,9 +60,13 @@ def send(
 
 
 def counted(
-    parts: Parts, stats: SyncStats, schedule: Schedule, check_every: int, n_fragments: int,
+    parts: Parts,
+    stats: SyncStats,
+    schedule: Schedule,
+    check_every: int,
+    n_fragments: int,
     step: int,
-) -> None:  # fmt: skip
+) -> None:
     """A sync of ``n_fragments`` done at ``step``: counted, and every ``check_every`` syncs of
     the run (0: never) the replica check started on it."""
     stats.syncs += 1
@@ -66,9 +76,13 @@ def counted(
 
 
 def offer_heal(
-    runner: Runner | None, state: RunState, schedule: Schedule, tag: str, step: int,
+    runner: Runner | None,
+    state: RunState,
+    schedule: Schedule,
+    tag: str,
+    step: int,
     results: dict[int, Result],
-) -> bool:  # fmt: skip
+) -> bool:
     """Let a site join at sync ``tag``: its quorum may admit a joiner only if every member
     offers the run's shared state as of now (results due at this step taken, not yet applied:
     nothing else is in flight at a send, by the overlap rule). With overlap the sync then

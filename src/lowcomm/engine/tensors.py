@@ -158,7 +158,7 @@ def fused_minus(
                 _native.ptr(o),
                 None if s is None else _native.ptr(s),
                 p.numel(),
-            )  # fmt: skip
+            )
         )
     return not bad
 

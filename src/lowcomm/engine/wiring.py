@@ -109,9 +109,13 @@ def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None
     aggregator.faults = engine.faults
     compensation = make_compensation(cfg, _compensation_device(cfg))
     frags = build_fragments(
-        engine.fragment_names, engine._by_name, cfg, placement,
-        None if admission is not None else transport, engine._merge,
-    )  # fmt: skip
+        engine.fragment_names,
+        engine._by_name,
+        cfg,
+        placement,
+        None if admission is not None else transport,
+        engine._merge,
+    )
     register_fragment_state(state, frags)
     register_optimizer_state(state, engine.outer, compensation, aggregator, transport)
     state.register("step", step)
@@ -120,9 +124,13 @@ def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None
     register_counters(state, engine.stats, transport.meter)
     local = LocalWeights(engine.model, frags, placement, state)
     encoder = Encoder(
-        aggregator, compensation, nonfinite, transport.rank, engine.faults,
+        aggregator,
+        compensation,
+        nonfinite,
+        transport.rank,
+        engine.faults,
         in_flight=2 if engine.schedule.is_round_overlap() else 1,
-    )  # fmt: skip
+    )
     runner = placement.runner(aggregator, transport, buffer_transport, engine.faults)
     exchange = Exchange(
         engine.model,
@@ -167,11 +175,22 @@ def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None
         consumed=0 if engine._merge.needs_snapshot else engine.schedule.overlap,
     )
     parts = Parts(
-        transport=transport, buffer_transport=buffer_transport, aggregator=aggregator,
-        compensation=compensation, fragments=frags, inflight=inflight, nonfinite=nonfinite,
-        local=local, encoder=encoder, membership=runner, exchange=exchange, replica=replica,
-        apply=apply, leave=leave, faults=engine.faults,
-    )  # fmt: skip
+        transport=transport,
+        buffer_transport=buffer_transport,
+        aggregator=aggregator,
+        compensation=compensation,
+        fragments=frags,
+        inflight=inflight,
+        nonfinite=nonfinite,
+        local=local,
+        encoder=encoder,
+        membership=runner,
+        exchange=exchange,
+        replica=replica,
+        apply=apply,
+        leave=leave,
+        faults=engine.faults,
+    )
     return parts, admission
 
 

@@ -152,8 +152,11 @@ def _checked(
         raise ConfigError(f"--faults: {item!r} needs @STEP with 1 <= STEP <= {steps}")
     if kind in ("pause", "lighthouse", "link"):
         if factor is None or float(factor) <= 0:
-            what = {"pause": "it is stopped", "lighthouse": "the lighthouse is away",
-                    "link": "its data plane is cut"}[kind]  # fmt: skip
+            what = {
+                "pause": "it is stopped",
+                "lighthouse": "the lighthouse is away",
+                "link": "its data plane is cut",
+            }[kind]
             raise ConfigError(f"--faults: {item!r} needs xSECONDS > 0 (how long {what})")
         return Fault(kind, site, int(step), float(factor))
     if kind in ("scale", "noise"):
@@ -173,8 +176,14 @@ def _checked(
 def pace(faults: list[Fault], site: int, step: int, compute_s: float) -> None:
     """After inner step ``step`` of ``site`` took ``compute_s``: a ``slow:`` fault sleeps it
     (factor - 1) times that long."""
-    factor = max((f.factor or 1.0 for f in faults if f.kind == "slow" and f.site == site
-                  and step >= (f.step or 1)), default=1.0)  # fmt: skip
+    factor = max(
+        (
+            f.factor or 1.0
+            for f in faults
+            if f.kind == "slow" and f.site == site and step >= (f.step or 1)
+        ),
+        default=1.0,
+    )
     if factor > 1:
         time.sleep((factor - 1) * compute_s)
 

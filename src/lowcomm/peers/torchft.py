@@ -417,13 +417,17 @@ class PeerMembership:
             return
         step = self._step()
         if self._members is not None and self._quorum != self._members:
-            self.events.append({
-                "at": f"sync@{step}", "after": self._last[0], "last_step": self._last[1],
-                "left": sorted(set(self._members) - set(self._quorum)),
-                "members": list(self._quorum),
-                "resync_s": round(time.perf_counter() - (self._asked or 0.0), 3),
-                "discarded_steps": self._discarded,
-            })  # fmt: skip
+            self.events.append(
+                {
+                    "at": f"sync@{step}",
+                    "after": self._last[0],
+                    "last_step": self._last[1],
+                    "left": sorted(set(self._members) - set(self._quorum)),
+                    "members": list(self._quorum),
+                    "resync_s": round(time.perf_counter() - (self._asked or 0.0), 3),
+                    "discarded_steps": self._discarded,
+                }
+            )
         self._members, self._last = list(self._quorum), (f"sync@{step}", step)
         self._asked, self._discarded = None, 0
 

@@ -11,5 +11,9 @@ class DiLoCo(Strategy):
 
     name = "diloco"
     summary = "H local steps, then a Nesterov outer step on the mean pseudo-gradient"
-    settings = {"sync_every": 100, "outer_optimizer": "nesterov", "outer_lr": 0.7,
-                "outer_momentum": 0.9}  # fmt: skip
+    settings = {
+        "sync_every": 100,
+        "outer_optimizer": "nesterov",
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+    }

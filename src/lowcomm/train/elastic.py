@@ -75,8 +75,10 @@ def check_elastic(spec: RunSpec, workers: int) -> None:
         if links(faults):
             raise ConfigError("--faults link: cuts an elastic site's data plane: add elastic=true")
         if spec.sync.evict:
-            raise ConfigError("evict=true excludes named sites from an elastic run: add "
-                              "elastic=true (a fixed world only names them)")  # fmt: skip
+            raise ConfigError(
+                "evict=true excludes named sites from an elastic run: add "
+                "elastic=true (a fixed world only names them)"
+            )
         return
     if links(faults) or cfg.site_link:
         _check_links(spec)
@@ -206,15 +208,25 @@ def _site_network(cfg: TrainConfig, workers: int) -> Any:
 
     total = workers + len(adds(faults))
     # without site_link a nominal rate: namespaces to cut one site's link in, not to shape it
-    net = ShapedNetwork(cfg.site_link or "10gbit", topology="per-worker", workers=total,
-                        check=False, name_prefix="lcsites")  # fmt: skip
+    net = ShapedNetwork(
+        cfg.site_link or "10gbit",
+        topology="per-worker",
+        workers=total,
+        check=False,
+        name_prefix="lcsites",
+    )
     return net.__enter__()
 
 
 def _run_sites(
-    spec: RunSpec, workers: int, ctx: Any, servers: list[Any], address: str, keeper: Any,
+    spec: RunSpec,
+    workers: int,
+    ctx: Any,
+    servers: list[Any],
+    address: str,
+    keeper: Any,
     net: Any,
-) -> dict[str, Any] | None:  # fmt: skip
+) -> dict[str, Any] | None:
     """Start every site (in its namespace of ``net`` if any) and wait for the survivors."""
     cfg, out_dir = spec.train, spec.out
     peer = ""
@@ -232,8 +244,9 @@ def _run_sites(
         # a joiner heals from a live peer: it never reads the checkpoint
         own = spec.replace(resume=None) if role.join else spec
         if net is not None:
-            role = dataclasses.replace(role, netns=net.namespace(role.site),
-                                       addr=net.address(role.site), uplink=net.uplink)  # fmt: skip
+            role = dataclasses.replace(
+                role, netns=net.namespace(role.site), addr=net.address(role.site), uplink=net.uplink
+            )
         p = ctx.Process(target=_site_main, args=(role, own))
         p.start()
         return p
@@ -291,10 +304,11 @@ def _plan(
     heal_at = tuple(rejoins.values())  # a replay: every site offers a heal where one joined
     total = workers + len(new)  # the data is cut into as many shards as the run has sites
     roles = [
-        SiteRole(s, total, address, faults, leaves.get(s, ""), peer, heal_at=heal_at,
-                 starting=workers)
+        SiteRole(
+            s, total, address, faults, leaves.get(s, ""), peer, heal_at=heal_at, starting=workers
+        )
         for s in range(workers)
-    ]  # fmt: skip
+    ]
     added = [
         dataclasses.replace(roles[0], site=s, leave_after="", join=True, **when[s]) for s in new
     ]
@@ -351,8 +365,7 @@ def _wait(
                     why = f"signal {-p.exitcode}" if p.exitcode < 0 else f"exit {p.exitcode}"
                     others = any(q.exitcode is None for q in procs)
                     tail = "; the others go on" if others and p.exitcode < 0 else ""
-                    print(f"lowcomm: site {i} is gone ({why}){tail}{_said(out_dir, i)}",
-                          flush=True)  # fmt: skip
+                    print(f"lowcomm: site {i} is gone ({why}){tail}{_said(out_dir, i)}", flush=True)
                 if p.exitcode in (0, -signal.SIGKILL) and restart is not None:
                     again = restart(i)
                     if again is not None:
@@ -388,8 +401,11 @@ def _end_laggards(procs: list[Any]) -> None:
     (back from a pause, late in quorum rounds): nothing is left for them to join."""
     for i, p in enumerate(procs):
         if p.exitcode is None:
-            print(f"lowcomm: site {i} was still behind {FINISH_GRACE_S:g} s after the run "
-                  f"finished: stopped", flush=True)  # fmt: skip
+            print(
+                f"lowcomm: site {i} was still behind {FINISH_GRACE_S:g} s after the run "
+                f"finished: stopped",
+                flush=True,
+            )
             p.kill()
             p.join()
 
@@ -441,9 +457,12 @@ def _site_main(role: SiteRole, spec: RunSpec) -> None:
         from ..netshape.namespaces import enter
 
         enter(role.netns)
-        os.environ.update(LOWCOMM_ADDR=role.addr, GLOO_SOCKET_IFNAME=WORKER_IFNAME,
-                          LOWCOMM_LIGHTHOUSE=role.lighthouse,
-                          LOWCOMM_UPLINK=role.uplink)  # fmt: skip
+        os.environ.update(
+            LOWCOMM_ADDR=role.addr,
+            GLOO_SOCKET_IFNAME=WORKER_IFNAME,
+            LOWCOMM_LIGHTHOUSE=role.lighthouse,
+            LOWCOMM_UPLINK=role.uplink,
+        )
     try:
         run_entry(str(spec.out), role.site, lambda: run_site(role, spec))
     except Exception:  # its stack is in its traceback file, which the launcher's line names

@@ -41,9 +41,14 @@ def write_run_file(
     itself starts again or adds (``join:``, ``add:``, a replay's), never free to take;
     ``netns``: the sites run in namespaces of the launcher's (no site from outside reaches them)."""
     record = {
-        "run": spec.settings(), "sites": role.sites, "starting": role.starting or role.sites,
-        "lighthouse": lighthouse, "launcher": os.getpid(), "planned": planned, "netns": netns,
-    }  # fmt: skip
+        "run": spec.settings(),
+        "sites": role.sites,
+        "starting": role.starting or role.sites,
+        "lighthouse": lighthouse,
+        "launcher": os.getpid(),
+        "planned": planned,
+        "netns": netns,
+    }
     tmp = spec.out / f"{RUN_FILE}.tmp"
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     tmp.replace(spec.out / RUN_FILE)
@@ -133,9 +138,12 @@ def run_site(role: SiteRole, spec: RunSpec) -> dict[str, Any] | None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a site of several ranks: its torchrun
             return run_worker(spec, role=role)  # world, which set_up joins (and leaves)
         dist.init_process_group(
-            "gloo", store=dist.HashStore(), rank=0, world_size=1,
+            "gloo",
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
             timeout=timedelta(seconds=spec.train.timeout_s),
-        )  # fmt: skip
+        )
         try:
             return run_worker(spec, role=role)
         finally:

@@ -243,9 +243,11 @@ def _own_site(spec: RunSpec, on_checked: Callable[[], None] | None) -> dict[str,
     if not os.environ.get("LOWCOMM_DEBUG"):
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's client logs every quorum at INFO
     if int(os.environ.get("RANK", "0")) == 0:  # the site's first rank speaks for it
-        print(f"lowcomm: site {cfg.site} of {cfg.sites} asks the lighthouse at {cfg.lighthouse} "
-              f"whether the run is going (it starts with the others, or joins and heals)",
-              flush=True)  # fmt: skip
+        print(
+            f"lowcomm: site {cfg.site} of {cfg.sites} asks the lighthouse at {cfg.lighthouse} "
+            f"whether the run is going (it starts with the others, or joins and heals)",
+            flush=True,
+        )
     # its folder holds its unfinished run: it only joins the run going (read before this
     # site writes anything; of a site's ranks, rank 0's reading is the one that asks)
     back = (spec.out / "metrics.jsonl").exists()
@@ -265,8 +267,12 @@ def _replayed_site(role: SiteRole, spec: RunSpec) -> SiteRole:
     heal_at = tuple(joins.values())  # every site offers a heal where one joined
     # (each rank of a site decides alike: rank 0 alone asks, and a comeback never reaches its
     # recorded leave again; only rank 0 refuses or speaks)
-    role = replace(role, leave_after=leaves.get(cfg.site, ""), heal_at=heal_at,
-                   join_at=joins.get(cfg.site, "") if role.back else "")  # fmt: skip
+    role = replace(
+        role,
+        leave_after=leaves.get(cfg.site, ""),
+        heal_at=heal_at,
+        join_at=joins.get(cfg.site, "") if role.back else "",
+    )
     if int(os.environ.get("RANK", "0")) != 0:
         return role
     if role.back:
@@ -275,13 +281,22 @@ def _replayed_site(role: SiteRole, spec: RunSpec) -> SiteRole:
                 f"--replay {cfg.replay}: site {cfg.site} did not come back in the recorded run, "
                 f"but --out {spec.out} holds its unfinished run: give a fresh --out"
             )
-        print(f"lowcomm: replay: site {cfg.site} comes back at {joins[cfg.site]}, as in "
-              f"the recorded run", flush=True)  # fmt: skip
+        print(
+            f"lowcomm: replay: site {cfg.site} comes back at {joins[cfg.site]}, as in "
+            f"the recorded run",
+            flush=True,
+        )
     elif cfg.site in leaves:
-        again = f"; run this command again to bring it back at {joins[cfg.site]}" if (
-            cfg.site in joins) else ""  # fmt: skip
-        print(f"lowcomm: replay: site {cfg.site} will leave after {leaves[cfg.site]} as in the "
-              f"recorded run{again}", flush=True)  # fmt: skip
+        again = (
+            f"; run this command again to bring it back at {joins[cfg.site]}"
+            if (cfg.site in joins)
+            else ""
+        )
+        print(
+            f"lowcomm: replay: site {cfg.site} will leave after {leaves[cfg.site]} as in the "
+            f"recorded run{again}",
+            flush=True,
+        )
     return role
 
 

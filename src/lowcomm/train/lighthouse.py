@@ -81,15 +81,19 @@ class Keeper:
             self._proc.join()
             self._back_at = time.monotonic() + seconds
             ask.unlink()
-            print(f"lowcomm: fault: the lighthouse is killed; it starts again in {seconds:g} s",
-                  flush=True)  # fmt: skip
+            print(
+                f"lowcomm: fault: the lighthouse is killed; it starts again in {seconds:g} s",
+                flush=True,
+            )
         if self._proc.exitcode is None:
             return
         if self._back_at is None:  # died by itself (or killed from outside): at once
             code = self._proc.exitcode
             why = f"signal {-code}" if code < 0 else f"exit {code}"
-            print(f"lowcomm: the lighthouse is gone ({why}); starting it again at {self.address}",
-                  flush=True)  # fmt: skip
+            print(
+                f"lowcomm: the lighthouse is gone ({why}); starting it again at {self.address}",
+                flush=True,
+            )
         elif time.monotonic() < self._back_at:
             return
         self._back_at = None

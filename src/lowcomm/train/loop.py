@@ -106,8 +106,9 @@ def _train_loop(run: Run, harness: Harness, log: RunLog, fresh: bool) -> None:
     run.progress.loop_started = time.perf_counter()
     synclog = None
     if role is not None and not run.spec.strategy.peer:  # a peer's engine has no global copy
-        synclog = SyncLog(run.spec.out, replica, run.comm.engine, fresh and not _healed(run),
-                          run.place.site.part)  # fmt: skip
+        synclog = SyncLog(
+            run.spec.out, replica, run.comm.engine, fresh and not _healed(run), run.place.site.part
+        )
     while step <= steps:
         harness.act(step)
         started, synced = time.perf_counter(), _sync_s(run)

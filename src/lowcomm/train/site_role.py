@@ -69,9 +69,14 @@ class QuorumControl:
 
 
 def record_membership(
-    events: list[dict], sites: int, steps: int, tokens_per_site_step: int, out: Path,
-    summary: RunSummary, starting: int = 0,
-) -> None:  # fmt: skip
+    events: list[dict],
+    sites: int,
+    steps: int,
+    tokens_per_site_step: int,
+    out: Path,
+    summary: RunSummary,
+    starting: int = 0,
+) -> None:
     """The run's membership events into the summary and DIR/membership.jsonl; goodput and the
     tokens actually trained (a lost site's steps count up to its last sync that stood; an added
     site's from the sync it joined at). ``starting``: the sites the run began with (0: all)."""

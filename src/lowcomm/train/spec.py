@@ -38,9 +38,13 @@ class RunSpec:
     ) -> RunSpec:
         """The spec of a run of ``strategy`` (a name or a registered Strategy)."""
         return cls(
-            strategies.get(strategy), sync, train, Path(out), name,
+            strategies.get(strategy),
+            sync,
+            train,
+            Path(out),
+            name,
             str(resume) if resume is not None else None,
-        )  # fmt: skip
+        )
 
     @property
     def label(self) -> str:

@@ -145,10 +145,19 @@ class RunSummary:
         folder = f"runs/reproduce/{self.name or self.strategy}"
         if self.bandwidth:
             head = [
-                "lowcomm", "compare", "--strategies", self.strategy, "--workers",
-                str(self.workers or 1), "--bandwidths", self.bandwidth,
-                "--topology", self.topology or "shared", "--seeds", str(self.seed or 0),
-            ]  # fmt: skip
+                "lowcomm",
+                "compare",
+                "--strategies",
+                self.strategy,
+                "--workers",
+                str(self.workers or 1),
+                "--bandwidths",
+                self.bandwidth,
+                "--topology",
+                self.topology or "shared",
+                "--seeds",
+                str(self.seed or 0),
+            ]
         else:
             head = ["lowcomm", "train", "--strategy", self.strategy]
             head += ["--workers", str(self.workers or 1)]

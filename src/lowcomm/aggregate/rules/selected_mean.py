@@ -86,6 +86,11 @@ def _fused(
         return False
     w32 = torch.tensor(weights, dtype=torch.float32) if weights is not None else None
     return not kernels.lc_selected_mean(
-        len(sent), _native.addresses([i for i, _ in sent]), _native.addresses([v for _, v in sent]),
-        None if w32 is None else _native.ptr(w32), sent[0][0].numel(), k, _native.ptr(out),
-    )  # fmt: skip
+        len(sent),
+        _native.addresses([i for i, _ in sent]),
+        _native.addresses([v for _, v in sent]),
+        None if w32 is None else _native.ptr(w32),
+        sent[0][0].numel(),
+        k,
+        _native.ptr(out),
+    )
