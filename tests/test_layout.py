@@ -194,6 +194,24 @@ def test_the_formatter_formats_nearly_everything():
     assert skips <= 30, skips
 
 
+def test_rounds_alone_changes_its_counters():
+    """Quorum rounds' counters (cut rounds and steps, late syncs) change inside
+    ``elastic/rounds.py`` only; the engine tells it what happened (``cut``, ``missed``)."""
+    counters = {"cut_rounds", "cut_steps", "late_syncs"}
+    found = []
+    for path in _src_files():
+        if path.name == "rounds.py" and path.parent.name == "elastic":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if isinstance(node, ast.AugAssign):
+                targets = [node.target]
+            for t in targets:
+                if isinstance(t, ast.Attribute) and t.attr in counters:
+                    found.append(f"{_rel(path)}:{node.lineno}: {ast.unparse(t)}")
+    assert not found, found
+
+
 def test_the_trainer_does_not_reach_up_into_hf():
     graph = import_graph()
     into_hf = sorted(m for m, deps in graph.items() if "lowcomm.hf" in deps)

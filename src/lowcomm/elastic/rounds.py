@@ -94,6 +94,16 @@ class Rounds:
         """A round was cut short and its sync done since the last step: not step time."""
         self._last_step = time.perf_counter()
 
+    def cut(self, steps: int) -> None:
+        """This site ends its round ``steps`` inner steps early (a quorum reached the sync)."""
+        self.cut_rounds += 1
+        self.cut_steps += steps
+
+    def missed(self) -> None:
+        """This site missed a sync it had arrived at (back from a missed one, its heal there
+        failed): counted as late."""
+        self.late_syncs += 1
+
     def closing(self, send_step: int, remaining: int) -> bool:
         """Between inner steps, ``remaining`` before the sync at ``send_step``: whether to go
         to it now. Yes once a quorum has arrived there, unless every remaining step fits in

@@ -22,8 +22,7 @@ def cut_short(rounds: Rounds, schedule: Schedule, step: int, go_to: Callable[[in
     target = schedule.next_send(step)
     if not rounds.closing(target, target - step):
         return
-    rounds.cut_rounds += 1
-    rounds.cut_steps += target - step
+    rounds.cut(target - step)
     go_to(target)
     rounds.synced()
 
@@ -42,7 +41,7 @@ def in_round(
         if not rounds.arrive(step):
             return False
         if rounds.stale and not rejoin(f"sync@{step}", rounds.late == "carry"):
-            rounds.late_syncs += 1
+            rounds.missed()
             return False
         return True
     finally:

@@ -146,34 +146,10 @@ def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None
         most_steps=2 * engine.schedule.sync_every,
     )
     replica = ReplicaCheck(transport, exchange.on_group, engine.stats)
-    apply = Apply(
-        engine.model,
-        engine.inner_optimizer,
-        frags,
-        engine.outer,
-        engine._merge,
-        merge_at_first_send=engine.schedule.is_round_overlap(),
-        inflight=inflight,
-        guard=nonfinite,
-        placement=placement,
-        times=engine.sync_times,
-        compensation=compensation,
-        check=UpdateCheck(cfg.update_bound, state),
-        offenders=Offenders(cfg.offender_syncs, cfg.evict, engine.stats, runner),
-    )
+    apply = _apply(engine, frags, inflight, nonfinite, compensation, runner)
     # offenders are told apart by their contributions' norms: a robust rule's gather gives them
     aggregator.track = cfg.offender_syncs > 0 and not aggregator.rule.sum_decomposable
-    leave = Leave(
-        engine.model,
-        frags,
-        placement,
-        transport=transport,
-        exchange=exchange,
-        inflight=inflight,
-        outer=engine.outer,
-        events=engine.events,
-        consumed=0 if engine._merge.needs_snapshot else engine.schedule.overlap,
-    )
+    leave = _leave(engine, frags, transport, exchange, inflight)
     parts = Parts(
         transport=transport,
         buffer_transport=buffer_transport,
@@ -192,6 +168,54 @@ def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None
         faults=engine.faults,
     )
     return parts, admission
+
+
+def _apply(
+    engine: Built,
+    frags: list[Fragment],
+    inflight: InFlight,
+    nonfinite: NonFiniteGuard,
+    compensation: ErrorFeedback | MovingAverageCompensation | None,
+    runner: Runner | None,
+) -> Apply:
+    """The outer step and merge of a result, with the checks on what arrives."""
+    cfg = engine.config
+    return Apply(
+        engine.model,
+        engine.inner_optimizer,
+        frags,
+        engine.outer,
+        engine._merge,
+        merge_at_first_send=engine.schedule.is_round_overlap(),
+        inflight=inflight,
+        guard=nonfinite,
+        placement=engine._placement,
+        times=engine.sync_times,
+        compensation=compensation,
+        check=UpdateCheck(cfg.update_bound, engine.state),
+        offenders=Offenders(cfg.offender_syncs, cfg.evict, engine.stats, runner),
+    )
+
+
+def _leave(
+    engine: Built,
+    frags: list[Fragment],
+    transport: Transport,
+    exchange: Exchange,
+    inflight: InFlight,
+) -> Leave:
+    """The exit path of the with block."""
+    return Leave(
+        engine.model,
+        frags,
+        engine._placement,
+        transport=transport,
+        exchange=exchange,
+        inflight=inflight,
+        outer=engine.outer,
+        events=engine.events,
+        consumed=0 if engine._merge.needs_snapshot else engine.schedule.overlap,
+    )
 
 
 def fingerprint(
