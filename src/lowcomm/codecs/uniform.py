@@ -60,9 +60,8 @@ class UniformCodec(BlockCodec):
         torch.mul(xb, inv[:, None], out=work)
         if self.stochastic:
             u = dither(work.numel(), self.generator, work.device).view(work.shape)
-            work.add_(u.sub_(0.5)).clamp_(
-                -self.qmax, self.qmax
-            )  # round(y + u - 1/2) = floor(y + u)
+            # round(y + u - 1/2) = floor(y + u)
+            work.add_(u.sub_(0.5)).clamp_(-self.qmax, self.qmax)
         # round-to-nearest-even into the low mantissa bits; codes land in [1, 2*qmax + 1]
         work.add_(_MAGIC + self.offset)
         codes.copy_(work.view(torch.int32).view(-1))  # narrowing keeps the low byte

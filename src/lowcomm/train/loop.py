@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..faults import pace, parse_faults
+from ..faults import pace
 from ..faults.harness import Harness
 from ..protocols import NO_FAULTS
 from ..provenance import git_rev
@@ -30,7 +30,7 @@ from .log import RunLog
 from .model import count_params
 from .resume import load_state, restore, save_checkpoint
 from .run import Run, init_distributed, lr_lambda, resolve_device, set_up, wrap_for_strategy
-from .site_role import SiteRole, record_membership
+from .site_role import FIXED_WORLD, SiteRole, record_membership
 from .sites import full_state_dict, rows_of
 from .spec import RunSpec
 from .summary import RunSummary
@@ -58,17 +58,18 @@ def run_worker(spec: RunSpec, role: SiteRole | None = None) -> dict[str, Any] | 
     elastic run (:mod:`lowcomm.train.elastic`).
     """
     cfg = spec.train
-    run = set_up(spec, role)
-    if role is None:
+    place = role or FIXED_WORLD
+    run = set_up(spec, place)
+    if not place.elastic:
         _write_workers_json(run)  # an elastic run's launcher keeps it
     site = run.place.site
-    faults = role.faults if role else parse_faults(cfg.faults, site.replicas, cfg.steps)
+    faults = place.planned(cfg.faults, site.replicas, cfg.steps)
     harness = Harness(faults, site.replica, spec.out)  # a site acts its own faults out
     wrap_for_strategy(run, harness if faults else NO_FAULTS)  # ... inside its syncs too
     saved = load_state(run, spec.resume) if spec.resume is not None else None
     if saved is not None:
         run.progress.start_step = int(saved["step"]) + 1
-    alone = role is not None and role.alone  # launched on its own: its folder is its own
+    alone = place.alone  # launched on its own: its folder is its own
     log = RunLog(
         spec.out,
         run.place.site.part if alone else run.place.rank,  # alone: the site's first rank writes
@@ -79,13 +80,13 @@ def run_worker(spec: RunSpec, role: SiteRole | None = None) -> dict[str, Any] | 
         progress=cfg.progress,
         backend=cfg.log,
     )
-    if role is not None and role.gate is not None:
-        role.gate.wait()  # a joiner on standby: until the site it replaces has left
+    if place.gate is not None:
+        place.gate.wait()  # a joiner on standby: until the site it replaces has left
     try:
         with run.sync_context():
             if saved is not None:
                 restore(run, saved)
-            if role is not None and _healed(run):
+            if place.elastic and _healed(run):
                 _joined(run)
                 after_step(run, run.progress.start_step - 1, log)  # the others' collectives
             _train_loop(run, harness, log, fresh=saved is None)
@@ -105,7 +106,7 @@ def _train_loop(run: Run, harness: Harness, log: RunLog, fresh: bool) -> None:
     step = run.progress.start_step
     run.progress.loop_started = time.perf_counter()
     synclog = None
-    if role is not None and not run.spec.strategy.peer:  # a peer's engine has no global copy
+    if role.elastic and not run.spec.strategy.peer:  # a peer's engine has no global copy
         synclog = SyncLog(
             run.spec.out, replica, run.comm.engine, fresh and not _healed(run), run.place.site.part
         )
@@ -134,7 +135,7 @@ def _healed(run: Run) -> bool:
     """Whether this site joined a running run (a joiner, or a site launched on its own that
     found the run going): it healed on entering the block."""
     role = run.place.role
-    return role is not None and getattr(run.comm.engine, "healed", role.join)
+    return role.elastic and getattr(run.comm.engine, "healed", role.join)
 
 
 def _joined(run: Run) -> None:
@@ -324,13 +325,12 @@ def summarize(run: Run, log: RunLog) -> RunSummary | None:
         return None
     summary = _build_summary(run, val_loss, vec.tolist(), int(rss.item()))
     if run.progress.checkpoint_s:
-        summary.extra["checkpoint_s"] = round(
-            run.progress.checkpoint_s, 3
-        )  # writing them, this site
+        # writing them, this site
+        summary.extra["checkpoint_s"] = round(run.progress.checkpoint_s, 3)
     if run.membership is not None:
         per_step = run.spec.train.batch_size * run.spec.train.seq_len
         events = run.membership.events
-        starting = run.place.role.starting if run.place.role is not None else 0
+        starting = run.place.role.starting
         record_membership(
             events,
             run.place.site.replicas,  # the sites (a site of several ranks counts once)

@@ -31,7 +31,7 @@ def save_checkpoint(run: Run, step: int) -> Path:
     (the path of a resume on another number of workers).
     """
     d = ckpt.checkpoint_dir(run.spec.out, step)
-    if run.place.role is not None:
+    if run.place.role.elastic:
         if run.writes:
             _save_one(run, step, d)
         return d

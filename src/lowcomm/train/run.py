@@ -32,7 +32,7 @@ from ..transport import ByteMeter, Transport
 from . import checkpoint as ckpt
 from .build import build_model
 from .data import Batches, load_corpus, val_batches
-from .site_role import QuorumControl, SiteRole
+from .site_role import FIXED_WORLD, QuorumControl, Role, SiteRole
 from .sites import Site, build_mesh, shard_model, site_of
 from .spec import RunSpec
 
@@ -91,8 +91,8 @@ class Place:
     """True when this run created the process group (and so destroys it at the end)."""
     site: Site
     """This rank's replica and place in it (several ranks per worker: FSDP2 inside)."""
-    role: SiteRole | None = None
-    """This process's site in an elastic run (None: a fixed world)."""
+    role: Role = FIXED_WORLD
+    """A worker of a fixed world, or this process's site in an elastic run."""
 
 
 @dataclass
@@ -266,16 +266,16 @@ class Run:
     def membership(self) -> Any:
         """The engine's membership runner in an elastic run (who is in), else None."""
         engine = self.comm.engine
-        return engine.membership if self.place.role is not None and engine is not None else None
+        return engine.membership if self.place.role.elastic and engine is not None else None
 
     @property
     def writes(self) -> bool:
         """Whether this rank writes the run's files: rank 0, or the lowest live site (every
         site launched on its own: its folder is its own)."""
-        if self.place.role is not None and self.place.role.alone:
+        if self.place.role.alone:
             return self.place.site.part == 0  # the site's first rank
         members = self.membership.members if self.membership is not None else None
-        if self.place.role is not None and members:
+        if isinstance(self.place.role, SiteRole) and members:
             return members[0] == self.place.role.site
         return self.place.rank == 0
 
@@ -327,7 +327,7 @@ class Run:
         return float(total[0] / max(total[1], 1))
 
 
-def set_up(spec: RunSpec, role: SiteRole | None = None) -> Run:
+def set_up(spec: RunSpec, role: Role = FIXED_WORLD) -> Run:
     """Join the process group and build the model, optimizer, schedule and data of this rank
     (of this site, in an elastic run)."""
     cfg = spec.train
@@ -336,10 +336,10 @@ def set_up(spec: RunSpec, role: SiteRole | None = None) -> Run:
         torch.set_num_threads(cfg.threads)
     owns_group = init_distributed(cfg.timeout_s, device, gpus_for(cfg.device))
     rank, world = dist.get_rank(), dist.get_world_size()
-    if role is not None:  # its own world: this site's ranks (one, or a torchrun's of a site)
+    if isinstance(role, SiteRole):  # its own world: this site's ranks (one, or a torchrun's)
         rank, world = role.site * world + rank, role.sites * world
     site = site_of(rank, world, cfg.ranks_per_worker)
-    owns_folder = rank == 0 or (role is not None and role.alone and site.part == 0)
+    owns_folder = rank == 0 or (role.alone and site.part == 0)
     if owns_folder:
         spec.out.mkdir(parents=True, exist_ok=True)
     corpus = load_corpus(cfg.data, tokenizer=cfg.tokenizer)
@@ -349,7 +349,7 @@ def set_up(spec: RunSpec, role: SiteRole | None = None) -> Run:
     vocab = max(corpus.vocab_size, 1)
     model = build_model(cfg.model, vocab_size=vocab, max_seq_len=max(cfg.seq_len, 1)).to(device)
     inner_meter = ByteMeter()
-    hsdp_meter = _shard_for_site(model, site, spec, device, inner_meter, elastic=role is not None)
+    hsdp_meter = _shard_for_site(model, site, spec, device, inner_meter, elastic=role.elastic)
     opt = torch.optim.AdamW(
         model.parameters(),
         lr=cfg.inner_lr,
@@ -459,7 +459,7 @@ def _attach_engine(run: Run, faults: FaultHooks) -> None:
             timeout_s=spec.train.timeout_s,
             streaming=spec.strategy.streaming,
             elastic=_elastic(run),
-            peer_lighthouse=role.peer_lighthouse if role else "",
+            peer_lighthouse=role.peer_lighthouse,
         )
     else:
         run.comm.engine = LowComm(
@@ -472,14 +472,14 @@ def _attach_engine(run: Run, faults: FaultHooks) -> None:
             elastic=_elastic(run),
             faults=faults,
         )
-    if role is not None:
+    if role.elastic:
         run.comm.control = QuorumControl(run.comm.engine)
 
 
 def _elastic(run: Run) -> Elastic | None:
     """Membership settings of an elastic run's site (None in a fixed world)."""
     role, cfg = run.place.role, run.spec.train
-    if role is None:
+    if not isinstance(role, SiteRole):
         return None
     return Elastic(
         lighthouse=role.lighthouse, site=role.site, sites=role.starting or role.sites,

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..faults import Fault
+from ..faults import Fault, parse_faults
 from ..transport import ByteMeter
 
 if TYPE_CHECKING:
@@ -19,9 +19,27 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class FixedWorld:
+    """A worker of a fixed world: no membership; the questions a site answers, answered for
+    one that is not (the trainer asks its place, never whether it has one)."""
+
+    elastic: ClassVar[bool] = False
+    alone: ClassVar[bool] = False  # its folder is the run's
+    join: ClassVar[bool] = False  # it starts with the run
+    gate: ClassVar[Any] = None  # nothing to wait for before it starts
+    starting: ClassVar[int] = 0  # the world does not change size
+    peer_lighthouse: ClassVar[str] = ""  # a peer library finds its own world
+
+    def planned(self, faults: str, sites: int, steps: int) -> list[Fault]:
+        """The faults this worker acts out: the run's ``--faults``, read for its world."""
+        return parse_faults(faults, sites, steps)
+
+
+@dataclass(frozen=True)
 class SiteRole:
     """What a site process of an elastic run needs to know about its place in it."""
 
+    elastic: ClassVar[bool] = True
     site: int
     sites: int
     lighthouse: str
@@ -41,6 +59,10 @@ class SiteRole:
     # lighthouse says, and its folder is its own (it writes its files whoever else is in)
     alone: bool = False
     back: bool = False  # ... into its folder's unfinished run: it only joins the run going
+
+    def planned(self, faults: str, sites: int, steps: int) -> list[Fault]:
+        """The faults this site acts out: read by its launcher for the whole run."""
+        return self.faults
 
 
 class QuorumControl:
@@ -99,3 +121,9 @@ def record_membership(
     with open(out / "membership.jsonl", "w") as f:
         for e in events:
             f.write(json.dumps(e) + "\n")
+
+
+#: a process's place in its run: a worker of a fixed world, or a site of an elastic run
+Role = FixedWorld | SiteRole
+#: the place of every worker of a fixed world
+FIXED_WORLD = FixedWorld()
