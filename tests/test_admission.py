@@ -15,12 +15,20 @@ import torch
 from conftest import SiteProcess
 
 from lowcomm.elastic.admission import Admission, read_secret, run_key
+from lowcomm.elastic.messages import Request
 from lowcomm.errors import ConfigError, MembershipError
 
 
 def _request(site: int, **more) -> dict:
     return {"site": site, "tag": "sync@10", "phase": "sync", "gen": 0, "run": "r", "inc": "a",
             "join": False, "join_from": 0, "lh": 0, **more}  # fmt: skip
+
+
+def screened(a: Admission, data: list[dict], entering: str = "") -> list[dict]:
+    """``a.screen`` of these requests, each read from the wire first, as sent (with its MAC)."""
+    read = [Request.from_wire(d) for d in data]
+    kept = a.screen([r for r in read if r is not None], entering=entering)
+    return [{**r.signed, **({"mac": r.mac} if r.sealed else {})} for r in kept]
 
 
 def test_the_run_key_is_hkdf_of_the_secret_with_the_run_id():
@@ -37,21 +45,21 @@ def test_the_run_key_is_hkdf_of_the_secret_with_the_run_id():
 def test_a_request_sealed_under_the_secret_passes_and_every_altered_field_fails():
     a = Admission(0, "r", b"s3cret")
     sealed = a.seal(_request(1))
-    assert a.screen([sealed], entering="") == [sealed]
+    assert screened(a, [sealed], entering="") == [sealed]
     for field, value in [("tag", "sync@20"), ("phase", "commit"), ("gen", 1), ("site", 2),
                          ("inc", "b"), ("lh", 1), ("ok", False), ("run", "other")]:  # fmt: skip
-        assert a.screen([{**sealed, field: value}], entering="") == [], field
+        assert screened(a, [{**sealed, field: value}], entering="") == [], field
     assert a.ignored == 8
     other_run = Admission(0, "other", b"s3cret").seal(_request(1))
     other_secret = Admission(0, "r", b"nope").seal(_request(1))
-    assert a.screen([other_run, other_secret, _request(1)], entering="") == []
+    assert screened(a, [other_run, other_secret, _request(1)], entering="") == []
 
 
 def test_without_a_secret_a_site_reads_only_unsealed_requests():
     plain = Admission(0, "r", None)
     sealed = Admission(1, "r", b"s3cret").seal(_request(1))
     assert plain.seal(_request(0)) == _request(0)
-    assert plain.screen([_request(1), sealed], entering="") == [_request(1)]
+    assert screened(plain, [_request(1), sealed], entering="") == [_request(1)]
 
 
 @pytest.mark.parametrize(
@@ -69,12 +77,12 @@ def test_an_entering_site_whose_secret_differs_from_the_run_stops_with_one_line(
     run = [Admission(s, "r", others).seal(_request(s)) for s in (0, 1)]
     mine = me.seal(_request(3, join=True))
     with pytest.raises(MembershipError, match=says):
-        me.screen([*run, mine], entering="join")
+        screened(me, [*run, mine], entering="join")
     # a member reads the same requests and goes on without the stranger
     member = Admission(0, "r", others)
-    assert member.screen([*run, mine], entering="") == run
+    assert screened(member, [*run, mine], entering="") == run
     # alone (the others between syncs), the entering site waits instead
-    assert me.screen([mine], entering="join") == [mine]
+    assert screened(me, [mine], entering="join") == [mine]
 
 
 def test_a_starting_site_stops_only_when_most_of_its_runs_requests_fail():
@@ -85,10 +93,10 @@ def test_a_starting_site_stops_only_when_most_of_its_runs_requests_fail():
     stranger = Admission(2, "r", b"other").seal(_request(2, tag="start"))
     others = [Admission(s, "q", None).seal(_request(s, tag="start", run="q")) for s in (5, 6)]
     me = Admission(0, "r", b"s3cret", sites=3)
-    assert me.screen([good[0], stranger, *others], entering="start") == [good[0]]
-    assert me.screen([*good, stranger], entering="start") == good
+    assert screened(me, [good[0], stranger, *others], entering="start") == [good[0]]
+    assert screened(me, [*good, stranger], entering="start") == good
     with pytest.raises(MembershipError, match="no valid MAC under this site's secret"):
-        Admission(2, "r", b"other", sites=3).screen([*good, stranger], entering="start")
+        screened(Admission(2, "r", b"other", sites=3), [*good, stranger], entering="start")
 
 
 def test_hints_carry_a_mac_bound_to_their_key_and_a_forged_one_reads_as_absent():

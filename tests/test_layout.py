@@ -212,6 +212,36 @@ def test_rounds_alone_changes_its_counters():
     assert not found, found
 
 
+def test_the_protocol_reads_requests_by_their_typed_fields():
+    """``elastic/`` reads a quorum request's fields from :class:`~lowcomm.elastic.messages.
+    Request` (typed, checked once by ``from_wire``), never as string keys of the wire's dict
+    (``d["site"]``, ``d.get("join")``), outside ``messages.py``."""
+    import dataclasses
+
+    from lowcomm.elastic.messages import Request
+
+    keys = {f.name for f in dataclasses.fields(Request)} | {"mac"}
+    found = []
+    for path in sorted((SRC / PACKAGE / "elastic").glob("*.py")):
+        if path.name == "messages.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            key = None
+            if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+                key = node.slice.value
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "get"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                key = node.args[0].value
+            if key in keys:
+                found.append(f"{_rel(path)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, found
+
+
 def test_the_trainer_does_not_reach_up_into_hf():
     graph = import_graph()
     into_hf = sorted(m for m, deps in graph.items() if "lowcomm.hf" in deps)

@@ -14,6 +14,7 @@ from lowcomm.config import ConfigError
 from lowcomm.elastic import membership
 from lowcomm.elastic.decide import View
 from lowcomm.elastic.membership import Elastic, Membership
+from lowcomm.elastic.messages import Request
 from lowcomm.errors import MembershipError
 from lowcomm.faults import Fault, parse_faults
 
@@ -35,7 +36,9 @@ def _bare(site: int = 0, fingerprint: str = "fp") -> Membership:
 
 
 def _view(epochs: list[int], quorum_id: int = 1) -> View:
-    data = [{"site": s, "inc": "a", "store": "h:1", "lh": e} for s, e in enumerate(epochs)]
+    data = [
+        Request(site=s, tag="sync@10", inc="a", store="h:1", lh=e) for s, e in enumerate(epochs)
+    ]
     return View(quorum_id, list(range(len(epochs))), data)
 
 
@@ -64,9 +67,9 @@ def test_a_starting_site_with_other_settings_stops_the_run_with_one_line():
     """Starting sites' settings are checked at the lighthouse too: one of this run id with
     another fingerprint stops every site that sees it, itself too (before the fix it was only
     left out, and every site waited for it at the start for ever). Another run's is ignored."""
-    mine = {"site": 0, "tag": "start", "fp": "aaa", "run": "lowcomm", "join": False}
-    odd = {"site": 1, "tag": "start", "fp": "bbb", "run": "lowcomm", "join": False}
-    other_run = {"site": 1, "tag": "start", "fp": "ccc", "run": "another", "join": False}
+    mine = Request(site=0, tag="start", fp="aaa", run="lowcomm")
+    odd = Request(site=1, tag="start", fp="bbb", run="lowcomm")
+    other_run = Request(site=1, tag="start", fp="ccc", run="another")
     assert _bare(0, "aaa")._same_run([mine, other_run]) == [mine]
     with pytest.raises(MembershipError, match="site 1 of run lowcomm has other settings"):
         _bare(0, "aaa")._same_run([mine, odd])

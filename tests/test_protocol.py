@@ -19,6 +19,7 @@ from lowcomm.elastic.admission import Admission
 from lowcomm.elastic.decide import View, admit, admitted_at, blamed, committed, in_sync, run_tag
 from lowcomm.elastic.joining import Joiner
 from lowcomm.elastic.membership import Elastic, Membership
+from lowcomm.elastic.messages import Request
 from lowcomm.errors import MembershipError
 
 _OPEN = Admission(0, "lowcomm", None)  # a run without a secret: hints as they are
@@ -29,8 +30,18 @@ def _d(site: int, tag: str, phase: str = "sync", ok: bool = True, gen: int = 0, 
             "join_from": 0, **kw}  # fmt: skip
 
 
+def _reqs(data: list[dict]) -> list[Request]:
+    """These requests, each read from the wire as a member reads it (its attempt and join step
+    0 where a test leaves them out)."""
+    requests = [Request.from_wire({"gen": 0, "join_from": 0, **d}) for d in data]
+    assert all(r is not None for r in requests), data
+    return requests  # type: ignore[return-value]
+
+
 def _view(*data: dict, qid: int = 7) -> View:
-    return View(qid, [d["site"] for d in data], list(data))
+    """A quorum of these requests."""
+    requests = _reqs(list(data))
+    return View(qid, [r.site for r in requests], requests)
 
 
 class _Checker(Membership):
@@ -50,7 +61,7 @@ def test_a_site_paused_past_its_heartbeat_stops_alone_and_the_others_go_on():
     for site in (0, 1, 3):
         got = _Checker(site).check(view, "sync@200")
         assert got.members == [0, 1, 3]
-        assert [d["site"] for d in got.data] == [0, 1, 3]
+        assert [d.site for d in got.data] == [0, 1, 3]
     with pytest.raises(MembershipError, match="site 2 is at sync@190 while the run is at sync@200"):
         _Checker(2).check(view, "sync@190")
 
@@ -71,7 +82,7 @@ def test_too_few_left_in_the_sync_still_stops_the_run():
 
 def test_joiners_are_not_counted_as_elsewhere():
     joiner = {"site": 4, "tag": "join", "phase": "join", "ok": True, "join": True}
-    view = View(3, [0, 1, 4], [_d(0, "sync@50"), _d(1, "sync@50"), joiner], joiners=[4])
+    view = View(3, [0, 1, 4], _reqs([_d(0, "sync@50"), _d(1, "sync@50"), joiner]), joiners=[4])
     assert run_tag(view) == "sync@50"
     assert in_sync(view, "sync@50") is view
 
@@ -151,12 +162,12 @@ def test_a_joiner_and_the_members_agree_on_who_is_in_when_a_member_is_elsewhere(
               "join_from": 0, "join_at": "sync@110", "ok": True}  # fmt: skip
     data = [_d(0, "sync@110", fp="a", ready=True), _d(1, "sync@110", fp="a", ready=True),
             joiner, _d(3, "sync@100", fp="a", ready=False)]  # fmt: skip
-    view = View(4, [0, 1, 2, 3], data)
+    view = View(4, [0, 1, 2, 3], _reqs(data))
     theirs = _Checker(0).check(admit(view, "a", "sync@110", "sync"), "sync@110")
     mine, ref = admitted_at(view, "a")
     assert theirs.members == mine.members == [0, 1, 2]
     assert theirs.joiners == mine.joiners == [2]
-    assert ref["tag"] == "sync@110"
+    assert ref.tag == "sync@110"
 
 
 class _HungStore:
@@ -288,8 +299,8 @@ def test_a_joiner_the_members_cannot_reach_is_excluded_from_the_members_vote():
     """A joiner votes in no commit: the members' vote is complete without it, and a joiner
     they all name is left out (before, it was admitted and failed at every attempt)."""
     joiner = {"site": 3, "tag": "join", "phase": "join", "ok": True, "join": True, "inc": "j"}
-    view = View(3, [0, 1, 2, 3], [_d(0, "sync@50"), _d(1, "sync@50"), _d(2, "sync@50"), joiner],
-                joiners=[3])  # fmt: skip
+    data = _reqs([_d(0, "sync@50"), _d(1, "sync@50"), _d(2, "sync@50"), joiner])
+    view = View(3, [0, 1, 2, 3], data, joiners=[3])
     votes = [_d(s, "sync@50", "commit", ok=False, unreached=[3]) for s in range(3)]
     assert list(blamed(view, _view(*votes), 0)) == [3]
 
@@ -380,10 +391,12 @@ def test_the_members_of_a_quorum_run_the_highest_attempt_any_of_them_reports():
     from lowcomm.elastic.decide import attempt_of
 
     joiner = {"site": 0, "tag": "join", "phase": "join", "ok": True, "join": True, "gen": 9}
-    view = View(4, [0, 2, 3], [joiner, _d(2, "sync@60", gen=3), _d(3, "sync@60", gen=2)],
-                joiners=[0])  # fmt: skip
+    data = _reqs([joiner, _d(2, "sync@60", gen=3), _d(3, "sync@60", gen=2)])
+    view = View(4, [0, 2, 3], data, joiners=[0])
     assert attempt_of(view) == 3  # a joiner's own count is no attempt of the run's
-    assert attempt_of(_view(_d(2, "sync@60", gen=True), _d(3, "sync@60", gen="7"))) == 0
+    # an attempt that is no number: the request is no member's, read off the wire
+    assert Request.from_wire(_d(2, "sync@60", gen=True)) is None
+    assert Request.from_wire(_d(3, "sync@60", gen="7")) is None
 
 
 def test_a_quorum_too_small_after_the_lighthouse_held_it_a_while_is_still_asked_again():
@@ -560,7 +573,7 @@ def test_a_site_asking_back_in_reads_a_quorum_mid_vote_as_the_members_do():
     assert not admits(read, 2, min_workers=2)
     whole = _view(member(0), member(1), joiner, member(3), member(4))
     read, ref = admitted_at(asking(whole, run_tag(whole)), "a")
-    assert admits(read, 2, min_workers=2) and ref["tag"] == "sync@55"
+    assert admits(read, 2, min_workers=2) and ref.tag == "sync@55"
     theirs = _Checker(0).check(admit(whole, "a", "sync@55", "sync"), "sync@55")
     assert theirs.members == read.members == [0, 1, 2, 3, 4]
 
@@ -606,3 +619,35 @@ def test_a_site_asking_back_in_runs_the_attempt_the_members_run():
     admitted = site.rejoin("sync@55")
     assert admitted is not None and admitted.joiners == [2]
     assert site.generation == 2
+
+
+def test_a_request_is_read_off_the_wire_once_with_every_field_checked():
+    """Request.from_wire: the required fields of their types (a bool is no number), the site
+    the participant came in as; optional fields read leniently, as the decisions always did: a
+    blame that is no site number blames nobody, unreached sites that are none are dropped."""
+    wire = {"site": 2, "tag": "sync@10", "phase": "commit", "gen": 1, "join_from": 0,
+            "ok": True, "blame": 3, "why": "bad scale", "unreached": [1, "x", True, 4],
+            "inc": "p", "lh": 5, "ranks": 2, "mac": "ab"}  # fmt: skip
+    r = Request.from_wire(wire, "site0002")
+    assert r is not None and (r.site, r.tag, r.phase, r.gen, r.ok) == (
+        2,
+        "sync@10",
+        "commit",
+        1,
+        True,
+    )
+    assert (r.blame, r.why, r.unreached, r.inc, r.lh, r.ranks) == (
+        3,
+        "bad scale",
+        (1, 4),
+        "p",
+        5,
+        2,
+    )
+    assert r.sealed and r.mac == "ab" and "mac" not in r.signed and r.signed["blame"] == 3
+    assert Request.from_wire(wire, "site0003") is None  # came in under another site's name
+    assert Request.from_wire({**wire, "gen": True}) is None
+    assert Request.from_wire({**wire, "join_at": 7}) is None
+    lenient = Request.from_wire({**wire, "blame": True, "ok": 1, "fp": 3, "lh": "9"})
+    assert lenient is not None and lenient.blame is None and lenient.ok is False
+    assert lenient.fp is None and lenient.lh == 0

@@ -20,6 +20,7 @@ import torch
 
 from lowcomm.bench.deployed import LOWCOMM, Deployment
 from lowcomm.elastic.membership import Membership
+from lowcomm.elastic.messages import Request
 from lowcomm.elastic.site import SiteRanks
 from lowcomm.errors import MembershipError
 
@@ -66,9 +67,9 @@ def test_a_sites_ranks_read_rank_0s_answers_and_vote_ok_only_if_all_completed(wo
 
 def test_a_site_of_another_shape_is_refused_with_one_line():
     me = SimpleNamespace(ranks=2, elastic=SimpleNamespace(site=0))
-    Membership.same_shape(me, {"site": 1, "ranks": 2})  # the same: fine
+    Membership.same_shape(me, _request({"site": 1, "ranks": 2}))  # the same: fine
     with pytest.raises(MembershipError, match="has 2 ranks but site 1 of the run has 1 rank:"):
-        Membership.same_shape(me, {"site": 1})  # a request without it: one rank
+        Membership.same_shape(me, _request({"site": 1}))  # a request without it: one rank
 
 
 # what torchrun --nproc-per-node 2 sets for its first rank (the checks run before any group)
@@ -213,3 +214,10 @@ def test_two_sites_of_two_ranks_launched_per_site_equal_the_fixed_world_bit_for_
     assert done.returncode == 0, done.stderr[-2000:]
     a, b, c = _models([sites.out(0), sites.out(1), fixed])
     assert _same(a, b) and _same(a, c)
+
+
+def _request(fields: dict) -> Request:
+    """A sync request with ``fields``, read from the wire."""
+    got = Request.from_wire({"tag": "sync@10", "phase": "sync", "gen": 0, "join_from": 0, **fields})
+    assert got is not None
+    return got

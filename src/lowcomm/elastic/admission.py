@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, MembershipError
+from .messages import Request, unsealed
 
 log = logging.getLogger("lowcomm")
 
@@ -93,9 +94,9 @@ class Admission:
         """A quorum request's ``data`` with its MAC (over every field) added."""
         if self._key is None:
             return data
-        return {**data, "mac": self.mac("request", _unsealed(data))}
+        return {**data, "mac": self.mac("request", unsealed(data))}
 
-    def screen(self, data: list[dict[str, Any]], entering: str = "") -> list[dict[str, Any]]:
+    def screen(self, data: list[Request], entering: str = "") -> list[Request]:
         """The requests of ``data`` with a valid MAC (without a secret: those without one).
         The rest are counted and named once. ``entering``: "start" or "join" while this site
         is starting or joining; when the run's requests say that this site is the one without
@@ -104,7 +105,7 @@ class Admission:
         bad = [d for d in data if not self._sealed_well(d)]
         for d in bad:
             self.ignored += 1
-            who = (int(d.get("site", -1)), str(d.get("inc", "")))
+            who = (d.site, d.inc)
             if who not in self._told:
                 self._told.add(who)
                 log.warning(
@@ -117,33 +118,33 @@ class Admission:
             raise MembershipError(self._refusal(bad))
         return good
 
-    def odd_one_out(
-        self, good: list[dict[str, Any]], bad: list[dict[str, Any]], joining: bool
-    ) -> bool:
+    def odd_one_out(self, good: list[Request], bad: list[Request], joining: bool) -> bool:
         """Whether this entering site, not the others, lacks the run's secret. Only requests of
         this run id count (a lighthouse may serve other runs), and only the run's members or
         starting sites, never joiners (anyone may ask to join). A joiner: a member asked and
         none passed. A starting site: a majority of the run's starting sites failed (a
         stranger alone with it proves nothing; in a run of two, neither can tell which secret
         is wrong: each names the other and waits)."""
-        failed = [d for d in bad if d.get("run") == self.run_id and not d.get("join")]
+        failed = [d for d in bad if d.run == self.run_id and not d.join]
         if joining:
-            members = [d for d in good if d.get("site") != self.site and not d.get("join")]
+            members = [d for d in good if d.site != self.site and not d.join]
             return bool(failed) and not members
         return len(failed) >= self.sites // 2 + 1
 
-    def _sealed_well(self, d: dict[str, Any]) -> bool:
+    def _sealed_well(self, d: Request) -> bool:
+        """Whether ``d`` carries a valid MAC over the fields it was sent with (none without
+        a secret)."""
         if self._key is None:
-            return "mac" not in d
-        return self.valid(d.get("mac"), "request", _unsealed(d))
+            return not d.sealed
+        return self.valid(d.mac, "request", d.signed)
 
-    def _refusal(self, bad: list[dict[str, Any]]) -> str:
+    def _refusal(self, bad: list[Request]) -> str:
         if self._key is None:
             return (
                 f"site {self.site} was refused by the run: its sites hold a run secret and this "
                 f"one has none: give it the run's secret (secret_file= or {SECRET_ENV})"
             )
-        if not any("mac" in d for d in bad):
+        if not any(d.sealed for d in bad):
             return (
                 f"site {self.site} was refused by the run: its sites hold no run secret and this "
                 f"one does: start it without secret_file= and {SECRET_ENV}, as the others"
@@ -172,7 +173,3 @@ class Admission:
             self.ignored += 1
             log.warning("site %d: round hint %r without a valid MAC was ignored", self.site, key)
         return None
-
-
-def _unsealed(data: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in data.items() if k != "mac"}

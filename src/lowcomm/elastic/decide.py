@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+
+from .messages import Request
 
 log = logging.getLogger("lowcomm")
 
@@ -18,7 +19,7 @@ class View:
 
     quorum_id: int
     members: list[int]  # site numbers, rank order
-    data: list[dict[str, Any]] = field(default_factory=list)
+    data: list[Request] = field(default_factory=list)
     joiners: list[int] = field(default_factory=list)  # members admitted here, to be healed
     # sites whose request was a commit vote on the sync asked for, left out (see asking)
     voting: list[int] = field(default_factory=list)
@@ -27,7 +28,7 @@ class View:
     def who(self) -> str:
         """The members as processes (site and incarnation): a site started again after it
         left is another member, though the lighthouse knows it by the same name."""
-        return "-".join(f"{d['site']}.{d.get('inc', '')}" for d in self.data)
+        return "-".join(f"{d.site}.{d.inc}" for d in self.data)
 
     @property
     def healer(self) -> int:
@@ -39,23 +40,18 @@ class View:
     def epoch(self) -> int:
         """The lighthouse's epoch for this quorum's groups: the highest any member reported (every
         member computes the same from the same requests)."""
-        return max((as_int(d.get("lh")) for d in self.data), default=0)
+        return max((d.lh for d in self.data), default=0)
 
     def rank_of(self, site: int) -> int:
         """This quorum's rank of ``site``."""
         return self.members.index(site)
 
 
-def as_int(value: Any) -> int:
-    """A reported number, or 0 (a request without it, or a malformed one)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
 def run_tag(view: View) -> str | None:
     """The sync the run is at, as every member of ``view`` computes it: the tag most of its
     members (joiners aside) report, the newest on a tie (None: no member reports one). A
     member reporting another is elsewhere: it alone stops or asks back in."""
-    tags = [d["tag"] for d in view.data if not d.get("join")]
+    tags = [d.tag for d in view.data if not d.join]
     if not tags:
         return None
     return max(set(tags), key=lambda t: (tags.count(t), step_of(t), t))
@@ -63,12 +59,12 @@ def run_tag(view: View) -> str | None:
 
 def in_sync(view: View, tag: str) -> View:
     """``view`` without the members at a sync other than ``tag`` (joiners kept)."""
-    keep = [d for d in view.data if d.get("join") or d["tag"] == tag]
+    keep = [d for d in view.data if d.join or d.tag == tag]
     if len(keep) == len(view.data):
         return view
-    gone = [d["site"] for d in view.data if d not in keep]
+    gone = [d.site for d in view.data if d not in keep]
     log.warning("sites %s are at another sync than %s: left out of it", gone, tag)
-    members = [int(d["site"]) for d in keep]
+    members = [d.site for d in keep]
     return View(
         view.quorum_id, members, keep, [j for j in view.joiners if j in members], view.voting
     )
@@ -79,16 +75,12 @@ def committed(view: View, commit: View, generation: int, ok: bool) -> bool:
     the attempt's ``view`` asked for the commit quorum of the same sync and attempt
     (``generation``) having completed it. A request of another phase or attempt that the
     lighthouse put in the same quorum (a stale one, re-registered) is no vote."""
-    votes = [
-        d
-        for d in commit.data
-        if d.get("phase") == "commit" and d.get("gen") == generation and not d.get("join")
-    ]
+    votes = [d for d in commit.data if d.phase == "commit" and d.gen == generation and not d.join]
     return (
         ok
-        and [int(d["site"]) for d in votes] == view.members
+        and [d.site for d in votes] == view.members
         and len(commit.members) == len(votes) + len(commit.joiners)
-        and all(d.get("ok") is True for d in votes)
+        and all(d.ok for d in votes)
     )
 
 
@@ -98,18 +90,13 @@ def blamed(view: View, commit: View, generation: int) -> dict[int, str]:
     the largest set of members that all reached each other (see :func:`reachable`), read only
     from a complete vote (every member of the attempt's ``view`` but its joiners voted in this
     attempt), which every member reads alike. Site -> what was wrong with it."""
-    votes = [
-        d
-        for d in commit.data
-        if d.get("phase") == "commit" and d.get("gen") == generation and not d.get("join")
-    ]
-    if [int(d["site"]) for d in votes] != [s for s in view.members if s not in view.joiners]:
+    votes = [d for d in commit.data if d.phase == "commit" and d.gen == generation and not d.join]
+    if [d.site for d in votes] != [s for s in view.members if s not in view.joiners]:
         return {}
     out: dict[int, str] = {}
     for d in votes:
-        site = d.get("blame")
-        if isinstance(site, int) and not isinstance(site, bool) and site in view.members:
-            out.setdefault(site, str(d.get("why", "")))
+        if d.blame is not None and d.blame in view.members:
+            out.setdefault(d.blame, d.why)
     return {**out, **_unreached(view, votes)}
 
 
@@ -117,7 +104,7 @@ UNREACHED = "unreachable"  # how an exclusion for a broken network begins (see _
 _EXACT = 16  # up to this many members the largest reachable set is found by trying every one
 
 
-def _unreached(view: View, votes: list[dict[str, Any]]) -> dict[int, str]:
+def _unreached(view: View, votes: list[Request]) -> dict[int, str]:
     """The members outside :func:`reachable` (only when some member named another: an attempt
     that failed in its collectives names nobody), each with who could not reach it, when those
     that all reach each other are more than half of the attempt's members. Otherwise nobody: of
@@ -126,12 +113,11 @@ def _unreached(view: View, votes: list[dict[str, Any]]) -> dict[int, str]:
     attempt is retried, on a quorum that holds more members, or stops (docs/reliability.md)."""
     broken: dict[int, set[int]] = {s: set() for s in view.members}
     for d in votes:
-        said = d.get("unreached")
-        for site in set(said) if isinstance(said, list) else ():
-            if isinstance(site, int) and not isinstance(site, bool) and site in broken:
-                if site != d["site"]:
-                    broken[site].add(d["site"])
-                    broken[d["site"]].add(site)
+        for site in set(d.unreached):
+            if site in broken:
+                if site != d.site:
+                    broken[site].add(d.site)
+                    broken[d.site].add(site)
     if not any(broken.values()):
         return {}
     keep = reachable(view.members, broken)
@@ -168,10 +154,10 @@ def reachable(members: list[int], broken: dict[int, set[int]]) -> list[int]:
 def without(view: View, excluded: dict[int, str]) -> View:
     """``view`` without the excluded processes (site -> its incarnation; as members or
     joiners): the site started again is another process, and may come back."""
-    keep = [d for d in view.data if excluded.get(d["site"], None) != str(d.get("inc", ""))]
+    keep = [d for d in view.data if excluded.get(d.site, None) != d.inc]
     if len(keep) == len(view.data):
         return view
-    members = [int(d["site"]) for d in keep]
+    members = [d.site for d in keep]
     return View(
         view.quorum_id, members, keep, [j for j in view.joiners if j in members], view.voting
     )
@@ -182,11 +168,11 @@ def asking(view: View, tag: str = "") -> View:
     put a vote on one attempt into the quorum another site asks for its next attempt, and a
     member settling an attempt takes no part in another (joiners kept). Those voting on sync
     ``tag`` itself are named in ``voting``: they ask for its next attempt a moment later."""
-    keep = [d for d in view.data if d.get("join") or d.get("phase") == "sync"]
+    keep = [d for d in view.data if d.join or d.phase == "sync"]
     if len(keep) == len(view.data):
         return view
-    members = [int(d["site"]) for d in keep]
-    voting = [int(d["site"]) for d in view.data if d not in keep and d.get("tag") == tag]
+    members = [d.site for d in keep]
+    voting = [d.site for d in view.data if d not in keep and d.tag == tag]
     return View(view.quorum_id, members, keep, [j for j in view.joiners if j in members], voting)
 
 
@@ -220,7 +206,7 @@ def attempt_of(view: View) -> int:
     vote (its commit quorum was not the others') would otherwise name another group than
     theirs, and the members would wait at different groups until they all stopped (chaos seed
     32); every member reads the same number from the same view."""
-    return max((as_int(d.get("gen")) for d in view.data if not d.get("join")), default=0)
+    return max((d.gen for d in view.data if not d.join), default=0)
 
 
 def taking_part(view: View, excluded: dict[int, str]) -> int:
@@ -230,16 +216,16 @@ def taking_part(view: View, excluded: dict[int, str]) -> int:
     asked again rather than found too small there."""
     now = run_tag(view)
     view = without(view, excluded)
-    return sum(1 for d in view.data if d.get("join") or d["tag"] == now)
+    return sum(1 for d in view.data if d.join or d.tag == now)
 
 
-def admitted_at(view: View, fingerprint: str) -> tuple[View, dict[str, Any]]:
+def admitted_at(view: View, fingerprint: str) -> tuple[View, Request]:
     """A joiner's reading of a quorum: whom it admits at the run's sync (:func:`run_tag`), the
     members elsewhere left out as every member leaves them out (:meth:`Membership.check`),
     and the request of a member at that sync (its tag, phase and attempt)."""
     tag = run_tag(view)
-    ref = next(d for d in view.data if not d.get("join") and d["tag"] == tag)
-    return in_sync(admit(view, fingerprint, tag, ref["phase"]), tag), ref
+    ref = next(d for d in view.data if not d.join and d.tag == tag)
+    return in_sync(admit(view, fingerprint, tag, ref.phase), tag), ref
 
 
 def admit(view: View, fingerprint: str, tag: str, phase: str) -> View:
@@ -248,17 +234,17 @@ def admit(view: View, fingerprint: str, tag: str, phase: str) -> View:
     outer loop, ``sync@N``, at or after the step they asked to join from, or exactly the sync
     a replay names), where every old member offers the run's state. Every member computes
     the same from the same view."""
-    keep = [d for d in view.data if not d.get("join")]
+    keep = [d for d in view.data if not d.join]
     joiners = []
     # the members at this sync offer; one elsewhere is left out of it (see check)
-    offered = all(d.get("ready") for d in keep if d["tag"] == tag)
+    offered = all(d.ready for d in keep if d.tag == tag)
     for d in view.data:
-        if d.get("join") and d.get("fp") == fingerprint and phase == "sync" and offered:
+        if d.join and d.fp == fingerprint and phase == "sync" and offered:
             if _joins_at(d, tag):
                 keep.append(d)
-                joiners.append(int(d["site"]))
-    keep.sort(key=lambda d: d["site"])
-    return View(view.quorum_id, [int(d["site"]) for d in keep], keep, joiners, view.voting)
+                joiners.append(d.site)
+    keep.sort(key=lambda d: d.site)
+    return View(view.quorum_id, [d.site for d in keep], keep, joiners, view.voting)
 
 
 def step_of(tag: str) -> int:
@@ -268,11 +254,11 @@ def step_of(tag: str) -> int:
     return int(step) if step.isdigit() else -1
 
 
-def _joins_at(d: dict[str, Any], tag: str) -> bool:
+def _joins_at(d: Request, tag: str) -> bool:
     kind, _, step = tag.partition("@")
     if kind != "sync" or not step.isdigit():
         return False
-    return tag == d["join_at"] if d.get("join_at") else int(step) >= int(d.get("join_from", 0))
+    return tag == d.join_at if d.join_at else int(step) >= d.join_from
 
 
 def exclusion(site: int, tag: str, why: str) -> str:

@@ -36,15 +36,15 @@ def _enter(m: Membership) -> tuple[View, str] | None:
     deadline = time.monotonic() + e.timeout_s
     while True:
         view = m.joiner.ask()
-        old = [d for d in view.data if not d.get("join")] if view is not None else []
+        old = [d for d in view.data if not d.join] if view is not None else []
         if old:
             if run_tag(view) in (None, "start"):  # type: ignore[arg-type]
                 return None
             return m.join(view)  # this quorum may admit it already: read it, not the next
         entering = {
-            int(d["site"])
+            d.site
             for d in (view.data if view is not None else [])
-            if d.get("enter") and d.get("fp") == m.fingerprint
+            if d.enter and d.fp == m.fingerprint
         }
         if entering >= set(range(e.sites)):
             return None

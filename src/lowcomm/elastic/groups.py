@@ -48,12 +48,12 @@ def store_of(view: View, connect_s: float) -> dist.TCPStore:
     :class:`Unreachable` when it is not (that member gone, or this site's network cut) names
     it and every other member whose own store this site cannot reach either: a site cut off
     names them all, one that only lost the store host names that one."""
-    address = view.data[0]["store"]
+    address = view.data[0].store
     host, port = address.rsplit(":", 1)
     try:
         return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=connect_s))
     except (RuntimeError, OSError) as e:  # torch's DistNetworkError is a RuntimeError
-        others = {r: d["store"] for r, d in enumerate(view.data) if r > 0}
+        others = {r: d.store for r, d in enumerate(view.data) if r > 0}
         raise Unreachable(
             f"could not reach the group's store at {address} within connect_s={connect_s:g} s "
             f"({str(e).splitlines()[0][:120]})",

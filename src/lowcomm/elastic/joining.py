@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from ..errors import MembershipError
 from .decide import View, admits, admitted_at, asking, run_tag, step_of
+from .messages import Request
 
 
 class Asker(Protocol):
@@ -25,7 +26,7 @@ class Asker(Protocol):
         """One quorum request to the lighthouse, and the view it answers."""
         ...
 
-    def same_shape(self, d: dict[str, Any]) -> None:
+    def same_shape(self, d: Request) -> None:
         """Refuse a run whose sites have another number of ranks than this one."""
         ...
 
@@ -44,21 +45,21 @@ class Joiner:
         while True:
             asked = time.monotonic()
             view, first = (first, None) if first is not None else (self.ask(), None)
-            old = [d for d in view.data if not d.get("join")] if view else []
+            old = [d for d in view.data if not d.join] if view else []
             if not old:
                 alone_since = self._alone(asked, alone_since, answered=view is not None)
                 continue
             ref = old[0]
             m.same_shape(ref)
-            if ref.get("fp") != m.fingerprint:
+            if ref.fp != m.fingerprint:
                 raise MembershipError(
                     f"site {m.elastic.site} was refused by the run: its settings differ "
                     f"(run id, model, strategy or codec: {m.fingerprint} vs the run's "
-                    f"{ref.get('fp')}); start it with the run's settings"
+                    f"{ref.fp}); start it with the run's settings"
                 )
             admitted, ref = admitted_at(view, m.fingerprint)
             if admits(admitted, m.elastic.site, m.elastic.min_workers):
-                return admitted, ref["tag"]
+                return admitted, ref.tag
 
     def rejoin(self, tag: str) -> View | None:
         """The view that admits this late site back at ``tag``, or None (see
@@ -71,14 +72,14 @@ class Joiner:
             while True:
                 asked = time.monotonic()
                 view = self.ask()
-                old = [d for d in view.data if not d.get("join")] if view else []
+                old = [d for d in view.data if not d.join] if view else []
                 if view is None or not old:  # the others gone (the run over) stops it here
                     alone_since = self._alone(asked, alone_since, view is not None, tag)
                     continue
                 admitted, ref = admitted_at(view, m.fingerprint)
                 if admits(admitted, m.elastic.site, m.elastic.min_workers):
                     return admitted
-                if step_of(ref["tag"]) > step:
+                if step_of(ref.tag) > step:
                     return None
         finally:
             m.asking_back_at = ""

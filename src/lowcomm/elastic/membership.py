@@ -30,7 +30,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch.distributed as dist
 
@@ -39,7 +39,6 @@ from .admission import Admission, read_secret
 from .decide import (
     View,
     admit,
-    as_int,
     ask_again,
     asking,
     attempt_of,
@@ -51,6 +50,7 @@ from .decide import (
 from .groups import arrive, gloo_group, group_name, listening_store, store_of, unreachable
 from .joining import Joiner
 from .link import Link
+from .messages import Request
 from .site import SiteRanks
 
 T = TypeVar("T")
@@ -224,17 +224,15 @@ class Membership:
         view = self.ask(tag, ok, phase, join=False, ready=ready)
         if phase == "sync":  # a vote on another attempt is nobody who asks for this one
             view = asking(view, tag)
-        self.joiner_waiting = any(
-            d.get("join") and d.get("fp") == self.fingerprint for d in view.data
-        )
+        self.joiner_waiting = any(d.join and d.fp == self.fingerprint for d in view.data)
         if self.elastic.site not in view.members:
             raise MembershipError(
                 f"site {self.elastic.site} was left out of the run at {tag}: it stops here"
             )
         for d in view.data:  # one line, once, for each site with another run's settings
-            if d.get("join") and d.get("fp") != self.fingerprint and d["site"] not in self._refused:
-                self._refused.add(d["site"])
-                self._say("site %d asked to join with other settings (%s); refused", d, d.get("fp"))
+            if d.join and d.fp != self.fingerprint and d.site not in self._refused:
+                self._refused.add(d.site)
+                self._say("site %d asked to join with other settings (%s); refused", d)
         return admit(view, self.fingerprint, tag, phase)
 
     def join(self, first: View | None = None) -> tuple[View, str]:
@@ -280,52 +278,52 @@ class Membership:
         # a wait of exactly timeout_s would give up on a peer about to arrive
         assert self._link is not None, "only a site's rank 0 asks the lighthouse"
         q = self._link.quorum(tag, data, 2 * e.timeout_s + e.connect_s, self.store_address)
-        data = [d for d in (_readable(m.data, m.replica_id) for m in q.participants) if d]
+        read = [Request.from_wire(m.data, m.replica_id) for m in q.participants]
+        data = [d for d in read if d is not None]
         data = self.admission.screen(data, "join" if join else "start" if tag == "start" else "")
-        data = sorted(data, key=lambda d: d["site"])
-        self._link.adopt([as_int(d.get("lh")) for d in data])
+        data = sorted(data, key=lambda d: d.site)
+        self._link.adopt([d.lh for d in data])
         if not join:  # a joiner reads the others' settings to say why it is refused
             data = self._same_run(data)
-        return View(int(q.quorum_id), [d["site"] for d in data], data)
+        return View(int(q.quorum_id), [d.site for d in data], data)
 
-    def _same_run(self, data: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _same_run(self, data: list[Request]) -> list[Request]:
         """The requests of this run: a member with other settings or another run id (the
         fingerprint holds both), a joiner's aside (see :meth:`join`), is no member of it.
         A site of this run id that is no joiner (one starting with the run) with other
         settings stops every site that sees it, itself too, with one line: the run cannot
         start as asked."""
-        keep = [d for d in data if d.get("join") or d.get("fp") == self.fingerprint]
+        keep = [d for d in data if d.join or d.fp == self.fingerprint]
         for d in keep:
-            if not d.get("join"):
+            if not d.join:
                 self.same_shape(d)
         for d in data:
-            if d not in keep and d.get("run") == self.elastic.run_id:
+            if d not in keep and d.run == self.elastic.run_id:
                 raise MembershipError(
-                    f"site {self.elastic.site}: site {d['site']} of run {self.elastic.run_id} "
-                    f"has other settings (model, strategy or codec: {d.get('fp')} vs "
+                    f"site {self.elastic.site}: site {d.site} of run {self.elastic.run_id} "
+                    f"has other settings (model, strategy or codec: {d.fp} vs "
                     f"{self.fingerprint}): start every site of a run with the same settings"
                 )
-            if d not in keep and d["site"] not in self._refused:
-                self._refused.add(d["site"])
+            if d not in keep and d.site not in self._refused:
+                self._refused.add(d.site)
                 self._say(
                     "a site %d of another run or with other settings (%s) asked this "
                     "lighthouse; not a member",
                     d,
-                    d.get("fp"),
                 )
         return keep
 
-    def _say(self, message: str, asker: dict[str, Any], fp: Any) -> None:
+    def _say(self, message: str, asker: Request) -> None:
         """Warn, once per site, of a request from ``asker`` this site refused."""
-        log.warning("site %d: " + message, self.elastic.site, asker["site"], fp)
+        log.warning("site %d: " + message, self.elastic.site, asker.site, asker.fp)
 
-    def same_shape(self, d: dict[str, Any]) -> None:
+    def same_shape(self, d: Request) -> None:
         """Every site of a run has as many ranks (each syncs its shard with the same rank of
         the others): a member of another shape stops this site with one line."""
-        theirs = as_int(d.get("ranks", 1))
+        theirs = d.ranks
         if theirs != self.ranks:
             raise MembershipError(
-                f"site {self.elastic.site} has {_ranks(self.ranks)} but site {d['site']} of "
+                f"site {self.elastic.site} has {_ranks(self.ranks)} but site {d.site} of "
                 f"the run has {_ranks(theirs)}: every site of a run needs the same number of ranks "
                 f"(torchrun --nproc-per-node) and the same sharding"
             )
@@ -370,7 +368,7 @@ class Membership:
         every member does so from the same vote (:func:`blamed`); an excluded site stops at
         its next check, with one line. The process is excluded, as ``view`` names it: the site
         started again (a new process, healed as a joiner) may come back."""
-        incs = {d["site"]: str(d.get("inc", "")) for d in (view.data if view else [])}
+        incs = {d.site: d.inc for d in (view.data if view else [])}
         for site, why in sites.items():
             self._excluded_inc[site] = incs.get(site, "")
             self.excluded[site] = exclusion(site, tag, why)
@@ -507,20 +505,3 @@ def check_weighting(weighting: str) -> None:
 
 
 # what every request a member reads must carry, and its type
-_FIELDS = {"site": int, "tag": str, "phase": str, "gen": int, "join_from": int}
-
-
-def _readable(raw: Any, replica_id: str) -> dict[str, Any] | None:
-    """One participant's request, or None when it is malformed (a field missing or of the
-    wrong type) or names another site than the participant it came in (a request copied
-    under another name, sealed or not): such a request is no member's, for every member
-    alike, instead of an error that would stop them all."""
-    d = dict(raw or {})
-    for key, kind in _FIELDS.items():
-        value = d.get(key)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            log.warning("a quorum request with a malformed %r (%r) was ignored", key, value)
-            return None
-    if d["site"] < 0 or replica_id != f"site{d['site']:04d}":  # see Elastic.replica_id
-        return None
-    return d

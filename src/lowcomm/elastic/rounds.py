@@ -157,7 +157,7 @@ class Rounds:
         """After ``tag`` stood on ``view``: whom to expect at the next sync. Its members, and a
         site not in it while it has missed only this one sync or says it is coming back (it
         missed one and asks back in at its next); not one whose store is gone (it died)."""
-        known = {int(d["site"]): d["store"] for d in view.data}
+        known = {d.site: d.store for d in view.data}
         stores = {s: known.get(s) or self._stores.get(s) for s in view.members}
         behind = set(self._behind())
         for s, address in self._stores.items():

@@ -119,8 +119,8 @@ class Runner:
             # outlasted the others' asked alone and stopped: chaos seed 112)
             retry = None
             if self.rounds is not None:
-                named = unreached or any(d.get("unreached") for d in commit.data)
-                live = {int(d["site"]): str(d.get("store", "")) for d in view.data}
+                named = unreached or any(d.unreached for d in commit.data)
+                live = {d.site: d.store for d in view.data}
                 live = {s: a for s, a in live.items() if s not in out}
                 retry = Retry(live, not out and bool(named), self.deadline(view))
             # every member of the commit saw it fail: all start the next attempt on fresh groups

@@ -100,10 +100,7 @@ class Placement:
         e = self.elastic
         assert e is not None
         if e.rounds == "quorum":
-            raise ConfigError(
-                "rounds=quorum with several ranks per site is not built: use rounds=lockstep, "
-                "or one rank per site"
-            )
+            raise ConfigError(QUORUM_SITE_RANKS)
         # a rank waits at its site's vote for the slowest rank's collectives and group
         site = SiteRanks(self.site_ranks, 2 * e.timeout_s + e.connect_s)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -180,6 +177,10 @@ def check_mesh(mesh: Any, process_group: Any) -> None:
 
 
 # why two-phase stays out of elastic runs (said by the engine and the CLI alike)
+QUORUM_SITE_RANKS = (
+    "rounds=quorum with several ranks per site is not built: use rounds=lockstep, or one rank "
+    "per site"
+)
 TWO_PHASE_ELASTIC = (
     "reduce=two-phase is not elastic: its payload is cut into one shard per member of the run's "
     "starting size and each owner re-encodes its shard with compensation state of its own, so "

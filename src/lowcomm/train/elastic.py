@@ -24,7 +24,7 @@ from typing import Any
 from ..config import ConfigError, TrainConfig
 from ..elastic.membership import check_rounds
 from ..elastic.rounds import LIGHTHOUSE_JOIN_S
-from ..engine.placement import EVICT_SITE_RANKS, TWO_PHASE_ELASTIC
+from ..engine.placement import EVICT_SITE_RANKS, QUORUM_SITE_RANKS, TWO_PHASE_ELASTIC
 from ..errors import LowCommError
 from ..faults import (
     adds,
@@ -94,9 +94,7 @@ def check_elastic(spec: RunSpec, workers: int) -> None:
             "ranks on its own (torchrun --nproc-per-node R ... site=N sites=S lighthouse=...)"
         )
     if cfg.ranks_per_worker != 1 and cfg.rounds == "quorum":
-        raise ConfigError(
-            "rounds=quorum with several ranks per site is not built: use rounds=lockstep"
-        )
+        raise ConfigError(QUORUM_SITE_RANKS)
     if cfg.ranks_per_worker != 1 and spec.sync.evict:
         raise ConfigError(EVICT_SITE_RANKS)
     if spec.sync.resolved_reduce == "two-phase":  # (the engine refuses it too, for own loops)

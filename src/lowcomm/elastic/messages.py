@@ -1,0 +1,97 @@
+"""The protocol's messages as typed values. A site's quorum request (its commit vote is one,
+in phase ``commit``) comes off the wire once, through :meth:`Request.from_wire`, which reads
+and checks every field; the decisions (:mod:`.decide`), the membership and the runner read its
+typed fields, never the wire's keys. A request that fails ``from_wire`` is counted and reaches
+no decision, for every member alike (the lighthouse hands every member the same requests).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("lowcomm")
+
+#: the fields every request carries, and their types: one missing or of another type drops it
+REQUIRED: dict[str, type] = {"site": int, "tag": str, "phase": str, "gen": int, "join_from": int}
+
+
+def as_int(value: Any) -> int:
+    """A reported number, or 0 (a request without it, or a malformed one)."""
+    return value if _number(value) else 0
+
+
+def _number(value: Any) -> bool:
+    """Whether ``value`` is an int (a bool is not: JSON's true is no site number)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _text(value: Any) -> str | None:
+    """A reported string, or None (absent, or of another type: equal to no string)."""
+    return value if isinstance(value, str) else None
+
+
+@dataclass(frozen=True)
+class Request:
+    """One site's request in a quorum, as every member reads it."""
+
+    site: int
+    tag: str  # the sync it asks for (``sync@35``, ``flags@90``, ``start``, ``join``)
+    phase: str = "sync"  # its collectives ("sync"), their commit vote ("commit"), "join"
+    gen: int = 0  # the attempt it runs (its failed commits so far)
+    join_from: int = 0  # a joiner: the step from which it may join
+    ok: bool = False  # a vote: it completed the attempt's collectives
+    join: bool = False  # a joiner's request
+    ready: bool = False  # it offers the run's state to a joiner at this sync
+    enter: bool = False  # launched on its own: it starts with the run or joins it
+    fp: str | None = None  # the fingerprint of its run's settings
+    run: str | None = None  # its run id
+    store: str = ""  # the address of the store it hosts
+    inc: str = ""  # its process, among the site's restarts
+    join_at: str = ""  # a joiner (a replay's, or one asking back in): exactly this sync
+    ranks: int = 1  # the ranks of its site
+    lh: int = 0  # the lighthouse epoch it has seen
+    blame: int | None = None  # a vote: the site whose payload it refused
+    why: str = ""  # ... and what was wrong with it
+    unreached: tuple[int, ...] = ()  # a vote: the sites it could not reach
+    mac: Any = None  # its MAC under the run's key, if it came with one
+    sealed: bool = False  # whether it came with one
+    # the fields as sent, but its MAC: what the MAC covers (admission.py)
+    signed: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_wire(cls, raw: Any, replica_id: str | None = None) -> Request | None:
+        """The request in a participant's ``raw`` data, or None when it is malformed (a
+        required field missing or of the wrong type, a joiner's sync that is no string) or
+        names another site than the participant it came in as (``replica_id``: a request
+        copied under another name, sealed or not)."""
+        d = dict(raw or {})
+        for key, kind in REQUIRED.items():
+            value = d.get(key)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                log.warning("a quorum request with a malformed %r (%r) was ignored", key, value)
+                return None
+        if d["site"] < 0 or (replica_id is not None and replica_id != f"site{d['site']:04d}"):
+            return None  # (the name as Elastic.replica_id writes it)
+        join_at = d.get("join_at") or ""
+        if not isinstance(join_at, str):
+            log.warning("a quorum request with a malformed 'join_at' (%r) was ignored", join_at)
+            return None
+        blame = d.get("blame")
+        said = d.get("unreached")
+        return cls(
+            site=d["site"], tag=d["tag"], phase=d["phase"], gen=d["gen"],
+            join_from=d["join_from"], ok=d.get("ok") is True, join=bool(d.get("join")),
+            ready=bool(d.get("ready")), enter=bool(d.get("enter")), fp=_text(d.get("fp")),
+            run=_text(d.get("run")), store=str(d.get("store", "")), inc=str(d.get("inc", "")),
+            join_at=join_at, ranks=as_int(d.get("ranks", 1)), lh=as_int(d.get("lh")),
+            blame=blame if _number(blame) else None, why=str(d.get("why", "")),
+            unreached=tuple(s for s in (said if isinstance(said, list) else ()) if _number(s)),
+            mac=d.get("mac"), sealed="mac" in d, signed=unsealed(d),
+        )  # fmt: skip
+
+
+def unsealed(data: dict[str, Any]) -> dict[str, Any]:
+    """A request's fields without its MAC: what the MAC covers."""
+    return {k: v for k, v in data.items() if k != "mac"}
