@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from lowcomm.engine.state import CARRIED, RunState, StatePart
@@ -64,3 +65,24 @@ def test_the_engine_assigns_its_parts_itself_and_names_what_a_new_world_resets(w
 
 def test_parts_are_frozen():
     assert dataclasses.fields(Parts) and Parts.__dataclass_params__.frozen  # type: ignore[attr-defined]
+
+
+def test_a_replayed_leave_on_the_comm_thread_ends_the_site_at_its_next_step():
+    """A replayed leave raised inside an overlapped exchange (the comm thread) reaches the
+    trainer at the next step, when the engine asks what is due, not when the result falls due
+    later (before, the protocol ended the process with os._exit from the comm thread)."""
+    from concurrent.futures import Future
+
+    from lowcomm.engine.inflight import InFlight, Pending
+    from lowcomm.engine.state import RunState
+    from lowcomm.errors import SiteLeft
+
+    inflight = InFlight(None, [], RunState())  # type: ignore[arg-type]
+    fine: Future = Future()
+    inflight.pending[0] = Pending(fine, sent_at=10, apply_at=20)
+    assert inflight.due(11, []) == []  # still running: nothing due
+    left: Future = Future()
+    left.set_exception(SiteLeft("sync@10"))
+    inflight.pending[1] = Pending(left, sent_at=10, apply_at=20)
+    with pytest.raises(SiteLeft):
+        inflight.due(11, [])

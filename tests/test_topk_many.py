@@ -275,3 +275,28 @@ def test_ranking_by_topk_equals_the_exact_key_without_ties(device):
     assert torch.equal(fast_local, exact_local)
     assert torch.equal(fast_values, exact_values)
     assert any(grp.rows for grp in plan.groups) and plan.kept == fast_local.numel()
+
+
+def test_a_non_finite_tensor_encodes_and_its_table_is_refused():
+    """A NaN in one tensor (an attack, or an overflow) makes that tensor's table NaN, and the
+    receivers refuse it; the encode does not stop (its codes read as 0, as the per-tensor
+    codec's cast leaves them), and the other tensors' tables stay finite."""
+    codec = make_codec("topk")
+    ts = bucket(3)
+    ts[2][0, 0] = float("nan")
+    plan = TopKPlan(codec, [t.shape for t in ts], torch.device("cpu"))
+    out = torch.zeros(plan.nbytes + 1, dtype=torch.uint8)
+    plan.encode(torch.cat([t.reshape(-1) for t in ts]), out)
+    assert bool(plan.decode(out[:-1])[2])
+    stats = out[:-1][plan.stats_at].view(torch.float32).view(plan.tensors, -1)
+    assert not bool(torch.isfinite(stats[2]).all()) and bool(torch.isfinite(stats[:2]).all())
+    with pytest.raises(PayloadError, match="non-finite"):
+        sparse_reference(codec, out[:-1], [t.shape for t in ts])
+
+
+def test_a_strided_input_encodes_as_its_contiguous_copy(monkeypatch):
+    monkeypatch.setenv("LOWCOMM_BATCH", "1")  # the codec's own single-tensor plan
+    codec = make_codec("topk")
+    x = torch.randn(128, 4)[:, 1]  # 128 values, stride 4: tiles read as rows of 64
+    got, want = codec.encode(x), codec.encode(x.contiguous())
+    assert torch.equal(got, want)

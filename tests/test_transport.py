@@ -52,3 +52,16 @@ def test_collectives_and_byte_meter(workers):
         # the broadcast is control traffic, not training traffic
         assert m3["control_sent_bytes"] == round(2 / 3 * 24)
         assert m3["collectives"] == 4
+
+
+def test_an_exchanges_result_tensors_are_all_found_for_the_callers_stream():
+    """On a GPU the comm thread's results are recorded on the caller's stream (transport.
+    _on_side_stream): every tensor in one, at any depth of dataclasses, dicts, lists, tuples."""
+    from lowcomm.aggregate import Reduced
+    from lowcomm.engine.exchange import Event
+    from lowcomm.transport import tensors_in
+
+    a, b, c, d = (torch.zeros(1) for _ in range(4))
+    event = Event(a, {0: Reduced(b, 2, [c, (d, a)], {1: 2.0})}, None)
+    assert [id(t) for t in tensors_in(event)] == [id(a), id(b), id(c), id(d), id(a)]
+    assert list(tensors_in(("x", 3, None))) == []

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import gc
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
@@ -347,19 +348,42 @@ def _on_side_stream(fn: Callable[[], T]) -> Callable[[], T]:
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return fn
     device = torch.cuda.current_device()
+    caller = torch.cuda.current_stream()
     ready = torch.cuda.Event()
     ready.record()
 
     def run() -> T:
         with torch.cuda.device(device):
             stream = _SIDE.setdefault(device, torch.cuda.Stream(device))
-            with torch.cuda.stream(stream):
-                stream.wait_event(ready)
-                out = fn()
-            stream.synchronize()
+            try:
+                with torch.cuda.stream(stream):
+                    stream.wait_event(ready)
+                    out = fn()
+            finally:  # its kernels done before anything it read is freed or reused
+                stream.synchronize()
+            # what it made is used on the caller's stream: the allocator must not hand its
+            # memory to the next job on this stream while the caller's kernels read it
+            for t in tensors_in(out):
+                if t.is_cuda:
+                    t.record_stream(caller)
         return out
 
     return run
+
+
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor held in ``obj``: in dataclasses, dicts, lists and tuples, at any depth."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from tensors_in(getattr(obj, f.name))
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors_in(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensors_in(v)
 
 
 def _registered(group: dist.ProcessGroup) -> bool:

@@ -152,7 +152,7 @@ class TopKPlan:
         """Encode ``flat`` (the tensors, FP32, one after another) into ``out`` (``nbytes + 1``
         bytes: the last is scratch, for the caller to overwrite); returns what peers decode of
         it, as (flat indices into ``flat``, values)."""
-        local, values = self.select(flat)
+        local, values = self.select(flat.contiguous())  # (rows are read as a strided view)
         codes, stats, decoded = self.table(values)
         body = out[: self.nbytes]
         body.copy_(self.template)
@@ -214,7 +214,9 @@ class TopKPlan:
         sigma = sigma.float() * m
         width = torch.where(sigma > 0, sigma * (6.0 / L), 1.0)
         y32 = centred / width[seg]
-        codes = y32.add_(L // 2).round_().clamp_(0, L - 1).to(torch.int64)
+        # a NaN (a tensor holding one: its shift is NaN) codes as 0, as the per-tensor codec's
+        # cast to uint8 leaves it; receivers refuse its NaN table either way
+        codes = y32.add_(L // 2).round_().clamp_(0, L - 1).to(torch.int64).clamp_(0, L - 1)
         bins = seg * L + codes
         counts = torch.bincount(bins, minlength=self.tensors * L)
         order = torch.argsort(bins, stable=True)

@@ -55,7 +55,7 @@ class Request:
     blame: int | None = None  # a vote: the site whose payload it refused
     why: str = ""  # ... and what was wrong with it
     unreached: tuple[int, ...] = ()  # a vote: the sites it could not reach
-    mac: Any = None  # its MAC under the run's key, if it came with one
+    mac: Any = field(default=None, compare=False)  # its MAC under the run's key, if any
     sealed: bool = False  # whether it came with one
     # the fields as sent, but its MAC: what the MAC covers (admission.py)
     signed: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)

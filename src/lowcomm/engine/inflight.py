@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..aggregate import Reduced
+from ..errors import SiteLeft
 from ..transport import Transport
 from .exchange import UNSENT, Event, Events
 from .state import RunState, StatePart
@@ -46,7 +47,13 @@ class InFlight:
         )
 
     def due(self, step: int, sends: list[int]) -> list[int]:
-        """Fragments whose result must be applied now: due at ``step``, or sent again now."""
+        """Fragments whose result must be applied now: due at ``step``, or sent again now.
+
+        An exchange that ended this site's part in the run on the comm thread (a replayed
+        leave: SiteLeft) is raised here, at the next step, not when its result falls due."""
+        for pend in self.pending.values():
+            if pend.future.done() and isinstance(pend.future.exception(), SiteLeft):
+                raise pend.future.exception()  # type: ignore[misc]
         return sorted(p for p, pend in self.pending.items() if pend.apply_at <= step or p in sends)
 
     def submit(
