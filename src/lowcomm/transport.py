@@ -354,7 +354,9 @@ def _on_side_stream(fn: Callable[[], T]) -> Callable[[], T]:
 
     def run() -> T:
         with torch.cuda.device(device):
-            stream = _SIDE.setdefault(device, torch.cuda.Stream(device))
+            if device not in _SIDE:  # one for the process's life (streams come from a pool)
+                _SIDE[device] = torch.cuda.Stream(device)
+            stream = _SIDE[device]
             try:
                 with torch.cuda.stream(stream):
                     stream.wait_event(ready)
