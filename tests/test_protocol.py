@@ -142,6 +142,9 @@ def test_malformed_lighthouse_data_is_no_member_instead_of_a_crash():
         {**_d(3, "sync@10", fp="run-a"), "join_from": "soon"},
         {**_d(4, "sync@10", fp="run-a"), "site": "4"},
         None,
+        [1, 2],  # junk from a process that is no site: no mapping at all
+        "junk",
+        5,
     ]
     view = _asker(0, *good, *bad).ask("sync@10", True, "sync", join=False, ready=False)
     assert view.members == [0, 1]

@@ -66,7 +66,10 @@ class Request:
         required field missing or of the wrong type, a joiner's sync that is no string) or
         names another site than the participant it came in as (``replica_id``: a request
         copied under another name, sealed or not)."""
-        d = dict(raw or {})
+        if not isinstance(raw, dict):  # junk any process may send the lighthouse
+            log.warning("a quorum request that is no mapping (%s) was ignored", type(raw).__name__)
+            return None
+        d = dict(raw)
         for key, kind in REQUIRED.items():
             value = d.get(key)
             if not isinstance(value, kind) or isinstance(value, bool):
