@@ -273,16 +273,11 @@ class ErrorFeedback(_Compensation):
         return e
 
     def subtract_flat(self, e: torch.Tensor, enc: Any) -> None:
-        """``e <- e - D(C(e))`` for a group at once, from its encoding (an aggregate.Encoded):
-        at the sent entries of a sparse one, else everywhere."""
+        """``e <- e - D(C(e))`` for a group encoded at once, from its encoding (an
+        aggregate.Encoded): at the sent entries of a sparse one, else everywhere."""
         if enc.sparse_flat is not None:
             idx, values = enc.sparse_flat
             e.index_add_(0, idx, values, alpha=-1.0)
-        elif enc.sparse is not None:
-            at = 0
-            for shape, (idx, values) in zip(enc.shapes, enc.sparse):
-                e[at : at + shape.numel()].index_add_(0, idx, values, alpha=-1.0)
-                at += shape.numel()
         else:
             e.sub_(enc.local)
 

@@ -35,7 +35,6 @@ def plan_for(codec: Any, shapes: list[torch.Size], device: torch.device) -> Any:
 def encode(
     plan: Any,
     tensors: list[torch.Tensor],
-    shapes: list[torch.Size],
     valid: bool,
     flat: torch.Tensor | None,
     want: str,
@@ -44,6 +43,7 @@ def encode(
     """The bucket's payload (flag last); ``want``: "" nothing of our own decode, "sparse" it as
     (flat indices, values), "dense" as one flat FP32 tensor. ``flat``: the tensors one after
     another, if the caller has them so (else they are concatenated)."""
+    shapes = [t.shape for t in tensors]
     n = sum(s.numel() for s in shapes)
     dev = tensors[0].device
     if not valid:

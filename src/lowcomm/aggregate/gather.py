@@ -47,7 +47,7 @@ class GatherAggregator(Aggregator):
         plan = self.plan([t.shape for t in tensors], tensors[0].device) if tensors else None
         if plan is not None:
             want = "" if not need_local else "sparse" if sparse_local else "dense"
-            return batched.encode(plan, tensors, [t.shape for t in tensors], valid, flat, want, key)
+            return batched.encode(plan, tensors, valid, flat, want, key)
         tensors, shapes, n = contribution(tensors, valid)
         parts = [self.codec.encode(t) for t in tensors]
         flag_byte = torch.tensor(

@@ -12,7 +12,7 @@ from ..protocols import FaultHooks
 from ..transport import Transport
 from .fragment import Fragment
 from .guards import NonFiniteGuard
-from .tensors import Slabs, all_finite_each
+from .tensors import Slabs, all_finite
 
 
 class Encoder:
@@ -68,7 +68,7 @@ class Encoder:
         finite = frag.pseudo_grad_into(slabs.views, take_snapshot=need_own)
         contributes = frag.unsent > 0
         if contributes and finite is None:
-            finite = all_finite_each([s[:-1] for s in slabs.slabs])
+            finite = all_finite(*(s[:-1] for s in slabs.slabs))
         nonfinite = contributes and not finite
         if nonfinite:
             self.guard.leave_out(frag, self.rank, step)

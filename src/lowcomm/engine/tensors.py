@@ -163,25 +163,14 @@ def fused_minus(
     return not bad
 
 
-def all_finite_each(ts: list[torch.Tensor]) -> bool:
-    """Whether every element of every tensor is finite, read from the device once."""
-    if not ts:
-        return True
-    ends = [torch.aminmax(t) for t in ts if t.numel()]
-    if not ends:
-        return True
-    return bool(torch.isfinite(torch.stack([v for pair in ends for v in pair])).all())
-
-
-def all_finite(t: torch.Tensor) -> bool:
-    """Whether every element is finite: exactly when its min and max are (NaN propagates).
+def all_finite(*ts: torch.Tensor) -> bool:
+    """Whether every element of every tensor is finite: exactly when their minima and maxima
+    are (NaN propagates), read from the device once.
 
     One read pass; ``isfinite(t).all()`` writes a model-sized mask first (5x a copy on a CPU).
     """
-    if t.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+    ends = [v for t in ts if t.numel() for v in torch.aminmax(t)]
+    return not ends or bool(torch.isfinite(torch.stack(ends)).all())
 
 
 def named_state(model: nn.Module, part: Part | None) -> dict[str, torch.Tensor]:
