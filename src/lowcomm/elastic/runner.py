@@ -15,16 +15,17 @@ from ..errors import MembershipError, PayloadError, SiteLeft
 from ..protocols import NO_FAULTS, FaultHooks
 from ..transport import ByteMeter, Transport
 from . import heal
+from .attempts import LockStep, Outcome, Verdict, policy_for
 from .decide import View, attempt_of, blamed, committed, step_of
 from .groups import Unreachable
 from .membership import Membership, Retry
+from .record import Record
 from .rounds import Rounds
 
 log = logging.getLogger("lowcomm")
 T = TypeVar("T")
 
 Collectives = Callable[[Transport, Transport], T]  # (training transport, buffer transport)
-_SAME_FAILURES = 3  # attempts among unchanged members before an error is taken as real
 _SLACK = 4.0  # a group's collectives may take this many times the slowest attempt that stood
 
 
@@ -41,95 +42,101 @@ class Runner:
     ) -> None:
         self.membership, self.faults = membership, faults
         self.meter, self.buffer_meter, self.delay_s = meter, buffer_meter, delay_s
-        self.members: list[int] | None = None  # who took part in the last sync that stood
-        self.events: list[dict] = []  # membership changes: step tag, who left, seconds lost
+        # who was in each sync, and each change of members
+        self.record = Record(membership.elastic.site, say=membership.position == 0)
         self.settled: tuple[str, View] | None = None  # the last sync that stood, its view
         self.current: View | None = None  # the view of the attempt running now
         self._transports: tuple[tuple[int, int, int, str], Transport, Transport] | None = None
-        self._failed_at: float | None = None
         self._started = 0.0
-        self._last_tag = "start"  # the last sync that stood with this site in it
-        self._last_step = 0  # ... and the last inner step such a sync was at
         # the engine's shared state at a sync a joiner may enter, by tag (see ``offer``)
         self._offers: dict[str, Callable[[], dict]] = {}
         self.admitted: View | None = None  # a joiner's first sync: the view that admitted it
         self._slowest = 0.0  # seconds of the slowest attempt that stood (0: none yet)
         self._full = True  # the next group waits the whole timeout_s (first, or after a failure)
         self._collective_s = 0.0  # seconds of the last attempt's collectives
-        # the last heal sent: seconds, the state's bytes, how many members sent them
-        self._heal: tuple[float, int, int] | None = None
         # rounds=quorum: syncs close on a quorum plus a grace window (see .rounds)
         self.rounds = Rounds(membership) if membership.elastic.rounds == "quorum" else None
+        self._policy = policy_for(membership.elastic.rounds)  # how a failed attempt is retried
 
     def run(self, tag: str, collectives: Collectives[T]) -> T:
-        """Run ``collectives`` for the sync named ``tag`` until a quorum commits it."""
+        """Run ``collectives`` for the sync named ``tag`` until a quorum commits it: attempts,
+        each settled by a vote, retried as the run's policy says."""
         self._started = time.perf_counter()
-        if self._last_tag == self.membership.elastic.leave_after:
+        if self.record.last_tag == self.membership.elastic.leave_after:
             self._leave(tag)
-        stuck: list[list[int]] = []  # the members of each failed attempt that excluded nobody
-        retry: Retry | None = None  # quorum rounds: the failed attempt the next one follows
+        policy, retry = self._policy(), None
         while True:
-            ready = tag in self._offers
-            asked = self.admitted or self.membership.quorum(tag, ready=ready, retry=retry)
-            self.admitted = None
-            view = self.membership.check(asked, tag)
-            # every member of the quorum on one attempt's group (see attempt_of)
-            self.membership.generation = max(self.membership.generation, attempt_of(view))
-            blame, unreached = None, None
-            t0 = time.perf_counter()
-            try:  # the group too: its store's host or a peer may be gone already
-                result, ok = self._attempt(view, tag, collectives), True
-            # a peer died or hung inside a collective (torch's collective logger turns the
-            # error of a group outside its world map into a ValueError); or a peer's payload
-            # failed to decode, which its same bytes would do on every try: blamed, not
-            # retried; or members never reached the group: named in the vote (see _unreached)
-            except (RuntimeError, ValueError) as err:
-                blame = _accused(view, err)
-                if isinstance(err, Unreachable):
-                    unreached = [view.members[r] for r in err.ranks if r < len(view.members)]
-                if stuck[-(_SAME_FAILURES - 1) :].count(view.members) == _SAME_FAILURES - 1:
-                    raise  # the same members failed again and again, nobody excluded: stop
-                log.warning("site %d: %s failed among %s after %.1f s (deadline %g s: %s); "
-                            "retrying", self._site, tag, view.members, time.perf_counter() - t0,
-                            self.deadline(view), _why(err))  # fmt: skip
-                result, ok = None, False
-            if not ok:  # before the vote: peers blocked on this site fail now, not at timeout_s
-                self._drop()
-            commit = self.membership.quorum(
-                tag, ok, phase="commit", ready=ready, blame=blame, unreached=unreached
-            )
-            commit = self.membership.check(commit, tag, vote=True)
-            if committed(view, commit, self.membership.generation, ok):
-                # the deadline learns from syncs that stood, their collectives alone
-                self._slowest, self._full = max(self._slowest, self._collective_s), False
-                self._settled(tag, view)
-                self._offers.pop(tag, None)
-                return result  # type: ignore[return-value]
+            outcome = self.attempt(tag, collectives, policy, retry)
+            verdict = self.vote(tag, outcome)
+            if verdict.stands:
+                self._stood(tag, outcome)
+                return outcome.result  # type: ignore[no-any-return]
             # a site whose payload a member refused, or that most members could not reach,
             # leaves every next attempt (all read it from the same vote); it stops itself at
             # its next check
-            out = blamed(view, commit, self.membership.generation)
-            self.membership.exclude(out, tag, view)
-            if not out:
-                stuck.append(view.members)
-            # under quorum rounds, whose lighthouse gathers only those asking within half a
-            # second, the next attempt waits for the failed one's live members (see Patience)
-            # and runs no split pair again; lock-step's lighthouse waits for every live site
-            # (asked again there, the same members came back, and the member whose re-asking
-            # outlasted the others' asked alone and stopped: chaos seed 112)
-            retry = None
-            if self.rounds is not None:
-                named = unreached or any(d.unreached for d in commit.data)
-                live = {d.site: d.store for d in view.data}
-                live = {s: a for s, a in live.items() if s not in out}
-                retry = Retry(live, not out and bool(named), self.deadline(view))
-            # every member of the commit saw it fail: all start the next attempt on fresh groups
-            # (the lighthouse keeps the quorum id when the members did not change), the next
-            # one with the whole timeout_s (a sync slower than any before fails once, not twice)
-            self._failed_at = self._failed_at or time.perf_counter()
-            self._full = True
-            self.membership.generation += 1
+            self.membership.exclude(verdict.out, tag, outcome.view)
+            retry = policy.after(outcome, verdict)
+            self._failed()
+
+    def attempt(
+        self, tag: str, collectives: Collectives[T], policy: LockStep, retry: Retry | None
+    ) -> Outcome:
+        """Ask who is in, and run ``collectives`` on that quorum's group: what came of it. An
+        error taken as real (``policy``: the same members failing again) is raised."""
+        ready = tag in self._offers
+        asked = self.admitted or self.membership.quorum(tag, ready=ready, retry=retry)
+        self.admitted = None
+        view = self.membership.check(asked, tag)
+        # every member of the quorum on one attempt's group (see attempt_of)
+        self.membership.generation = max(self.membership.generation, attempt_of(view))
+        t0, deadline = time.perf_counter(), self.deadline(view)
+        try:  # the group too: its store's host or a peer may be gone already
+            return Outcome(view, self._collectives(view, tag, collectives), deadline_s=deadline)
+        # a peer died or hung inside a collective (torch's collective logger turns the error of
+        # a group outside its world map into a ValueError); or a peer's payload failed to
+        # decode, which its same bytes would do on every try: blamed, not retried; or members
+        # never reached the group: named in the vote (see _unreached)
+        except (RuntimeError, ValueError) as err:
+            unreached = None
+            if isinstance(err, Unreachable):
+                unreached = [view.members[r] for r in err.ranks if r < len(view.members)]
+            if policy.hopeless(view):
+                raise  # the same members failed again and again, nobody excluded: stop
+            why = _why(err)
+            log.warning("site %d: %s failed among %s after %.1f s (deadline %g s: %s); "
+                        "retrying", self._site, tag, view.members, time.perf_counter() - t0,
+                        deadline, why)  # fmt: skip
+            blame = _accused(view, err)
+            return Outcome(view, error=why, blame=blame, unreached=unreached, deadline_s=deadline)
+
+    def vote(self, tag: str, outcome: Outcome) -> Verdict:
+        """The commit vote on ``outcome``'s attempt, as every member reads it."""
+        if not outcome.ok:  # before the vote: peers blocked on this site fail now, not at timeout
             self._drop()
+        commit = self.membership.quorum(
+            tag, outcome.ok, phase="commit", ready=tag in self._offers, blame=outcome.blame,
+            unreached=outcome.unreached,
+        )  # fmt: skip
+        commit = self.membership.check(commit, tag, vote=True)
+        generation = self.membership.generation
+        if committed(outcome.view, commit, generation, outcome.ok):
+            return Verdict(True, commit, {})
+        return Verdict(False, commit, blamed(outcome.view, commit, generation))
+
+    def _stood(self, tag: str, outcome: Outcome) -> None:
+        """The sync stood: the deadline learns from its collectives alone; record it."""
+        self._slowest, self._full = max(self._slowest, self._collective_s), False
+        self._settled(tag, outcome.view)
+        self._offers.pop(tag, None)
+
+    def _failed(self) -> None:
+        """Every member of the commit saw it fail: all start the next attempt on fresh groups
+        (the lighthouse keeps the quorum id when the members did not change), the next one with
+        the whole timeout_s (a sync slower than any before fails once, not twice)."""
+        self.record.failed_at = self.record.failed_at or time.perf_counter()
+        self._full = True
+        self.membership.generation += 1
+        self._drop()
 
     def offer(self, tag: str, shared: Callable[[], dict]) -> None:
         """The engine, before it starts sync ``tag``: ``shared()`` gives the run's shared state
@@ -163,8 +170,9 @@ class Runner:
                 self._drop()
                 self.admitted = None
 
-    def _attempt(self, view: View, tag: str, collectives: Collectives[T]) -> T:
-        """One attempt on ``view``'s group (no reference to it outlives a failure: see _drop)."""
+    def _collectives(self, view: View, tag: str, collectives: Collectives[T]) -> T:
+        """``collectives`` on ``view``'s group (no reference to it outlives a failure: see
+        _drop)."""
         transports = self._on(view)
         self.current = view  # whose contributions this attempt's collectives carry
         # the bound for this attempt's collectives (a group lives on while its members do)
@@ -198,8 +206,7 @@ class Runner:
         if worst == 1:
             raise failed or RuntimeError("the heal of another rank of this site failed")
         assert got is not None
-        self.events, self.members = list(got["events"]), list(got["members"])
-        self._last_tag, self._last_step = got["last"]
+        self.record.load(got)
         self.admitted = view
         if self.rounds is not None:
             self.rounds.admitted(step_of(tag))
@@ -227,8 +234,7 @@ class Runner:
             return
         t0 = time.perf_counter()
         state = self._offers[tag]()  # admitted only where every member offered it
-        record = {"events": self.events, "members": self.members,
-                  "last": [self._last_tag, self._last_step]}  # fmt: skip
+        record = self.record.to_wire()
         joiners = [view.rank_of(s) for s in view.joiners]
         seal = self._heal_seal(view, tag)
         _, _, size, sources = heal.hand_over(
@@ -236,7 +242,7 @@ class Runner:
         )
         if not heal.agree(transport, state):
             raise RuntimeError(heal.mismatch(tag))  # this attempt fails; retried without it
-        self._heal = (time.perf_counter() - t0, size, sources)
+        self.record.heal = (time.perf_counter() - t0, size, sources)
 
     def _heal_seal(self, view: View, tag: str) -> Callable[[bytes], bytes]:
         """The MAC of a heal's digests at ``tag``, bound to the attempt and the healer."""
@@ -281,43 +287,22 @@ class Runner:
         return self._transports[1], self._transports[2]
 
     def _settled(self, tag: str, view: View) -> None:
-        """Record a change of members: who left (and how long the survivors took to sync
-        again), who joined (and what their heal cost)."""
-        if self.members is not None and view.members != self.members:
-            gone = sorted(set(self.members) - set(view.members))
-            # from the first failure (or, for a site lost between syncs, from asking for this
-            # sync's quorum) until the survivors' sync stood
-            lost = time.perf_counter() - (self._failed_at or self._started)
-            event = {"at": tag, "after": self._last_tag, "last_step": self._last_step}
-            event["left"] = gone
-            excluded = [s for s in gone if s in self.membership.excluded]
-            if excluded:  # refused for its payload, not lost: said as such in the record
-                event["excluded"] = excluded
-            event.update(members=list(view.members), resync_s=round(lost, 3))
-            if view.joiners:
-                event["joined"] = list(view.joiners)
-                if self._heal is not None:  # measured by the old members that sent it
-                    seconds, size, sources = self._heal
-                    event.update(heal_s=round(seconds, 3), heal_bytes=size, heal_from=sources)
-            self.events.append(event)
-            said = self.membership.position == 0  # a site of several ranks says it once
-            if gone and said:
-                log.warning("site %d: sites %s left at %s; %d sites go on", self._site, gone,
-                            tag, len(view.members))  # fmt: skip
-            if view.joiners and said:
-                log.warning("site %d: sites %s joined at %s; %d sites go on", self._site,
-                            view.joiners, tag, len(view.members))  # fmt: skip
-        self._heal = None
+        """Sync ``tag`` stood on ``view``: into the record, and the rounds' expectations."""
+        self.record.settle(tag, view, self.membership.excluded, self._started)
         if self.rounds is not None:
             self.rounds.expect(view, tag)
             self.rounds.back()
-        self.members = list(view.members)
         self.settled = (tag, view)
-        self._failed_at = None
-        self._last_tag = tag
-        _, _, step = tag.partition("@")
-        if step.isdigit():  # a sync of the outer loop (others: flags, checks, control)
-            self._last_step = int(step)
+
+    @property
+    def members(self) -> list[int] | None:
+        """Who took part in the last sync that stood (None before the first)."""
+        return self.record.members
+
+    @property
+    def events(self) -> list[dict]:
+        """The run's membership changes (see :class:`.record.Record`)."""
+        return self.record.events
 
     def _leave(self, tag: str) -> None:
         """Replay: this site left here in the recorded run; it leaves the same way, at once
@@ -325,7 +310,7 @@ class Runner:
         SiteLeft, which the site's trainer ends its process on."""
         if self.membership.position == 0:  # a site of several ranks says it once
             print(f"lowcomm: replay: site {self._site} leaves before {tag}, after "
-                  f"{self._last_tag}, as in the recorded run", flush=True)  # fmt: skip
+                  f"{self.record.last_tag}, as in the recorded run", flush=True)  # fmt: skip
         self.membership.close()
         raise SiteLeft(tag)
 

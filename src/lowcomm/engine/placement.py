@@ -130,7 +130,7 @@ class Placement:
         from ..elastic import Runner
 
         runner = Runner(self.membership, transport.meter, buffers.meter, transport.delay_s, faults)
-        runner.members = list(self.start_members)  # a site lost before the first sync counts
+        runner.record.members = list(self.start_members)  # a site lost before the first sync counts
         if runner.rounds is not None:  # whom to tell of its arrivals at the first sync
             runner.rounds.expect(self.start_view, "start")
         return runner
