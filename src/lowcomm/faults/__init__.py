@@ -245,3 +245,20 @@ def decoded(faults: list[Fault]) -> list[Fault]:
 def paused(faults: list[Fault], site: int) -> bool:
     """Whether ``site`` has a ``pause:`` fault: stopped, it is coming back (a hang is not)."""
     return any(f.kind == "pause" and f.site == site for f in faults)
+
+
+@dataclass(frozen=True)
+class Staged:
+    """What the local launcher stages for one site process of a run with ``--faults``: the
+    faults it acts out, a standby joiner's gate, and a ``link:`` fault's network namespace.
+    Nothing of it exists in a deployed site (one launched per site)."""
+
+    faults: tuple[Fault, ...] = ()
+    gate: object = None  # a joiner started on standby: a multiprocessing Event set to let it in
+    netns: str = ""  # the network namespace this site runs in (a ``link:`` fault), and ...
+    addr: str = ""  # ... its address there
+    uplink: str = ""  # ... and its uplink's tbf settings (a ``link:`` fault puts them back)
+
+
+#: a site with nothing staged
+NOT_STAGED = Staged()

@@ -22,24 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, TrainConfig
-from ..elastic.membership import check_rounds
-from ..elastic.rounds import LIGHTHOUSE_JOIN_S
-from ..engine.placement import EVICT_SITE_RANKS, QUORUM_SITE_RANKS, TWO_PHASE_ELASTIC
 from ..errors import LowCommError
-from ..faults import (
-    adds,
-    decoded,
-    joins,
-    lighthouse_down,
-    links,
-    parse_faults,
-    paused,
-)
+from ..faults import Staged, adds, joins, links, parse_faults, paused
 from .entry import clear_stale, error_file, failure_of, run_entry, user_errors
 from .join_site import RUN_FILE, run_site, write_run_file
 from .lighthouse import Keeper
-from .site_role import SiteRole
-from .spec import RunSpec
+from .site_role import ElasticSite
+from .spec import ElasticSpec, RunSpec, check_corrupt, check_fixed
 
 # after one site finished the run, how long the launcher waits for the others to finish too
 # (they end at the same sync, within a moment) before it stops those still behind
@@ -55,81 +44,16 @@ class SitesFailed(LowCommError):
 
 
 def check_elastic(spec: RunSpec, workers: int) -> None:
-    """One-line refusals of what elastic mode does not do, before any site starts."""
-    cfg = spec.train
-    faults = parse_faults(cfg.faults, workers, cfg.steps)
-    rejoin = {**joins(faults), **adds(faults)}
-    if decoded(faults) and (spec.strategy.per_step or spec.sync.resolved_reduce == "allreduce"):
-        raise ConfigError(
-            f"--faults {decoded(faults)[0]}: a corrupt payload is refused where payloads are "
-            f"decoded; this run all-reduces sums: use a codec sent by reduce=gather or "
-            f"two-phase (e.g. codec=int8)"
-        )
-    if not cfg.elastic:
-        if rejoin:
-            raise ConfigError(
-                "--faults join/add: a site can join only an elastic run: add elastic=true"
-            )
-        if lighthouse_down(faults):
-            raise ConfigError("--faults lighthouse: only an elastic run has one: add elastic=true")
-        if links(faults):
-            raise ConfigError("--faults link: cuts an elastic site's data plane: add elastic=true")
-        if spec.sync.evict:
-            raise ConfigError(
-                "evict=true excludes named sites from an elastic run: add "
-                "elastic=true (a fixed world only names them)"
-            )
+    """One-line refusals of what the run's elastic settings (or their absence) cannot do,
+    before any site starts."""
+    faults = parse_faults(spec.train.faults, workers, spec.train.steps)
+    check_corrupt(spec, faults)
+    if spec.elastic is None:
+        check_fixed(spec, faults)
         return
-    if links(faults) or cfg.site_link:
-        _check_links(spec)
-    spec.strategy.check_elastic(cfg, bool(rejoin))  # a replay's joins: refused with replay
-    if lighthouse_down(faults) and cfg.lighthouse:
-        raise ConfigError(
-            f"--faults lighthouse: kills the lighthouse the launcher started; lighthouse="
-            f"{cfg.lighthouse} is not ours to kill: drop lighthouse= or the fault"
-        )
-    if cfg.ranks_per_worker != 1 and cfg.site < 0:
-        raise ConfigError(
-            "elastic=true with --workers starts sites of one rank: launch each site of several "
-            "ranks on its own (torchrun --nproc-per-node R ... site=N sites=S lighthouse=...)"
-        )
-    if cfg.ranks_per_worker != 1 and cfg.rounds == "quorum":
-        raise ConfigError(QUORUM_SITE_RANKS)
-    if cfg.ranks_per_worker != 1 and spec.sync.evict:
-        raise ConfigError(EVICT_SITE_RANKS)
-    if spec.sync.resolved_reduce == "two-phase":  # (the engine refuses it too, for own loops)
-        raise ConfigError(TWO_PHASE_ELASTIC)
-    if cfg.min_workers > workers:
-        raise ConfigError(f"min_workers={cfg.min_workers} is more than --workers {workers}")
-    if cfg.rounds == "quorum":
-        if cfg.replay:  # where a round is cut short depends on timing, not on the record
-            raise ConfigError("--replay re-enacts lock-step membership: drop rounds=quorum")
-        check_rounds(cfg.rounds, cfg.quorum, cfg.grace, cfg.late, workers)
-    if cfg.replay:
-        replay_joins(cfg.replay, workers)  # the record read now: its errors before any start
-
-
-def _check_links(spec: RunSpec) -> None:
-    """A ``link:`` fault runs the sites in namespaces the launcher makes: refused, with the
-    reason, where it cannot."""
-    from ..netshape.errors import NetworkUnavailable
-    from ..netshape.namespaces import require_root_and_iproute2
-
-    cfg = spec.train
-    what = f"site_link={cfg.site_link}" if cfg.site_link else "--faults link"
-    if spec.strategy.peer:  # torchft's Managers meet at a lighthouse of this machine's own
-        raise ConfigError(f"{what}: not for {spec.strategy.name}: use a lowcomm strategy")
-    if cfg.replay:
-        raise ConfigError(f"{what}: a replay runs without faults on loopback: drop {what}")
-    if cfg.lighthouse:
-        raise ConfigError(
-            f"{what}: the sites then run in network namespaces that reach only the launcher's "
-            f"lighthouse, not lighthouse={cfg.lighthouse}: drop lighthouse= or {what}"
-        )
-    try:
-        require_root_and_iproute2()
-    except NetworkUnavailable as e:
-        raise ConfigError(f"{what}: {e}") from None
+    spec.elastic.check(spec, workers, faults)
+    if spec.elastic.replay:
+        replay_joins(spec.elastic.replay, workers)  # read now: its errors before any start
 
 
 def replay_leaves(path: str, sites: int) -> dict[int, str]:
@@ -170,7 +94,7 @@ def run_sites(spec: RunSpec, workers: int) -> dict[str, Any] | None:
     """Start the lighthouse and one process per site; wait for the survivors; their summary.
 
     ``spec.resume``: a checkpoint folder; every site continues from its global copy."""
-    cfg, out_dir = spec.train, spec.out
+    settings, out_dir = _settings(spec), spec.out
     out_dir.mkdir(parents=True, exist_ok=True)
     # sites fork from one server that imported torch and the trainer once: on a small machine
     # that saves each site its own ~2 s of imports (the server starts no threads, so a fork
@@ -181,11 +105,11 @@ def run_sites(spec: RunSpec, workers: int) -> dict[str, Any] | None:
         ["torch", "torch._dynamo", "lowcomm.train.loop", "lowcomm.train.join_site"]
     )
     servers = []
-    address, keeper = cfg.lighthouse, None
-    net = _site_network(cfg, workers)
+    address, keeper = settings.lighthouse, None
+    net = _site_network(spec, workers)
     try:
         if not address:  # ours: at one address for the whole run, started again if it dies
-            options = _lighthouse_options(cfg, min_replicas=1)  # lowcomm checks min_workers
+            options = settings.lighthouse_options(min_replicas=1)  # lowcomm checks min_workers
             where = {"netns": net.switch, "host": net.switch_addr} if net else {}
             keeper = Keeper(ctx, options, out_dir, **where)
             keeper.start()
@@ -196,18 +120,25 @@ def run_sites(spec: RunSpec, workers: int) -> dict[str, Any] | None:
             net.close()
 
 
-def _site_network(cfg: TrainConfig, workers: int) -> Any:
+def _settings(spec: RunSpec) -> ElasticSpec:
+    """The elastic settings of ``spec`` (a run of sites has them)."""
+    assert spec.elastic is not None, "sites run an elastic run"
+    return spec.elastic
+
+
+def _site_network(spec: RunSpec, workers: int) -> Any:
     """A network namespace for each site and the lighthouse's, bridged (a ``link:`` fault
     cuts one site's link there); None for a run without such a fault."""
+    cfg, settings = spec.train, _settings(spec)
     faults = parse_faults(cfg.faults, workers, cfg.steps)
-    if not links(faults) and not cfg.site_link:
+    if not links(faults) and not settings.site_link:
         return None
     from ..netshape.network import ShapedNetwork
 
     total = workers + len(adds(faults))
     # without site_link a nominal rate: namespaces to cut one site's link in, not to shape it
     net = ShapedNetwork(
-        cfg.site_link or "10gbit",
+        settings.site_link or "10gbit",
         topology="per-worker",
         workers=total,
         check=False,
@@ -229,7 +160,7 @@ def _run_sites(
     cfg, out_dir = spec.train, spec.out
     peer = ""
     if spec.strategy.peer:  # torchft's Managers: a lighthouse of their own
-        servers.append(_lighthouse(cfg, min_replicas=cfg.min_workers))
+        servers.append(_lighthouse(_settings(spec), min_replicas=_settings(spec).min_workers))
         peer = servers[-1].address()
     roles, again, added = _plan(cfg, workers, address, peer)
     clear_stale(out_dir)
@@ -238,13 +169,13 @@ def _run_sites(
         write_run_file(spec, roles[0], address, planned, netns=net is not None)
     started = time.time()
 
-    def start(role: SiteRole) -> Any:
+    def start(role: ElasticSite) -> Any:
         # a joiner heals from a live peer: it never reads the checkpoint
         own = spec.replace(resume=None) if role.join else spec
         if net is not None:
-            role = dataclasses.replace(
-                role, netns=net.namespace(role.site), addr=net.address(role.site), uplink=net.uplink
-            )
+            where = {"netns": net.namespace(role.site), "addr": net.address(role.site)}
+            staged = dataclasses.replace(role.staged, **where, uplink=net.uplink)
+            role = dataclasses.replace(role, staged=staged)
         p = ctx.Process(target=_site_main, args=(role, own))
         p.start()
         return p
@@ -254,7 +185,7 @@ def _run_sites(
     # a site that leaves and joins again (``join:`` or a replayed join) is started now, on
     # standby: it is ready (imports, data, model) when its gate opens, at the first's exit
     standby = {
-        s: (gate, start(dataclasses.replace(roles[s], leave_after="", join=True, gate=gate, **j)))
+        s: (gate, start(_standby(roles[s], gate, j)))
         for s, j in again.items()
         for gate in [ctx.Event()]
     }
@@ -268,7 +199,7 @@ def _run_sites(
         gate.set()
         return p
 
-    pausing = {s for s in range(len(procs)) if paused(roles[0].faults, s)}
+    pausing = {s for s in range(len(procs)) if paused(list(roles[0].staged.faults), s)}
     try:
         codes = _wait(procs, out_dir, restart, pausing, started, keeper and keeper.tick)
     finally:
@@ -290,7 +221,7 @@ def _run_sites(
 
 def _plan(
     cfg: TrainConfig, workers: int, address: str, peer: str
-) -> tuple[list[SiteRole], dict[int, dict[str, Any]], list[SiteRole]]:
+) -> tuple[list[ElasticSite], dict[int, dict[str, Any]], list[ElasticSite]]:
     """Each starting site's role; how each site that leaves and joins again is admitted; the
     roles of the sites added during the run (``add:``, or new sites in a replay's joins)."""
     faults = parse_faults(cfg.faults, workers, cfg.steps)
@@ -302,9 +233,16 @@ def _plan(
     heal_at = tuple(rejoins.values())  # a replay: every site offers a heal where one joined
     total = workers + len(new)  # the data is cut into as many shards as the run has sites
     roles = [
-        SiteRole(
-            s, total, address, faults, leaves.get(s, ""), peer, heal_at=heal_at, starting=workers
-        )
+        ElasticSite(
+            s,
+            total,
+            address,
+            leaves.get(s, ""),
+            peer,
+            heal_at=heal_at,
+            starting=workers,
+            staged=Staged(tuple(faults)),
+        )  # fmt: skip
         for s in range(workers)
     ]
     added = [
@@ -315,27 +253,20 @@ def _plan(
     return roles, again, added
 
 
-def _lighthouse(cfg: TrainConfig, min_replicas: int) -> Any:
+def _standby(role: ElasticSite, gate: Any, when: dict[str, Any]) -> ElasticSite:
+    """The process of a site that joins again, started now and let in at ``gate``."""
+    staged = dataclasses.replace(role.staged, gate=gate)
+    return dataclasses.replace(role, leave_after="", join=True, staged=staged, **when)
+
+
+def _lighthouse(settings: ElasticSpec, min_replicas: int) -> Any:
     """A torchft LighthouseServer in this process, with the run's timeouts (torchft's own
     Managers'; the sites' lighthouse is a :class:`Keeper`'s process)."""
     if not os.environ.get("LOWCOMM_DEBUG"):
         os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse logs every quorum at INFO
     from torchft.coordination import LighthouseServer
 
-    return LighthouseServer(bind="[::]:0", **_lighthouse_options(cfg, min_replicas))
-
-
-def _lighthouse_options(cfg: TrainConfig, min_replicas: int) -> dict[str, int]:
-    """A lighthouse's settings for this run's timeouts."""
-    # quorum rounds: the sites ask once a sync has closed, so the lighthouse waits only for
-    # the rest of those asking (a moment), not for every live site as lock-step does
-    join_s = LIGHTHOUSE_JOIN_S if cfg.rounds == "quorum" else cfg.timeout_s
-    return {
-        "min_replicas": min_replicas,
-        "join_timeout_ms": int(join_s * 1000),
-        "quorum_tick_ms": 20,
-        "heartbeat_timeout_ms": int(cfg.heartbeat_timeout_s * 1000),
-    }
+    return LighthouseServer(bind="[::]:0", **settings.lighthouse_options(min_replicas))
 
 
 def _wait(
@@ -448,18 +379,19 @@ def _outcome(codes: list[int | None], out_dir: Path, started: float) -> dict[str
     raise SitesFailed(messages or why, code)
 
 
-def _site_main(role: SiteRole, spec: RunSpec) -> None:
+def _site_main(role: ElasticSite, spec: RunSpec) -> None:
     """One site's process: the trainer with membership, its errors as a launched worker's."""
-    if role.netns:  # before any socket: its store and groups listen on its own address
+    staged = role.staged
+    if staged.netns:  # before any socket: its store and groups listen on its own address
         from ..netshape.links import WORKER_IFNAME
         from ..netshape.namespaces import enter
 
-        enter(role.netns)
+        enter(staged.netns)
         os.environ.update(
-            LOWCOMM_ADDR=role.addr,
+            LOWCOMM_ADDR=staged.addr,
             GLOO_SOCKET_IFNAME=WORKER_IFNAME,
             LOWCOMM_LIGHTHOUSE=role.lighthouse,
-            LOWCOMM_UPLINK=role.uplink,
+            LOWCOMM_UPLINK=staged.uplink,
         )
     try:
         run_entry(str(spec.out), role.site, lambda: run_site(role, spec))

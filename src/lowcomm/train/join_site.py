@@ -27,14 +27,14 @@ from ..config import (
     config_fields,
 )
 from ..errors import SiteLeft
-from .site_role import SiteRole
+from .site_role import ElasticSite
 from .spec import RunSpec
 
 RUN_FILE = "elastic.json"
 
 
 def write_run_file(
-    spec: RunSpec, role: SiteRole, lighthouse: str, planned: list[int], netns: bool = False
+    spec: RunSpec, role: ElasticSite, lighthouse: str, planned: list[int], netns: bool = False
 ) -> None:
     """DIR/elastic.json: what ``lowcomm join DIR`` needs (the launcher removes it at the end);
     ``role``: a starting site's, for the run's sites; ``planned``: the sites the launcher
@@ -72,7 +72,7 @@ def join_site(run_dir: str, site: int | None = None) -> None:
     sync_cfg, cfg = build_configs(saved, sync=SyncConfig(), train=TrainConfig())
     cfg.faults, cfg.replay = "", ""  # the run's faults and replay are its launcher's
     starting = int(record.get("starting", sites))
-    role = SiteRole(site, sites, record["lighthouse"], join=True, starting=starting)
+    role = ElasticSite(site, sites, record["lighthouse"], join=True, starting=starting)
     if not os.environ.get("LOWCOMM_DEBUG"):
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's client logs at INFO
     lock = folder / f"join-site{site}.pid"
@@ -128,7 +128,7 @@ def _free_site(folder: Path, sites: int, asked: int | None, planned: set[int]) -
     return free[0]
 
 
-def run_site(role: SiteRole, spec: RunSpec) -> dict[str, Any] | None:
+def run_site(role: ElasticSite, spec: RunSpec) -> dict[str, Any] | None:
     """The trainer as one site, in a torch.distributed world of its own (the launcher's sites,
     a site started by hand and one launched on its own alike); its summary (None where
     another site writes the run's)."""

@@ -24,7 +24,7 @@ from .ports import check_port, free_port
 from .spec import RunSpec
 
 if TYPE_CHECKING:
-    from .site_role import SiteRole
+    from .site_role import ElasticSite
 
 
 class LaunchError(RuntimeError):
@@ -214,7 +214,7 @@ def _own_site(spec: RunSpec, on_checked: Callable[[], None] | None) -> dict[str,
     """This process is site ``site`` of a run whose sites are each launched on their own: it
     starts with the others, or joins (heals) if the run is going; its own summary."""
     from .join_site import run_site
-    from .site_role import SiteRole
+    from .site_role import ElasticSite
 
     global _site_launched
     cfg = spec.train
@@ -251,13 +251,13 @@ def _own_site(spec: RunSpec, on_checked: Callable[[], None] | None) -> dict[str,
     # its folder holds its unfinished run: it only joins the run going (read before this
     # site writes anything; of a site's ranks, rank 0's reading is the one that asks)
     back = (spec.out / "metrics.jsonl").exists()
-    role = SiteRole(cfg.site, cfg.sites, cfg.lighthouse, alone=True, back=back)
+    role = ElasticSite(cfg.site, cfg.sites, cfg.lighthouse, alone=True, back=back)
     if cfg.replay:
         role = _replayed_site(role, spec)
     return run_site(role, spec)
 
 
-def _replayed_site(role: SiteRole, spec: RunSpec) -> SiteRole:
+def _replayed_site(role: ElasticSite, spec: RunSpec) -> ElasticSite:
     """A site launched on its own re-enacting a recorded run (``--replay``, any site's
     membership.jsonl of it): it leaves where it left then, and its command run again into the
     same folder (which then holds its unfinished run) brings it back at the sync where it

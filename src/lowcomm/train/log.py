@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -47,6 +48,7 @@ class RunLog:
         append: bool = False,
     ) -> None:
         self.active = rank == 0
+        self.started = 0.0  # when the training loop began (see begin)
         self.stream = stream if stream is not None else sys.stderr
         self.file = None
         if self.active:  # append: a site back in its own folder keeps what it logged before
@@ -72,8 +74,16 @@ class RunLog:
         self.desc = desc
         self.tb = _tensorboard_writer(out) if self.active and backend == "tensorboard" else None
 
+    def begin(self) -> None:
+        """The training loop begins: ``elapsed_s`` of every record counts from now."""
+        self.started = time.perf_counter()
+
     def record(self, rec: dict[str, Any]) -> None:
-        """Write one metrics record and show it (bar, plain line, TensorBoard)."""
+        """Write one metrics record, stamped with ``elapsed_s`` (seconds since :meth:`begin`,
+        everything included: logging, evaluation and waits outside the timed steps, which
+        ``wall_s`` leaves out), and show it (bar, plain line, TensorBoard)."""
+        elapsed = round(time.perf_counter() - self.started, 3) if self.started else 0.0
+        rec = {**rec, "elapsed_s": elapsed}
         if not self.active:
             return
         self.file.write(json.dumps(rec) + "\n")

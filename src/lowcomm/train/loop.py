@@ -30,7 +30,7 @@ from .log import RunLog
 from .model import count_params
 from .resume import load_state, restore, save_checkpoint
 from .run import Run, init_distributed, lr_lambda, resolve_device, set_up, wrap_for_strategy
-from .site_role import FIXED_WORLD, SiteRole, record_membership
+from .site_role import FIXED_WORLD, ElasticSite, record_membership
 from .sites import full_state_dict, rows_of
 from .spec import RunSpec
 from .summary import RunSummary
@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 
-def run_worker(spec: RunSpec, role: SiteRole | None = None) -> dict[str, Any] | None:
+def run_worker(spec: RunSpec, role: ElasticSite | None = None) -> dict[str, Any] | None:
     """Train on this process's rank; returns the summary on rank 0 (None elsewhere).
 
     ``spec.resume`` names a checkpoint folder to continue from
@@ -80,16 +80,17 @@ def run_worker(spec: RunSpec, role: SiteRole | None = None) -> dict[str, Any] | 
         progress=cfg.progress,
         backend=cfg.log,
     )
-    if place.gate is not None:
-        place.gate.wait()  # a joiner on standby: until the site it replaces has left
+    if place.staged.gate is not None:
+        place.staged.gate.wait()  # a joiner on standby: until the site it replaces has left
     try:
         with run.sync_context():
             if saved is not None:
                 restore(run, saved)
-            if place.elastic and _healed(run):
+            healed = place.elastic and _healed(run)
+            if healed:
                 _joined(run)
                 after_step(run, run.progress.start_step - 1, log)  # the others' collectives
-            _train_loop(run, harness, log, fresh=saved is None)
+            _train_loop(run, harness, log, fresh=saved is None and not healed)
             finish(run)
         summary = summarize(run, log)
     finally:
@@ -101,15 +102,14 @@ def run_worker(spec: RunSpec, role: SiteRole | None = None) -> dict[str, Any] | 
 def _train_loop(run: Run, harness: Harness, log: RunLog, fresh: bool) -> None:
     """Every inner step from the start step to the last, with the faults a test planned (the
     site's harness acts before each step; the engine holds it for what it does inside a sync);
-    ``fresh``: not resumed (a starting elastic site begins its sync record afresh)."""
+    ``fresh``: neither resumed nor healed (a starting elastic site begins its sync record
+    afresh)."""
     role, replica, steps = run.place.role, run.place.site.replica, run.spec.train.steps
     step = run.progress.start_step
-    run.progress.loop_started = time.perf_counter()
+    log.begin()
     synclog = None
     if role.elastic and not run.spec.strategy.peer:  # a peer's engine has no global copy
-        synclog = SyncLog(
-            run.spec.out, replica, run.comm.engine, fresh and not _healed(run), run.place.site.part
-        )
+        synclog = SyncLog(run.spec.out, replica, run.comm.engine, fresh, run.place.site.part)
     while step <= steps:
         harness.act(step)
         started, synced = time.perf_counter(), _sync_s(run)
@@ -205,13 +205,16 @@ def after_step(run: Run, step: int, log: RunLog) -> None:
     if _behind(run):  # out of the run's quorum until its next sync: no collectives with it
         log.step_done()
         return
-    if _due(run, step, cfg.log_every) or step == cfg.steps:
+    rounds = _round_steps(run)
+    logs = _due(step, cfg.log_every, rounds) or step == cfg.steps
+    evaluates = step < cfg.steps and cfg.eval_every and _due(step, cfg.eval_every, rounds)
+    if cfg.checkpoint_every and _due(step, cfg.checkpoint_every, rounds):
+        run.progress.pending_checkpoint = True
+    if logs:
         record = _train_record(run, step)
-    if step < cfg.steps and cfg.eval_every and _due(run, step, cfg.eval_every):
+    if evaluates:
         record = record or {"step": step, "tokens": step * run.tokens_per_step}
         record["val_loss"] = run.evaluate()
-    if cfg.checkpoint_every and _due(run, step, cfg.checkpoint_every):
-        run.progress.pending_checkpoint = True
     if run.progress.pending_checkpoint and (
         run.comm.engine is None or run.comm.engine.last_sync_step == step
     ):
@@ -225,19 +228,8 @@ def after_step(run: Run, step: int, log: RunLog) -> None:
         record["membership"] = events[run.progress.events_logged :]
         run.progress.events_logged = len(events)
     if record is not None:
-        record["elapsed_s"] = _elapsed(run)
         log.record(record)
     log.step_done()
-
-
-def _elapsed(run: Run) -> float:
-    """Seconds since the training loop began, everything included (logging, evaluation and
-    waits outside the timed steps: ``wall_s`` leaves those out)."""
-    return (
-        round(time.perf_counter() - run.progress.loop_started, 3)
-        if run.progress.loop_started
-        else 0.0
-    )
 
 
 def _behind(run: Run) -> bool:
@@ -247,13 +239,19 @@ def _behind(run: Run) -> bool:
     return rounds is not None and rounds.stale
 
 
-def _due(run: Run, step: int, every: int) -> bool:
+def _round_steps(run: Run) -> int:
+    """Quorum rounds: the steps of a round (0 in lock-step, or without an engine)."""
+    quorum = run.spec.elastic is not None and run.spec.elastic.rounds == "quorum"
+    return run.spec.sync.sync_every if quorum and run.comm.engine is not None else 0
+
+
+def _due(step: int, every: int, round_steps: int = 0) -> bool:
     """Whether a logging or evaluation due every ``every`` steps falls at ``step``. Under quorum
-    rounds these collectives move to the end of the round that holds them: a site cut short
-    skips the steps inside a round, and the others must not wait for it there."""
-    if run.spec.train.rounds != "quorum" or run.comm.engine is None:
+    rounds (rounds of ``round_steps``) these collectives move to the end of the round that
+    holds them: a site cut short skips the steps inside a round, and the others must not wait
+    for it there."""
+    if not round_steps:
         return step % every == 0
-    round_steps = run.spec.sync.sync_every
     return step % round_steps == 0 and step // every > (step - round_steps) // every
 
 
@@ -286,6 +284,7 @@ def finish(run: Run) -> None:
 
 def summarize(run: Run, log: RunLog) -> RunSummary | None:
     """Final evaluation, then the summary over all workers; rank 0 writes its files."""
+    rounds = _rounds_table(run)  # a collective: before the other sites may have left
     val_loss = run.evaluate()
     totals = run.meter_totals()
     log.record(
@@ -294,7 +293,6 @@ def summarize(run: Run, log: RunLog) -> RunSummary | None:
             "tokens": run.spec.train.steps * run.tokens_per_step,
             "val_loss": val_loss,
             "wall_s": run.progress.clock.wall_s,
-            "elapsed_s": _elapsed(run),
             "final": True,
         }
     )
@@ -319,7 +317,6 @@ def summarize(run: Run, log: RunLog) -> RunSummary | None:
         [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64
     )
     Transport().all_reduce(rss, control=True, op="max")  # this process's world
-    rounds = _rounds_table(run)  # a collective: before the other sites may have left
     state = full_state_dict(run.learner.model)  # a collective when sharded: every rank gathers
     if not run.writes:
         return None
@@ -358,7 +355,7 @@ def _rounds_table(run: Run) -> torch.Tensor | None:
     """Quorum rounds: every site's trained steps, syncs it took part in, rounds cut short,
     steps skipped and syncs missed (one row per site; None in lock-step)."""
     rounds = getattr(run.membership, "rounds", None)
-    if run.spec.train.rounds != "quorum" or rounds is None:
+    if rounds is None or not _round_steps(run):
         return None
     table = torch.zeros((run.place.world, len(ROUND_COLUMNS)), dtype=torch.float64)
     stats = run.comm.engine.stats

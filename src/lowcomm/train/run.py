@@ -32,7 +32,7 @@ from ..transport import ByteMeter, Transport
 from . import checkpoint as ckpt
 from .build import build_model
 from .data import Batches, load_corpus, val_batches
-from .site_role import FIXED_WORLD, QuorumControl, Role, SiteRole
+from .site_role import FIXED_WORLD, ElasticSite, QuorumControl, Role
 from .sites import Site, build_mesh, shard_model, site_of
 from .spec import RunSpec
 
@@ -236,8 +236,6 @@ class Progress:
     """A checkpoint is due: taken at the next sync boundary."""
     events_logged: int = 0
     """Membership events already marked in metrics.jsonl."""
-    loop_started: float = 0.0
-    """perf_counter when the training loop began (elapsed_s in records)."""
     checkpoint_s: float = 0.0
     """Seconds spent writing checkpoints (this rank)."""
 
@@ -275,7 +273,7 @@ class Run:
         if self.place.role.alone:
             return self.place.site.part == 0  # the site's first rank
         members = self.membership.members if self.membership is not None else None
-        if isinstance(self.place.role, SiteRole) and members:
+        if isinstance(self.place.role, ElasticSite) and members:
             return members[0] == self.place.role.site
         return self.place.rank == 0
 
@@ -336,7 +334,7 @@ def set_up(spec: RunSpec, role: Role = FIXED_WORLD) -> Run:
         torch.set_num_threads(cfg.threads)
     owns_group = init_distributed(cfg.timeout_s, device, gpus_for(cfg.device))
     rank, world = dist.get_rank(), dist.get_world_size()
-    if isinstance(role, SiteRole):  # its own world: this site's ranks (one, or a torchrun's)
+    if isinstance(role, ElasticSite):  # its own world: this site's ranks (one, or a torchrun's)
         rank, world = role.site * world + rank, role.sites * world
     site = site_of(rank, world, cfg.ranks_per_worker)
     owns_folder = rank == 0 or (role.alone and site.part == 0)
@@ -478,17 +476,10 @@ def _attach_engine(run: Run, faults: FaultHooks) -> None:
 
 def _elastic(run: Run) -> Elastic | None:
     """Membership settings of an elastic run's site (None in a fixed world)."""
-    role, cfg = run.place.role, run.spec.train
-    if not isinstance(role, SiteRole):
+    role, settings = run.place.role, run.spec.elastic
+    if not isinstance(role, ElasticSite) or settings is None:
         return None
-    return Elastic(
-        lighthouse=role.lighthouse, site=role.site, sites=role.starting or role.sites,
-        min_workers=cfg.min_workers, timeout_s=cfg.timeout_s, leave_after=role.leave_after,
-        connect_s=min(10.0, cfg.timeout_s), join=role.join, join_from=role.join_from,
-        enter=role.alone, back=role.back,
-        join_at=role.join_at, heal_at=role.heal_at, rounds=cfg.rounds, quorum=cfg.quorum,
-        grace=cfg.grace, late=cfg.late, weighting=cfg.weighting, secret_file=cfg.secret_file,
-    )  # fmt: skip
+    return settings.for_site(role)
 
 
 def _ddp_inside(run: Run) -> nn.Module:

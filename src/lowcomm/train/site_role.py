@@ -4,13 +4,13 @@ out, the trainer's control collectives on the live quorum, and the membership re
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..faults import Fault, parse_faults
+from ..faults import NOT_STAGED, Fault, Staged, parse_faults
 from ..transport import ByteMeter
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ class FixedWorld:
     elastic: ClassVar[bool] = False
     alone: ClassVar[bool] = False  # its folder is the run's
     join: ClassVar[bool] = False  # it starts with the run
-    gate: ClassVar[Any] = None  # nothing to wait for before it starts
+    staged: ClassVar[Staged] = NOT_STAGED  # the launcher stages nothing for it
     starting: ClassVar[int] = 0  # the world does not change size
     peer_lighthouse: ClassVar[str] = ""  # a peer library finds its own world
 
@@ -36,33 +36,29 @@ class FixedWorld:
 
 
 @dataclass(frozen=True)
-class SiteRole:
-    """What a site process of an elastic run needs to know about its place in it."""
+class ElasticSite:
+    """A site process of an elastic run: its place in the run, and how it enters it."""
 
     elastic: ClassVar[bool] = True
     site: int
     sites: int
     lighthouse: str
-    faults: list[Fault] = field(default_factory=list)
     leave_after: str = ""  # replay: the sync after which this site left in the recorded run
     peer_lighthouse: str = ""  # torchft-diloco: the lighthouse of torchft's own Managers
     join: bool = False  # this process joins the running run (started again after it left)
     join_from: int = 0  # ... at the run's first sync at or after this step
     join_at: str = ""  # ... or exactly at this sync (a replay)
-    gate: Any = None  # a joiner started on standby: a multiprocessing Event set to let it in
     heal_at: tuple[str, ...] = ()  # a replay: the syncs where sites joined in the recorded run
     starting: int = 0  # how many sites start the run (0: ``sites``; fewer when some are added)
-    netns: str = ""  # the network namespace this site runs in (a ``link:`` fault), and ...
-    addr: str = ""  # ... its address there
-    uplink: str = ""  # ... and its uplink's tbf settings (a ``link:`` fault puts them back)
     # launched on its own (site=): it starts with the others or joins the running run, as the
     # lighthouse says, and its folder is its own (it writes its files whoever else is in)
     alone: bool = False
     back: bool = False  # ... into its folder's unfinished run: it only joins the run going
+    staged: Staged = NOT_STAGED  # what the local launcher's --faults stage for this process
 
     def planned(self, faults: str, sites: int, steps: int) -> list[Fault]:
         """The faults this site acts out: read by its launcher for the whole run."""
-        return self.faults
+        return list(self.staged.faults)
 
 
 class QuorumControl:
@@ -124,6 +120,6 @@ def record_membership(
 
 
 #: a process's place in its run: a worker of a fixed world, or a site of an elastic run
-Role = FixedWorld | SiteRole
+Role = FixedWorld | ElasticSite
 #: the place of every worker of a fixed world
 FIXED_WORLD = FixedWorld()
