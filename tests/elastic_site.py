@@ -22,11 +22,16 @@ def site(
     index: int, sites: int, lighthouse: str, out: str, preset: str, kw: dict, steps: int,
     kill_at: int | None, kill_in_sync: bool, join_from: int | None = None,
     after_pid: int | None = None, step_s: float = 0.0, run_id: str = "lowcomm",
-    secret_file: str = "",
+    secret_file: str = "", liar: bool = False,
 ) -> None:  # fmt: skip
     """``join_from``: this process joins the running run (from that step), once the process
-    ``after_pid`` (the site it replaces) is gone; ``step_s``: a pause per step."""
+    ``after_pid`` (the site it replaces) is gone; ``step_s``: a pause per step; ``liar``: its
+    replica checksum is a constant (an insider's lie, or a copy whose memory flipped a bit)."""
     torch.set_num_threads(1)
+    if liar:
+        from lowcomm.engine import guards
+
+        guards.global_checksum = lambda frags: 12345
     model = tiny_model(seed=0)
     opt = adamw(model)
     data = batches(index, sites)

@@ -183,8 +183,9 @@ class SyncConfig:
     )
     replica_check_every: int = knob(
         10,
-        "Every N syncs, compare a checksum of the global parameters across "
-        "workers; a mismatch stops the run (0 = never).",
+        "Every N syncs, compare a checksum of the global parameters across workers; a "
+        "mismatch stops the run (0 = never). Elastic sites of one rank vote: those outside a "
+        "majority's copy leave and the others go on (no majority: the run stops).",
     )
     state_device: StateDevice = knob(
         "model",

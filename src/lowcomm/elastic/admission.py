@@ -29,7 +29,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, MembershipError
+from ..errors import ConfigError
 from .messages import Request, unsealed
 
 log = logging.getLogger("lowcomm")
@@ -70,6 +70,8 @@ class Admission:
         self.ignored = 0  # requests (each time read) and hints (each value once) without a MAC
         self._told: set[tuple[int, str]] = set()  # (site, process) already warned about
         self._forged: set[tuple[str, bytes]] = set()  # hints (key, stored bytes) ignored
+        # requests that claimed this run's membership and failed: how many, by sealed or not
+        self._claimed: dict[bool, int] = {}
 
     @property
     def keyed(self) -> bool:
@@ -96,15 +98,19 @@ class Admission:
             return data
         return {**data, "mac": self.mac("request", unsealed(data))}
 
-    def screen(self, data: list[Request], entering: str = "") -> list[Request]:
+    def screen(self, data: list[Request]) -> list[Request]:
         """The requests of ``data`` with a valid MAC (without a secret: those without one).
-        The rest are counted and named once. ``entering``: "start" or "join" while this site
-        is starting or joining; when the run's requests say that this site is the one without
-        the run's secret (:meth:`odd_one_out`), it stops with one line and the others go on."""
+        The rest are counted, named once, and reach no decision: a request that fails is
+        nobody's, whatever it claims. What they claimed of this run is only remembered, to
+        say why this site was not let in if its own wait for the run runs out
+        (:meth:`explain`): bytes nobody can authenticate never stop a site by themselves."""
         good = [d for d in data if self._sealed_well(d)]
-        bad = [d for d in data if not self._sealed_well(d)]
-        for d in bad:
+        for d in data:
+            if d in good:
+                continue
             self.ignored += 1
+            if d.run == self.run_id and not d.join:  # they claim to be the run's members
+                self._claimed[d.sealed] = self._claimed.get(d.sealed, 0) + 1
             who = (d.site, d.inc)
             if who not in self._told:
                 self._told.add(who)
@@ -114,22 +120,31 @@ class Admission:
                     self.site,
                     who[0],
                 )
-        if entering and self.odd_one_out(good, bad, entering == "join"):
-            raise MembershipError(self._refusal(bad))
         return good
 
-    def odd_one_out(self, good: list[Request], bad: list[Request], joining: bool) -> bool:
-        """Whether this entering site, not the others, lacks the run's secret. Only requests of
-        this run id count (a lighthouse may serve other runs), and only the run's members or
-        starting sites, never joiners (anyone may ask to join). A joiner: a member asked and
-        none passed. A starting site: a majority of the run's starting sites failed (a
-        stranger alone with it proves nothing; in a run of two, neither can tell which secret
-        is wrong: each names the other and waits)."""
-        failed = [d for d in bad if d.run == self.run_id and not d.join]
-        if joining:
-            members = [d for d in good if d.site != self.site and not d.join]
-            return bool(failed) and not members
-        return len(failed) >= self.sites // 2 + 1
+    def explain(self) -> str:
+        """Why a site whose wait for the run ran out may not have been let in: requests that
+        claimed this run failed its MAC check (its secret may differ from the run's; or a
+        stranger sent them). '' when none did."""
+        if not self._claimed:
+            return ""
+        count = sum(self._claimed.values())
+        if self._key is None:
+            fix = (
+                f"the run's sites may hold a run secret and this one none: if so, give it the "
+                f"run's secret (secret_file= or {SECRET_ENV})"
+            )
+        elif not self._claimed.get(True):
+            fix = (
+                f"the run's sites may hold no run secret and this one does: if so, start it "
+                f"without secret_file= and {SECRET_ENV}, as the others"
+            )
+        else:
+            fix = (
+                "they carry no valid MAC under this site's secret (another secret, or another "
+                "run id): if they are the run's, give this site the run's secret"
+            )
+        return f"; {count} requests claiming run {self.run_id} were ignored: {fix}"
 
     def _sealed_well(self, d: Request) -> bool:
         """Whether ``d`` carries a valid MAC over the fields it was sent with (none without
@@ -137,23 +152,6 @@ class Admission:
         if self._key is None:
             return not d.sealed
         return self.valid(d.mac, "request", d.signed)
-
-    def _refusal(self, bad: list[Request]) -> str:
-        if self._key is None:
-            return (
-                f"site {self.site} was refused by the run: its sites hold a run secret and this "
-                f"one has none: give it the run's secret (secret_file= or {SECRET_ENV})"
-            )
-        if not any(d.sealed for d in bad):
-            return (
-                f"site {self.site} was refused by the run: its sites hold no run secret and this "
-                f"one does: start it without secret_file= and {SECRET_ENV}, as the others"
-            )
-        return (
-            f"site {self.site} was refused by the run: the others' requests carry no valid MAC "
-            f"under this site's secret (another secret, or another run id): give it the run's "
-            f"secret"
-        )
 
     # -- hints of quorum rounds ------------------------------------------------------------------
     def hint(self, key: str, value: str) -> str:

@@ -4,6 +4,7 @@ failure is taken as real, and what the next attempt after a failed one asks the 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,11 +38,20 @@ class Outcome:
 @dataclass(frozen=True)
 class Verdict:
     """The commit vote on an attempt, read alike by every member: whether the sync stands,
-    else who every member excludes (site -> why) and the vote itself."""
+    else who every member excludes (site -> why), the vote itself, and the members whose vote
+    alone failed it (see :func:`.decide.dissenters`)."""
 
     stands: bool
     commit: View
     out: dict[int, str]
+    dissent: tuple[int, ...] = ()
+
+
+#: why a member whose lone vote failed attempt after attempt is excluded
+LONE_DISSENT = (
+    f"its vote alone failed {SAME_FAILURES} attempts in a row (it said the sync failed, or "
+    f"accused a site nobody else did, while the others completed it)"
+)
 
 
 class LockStep:
@@ -51,6 +61,22 @@ class LockStep:
 
     def __init__(self) -> None:
         self._stuck: list[list[int]] = []  # the members of each failed attempt that excluded nobody
+        self._dissent: list[tuple[list[int], set[int]]] = []  # ... and whose lone vote failed it
+
+    def judged(self, outcome: Outcome, verdict: Verdict) -> Verdict:
+        """``verdict`` with the members whose lone vote failed the last ``SAME_FAILURES``
+        attempts among the same members added to those excluded (every member reads the same
+        votes, so all exclude them alike; an insider voting against every sync, or accusing an
+        honest site, leaves instead of looping the run)."""
+        if verdict.out:
+            self._dissent.clear()
+            return verdict
+        self._dissent.append((outcome.view.members, set(verdict.dissent)))
+        recent = self._dissent[-SAME_FAILURES:]
+        if len(recent) < SAME_FAILURES or any(m != outcome.view.members for m, _ in recent):
+            return verdict
+        lone = set.intersection(*(d for _, d in recent))
+        return dataclasses.replace(verdict, out={s: LONE_DISSENT for s in sorted(lone)})
 
     def hopeless(self, view: View) -> bool:
         """Whether an attempt of ``view``'s members that just failed here is one too many."""

@@ -85,19 +85,44 @@ def committed(view: View, commit: View, generation: int, ok: bool) -> bool:
 
 
 def blamed(view: View, commit: View, generation: int) -> dict[int, str]:
-    """The sites every member excludes after a failed attempt: those a member's commit vote
-    blames (its payload failed to decode the same way on every try), and those left out of
-    the largest set of members that all reached each other (see :func:`reachable`), read only
-    from a complete vote (every member of the attempt's ``view`` but its joiners voted in this
-    attempt), which every member reads alike. Site -> what was wrong with it."""
+    """The sites every member excludes after a failed attempt: those blamed by a majority of
+    the votes that can judge them (every vote but the accused's own: each member decodes every
+    payload, so all honest ones refuse a bad one alike; an accusation nobody corroborates
+    excludes nobody), and those left out of the largest set of members that all reached each
+    other (see :func:`reachable`), read only from a complete vote (every member of the
+    attempt's ``view`` but its joiners voted in this attempt), which every member reads alike.
+    In a run of two sites one accuser is the majority of its judges. Site -> what was wrong."""
+    votes = _complete_vote(view, commit, generation)
+    out: dict[int, str] = {}
+    for accused in sorted({d.blame for d in votes if d.blame in view.members}):
+        accusers = [d for d in votes if d.blame == accused]
+        if 2 * len(accusers) > len([d for d in votes if d.site != accused]):
+            out[accused] = accusers[0].why
+    return {**out, **_unreached(view, votes)}
+
+
+def dissenters(view: View, commit: View, generation: int) -> list[int]:
+    """The members whose vote alone failed a complete vote: those that said the attempt failed,
+    or accused a site nobody else did, while a majority of the votes say it completed. Read
+    alike by every member; the retry policy excludes one that does it attempt after attempt."""
+    votes = _complete_vote(view, commit, generation)
+    if 2 * sum(d.ok for d in votes) <= len(votes):
+        return []
+    out = set()
+    for d in votes:
+        lone = d.blame is not None and sum(v.blame == d.blame for v in votes) == 1
+        if not d.ok or lone:
+            out.add(d.site)
+    return sorted(out)
+
+
+def _complete_vote(view: View, commit: View, generation: int) -> list[Request]:
+    """The commit votes of ``view``'s attempt ``generation``, when every member of it but its
+    joiners voted (else none: an incomplete vote decides nothing)."""
     votes = [d for d in commit.data if d.phase == "commit" and d.gen == generation and not d.join]
     if [d.site for d in votes] != [s for s in view.members if s not in view.joiners]:
-        return {}
-    out: dict[int, str] = {}
-    for d in votes:
-        if d.blame is not None and d.blame in view.members:
-            out.setdefault(d.blame, d.why)
-    return {**out, **_unreached(view, votes)}
+        return []
+    return votes
 
 
 UNREACHED = "unreachable"  # how an exclusion for a broken network begins (see _unreached)

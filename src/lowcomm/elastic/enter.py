@@ -53,6 +53,6 @@ def _enter(m: Membership) -> tuple[View, str] | None:
                 f"site {e.site}: no run is going at {e.lighthouse} (one that ended is not "
                 f"joined) and only sites {sorted(entering)} of its {e.sites} asked to start "
                 f"within {e.timeout_s:g} s: start the others (site=N sites={e.sites}, the same "
-                f"settings), or check lighthouse="
+                f"settings), or check lighthouse=" + m.admission.explain()
             )
         time.sleep(e.heartbeat_s)

@@ -21,6 +21,7 @@ class Asker(Protocol):
     elastic: Any
     fingerprint: str
     asking_back_at: str  # a late site asking back in: the sync it asks for ("" otherwise)
+    admission: Any  # its screen (:class:`~.admission.Admission`): what it could not authenticate
 
     def ask(self, tag: str, ok: bool, phase: str, join: bool, ready: bool) -> View:
         """One quorum request to the lighthouse, and the view it answers."""
@@ -120,7 +121,7 @@ class Joiner:
                 )
             raise MembershipError(
                 f"site {e.site} found no run to join at {e.lighthouse} (run id {e.run_id}): "
-                f"start it while the run is going{unfinished}"
+                f"start it while the run is going{unfinished}" + self.membership.admission.explain()
             )
         time.sleep(e.heartbeat_s)
         return since

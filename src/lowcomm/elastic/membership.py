@@ -280,7 +280,7 @@ class Membership:
         q = self._link.quorum(tag, data, 2 * e.timeout_s + e.connect_s, self.store_address)
         read = [Request.from_wire(m.data, m.replica_id) for m in q.participants]
         data = [d for d in read if d is not None]
-        data = self.admission.screen(data, "join" if join else "start" if tag == "start" else "")
+        data = self.admission.screen(data)
         data = sorted(data, key=lambda d: d.site)
         self._link.adopt([d.lh for d in data])
         if not join:  # a joiner reads the others' settings to say why it is refused
@@ -360,6 +360,7 @@ class Membership:
             raise MembershipError(
                 f"only {len(view.members)} sites remain ({view.members}) after {e.timeout_s:g} "
                 f"s, fewer than min_workers={e.min_workers}: the run stops"
+                + self.admission.explain()
             )
         return view
 

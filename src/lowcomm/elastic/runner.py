@@ -16,7 +16,7 @@ from ..protocols import NO_FAULTS, FaultHooks
 from ..transport import ByteMeter, Transport
 from . import heal
 from .attempts import LockStep, Outcome, Verdict, policy_for
-from .decide import View, attempt_of, blamed, committed, step_of
+from .decide import View, attempt_of, blamed, committed, dissenters, step_of
 from .groups import Unreachable
 from .membership import Membership, Retry
 from .record import Record
@@ -71,9 +71,10 @@ class Runner:
             if verdict.stands:
                 self._stood(tag, outcome)
                 return outcome.result  # type: ignore[no-any-return]
-            # a site whose payload a member refused, or that most members could not reach,
-            # leaves every next attempt (all read it from the same vote); it stops itself at
-            # its next check
+            # a site whose payload most members refused, that most members could not reach,
+            # or whose lone vote failed attempt after attempt, leaves every next attempt (all
+            # read it from the same votes); it stops itself at its next check
+            verdict = policy.judged(outcome, verdict)
             self.membership.exclude(verdict.out, tag, outcome.view)
             retry = policy.after(outcome, verdict)
             self._failed()
@@ -121,7 +122,8 @@ class Runner:
         generation = self.membership.generation
         if committed(outcome.view, commit, generation, outcome.ok):
             return Verdict(True, commit, {})
-        return Verdict(False, commit, blamed(outcome.view, commit, generation))
+        lone = tuple(dissenters(outcome.view, commit, generation))
+        return Verdict(False, commit, blamed(outcome.view, commit, generation), lone)
 
     def _stood(self, tag: str, outcome: Outcome) -> None:
         """The sync stood: the deadline learns from its collectives alone; record it."""

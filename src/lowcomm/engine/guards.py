@@ -93,12 +93,17 @@ def global_checksum(frags: list[Fragment]) -> int:
 
 
 class ReplicaCheck:
-    """Hash the global copies after a sync, compare every worker's hash later."""
+    """Hash the global copies after a sync, compare every worker's hash later. In an elastic
+    run of one-rank sites the comparison is a vote: the sites whose copy differs from a
+    strict majority's leave (they stop, the others exclude them and go on; started again, a
+    site heals from the majority); without a majority (two sites, or no copy held by more
+    than half) the run stops, as a fixed world always does."""
 
     def __init__(
-        self, transport: Transport, on_group: Callable[..., Any], stats: SyncStats
+        self, transport: Transport, on_group: Callable[..., Any], stats: SyncStats, runner: Any
     ) -> None:
         self.transport, self.on_group, self.stats = transport, on_group, stats
+        self.runner = runner  # the membership's runner (None in a fixed world)
         self._gathered: Future | None = None
 
     def start(self, frags: list[Fragment], tag: str) -> None:
@@ -109,24 +114,48 @@ class ReplicaCheck:
         SHA-256 of it cost about 10 memory passes, and a copy to bytes).
         """
         mine = torch.tensor([global_checksum(frags) - 2**63])
+
+        def gather(t: Transport, _: Any) -> tuple[torch.Tensor, Any]:
+            # the view of the attempt that gathered them: whose hash is whose
+            view = self.runner.current if self.runner is not None else None
+            return t.all_gather(mine, control=True), view
+
         # queued behind any exchange in flight, so it never stalls the overlap
-        self._gathered = self.transport.submit(
-            lambda: self.on_group(tag, lambda t, _: t.all_gather(mine, control=True))
-        )
+        self._gathered = self.transport.submit(lambda: (tag, *self.on_group(tag, gather)))
 
     def collect(self) -> None:
         """Compare the hashes of the last check, if one is in flight."""
         if self._gathered is None:
             return
-        hashes = [int(h) for h in self.transport.wait(self._gathered)]
+        tag, gathered, view = self.transport.wait(self._gathered)
         self._gathered = None
+        hashes = [int(h) for h in gathered]
         self.stats.replica_checks += 1
-        bad = [r for r, h in enumerate(hashes) if h != hashes[0]]
-        if bad:
+        if len(set(hashes)) == 1:
+            return
+        top, count = max(((h, hashes.count(h)) for h in hashes), key=lambda hc: hc[1])
+        sites = view.members if view is not None else None
+        if sites is None or self.runner.membership.ranks != 1 or 2 * count <= len(hashes):
+            bad = [r for r, h in enumerate(hashes) if h != hashes[0]]
             raise ReplicaMismatchError(
                 f"global parameters differ between workers (ranks {bad} disagree with rank 0 after "
-                f"sync {self.stats.syncs}): the replicas diverged; resume from the last checkpoint"
+                f"sync {self.stats.syncs}; no copy is held by a majority): the replicas diverged; "
+                f"resume from the last checkpoint"
             )
+        self._outvoted([s for s, h in zip(sites, hashes) if h != top], tag, view)
+
+    def _outvoted(self, minority: list[int], tag: str, view: Any) -> None:
+        """The sites whose copy differs from the majority's leave: this one stops, the others
+        exclude them (every member read the same hashes)."""
+        why = f"its global copy differs from the majority's after {tag}"
+        me = self.runner.membership.elastic.site
+        if me in minority:
+            raise ReplicaMismatchError(
+                f"site {me}'s global parameters differ from those of a majority of the sites "
+                f"after {tag} (sites {minority} differ): it leaves the run; started again, it "
+                f"heals from the others"
+            )
+        self.runner.membership.exclude({s: why for s in minority}, tag, view)
 
 
 def restart(frag: Fragment, optimizer: torch.optim.Optimizer) -> None:
