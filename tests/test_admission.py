@@ -16,7 +16,7 @@ from conftest import SiteProcess
 
 from lowcomm.elastic.admission import Admission, read_secret, run_key
 from lowcomm.elastic.messages import Request
-from lowcomm.errors import ConfigError, MembershipError
+from lowcomm.errors import ConfigError
 
 
 def _request(site: int, **more) -> dict:

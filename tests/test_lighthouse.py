@@ -12,9 +12,11 @@ import pytest
 
 from lowcomm.config import ConfigError
 from lowcomm.elastic import membership
+from lowcomm.elastic.admission import Admission
 from lowcomm.elastic.decide import View
 from lowcomm.elastic.membership import Elastic, Membership
 from lowcomm.elastic.messages import Request
+from lowcomm.elastic.reading import Reader
 from lowcomm.errors import MembershipError
 from lowcomm.faults import Fault, parse_faults
 
@@ -31,7 +33,8 @@ def _bare(site: int = 0, fingerprint: str = "fp") -> Membership:
     requests need."""
     m = object.__new__(Membership)
     m.elastic = Elastic(lighthouse="http://nowhere:1", site=site, sites=2)
-    m.fingerprint, m._refused, m._store, m._groups = fingerprint, set(), object(), {}
+    m.fingerprint, m._store, m._groups = fingerprint, object(), {}
+    m.reader = Reader(m.elastic, fingerprint, Admission(site, "lowcomm", None), 1)
     return m
 
 
@@ -70,11 +73,11 @@ def test_a_starting_site_with_other_settings_stops_the_run_with_one_line():
     mine = Request(site=0, tag="start", fp="aaa", run="lowcomm")
     odd = Request(site=1, tag="start", fp="bbb", run="lowcomm")
     other_run = Request(site=1, tag="start", fp="ccc", run="another")
-    assert _bare(0, "aaa")._same_run([mine, other_run]) == [mine]
+    assert _bare(0, "aaa").reader._same_run([mine, other_run]) == [mine]
     with pytest.raises(MembershipError, match="site 1 of run lowcomm has other settings"):
-        _bare(0, "aaa")._same_run([mine, odd])
+        _bare(0, "aaa").reader._same_run([mine, odd])
     with pytest.raises(MembershipError, match="site 0 of run lowcomm has other settings"):
-        _bare(1, "bbb")._same_run([mine, odd])
+        _bare(1, "bbb").reader._same_run([mine, odd])
 
 
 def test_the_lighthouse_fault_takes_seconds():

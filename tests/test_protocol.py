@@ -19,7 +19,8 @@ from lowcomm.elastic.admission import Admission
 from lowcomm.elastic.decide import View, admit, admitted_at, blamed, committed, in_sync, run_tag
 from lowcomm.elastic.joining import Joiner
 from lowcomm.elastic.membership import Elastic, Membership
-from lowcomm.elastic.messages import Request
+from lowcomm.elastic.messages import Request, replica_name
+from lowcomm.elastic.reading import Reader
 from lowcomm.errors import MembershipError
 
 _OPEN = Admission(0, "lowcomm", None)  # a run without a secret: hints as they are
@@ -53,6 +54,7 @@ class _Checker(Membership):
         self.excluded, self._excluded_inc, self._blame, self._unreached = {}, {}, None, []
         self.admission = Admission(site, self.elastic.run_id, None, sites)
         self.asking_back_at, self.joiner = "", Joiner(self)
+        self.reader, self.last_members = Reader(self.elastic, "", self.admission, 1), []
 
 
 def test_a_site_paused_past_its_heartbeat_stops_alone_and_the_others_go_on():
@@ -109,7 +111,9 @@ class _Participant:
     def __init__(self, data):
         self.data = data  # (under its site's name, as a site asks)
         site = data.get("site") if isinstance(data, dict) else None
-        self.replica_id = f"site{site:04d}" if isinstance(site, int) else "site????"
+        run = data.get("run") if isinstance(data, dict) else None
+        run = run if isinstance(run, str) else ""
+        self.replica_id = replica_name(run, site) if isinstance(site, int) else "site????"
 
 
 class _Quorum:
@@ -130,7 +134,8 @@ class _Lighthouse:
 
 def _asker(site: int, *data: dict, fp: str = "run-a") -> Membership:
     m = _Checker(site)
-    m.fingerprint, m._refused, m.asking_back_at, m.generation = fp, set(), "", 0
+    m.fingerprint, m.asking_back_at, m.generation = fp, "", 0
+    m.reader = Reader(m.elastic, fp, m.admission, 1)
     m.store_address, m.incarnation, m._link = "127.0.0.1:1", "x", _Lighthouse(*data)
     return m
 
@@ -633,8 +638,8 @@ def test_a_request_is_read_off_the_wire_once_with_every_field_checked():
     blame that is no site number blames nobody, unreached sites that are none are dropped."""
     wire = {"site": 2, "tag": "sync@10", "phase": "commit", "gen": 1, "join_from": 0,
             "ok": True, "blame": 3, "why": "bad scale", "unreached": [1, "x", True, 4],
-            "inc": "p", "lh": 5, "ranks": 2, "mac": "ab"}  # fmt: skip
-    r = Request.from_wire(wire, "site0002")
+            "inc": "p", "lh": 5, "ranks": 2, "mac": "ab", "run": "r1"}  # fmt: skip
+    r = Request.from_wire(wire, "r1/site0002")
     assert r is not None and (r.site, r.tag, r.phase, r.gen, r.ok) == (
         2,
         "sync@10",
@@ -651,7 +656,9 @@ def test_a_request_is_read_off_the_wire_once_with_every_field_checked():
         2,
     )
     assert r.sealed and r.mac == "ab" and "mac" not in r.signed and r.signed["blame"] == 3
-    assert Request.from_wire(wire, "site0003") is None  # came in under another site's name
+    assert Request.from_wire(wire, "r1/site0003") is None  # came in under another site's name
+    assert Request.from_wire(wire, "r2/site0002") is None  # ... or another run's
+    assert Request.from_wire(wire, "site0002") is None
     assert Request.from_wire({**wire, "gen": True}) is None
     assert Request.from_wire({**wire, "join_at": 7}) is None
     lenient = Request.from_wire({**wire, "blame": True, "ok": 1, "fp": 3, "lh": "9"})

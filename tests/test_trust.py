@@ -81,8 +81,8 @@ def test_an_insider_with_a_false_checksum_leaves_and_the_honest_sites_finish(tmp
     """The finding: one site whose replica checksum is a constant stopped all three sites at
     the first check. Now the two honest sites exclude it and finish with equal models; the
     liar stops alone with one line."""
-    from test_elastic import CASES, _site_process
     from test_admission import _lighthouse
+    from test_elastic import CASES, _site_process
 
     preset, kw, _ = CASES["diloco"]
     kw = {**kw, "replica_check_every": 2}
@@ -146,3 +146,138 @@ def test_a_lone_dissenter_is_excluded_after_the_same_failures_not_before():
     policy = LockStep()
     for lone in [(0,), (2,), (0,)]:
         assert policy.judged(Outcome(view), Verdict(False, commit, {}, lone)).out == {}
+
+
+def _spec(out, **train):
+    from lowcomm.config import SyncConfig, TrainConfig, build_configs
+    from lowcomm.train.spec import RunSpec
+
+    values = {"elastic": True, "sites": 3, "site": 0, "lighthouse": "h:1", **train}
+    sync, cfg = build_configs(values, sync=SyncConfig(), train=TrainConfig())
+    return RunSpec.of("diloco", sync, cfg, out)
+
+
+def test_a_run_id_names_the_sites_at_the_lighthouse_and_keys_the_mac():
+    from lowcomm.elastic.admission import Admission
+    from lowcomm.elastic.messages import Request, replica_name
+    from lowcomm.train.site_role import ElasticSite
+
+    elastic = _spec("/tmp/x", run_id="r1").elastic.for_site(ElasticSite(0, 3, "h:1"))
+    assert elastic.run_id == "r1" and elastic.replica_id == replica_name("r1", 0) == "r1/site0000"
+    # a request sealed in one run means nothing in another run under the same secret
+    sealed = Admission(1, "r1", b"s").seal({"site": 1, "tag": "sync@10", "phase": "sync",
+                                              "gen": 0, "join_from": 0, "run": "r1"})  # fmt: skip
+    read = Request.from_wire(sealed, "r1/site0001")
+    assert Admission(0, "r1", b"s").screen([read]) == [read]
+    assert Admission(0, "r2", b"s").screen([read]) == []
+
+
+def test_sites_launched_alone_derive_one_run_id_and_keep_it_in_their_folders(tmp_path):
+    from lowcomm.config import ConfigError
+    from lowcomm.train.launch import _with_run_id, derived_run_id
+
+    a, b = _spec(tmp_path / "a"), _spec(tmp_path / "b", site=1, threads=1)
+    assert derived_run_id(a) == derived_run_id(b)  # what differs per site does not count
+    assert derived_run_id(_spec(tmp_path, steps=7)) != derived_run_id(a)
+    assert _with_run_id(a, back=False).train.run_id == derived_run_id(a)
+    assert (tmp_path / "a" / "run_id").read_text().strip() == derived_run_id(a)
+    (tmp_path / "a" / "run_id").write_text("named\n")  # a run started with run_id=named
+    assert _with_run_id(a, back=True).train.run_id == "named"  # its comeback keeps it
+    with pytest.raises(ConfigError, match="run_id=other, but the unfinished run .* is run named"):
+        _with_run_id(_spec(tmp_path / "a", run_id="other"), back=True)
+    with pytest.raises(ConfigError, match="use 1 to 64 letters"):
+        _spec(tmp_path, run_id="a b")
+
+
+class _Named:
+    def __init__(self, name: str, data) -> None:
+        self.replica_id, self.data = name, data
+
+
+def test_a_site_whose_name_was_taken_asks_again_under_a_new_one_and_the_others_wait():
+    """The lighthouse keeps the last request per name: a stranger's junk under ``r/site0001``
+    displaced site 1's request. Site 1 sees a request under its name that is not its own and
+    takes a fresh name; the others see junk under a member's name and ask again; both for at
+    most timeout_s."""
+    from lowcomm.elastic.admission import Admission
+    from lowcomm.elastic.membership import Elastic, Patience
+    from lowcomm.elastic.reading import Reader
+
+    def reader(site: int) -> Reader:
+        e = Elastic(lighthouse="http://x", site=site, sites=3, run_id="r", timeout_s=0.3)
+        return Reader(e, "fp", Admission(site, "r", b"s"), 1)
+
+    def sealed(site: int, inc: str) -> dict:
+        return Admission(site, "r", b"s").seal({"site": site, "tag": "sync@10", "phase": "sync",
+                                                "gen": 0, "join_from": 0, "run": "r",
+                                                "fp": "fp", "inc": inc})  # fmt: skip
+
+    junk = _Named("r/site0001", {"site": 1, "tag": "sync@10", "phase": "sync", "gen": 0,
+                                 "join_from": 0, "run": "r", "mac": "00"})  # fmt: skip
+    quorum = [_Named("r/site0000", sealed(0, "a")), junk, _Named("r/site0002", sealed(2, "c"))]
+    one, zero = reader(1), reader(0)
+    assert [d.site for d in one.read(quorum, False, "b")] == [0, 2]
+    assert one.may_wait() and one.name.startswith("r/site0001/") and one.taken == {1}
+    # under its new name its request is read again: it is back, and its name is its own
+    back = [*quorum, _Named(one.name, sealed(1, "b"))]
+    assert [d.site for d in one.read(back, False, "b")] == [0, 1, 2] and not one.may_wait()
+    # a member sees the junk under site 1's name: it asks again while site 1 is missing
+    assert [d.site for d in zero.read(quorum, False, "a")] == [0, 2] and zero.taken == {1}
+    assert not zero.may_wait()  # its own name is its own
+    view = SimpleNamespace(members=[0, 2], joiners=[], voting=False, data=[])
+    patience = Patience(zero.elastic, {}, None, names=(zero, [0, 1, 2]))
+    assert patience._taken(view, 0.0) and not patience._taken(view, 1.0)  # bounded
+    # junk under a name that is no member of the last sync makes nobody wait
+    stranger = Patience(zero.elastic, {}, None, names=(zero, [0, 2]))
+    assert not stranger._taken(view, 0.0)
+
+
+def _flood(lighthouse: str, name: str, stop, threads: int = 8) -> None:
+    """A stranger: quorum requests under ``name`` with empty data, from ``threads`` threads,
+    until ``stop`` (the finding's attack: torchft's own client, 8 threads)."""
+    import threading
+    from datetime import timedelta
+
+    from torchft.coordination import LighthouseClient
+
+    def ask() -> None:
+        client = LighthouseClient(lighthouse, connect_timeout=timedelta(seconds=5))
+        while not stop.is_set():
+            try:
+                client.quorum(replica_id=name, timeout=timedelta(seconds=1), address="",
+                              store_address="", step=0, world_size=1, shrink_only=False,
+                              data={})  # fmt: skip
+            except Exception:  # no quorum within its second: ask again
+                pass
+
+    for _ in range(threads):
+        threading.Thread(target=ask, daemon=True).start()
+
+
+def test_a_stranger_flooding_a_sites_name_costs_time_not_the_run(tmp_path, monkeypatch):
+    """The finding: a process without the secret asking as ``site0001`` from 8 threads
+    stopped site 1 ("left out ... stops here"). Now site 1 takes a fresh name each time its
+    own is taken, the others wait for it, and all three finish with equal models."""
+    import threading
+
+    from test_admission import _lighthouse
+    from test_elastic import CASES, _site_process
+
+    secret = tmp_path / "secret"
+    secret.write_text("the run's secret\n")
+    monkeypatch.delenv("LOWCOMM_SECRET", raising=False)
+    preset, kw, _ = CASES["diloco"]
+    stop = threading.Event()
+    with _lighthouse() as lh:
+        _flood(lh, "lowcomm/site0001", stop)
+        try:
+            procs = [_site_process(tmp_path, lh, preset, kw, i, secret_file=str(secret))
+                     for i in range(3)]  # fmt: skip
+            outs = [p.communicate(timeout=180) for p in procs]
+        finally:
+            stop.set()
+    assert [p.returncode for p in procs] == [0, 0, 0], [o[1][-1500:] for o in outs]
+    assert "another process asked under this site's name" in outs[1][1]
+    sites = [torch.load(tmp_path / f"site{i}.pt", weights_only=True) for i in range(3)]
+    assert all(torch.equal(s["global"], sites[0]["global"]) for s in sites)
+    assert all(s["members"] == [0, 1, 2] and not s["events"] for s in sites)

@@ -189,6 +189,12 @@ def validate_train(t: Any) -> None:
         from ..elastic.admission import read_secret
 
         read_secret(t.secret_file)  # unreadable or empty: said now, before any worker starts
+    if t.run_id:
+        if not t.elastic:
+            raise ConfigError("run_id names an elastic run: add elastic=true")
+        from ..elastic.messages import check_run_id
+
+        check_run_id(t.run_id)
     if t.heartbeat_timeout_s <= 0:
         raise ConfigError(f"heartbeat_timeout_s must be > 0, got {t.heartbeat_timeout_s}")
     if t.rounds == "lockstep" and (t.quorum or t.grace):

@@ -377,6 +377,13 @@ class TrainConfig:
         "command line): only sites holding it are admitted, and quorum requests, round hints "
         "and heals carry a MAC under a key derived from it and the run id.",
     )
+    run_id: str = knob(
+        "",
+        "With elastic: the run's name, shared by its sites: it names them at the lighthouse "
+        "and, with a secret, keys their MACs, so two runs on one lighthouse never meet. '' = a "
+        "fresh one per launch; with site=, one derived from the run's settings (set it apart "
+        "for two runs of the same settings on one lighthouse) and kept in the site's folder.",
+    )
     site: int = knob(
         -1,
         "With elastic and lighthouse=: run only site N of the run, here (each site launched "

@@ -11,7 +11,6 @@ from typing import Any, Protocol
 
 from ..errors import MembershipError
 from .decide import View, admits, admitted_at, asking, run_tag, step_of
-from .messages import Request
 
 
 class Asker(Protocol):
@@ -22,13 +21,10 @@ class Asker(Protocol):
     fingerprint: str
     asking_back_at: str  # a late site asking back in: the sync it asks for ("" otherwise)
     admission: Any  # its screen (:class:`~.admission.Admission`): what it could not authenticate
+    reader: Any  # its reading of quorums (:class:`~.reading.Reader`): refuses another shape
 
     def ask(self, tag: str, ok: bool, phase: str, join: bool, ready: bool) -> View:
         """One quorum request to the lighthouse, and the view it answers."""
-        ...
-
-    def same_shape(self, d: Request) -> None:
-        """Refuse a run whose sites have another number of ranks than this one."""
         ...
 
 
@@ -51,7 +47,7 @@ class Joiner:
                 alone_since = self._alone(asked, alone_since, answered=view is not None)
                 continue
             ref = old[0]
-            m.same_shape(ref)
+            m.reader.same_shape(ref)
             if ref.fp != m.fingerprint:
                 raise MembershipError(
                     f"site {m.elastic.site} was refused by the run: its settings differ "

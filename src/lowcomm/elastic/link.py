@@ -30,11 +30,15 @@ class Link:
     """This site's clients of the lighthouse (one for quorums, one for the heartbeat thread)."""
 
     def __init__(
-        self, elastic: Any, seal: Callable[[dict[str, Any]], dict[str, Any]] | None = None
-    ) -> None:  # a membership.Elastic (it imports this module); seal: adds a request's MAC
+        self, elastic: Any, seal: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        name: Callable[[], str] | None = None,
+    ) -> None:  # fmt: skip
+        # elastic: a membership.Elastic (it imports this module); seal: adds a request's MAC;
+        # name: this site's name at the lighthouse now (it changes if taken: see .reading)
         from torchft.coordination import LighthouseClient
 
         self.elastic = elastic
+        self.name = name or (lambda: elastic.replica_id)
         self._seal = seal or (lambda data: data)
         self.epoch = 0  # lighthouse outages seen (or heard of from a quorum): names groups
         # when the last heartbeat that found the lighthouse unreachable was sent, and when this
@@ -44,7 +48,7 @@ class Link:
         self._client = LighthouseClient(elastic.lighthouse, connect_timeout=timeout)
         self._beat_client = LighthouseClient(elastic.lighthouse, connect_timeout=timeout)
         self._stop = threading.Event()
-        self._beat_client.heartbeat(elastic.replica_id)
+        self._beat_client.heartbeat(self.name())
         self._beats = threading.Thread(target=self._beat, name="lowcomm-heartbeat", daemon=True)
         self._beats.start()
 
@@ -52,7 +56,7 @@ class Link:
         while not self._stop.wait(self.elastic.heartbeat_s):
             sent = time.monotonic()
             try:
-                self._beat_client.heartbeat(self.elastic.replica_id)
+                self._beat_client.heartbeat(self.name())
             except Exception as e:  # the lighthouse is away: the next quorum waits for it
                 log.debug("heartbeat failed: %s", e)
                 self._lost_at = sent
@@ -68,7 +72,7 @@ class Link:
             asked = time.monotonic()
             try:
                 return self._client.quorum(
-                    replica_id=e.replica_id,
+                    replica_id=self.name(),
                     timeout=timedelta(seconds=wait_s),
                     address=address,
                     store_address=address,
@@ -110,7 +114,7 @@ class Link:
         while True:
             try:
                 client = LighthouseClient(e.lighthouse, connect_timeout=timedelta(seconds=1))
-                client.heartbeat(e.replica_id)
+                client.heartbeat(self.name())
                 self._back_at = time.monotonic()
                 break
             except Exception as err:

@@ -50,7 +50,8 @@ from .decide import (
 from .groups import arrive, gloo_group, group_name, listening_store, store_of, unreachable
 from .joining import Joiner
 from .link import Link
-from .messages import Request
+from .messages import check_run_id, replica_name
+from .reading import Reader
 from .site import SiteRanks
 
 T = TypeVar("T")
@@ -73,7 +74,9 @@ class Elastic:
     sites: int  # how many sites start the run (the first quorum waits for all of them;
     # a joiner may be a new site, numbered from there on)
     min_workers: int = 1  # fewer live sites than this stop the run with one line
-    run_id: str = "lowcomm"  # names the run's stores, so two runs on a lighthouse never mix
+    # the run's name: its sites' names at the lighthouse, its stores and its key (with a
+    # secret), so two runs on one lighthouse never mix
+    run_id: str = "lowcomm"
     heartbeat_s: float = 0.2  # how often this site tells the lighthouse it is alive
     timeout_s: float = 60.0  # bound on one quorum wait and on one collective
     connect_s: float = 10.0  # bound on every member reaching a new quorum's group
@@ -108,6 +111,7 @@ class Elastic:
             raise ConfigError(
                 f"min_workers must be in [1, sites={self.sites}], got {self.min_workers}"
             )
+        check_run_id(self.run_id)
         check_rounds(self.rounds, self.quorum, self.grace, self.late, self.sites)
         check_weighting(self.weighting)
 
@@ -118,8 +122,8 @@ class Elastic:
 
     @property
     def replica_id(self) -> str:
-        """This site's name at the lighthouse (sorted names give the ranks)."""
-        return f"site{self.site:04d}"
+        """This site's name at the lighthouse: its run id and its number."""
+        return replica_name(self.run_id, self.site)
 
 
 class Membership:
@@ -142,7 +146,6 @@ class Membership:
         self.position = site.rank if site is not None else 0  # this rank's place in its site
         self.generation = 0  # the runner's failed commits so far (a joiner adopts the run's)
         self.incarnation = uuid.uuid4().hex[:8]  # this process, among the site's restarts
-        self._refused: set[int] = set()  # sites already told they were refused
         self.joiner_waiting = False  # a site with this run's settings asked to join, last quorum
         self.asking_back_at = ""  # a late site asking back in: the sync it asks for (rejoin)
         self.joiner = Joiner(self)  # asks to join through this membership
@@ -154,6 +157,8 @@ class Membership:
         self._groups: dict[tuple[int, int, str], dist.ProcessGroup] = {}
         secret = read_secret(elastic.secret_file)
         self.admission = Admission(elastic.site, elastic.run_id, secret, elastic.sites)
+        self.reader = Reader(elastic, fingerprint, self.admission, self.ranks)  # its quorums
+        self.last_members: list[int] = []  # the members of the last sync quorum it checked
         atexit.register(self.close)  # groups aborted before torch tears itself down
         # the address this site's data plane listens on and advertises (its store, and its
         # gloo connections to the other sites); unset: loopback, gloo's own choice
@@ -168,7 +173,7 @@ class Membership:
         self._store, self._listening = listening_store(self.host or "127.0.0.1")
         self.store_address = f"{self.host or '127.0.0.1'}:{self._store.port}"
         # heartbeats from now on; quorums wait out an outage
-        self._link = Link(elastic, self.admission.seal)
+        self._link = Link(elastic, self.admission.seal, lambda: self.reader.name)
 
     def quorum(
         self, tag: str, ok: bool = True, phase: str = "sync", ready: bool = False,
@@ -212,7 +217,8 @@ class Membership:
         view = self._member_view(tag, ok, phase, ready)
         # a commit vote is never asked again: an attempt's vote among fewer sites fails it, and
         # the next attempt's quorum (which may admit a joiner) is the one that must be enough
-        patience = Patience(self.elastic, self._excluded_inc, retry, tag in self.elastic.heal_at)
+        patience = Patience(self.elastic, self._excluded_inc, retry, tag in self.elastic.heal_at,
+                            names=(self.reader, self.last_members))  # fmt: skip
         while phase == "sync" and patience.more(view):
             log.debug("site %d: %s quorum of %s: not yet", self.elastic.site, tag, view.members)
             time.sleep(self.elastic.heartbeat_s)  # the lighthouse answers a lone asker at once
@@ -225,14 +231,13 @@ class Membership:
         if phase == "sync":  # a vote on another attempt is nobody who asks for this one
             view = asking(view, tag)
         self.joiner_waiting = any(d.join and d.fp == self.fingerprint for d in view.data)
-        if self.elastic.site not in view.members:
+        if self.elastic.site not in view.members and not self.reader.may_wait():
             raise MembershipError(
                 f"site {self.elastic.site} was left out of the run at {tag}: it stops here"
             )
         for d in view.data:  # one line, once, for each site with another run's settings
-            if d.join and d.fp != self.fingerprint and d.site not in self._refused:
-                self._refused.add(d.site)
-                self._say("site %d asked to join with other settings (%s); refused", d)
+            if d.join and d.fp != self.fingerprint:
+                self.reader.refused(d, "site %d asked to join with other settings (%s); refused")
         return admit(view, self.fingerprint, tag, phase)
 
     def join(self, first: View | None = None) -> tuple[View, str]:
@@ -278,55 +283,9 @@ class Membership:
         # a wait of exactly timeout_s would give up on a peer about to arrive
         assert self._link is not None, "only a site's rank 0 asks the lighthouse"
         q = self._link.quorum(tag, data, 2 * e.timeout_s + e.connect_s, self.store_address)
-        read = [Request.from_wire(m.data, m.replica_id) for m in q.participants]
-        data = [d for d in read if d is not None]
-        data = self.admission.screen(data)
-        data = sorted(data, key=lambda d: d.site)
+        data = self.reader.read(q.participants, join, self.incarnation)
         self._link.adopt([d.lh for d in data])
-        if not join:  # a joiner reads the others' settings to say why it is refused
-            data = self._same_run(data)
         return View(int(q.quorum_id), [d.site for d in data], data)
-
-    def _same_run(self, data: list[Request]) -> list[Request]:
-        """The requests of this run: a member with other settings or another run id (the
-        fingerprint holds both), a joiner's aside (see :meth:`join`), is no member of it.
-        A site of this run id that is no joiner (one starting with the run) with other
-        settings stops every site that sees it, itself too, with one line: the run cannot
-        start as asked."""
-        keep = [d for d in data if d.join or d.fp == self.fingerprint]
-        for d in keep:
-            if not d.join:
-                self.same_shape(d)
-        for d in data:
-            if d not in keep and d.run == self.elastic.run_id:
-                raise MembershipError(
-                    f"site {self.elastic.site}: site {d.site} of run {self.elastic.run_id} "
-                    f"has other settings (model, strategy or codec: {d.fp} vs "
-                    f"{self.fingerprint}): start every site of a run with the same settings"
-                )
-            if d not in keep and d.site not in self._refused:
-                self._refused.add(d.site)
-                self._say(
-                    "a site %d of another run or with other settings (%s) asked this "
-                    "lighthouse; not a member",
-                    d,
-                )
-        return keep
-
-    def _say(self, message: str, asker: Request) -> None:
-        """Warn, once per site, of a request from ``asker`` this site refused."""
-        log.warning("site %d: " + message, self.elastic.site, asker.site, asker.fp)
-
-    def same_shape(self, d: Request) -> None:
-        """Every site of a run has as many ranks (each syncs its shard with the same rank of
-        the others): a member of another shape stops this site with one line."""
-        theirs = d.ranks
-        if theirs != self.ranks:
-            raise MembershipError(
-                f"site {self.elastic.site} has {_ranks(self.ranks)} but site {d.site} of "
-                f"the run has {_ranks(theirs)}: every site of a run needs the same number of ranks "
-                f"(torchrun --nproc-per-node) and the same sharding"
-            )
 
     def start(self) -> View:
         """The first quorum that holds every starting site (an early one may form while a
@@ -356,6 +315,8 @@ class Membership:
                 f"out (paused, or its heartbeat lapsed) and stops here; the others go on"
             )
         view = in_sync(view, tag)
+        if not vote:
+            self.last_members = list(view.members)
         if not vote and len(view.members) < e.min_workers:
             raise MembershipError(
                 f"only {len(view.members)} sites remain ({view.members}) after {e.timeout_s:g} "
@@ -446,10 +407,13 @@ class Patience:
     ``timeout_s`` (its command may be started again a moment later than the others got there)."""
 
     def __init__(
-        self, elastic: Elastic, excluded: dict[int, str], retry: Retry | None, heal: bool = False
-    ) -> None:
+        self, elastic: Elastic, excluded: dict[int, str], retry: Retry | None, heal: bool = False,
+        names: tuple[Reader, list[int]] | None = None,
+    ) -> None:  # fmt: skip
         self.elastic, self.excluded, self.retry = elastic, excluded, retry
+        self.names = names  # this site's reading, and the last sync's members (see .reading)
         self._until: float | None = None
+        self._named: float | None = None
         self._awaiting: float | None = None
         self._heal: float | None = time.monotonic() + elastic.timeout_s if heal else None
 
@@ -470,14 +434,23 @@ class Patience:
         if absent and len(unreachable(absent, _PROBE_S)) < len(absent):
             self._awaiting = self._awaiting or now + (retry.wait_s if retry else 0.0)
             return now < self._awaiting
-        return False
+        return self._taken(view, now)
+
+    def _taken(self, view: View, now: float) -> bool:
+        """This site was displaced from its name, or a member of the last sync is missing and
+        its name came with junk (see .reading): asked again, for ``timeout_s``."""
+        if self.names is None:
+            return False
+        reader, last = self.names
+        if reader.may_wait():
+            return True
+        if not (reader.taken & set(last)) - set(view.members) - set(self.excluded):
+            return False
+        self._named = self._named or now + self.elastic.timeout_s
+        return now < self._named
 
 
 _PROBE_S = 0.5  # a live member's store answers at once, a cut one's never
-
-
-def _ranks(n: int) -> str:
-    return f"{n} rank" + ("s" if n != 1 else "")
 
 
 def check_rounds(rounds: str, quorum: int, grace: float, late: str, sites: int) -> None:

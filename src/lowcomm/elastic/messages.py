@@ -8,13 +8,32 @@ no decision, for every member alike (the lighthouse hands every member the same 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..errors import ConfigError
 
 log = logging.getLogger("lowcomm")
 
 #: the fields every request carries, and their types: one missing or of another type drops it
 REQUIRED: dict[str, type] = {"site": int, "tag": str, "phase": str, "gen": int, "join_from": int}
+
+
+#: what a run id may be (it goes into names at the lighthouse and into store keys)
+RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def check_run_id(run_id: str) -> None:
+    """Refuse a run id that cannot name a run (see :data:`RUN_ID`), with one line."""
+    if not RUN_ID.fullmatch(run_id):
+        raise ConfigError(f"run_id={run_id}: use 1 to 64 letters, digits, '.', '_' or '-'")
+
+
+def replica_name(run_id: str, site: int) -> str:
+    """A site's name at the lighthouse: its run's id and its number (the lighthouse keeps the
+    last request per name, so two runs on one lighthouse take no name of each other's)."""
+    return f"{run_id}/site{site:04d}"
 
 
 def as_int(value: Any) -> int:
@@ -75,8 +94,12 @@ class Request:
             if not isinstance(value, kind) or isinstance(value, bool):
                 log.warning("a quorum request with a malformed %r (%r) was ignored", key, value)
                 return None
-        if d["site"] < 0 or (replica_id is not None and replica_id != f"site{d['site']:04d}"):
-            return None  # (the name as Elastic.replica_id writes it)
+        named = replica_name(_text(d.get("run")) or "", d["site"])
+        # (a site whose name was taken asks under it with a suffix: see .reading)
+        if d["site"] < 0 or (
+            replica_id is not None and replica_id.split("/")[:2] != named.split("/")
+        ):
+            return None  # came in under another name than its run's for its site
         join_at = d.get("join_at") or ""
         if not isinstance(join_at, str):
             log.warning("a quorum request with a malformed 'join_at' (%r) was ignored", join_at)

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import multiprocessing as mp
 import os
+import secrets
 import signal
 import sys
 import time
@@ -93,7 +94,10 @@ def _replayed(path: str, sites: int) -> tuple[dict[int, str], dict[int, str]]:
 def run_sites(spec: RunSpec, workers: int) -> dict[str, Any] | None:
     """Start the lighthouse and one process per site; wait for the survivors; their summary.
 
-    ``spec.resume``: a checkpoint folder; every site continues from its global copy."""
+    ``spec.resume``: a checkpoint folder; every site continues from its global copy. Without
+    ``run_id=`` the run gets a fresh id (``lowcomm join`` reads it from DIR/elastic.json)."""
+    if not spec.train.run_id:
+        spec = spec.replace(train=dataclasses.replace(spec.train, run_id=fresh_run_id()))
     settings, out_dir = _settings(spec), spec.out
     out_dir.mkdir(parents=True, exist_ok=True)
     # sites fork from one server that imported torch and the trainer once: on a small machine
@@ -118,6 +122,11 @@ def run_sites(spec: RunSpec, workers: int) -> dict[str, Any] | None:
     finally:
         if net is not None:
             net.close()
+
+
+def fresh_run_id() -> str:
+    """A run id no other run has (one per launch)."""
+    return f"run-{secrets.token_hex(6)}"
 
 
 def _settings(spec: RunSpec) -> ElasticSpec:

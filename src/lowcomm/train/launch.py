@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import importlib.util
 import json
 import logging
@@ -251,10 +253,43 @@ def _own_site(spec: RunSpec, on_checked: Callable[[], None] | None) -> dict[str,
     # its folder holds its unfinished run: it only joins the run going (read before this
     # site writes anything; of a site's ranks, rank 0's reading is the one that asks)
     back = (spec.out / "metrics.jsonl").exists()
+    spec = _with_run_id(spec, back)
     role = ElasticSite(cfg.site, cfg.sites, cfg.lighthouse, alone=True, back=back)
     if cfg.replay:
         role = _replayed_site(role, spec)
     return run_site(role, spec)
+
+
+RUN_ID_FILE = "run_id"
+
+
+def _with_run_id(spec: RunSpec, back: bool) -> RunSpec:
+    """A site launched on its own: ``spec`` with its run's id: ``run_id=``; else, coming back
+    into its folder's run, the one kept there; else one derived from the settings every site
+    of the run shares (the same command on every machine gives the same id). Kept in its
+    folder for its comebacks."""
+    cfg, kept_file = spec.train, spec.out / RUN_ID_FILE
+    kept = kept_file.read_text().strip() if back and kept_file.exists() else ""
+    if cfg.run_id and kept and cfg.run_id != kept:
+        raise ConfigError(
+            f"run_id={cfg.run_id}, but the unfinished run in {spec.out} is run {kept}: give "
+            f"run_id={kept} to bring this site back into it, or a fresh --out"
+        )
+    run_id = cfg.run_id or kept or derived_run_id(spec)
+    if int(os.environ.get("RANK", "0")) == 0:
+        spec.out.mkdir(parents=True, exist_ok=True)
+        kept_file.write_text(run_id + "\n")
+    return spec.replace(train=dataclasses.replace(cfg, run_id=run_id))
+
+
+def derived_run_id(spec: RunSpec) -> str:
+    """The run id of sites launched on their own without ``run_id=``: a hash of what every
+    site of one run must share (strategy, sync settings, model, steps, seed, sites)."""
+    cfg = spec.train
+    shared = [spec.strategy.name, dataclasses.asdict(spec.sync), cfg.model, cfg.steps, cfg.seed,
+              cfg.sites]  # fmt: skip
+    digest = hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode())
+    return f"run-{digest.hexdigest()[:12]}"
 
 
 def _replayed_site(role: ElasticSite, spec: RunSpec) -> ElasticSite:

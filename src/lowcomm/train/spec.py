@@ -7,7 +7,7 @@ worker."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +68,7 @@ class ElasticSpec:
     secret_file: str = ""
     site_link: str = ""
     replay: str = ""
+    run_id: str = "lowcomm"
 
     @classmethod
     def of(cls, train: TrainConfig) -> ElasticSpec | None:
@@ -77,7 +78,7 @@ class ElasticSpec:
         return cls(
             train.min_workers, train.lighthouse, train.heartbeat_timeout_s, train.timeout_s,
             train.rounds, train.quorum, train.grace, train.late, train.weighting,
-            train.secret_file, train.site_link, train.replay,
+            train.secret_file, train.site_link, train.replay, train.run_id or "lowcomm",
         )  # fmt: skip
 
     def for_site(self, site: ElasticSite) -> Elastic:
@@ -89,6 +90,7 @@ class ElasticSpec:
             join_from=site.join_from, join_at=site.join_at, enter=site.alone, back=site.back,
             heal_at=site.heal_at, rounds=self.rounds, quorum=self.quorum, grace=self.grace,
             late=self.late, weighting=self.weighting, secret_file=self.secret_file,
+            run_id=self.run_id,
         )  # fmt: skip
 
     def lighthouse_options(self, min_replicas: int) -> dict[str, int]:
@@ -181,12 +183,6 @@ class RunSpec:
     """The run's label in reports (default: the strategy's name)."""
     resume: str | None = None
     """A checkpoint folder to continue from."""
-    elastic: ElasticSpec | None = field(init=False, compare=False)
-    """An elastic run's settings, read from ``train`` (None for a fixed world)."""
-
-    def __post_init__(self) -> None:
-        # derived, so a copy with another ``train`` (``replace``) derives its own
-        object.__setattr__(self, "elastic", ElasticSpec.of(self.train))
 
     @classmethod
     def of(
@@ -207,6 +203,11 @@ class RunSpec:
             name,
             str(resume) if resume is not None else None,
         )
+
+    @property
+    def elastic(self) -> ElasticSpec | None:
+        """An elastic run's settings, read from ``train`` (None for a fixed world)."""
+        return ElasticSpec.of(self.train)
 
     @property
     def label(self) -> str:
