@@ -281,3 +281,16 @@ def test_a_stranger_flooding_a_sites_name_costs_time_not_the_run(tmp_path, monke
     sites = [torch.load(tmp_path / f"site{i}.pt", weights_only=True) for i in range(3)]
     assert all(torch.equal(s["global"], sites[0]["global"]) for s in sites)
     assert all(s["members"] == [0, 1, 2] and not s["events"] for s in sites)
+
+
+def test_a_groups_store_prefix_is_bound_to_the_runs_key():
+    """Computed from quorum data alone, a stranger who saw a quorum could write a group's keys
+    (gloo's rendezvous entries) before its members; with a secret the prefix is a MAC of it."""
+    from lowcomm.elastic.admission import Admission
+
+    prefix = "r/e0/q3/g0/mabc/"
+    a, b = Admission(0, "r", b"s"), Admission(2, "r", b"s")
+    assert a.bind(prefix) == b.bind(prefix) != prefix  # every member computes the same
+    assert Admission(0, "q", b"s").bind(prefix) != a.bind(prefix)  # another run: elsewhere
+    assert a.bind("r/e0/q4/g0/mabc/") != a.bind(prefix)
+    assert Admission(0, "r", None).bind(prefix) == prefix  # an open run: as it was

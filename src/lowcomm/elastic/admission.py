@@ -13,10 +13,14 @@ What carries a MAC under that key (HMAC-SHA256):
   a request without a valid one is no member's, for every member alike, and is counted;
 - every hint of quorum rounds (a site's arrival at a sync, its pace, a sync closed), bound to the
   hint's key, which names the sync and the sender: a forged one is read as absent;
-- the digest of the state a heal hands over, bound to the sync, the attempt and the member.
+- the digest of the state a heal hands over, bound to the sync, the attempt and the member;
+- (not a MAC carried, a MAC used) each group's store prefix, so a process without the key cannot
+  tell where a group's keys will be.
 
 The lighthouse itself has no authentication (torchft's): a process that heartbeats under a
-site's name can keep a dead site "alive", a denial of service this does not prevent.
+site's name can keep a dead site "alive", and one that asks under a live site's name displaces
+its requests; the site then asks under a fresh name and the others wait for it, at most
+``timeout_s`` (see :mod:`.reading`). Nothing a stranger sends decides anything.
 """
 
 from __future__ import annotations
@@ -90,6 +94,12 @@ class Admission:
         if self._key is None:
             return True
         return isinstance(mac, str) and hmac.compare_digest(mac, self.mac(*fields))
+
+    def bind(self, prefix: str) -> str:
+        """A group's store prefix bound to the run's key: a process without it cannot compute
+        where a group's keys (gloo's rendezvous entries included) are, so it cannot write them
+        in advance. Unchanged without a secret."""
+        return prefix if self._key is None else f"{self.mac('store', prefix)[:32]}/"
 
     # -- quorum requests -------------------------------------------------------------------------
     def seal(self, data: dict[str, Any]) -> dict[str, Any]:

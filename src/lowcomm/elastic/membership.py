@@ -353,7 +353,7 @@ class Membership:
             store = self._store
         else:  # (a site's other ranks use its rank 0's store as the other sites do)
             store = store_of(view, self.elastic.connect_s)
-        name = group_name(self.elastic.run_id, view, generation)
+        name = self.admission.bind(group_name(self.elastic.run_id, view, generation))
         if self.ranks > 1:  # each rank syncs its shard with the same rank of the other sites
             name += f"p{self.position}/"
         prefix = dist.PrefixStore(name, store)
