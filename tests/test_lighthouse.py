@@ -34,7 +34,8 @@ def _bare(site: int = 0, fingerprint: str = "fp") -> Membership:
     m = object.__new__(Membership)
     m.elastic = Elastic(lighthouse="http://nowhere:1", site=site, sites=2)
     m.fingerprint, m._store, m._groups = fingerprint, object(), {}
-    m.reader = Reader(m.elastic, fingerprint, Admission(site, "lowcomm", None), 1)
+    m.admission = Admission(site, "lowcomm", None)
+    m.reader = Reader(m.elastic, fingerprint, m.admission, 1)
     return m
 
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from lowcomm.bench.deployed import LOWCOMM, Deployment
-from lowcomm.elastic.membership import Membership
 from lowcomm.elastic.messages import Request
+from lowcomm.elastic.reading import Reader
 from lowcomm.elastic.site import SiteRanks
 from lowcomm.errors import MembershipError
 
@@ -67,9 +67,9 @@ def test_a_sites_ranks_read_rank_0s_answers_and_vote_ok_only_if_all_completed(wo
 
 def test_a_site_of_another_shape_is_refused_with_one_line():
     me = SimpleNamespace(ranks=2, elastic=SimpleNamespace(site=0))
-    Membership.same_shape(me, _request({"site": 1, "ranks": 2}))  # the same: fine
+    Reader.same_shape(me, _request({"site": 1, "ranks": 2}))  # the same: fine
     with pytest.raises(MembershipError, match="has 2 ranks but site 1 of the run has 1 rank:"):
-        Membership.same_shape(me, _request({"site": 1}))  # a request without it: one rank
+        Reader.same_shape(me, _request({"site": 1}))  # a request without it: one rank
 
 
 # what torchrun --nproc-per-node 2 sets for its first rank (the checks run before any group)

@@ -293,6 +293,7 @@ class Membership:
         view = self.quorum("start")
         while len(view.members) < self.elastic.sites:
             view = self.quorum("start")
+        self.last_members = list(view.members)  # whom the first sync waits for (see Patience)
         return view
 
     def check(self, view: View, tag: str, vote: bool = False) -> View:
