@@ -294,3 +294,16 @@ def test_a_groups_store_prefix_is_bound_to_the_runs_key():
     assert Admission(0, "q", b"s").bind(prefix) != a.bind(prefix)  # another run: elsewhere
     assert a.bind("r/e0/q4/g0/mabc/") != a.bind(prefix)
     assert Admission(0, "r", None).bind(prefix) == prefix  # an open run: as it was
+
+
+def test_a_heals_membership_record_is_read_with_every_field_checked():
+    from lowcomm.elastic.record import Record
+
+    good = {"events": [{"at": "sync@10"}], "members": [0, 2], "last": ["sync@10", 10]}
+    record = Record(1)
+    record.load(good)
+    assert (record.members, record.last_tag, record.last_step) == ([0, 2], "sync@10", 10)
+    for bad in [None, [], {**good, "last": ["sync@10", True]}, {**good, "members": "0,2"},
+                {**good, "last": ["sync@10"]}, {"events": [], "members": []}]:  # fmt: skip
+        with pytest.raises(RuntimeError, match="malformed"):
+            Record(1).load(bad)

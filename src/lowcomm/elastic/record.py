@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from .decide import View
 
@@ -30,8 +31,11 @@ class Record:
         return {"events": self.events, "members": self.members,
                 "last": [self.last_tag, self.last_step]}  # fmt: skip
 
-    def load(self, got: dict) -> None:
-        """A joiner: take the record its healer sent."""
+    def load(self, got: Any) -> None:
+        """A joiner: take the record its healer sent (read off the wire here, every field
+        checked: a malformed one fails the heal)."""
+        if not _well_formed(got):
+            raise RuntimeError("the heal's membership record is malformed")
         self.events, self.members = list(got["events"]), list(got["members"])
         self.last_tag, self.last_step = got["last"]
 
@@ -70,3 +74,13 @@ class Record:
             log.warning("site %d: sites %s joined at %s; %d sites go on", self.site,
                         view.joiners, tag, len(view.members))  # fmt: skip
         return event
+
+
+def _well_formed(got: Any) -> bool:
+    """Whether a healer's record has its fields, of their types."""
+    last = got.get("last") if isinstance(got, dict) else None
+    return (
+        isinstance(last, list) and len(last) == 2 and isinstance(last[0], str)
+        and isinstance(last[1], int) and not isinstance(last[1], bool)
+        and isinstance(got.get("events"), list) and isinstance(got.get("members"), list)
+    )  # fmt: skip
