@@ -22,16 +22,20 @@ def site(
     index: int, sites: int, lighthouse: str, out: str, preset: str, kw: dict, steps: int,
     kill_at: int | None, kill_in_sync: bool, join_from: int | None = None,
     after_pid: int | None = None, step_s: float = 0.0, run_id: str = "lowcomm",
-    secret_file: str = "", liar: bool = False,
+    secret_file: str = "", liar: bool = False, dissent: str = "",
 ) -> None:  # fmt: skip
     """``join_from``: this process joins the running run (from that step), once the process
     ``after_pid`` (the site it replaces) is gone; ``step_s``: a pause per step; ``liar``: its
-    replica checksum is a constant (an insider's lie, or a copy whose memory flipped a bit)."""
+    replica checksum is a constant (an insider's lie, or a copy whose memory flipped a bit);
+    ``dissent``: an insider's commit votes from the 2nd sync on: "fail" (every sync failed) or
+    "blame:S" (site S's payload refused)."""
     torch.set_num_threads(1)
     if liar:
         from lowcomm.engine import guards
 
         guards.global_checksum = lambda frags: 12345
+    if dissent:
+        _dissent(dissent)
     model = tiny_model(seed=0)
     opt = adamw(model)
     data = batches(index, sites)
@@ -62,6 +66,23 @@ def site(
          "members": sync.membership.members, "fragments": sync.fragment_names},
         os.path.join(out, f"site{index}.pt"),
     )  # fmt: skip
+
+
+def _dissent(how: str) -> None:
+    """This process votes against every commit from the run's 2nd sync on (see ``site``)."""
+    from lowcomm.elastic.membership import Membership
+
+    quorum = Membership.quorum
+
+    def lying(self, tag, ok=True, phase="sync", ready=False, blame=None, unreached=None,
+              retry=None):  # fmt: skip
+        if phase == "commit" and tag.startswith("sync@") and int(tag[5:]) > 5:
+            ok = False
+            if how.startswith("blame:"):
+                blame = (int(how[6:]), "payload from worker 0 has validity flag 127")
+        return quorum(self, tag, ok, phase, ready, blame, unreached, retry)
+
+    Membership.quorum = lying
 
 
 def _alive(pid: int) -> bool:

@@ -307,3 +307,26 @@ def test_a_heals_membership_record_is_read_with_every_field_checked():
                 {**good, "last": ["sync@10"]}, {"events": [], "members": []}]:  # fmt: skip
         with pytest.raises(RuntimeError, match="malformed"):
             Record(1).load(bad)
+
+
+@pytest.mark.parametrize("how", ["fail", "blame:0"])
+def test_an_insider_voting_against_every_sync_leaves_and_the_others_finish(tmp_path, how):
+    """The finding (read from the code): an insider voting ok=False on every commit, or
+    accusing an honest site, looped the run (retried without bound) or evicted that site. Now
+    nobody corroborates it: after 3 failed attempts among the same members it is excluded by
+    every other site, which finish with equal models."""
+    from test_admission import _lighthouse
+    from test_elastic import CASES, _site_process
+
+    preset, kw, _ = CASES["diloco"]
+    with _lighthouse() as lh:
+        procs = [_site_process(tmp_path, lh, preset, kw, i, dissent=how if i == 2 else "")
+                 for i in range(3)]  # fmt: skip
+        outs = [p.communicate(timeout=180) for p in procs]
+    codes = [p.returncode for p in procs]
+    assert codes[:2] == [0, 0] and codes[2] != 0, [o[1][-2000:] for o in outs]
+    a, b = (torch.load(tmp_path / f"site{i}.pt", weights_only=True) for i in range(2))
+    assert torch.equal(a["global"], b["global"]) and a["members"] == [0, 1]
+    (left,) = a["events"]
+    assert left["left"] == [2] and left["excluded"] == [2]
+    assert "its vote alone failed 3 attempts in a row" in outs[0][1]

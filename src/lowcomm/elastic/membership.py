@@ -405,7 +405,10 @@ class Patience:
     than the others (still waiting on a dead peer) asks a moment after they did, and a
     quorum without it would leave it out of the run (chaos seed 140). ``heal``: a replay's
     sync where a site joined in the recorded run: asked again until a joiner is admitted, for
-    ``timeout_s`` (its command may be started again a moment later than the others got there)."""
+    ``timeout_s`` (its command may be started again a moment later than the others got there).
+    ``names``: this site's :class:`.reading.Reader` and the last sync's members: asked again
+    while this site's name was taken, or a member's name came with junk and it is missing, for
+    ``timeout_s``."""
 
     def __init__(
         self, elastic: Elastic, excluded: dict[int, str], retry: Retry | None, heal: bool = False,
