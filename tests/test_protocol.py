@@ -114,6 +114,8 @@ class _Participant:
         run = data.get("run") if isinstance(data, dict) else None
         run = run if isinstance(run, str) else ""
         self.replica_id = replica_name(run, site) if isinstance(site, int) else "site????"
+        if isinstance(data, dict) and "name" not in data:  # as a site asks: under its name
+            self.data = {**data, "name": self.replica_id}
 
 
 class _Quorum:
@@ -638,7 +640,8 @@ def test_a_request_is_read_off_the_wire_once_with_every_field_checked():
     blame that is no site number blames nobody, unreached sites that are none are dropped."""
     wire = {"site": 2, "tag": "sync@10", "phase": "commit", "gen": 1, "join_from": 0,
             "ok": True, "blame": 3, "why": "bad scale", "unreached": [1, "x", True, 4],
-            "inc": "p", "lh": 5, "ranks": 2, "mac": "ab", "run": "r1"}  # fmt: skip
+            "inc": "p", "lh": 5, "ranks": 2, "mac": "ab", "run": "r1",
+            "name": "r1/site0002"}  # fmt: skip
     r = Request.from_wire(wire, "r1/site0002")
     assert r is not None and (r.site, r.tag, r.phase, r.gen, r.ok) == (
         2,
@@ -659,6 +662,9 @@ def test_a_request_is_read_off_the_wire_once_with_every_field_checked():
     assert Request.from_wire(wire, "r1/site0003") is None  # came in under another site's name
     assert Request.from_wire(wire, "r2/site0002") is None  # ... or another run's
     assert Request.from_wire(wire, "site0002") is None
+    # the name it was sealed with is the one it came in under: a copy under another is nobody's
+    assert Request.from_wire(wire, "r1/site0002/x") is None
+    assert Request.from_wire({**wire, "name": "r1/site0002/x"}, "r1/site0002/x") is not None
     assert Request.from_wire({**wire, "gen": True}) is None
     assert Request.from_wire({**wire, "join_at": 7}) is None
     lenient = Request.from_wire({**wire, "blame": True, "ok": 1, "fp": 3, "lh": "9"})

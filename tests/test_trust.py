@@ -166,7 +166,8 @@ def test_a_run_id_names_the_sites_at_the_lighthouse_and_keys_the_mac():
     assert elastic.run_id == "r1" and elastic.replica_id == replica_name("r1", 0) == "r1/site0000"
     # a request sealed in one run means nothing in another run under the same secret
     sealed = Admission(1, "r1", b"s").seal({"site": 1, "tag": "sync@10", "phase": "sync",
-                                              "gen": 0, "join_from": 0, "run": "r1"})  # fmt: skip
+                                              "gen": 0, "join_from": 0, "run": "r1",
+                                              "name": "r1/site0001"})  # fmt: skip
     read = Request.from_wire(sealed, "r1/site0001")
     assert Admission(0, "r1", b"s").screen([read]) == [read]
     assert Admission(0, "r2", b"s").screen([read]) == []
@@ -178,7 +179,8 @@ def test_sites_launched_alone_derive_one_run_id_and_keep_it_in_their_folders(tmp
 
     a, b = _spec(tmp_path / "a"), _spec(tmp_path / "b", site=1, threads=1)
     assert derived_run_id(a) == derived_run_id(b)  # what differs per site does not count
-    assert derived_run_id(_spec(tmp_path, steps=7)) != derived_run_id(a)
+    assert derived_run_id(_spec(tmp_path, steps=7)) == derived_run_id(a)  # may differ anyway
+    assert derived_run_id(_spec(tmp_path, model="tiny")) != derived_run_id(a)
     assert _with_run_id(a, back=False).train.run_id == derived_run_id(a)
     assert (tmp_path / "a" / "run_id").read_text().strip() == derived_run_id(a)
     (tmp_path / "a" / "run_id").write_text("named\n")  # a run started with run_id=named
@@ -207,23 +209,36 @@ def test_a_site_whose_name_was_taken_asks_again_under_a_new_one_and_the_others_w
         e = Elastic(lighthouse="http://x", site=site, sites=3, run_id="r", timeout_s=0.3)
         return Reader(e, "fp", Admission(site, "r", b"s"), 1)
 
-    def sealed(site: int, inc: str) -> dict:
+    def sealed(site: int, inc: str, name: str = "", seq: int = 1) -> dict:
         return Admission(site, "r", b"s").seal({"site": site, "tag": "sync@10", "phase": "sync",
                                                 "gen": 0, "join_from": 0, "run": "r",
-                                                "fp": "fp", "inc": inc})  # fmt: skip
+                                                "fp": "fp", "inc": inc, "seq": seq,
+                                                "name": name or f"r/site{site:04d}"})  # fmt: skip
+
+    def named(d: dict) -> _Named:
+        return _Named(d["name"], d)
 
     junk = _Named("r/site0001", {"site": 1, "tag": "sync@10", "phase": "sync", "gen": 0,
                                  "join_from": 0, "run": "r", "mac": "00"})  # fmt: skip
-    quorum = [_Named("r/site0000", sealed(0, "a")), junk, _Named("r/site0002", sealed(2, "c"))]
+    quorum = [named(sealed(0, "a")), junk, named(sealed(2, "c"))]
     one, zero = reader(1), reader(0)
-    assert [d.site for d in one.read(quorum, False, "b")] == [0, 2]
+    assert [d.site for d in one.read(quorum, False, "b", 1)] == [0, 2]
     assert one.may_wait() and one.name.startswith("r/site0001/") and one.taken == {1}
     # under its new name its request is read again: it is back, and its name is its own
-    back = [*quorum, _Named(one.name, sealed(1, "b"))]
-    assert [d.site for d in one.read(back, False, "b")] == [0, 1, 2] and not one.may_wait()
+    back = [*quorum, named(sealed(1, "b", one.name, seq=2))]
+    assert [d.site for d in one.read(back, False, "b", 2)] == [0, 1, 2] and not one.may_wait()
     # a member sees the junk under site 1's name: it asks again while site 1 is missing
-    assert [d.site for d in zero.read(quorum, False, "a")] == [0, 2] and zero.taken == {1}
+    assert [d.site for d in zero.read(quorum, False, "a", 1)] == [0, 2] and zero.taken == {1}
     assert not zero.may_wait()  # its own name is its own
+    # a copy of site 1's older sealed request, replayed under another of its names, is junk:
+    # one request per site, the newest
+    old = named(sealed(1, "b", "r/site0001/old", seq=1))
+    read = zero.read([*back, old], False, "a", 1)
+    assert [(d.site, d.seq) for d in read] == [(0, 1), (1, 2), (2, 1)] and 1 in zero.taken
+    # ... and an older request of its own under its own name is another's: displaced
+    stale = named(sealed(1, "b", one.name, seq=1))
+    one.read([*quorum, stale], False, "b", 3)
+    assert one.may_wait()
     view = SimpleNamespace(members=[0, 2], joiners=[], voting=False, data=[])
     patience = Patience(zero.elastic, {}, None, names=(zero, [0, 1, 2]))
     assert patience._taken(view, 0.0) and not patience._taken(view, 1.0)  # bounded

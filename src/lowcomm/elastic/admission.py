@@ -71,7 +71,9 @@ class Admission:
     def __init__(self, site: int, run_id: str, secret: bytes | None, sites: int = 1) -> None:
         self.site, self.run_id, self.sites = site, run_id, sites  # sites: the run's at start
         self._key = run_key(secret, run_id) if secret is not None else None
-        self.ignored = 0  # requests (each time read) and hints (each value once) without a MAC
+        # requests unreadable or without a valid MAC (each time read; counted by the reader
+        # too), and hints without one (each value once)
+        self.ignored = 0
         self._told: set[tuple[int, str]] = set()  # (site, process) already warned about
         self._forged: set[tuple[str, bytes]] = set()  # hints (key, stored bytes) ignored
         # requests that claimed this run's membership and failed: how many, by sealed or not

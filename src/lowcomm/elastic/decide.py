@@ -294,6 +294,8 @@ def exclusion(site: int, tag: str, why: str) -> str:
             f"broke while the lighthouse still heard it); it stops here, the others go on: "
             f"start it again to rejoin"
         )
+    if why.startswith(("its vote alone", "its global copy")):  # what all of them saw
+        return f"site {site} is excluded from the run at {tag}: {why}; it stops here"
     return (
         f"site {site} is excluded from the run at {tag}: the others refused its payload ({why}); "
         f"it stops here, the others go on"

@@ -223,6 +223,10 @@ class Membership:
             log.debug("site %d: %s quorum of %s: not yet", self.elastic.site, tag, view.members)
             time.sleep(self.elastic.heartbeat_s)  # the lighthouse answers a lone asker at once
             view = self._member_view(tag, ok, phase, ready)
+        if phase == "sync" and self.elastic.site not in view.members:  # its name, still taken
+            raise MembershipError(
+                f"site {self.elastic.site} was left out of the run at {tag}: it stops here"
+            )
         return view
 
     def _member_view(self, tag: str, ok: bool, phase: str, ready: bool) -> View:
@@ -267,12 +271,13 @@ class Membership:
         return self._store
 
     def ask(self, tag: str, ok: bool, phase: str, join: bool, ready: bool) -> View:
-        e = self.elastic
+        e, seq = self.elastic, time.time_ns()  # seq: this request among the site's (see .reading)
         data = {
             "site": e.site, "tag": tag, "ok": ok, "store": self.store_address, "phase": phase,
             "fp": self.fingerprint, "run": e.run_id, "gen": self.generation, "join": join,
             "join_from": e.join_from, "join_at": self.asking_back_at or e.join_at,
             "inc": self.incarnation, "ready": ready, "enter": e.enter, "ranks": self.ranks,
+            "name": self.reader.name, "seq": seq,
         }  # fmt: skip
         if self._blame is not None and phase == "commit":
             data.update(blame=self._blame[0], why=self._blame[1][:200])
@@ -283,7 +288,7 @@ class Membership:
         # a wait of exactly timeout_s would give up on a peer about to arrive
         assert self._link is not None, "only a site's rank 0 asks the lighthouse"
         q = self._link.quorum(tag, data, 2 * e.timeout_s + e.connect_s, self.store_address)
-        data = self.reader.read(q.participants, join, self.incarnation)
+        data = self.reader.read(q.participants, join, self.incarnation, seq)
         self._link.adopt([d.lh for d in data])
         return View(int(q.quorum_id), [d.site for d in data], data)
 
@@ -424,6 +429,8 @@ class Patience:
     def more(self, view: View) -> bool:
         """Whether to ask again after ``view``."""
         now, retry = time.monotonic(), self.retry
+        if self.names is not None and self.names[0].may_wait():  # this site's name was taken
+            return True
         if self._heal is not None and not view.joiners and now < self._heal:
             return True
         split = list(retry.members) if retry is not None and retry.split else None

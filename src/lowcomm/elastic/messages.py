@@ -71,6 +71,8 @@ class Request:
     join_at: str = ""  # a joiner (a replay's, or one asking back in): exactly this sync
     ranks: int = 1  # the ranks of its site
     lh: int = 0  # the lighthouse epoch it has seen
+    name: str = ""  # the name it asked under at the lighthouse (its MAC covers it)
+    seq: int = 0  # when it was sent (ns): of two requests of one site, the newer is the site's
     blame: int | None = None  # a vote: the site whose payload it refused
     why: str = ""  # ... and what was wrong with it
     unreached: tuple[int, ...] = ()  # a vote: the sites it could not reach
@@ -95,11 +97,14 @@ class Request:
                 log.warning("a quorum request with a malformed %r (%r) was ignored", key, value)
                 return None
         named = replica_name(_text(d.get("run")) or "", d["site"])
-        # (a site whose name was taken asks under it with a suffix: see .reading)
-        if d["site"] < 0 or (
-            replica_id is not None and replica_id.split("/")[:2] != named.split("/")
-        ):
-            return None  # came in under another name than its run's for its site
+        # the name it came in under: the one it says it asked under (sealed with the rest, so a
+        # copy under another name is nobody's), its run's for its site, with a suffix when its
+        # name was taken (see .reading)
+        came = replica_id is not None and (
+            replica_id != d.get("name") or replica_id.split("/")[:2] != named.split("/")
+        )
+        if d["site"] < 0 or came:
+            return None
         join_at = d.get("join_at") or ""
         if not isinstance(join_at, str):
             log.warning("a quorum request with a malformed 'join_at' (%r) was ignored", join_at)
@@ -112,6 +117,7 @@ class Request:
             ready=bool(d.get("ready")), enter=bool(d.get("enter")), fp=_text(d.get("fp")),
             run=_text(d.get("run")), store=str(d.get("store", "")), inc=str(d.get("inc", "")),
             join_at=join_at, ranks=as_int(d.get("ranks", 1)), lh=as_int(d.get("lh")),
+            name=str(d.get("name", "")), seq=as_int(d.get("seq")),
             blame=blame if _number(blame) else None, why=str(d.get("why", "")),
             unreached=tuple(s for s in (said if isinstance(said, list) else ()) if _number(s)),
             mac=d.get("mac"), sealed="mac" in d, signed=unsealed(d),

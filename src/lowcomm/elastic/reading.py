@@ -37,15 +37,21 @@ class Reader:
         self.taken: set[int] = set()  # sites whose names came with requests that failed
         self._refused: set[int] = set()  # sites already told they were refused
 
-    def read(self, participants: list[Any], join: bool, incarnation: str) -> list[Request]:
-        """The requests of a quorum's ``participants`` a member reads (sorted by site); a
-        joiner (``join``) reads other runs' too, to say why it is refused."""
+    def read(
+        self, participants: list[Any], join: bool, incarnation: str, seq: int
+    ) -> list[Request]:
+        """The requests of a quorum's ``participants`` a member reads (sorted by site), one per
+        site: the newest (a copy of an older one, replayed under another of its names, is
+        junk); a joiner (``join``) reads other runs' too, to say why it is refused. ``seq``:
+        this site's own request (another under its name displaced it)."""
         pairs = [(m.replica_id, Request.from_wire(m.data, m.replica_id)) for m in participants]
-        good = self.admission.screen([r for _, r in pairs if r is not None])
+        self.admission.ignored += sum(r is None for _, r in pairs)  # counted, as a bad MAC is
+        good = _newest(self.admission.screen([r for _, r in pairs if r is not None]))
         kept = {id(r) for r in good}
         junk = [name for name, r in pairs if r is None or id(r) not in kept]
         self.taken = {s for s in map(self._site_of, junk) if s is not None}
-        mine = any(d.site == self.elastic.site and d.inc == incarnation for d in good)
+        me = self.elastic.site
+        mine = any(d.site == me and d.inc == incarnation and d.seq == seq for d in good)
         self._displaced(not mine and self.name in {name for name, _ in pairs})
         data = sorted(good, key=lambda d: d.site)
         return data if join else self._same_run(data)
@@ -107,6 +113,16 @@ class Reader:
                 f"run has {_ranks(d.ranks)}: every site of a run needs the same number of ranks "
                 f"(torchrun --nproc-per-node) and the same sharding"
             )
+
+
+def _newest(requests: list[Request]) -> list[Request]:
+    """Of several requests of one site in a quorum (a valid one copied under another of its
+    names), the newest only."""
+    newest: dict[int, Request] = {}
+    for d in requests:
+        if d.site not in newest or d.seq > newest[d.site].seq:
+            newest[d.site] = d
+    return [d for d in requests if newest[d.site] is d]
 
 
 def _ranks(n: int) -> str:

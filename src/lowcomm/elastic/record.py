@@ -79,8 +79,14 @@ class Record:
 def _well_formed(got: Any) -> bool:
     """Whether a healer's record has its fields, of their types."""
     last = got.get("last") if isinstance(got, dict) else None
+    members, events = (got.get("members"), got.get("events")) if last is not None else (0, 0)
     return (
-        isinstance(last, list) and len(last) == 2 and isinstance(last[0], str)
-        and isinstance(last[1], int) and not isinstance(last[1], bool)
-        and isinstance(got.get("events"), list) and isinstance(got.get("members"), list)
+        isinstance(last, list) and len(last) == 2 and isinstance(last[0], str) and _site(last[1])
+        and isinstance(events, list) and all(isinstance(e, dict) for e in events)
+        and isinstance(members, list) and all(_site(m) for m in members)
     )  # fmt: skip
+
+
+def _site(value: Any) -> bool:
+    """Whether ``value`` is an int (a bool is not)."""
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -155,7 +155,10 @@ class ReplicaCheck:
                 f"after {tag} (sites {minority} differ): it leaves the run; started again, it "
                 f"heals from the others"
             )
-        self.runner.membership.exclude({s: why for s in minority}, tag, view)
+        # on the comm thread, where the membership reads its exclusions (a sync may be asking)
+        exclude = self.runner.membership.exclude
+        self.transport.wait(self.transport.submit(lambda: exclude(dict.fromkeys(minority, why),
+                                                                  tag, view)))  # fmt: skip
 
 
 def restart(frag: Fragment, optimizer: torch.optim.Optimizer) -> None:

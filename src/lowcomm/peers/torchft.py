@@ -396,7 +396,7 @@ class PeerMembership:
 
     def start(self) -> None:
         """The first control quorum: every site learns who starts the run."""
-        self._control.members = self._control.membership.start().members
+        self._control.record.members = self._control.membership.start().members
 
     def run(self, tag: str, collectives: Callable[..., Any]) -> Any:
         """A control collective on the live sites (lowcomm's membership)."""

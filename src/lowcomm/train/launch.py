@@ -276,18 +276,21 @@ def _with_run_id(spec: RunSpec, back: bool) -> RunSpec:
             f"run_id={kept} to bring this site back into it, or a fresh --out"
         )
     run_id = cfg.run_id or kept or derived_run_id(spec)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if int(os.environ.get("RANK", "0")) == 0 and run_id != kept:  # (its other ranks read it)
         spec.out.mkdir(parents=True, exist_ok=True)
-        kept_file.write_text(run_id + "\n")
+        tmp = kept_file.with_suffix(".tmp")
+        tmp.write_text(run_id + "\n")
+        tmp.replace(kept_file)
     return spec.replace(train=dataclasses.replace(cfg, run_id=run_id))
 
 
 def derived_run_id(spec: RunSpec) -> str:
     """The run id of sites launched on their own without ``run_id=``: a hash of what every
-    site of one run must share (strategy, sync settings, model, steps, seed, sites)."""
-    cfg = spec.train
-    shared = [spec.strategy.name, dataclasses.asdict(spec.sync), cfg.model, cfg.steps, cfg.seed,
-              cfg.sites]  # fmt: skip
+    site of one run must share anyway (what the settings' fingerprint checks: the strategy,
+    the sync settings but where a site keeps its state, the model, the rounds; and the sites)."""
+    cfg, sync = spec.train, dataclasses.asdict(spec.sync)
+    sync.pop("state_device", None)
+    shared = [spec.strategy.name, sync, cfg.model, cfg.sites, cfg.rounds, cfg.late, cfg.weighting]
     digest = hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode())
     return f"run-{digest.hexdigest()[:12]}"
 
