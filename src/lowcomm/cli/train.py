@@ -105,6 +105,7 @@ RESUME_MAY_CHANGE = frozenset(
         "min_workers",
         "lighthouse",
         "heartbeat_timeout_s",
+        "run_id",  # a resumed run keeps its id, or takes a new one (a new key, with a secret)
     }
 )
 
