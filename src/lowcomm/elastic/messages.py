@@ -38,10 +38,10 @@ def replica_name(run_id: str, site: int) -> str:
 
 def as_int(value: Any) -> int:
     """A reported number, or 0 (a request without it, or a malformed one)."""
-    return value if _number(value) else 0
+    return value if is_int(value) else 0
 
 
-def _number(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     """Whether ``value`` is an int (a bool is not: JSON's true is no site number)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -118,8 +118,8 @@ class Request:
             run=_text(d.get("run")), store=str(d.get("store", "")), inc=str(d.get("inc", "")),
             join_at=join_at, ranks=as_int(d.get("ranks", 1)), lh=as_int(d.get("lh")),
             name=str(d.get("name", "")), seq=as_int(d.get("seq")),
-            blame=blame if _number(blame) else None, why=str(d.get("why", "")),
-            unreached=tuple(s for s in (said if isinstance(said, list) else ()) if _number(s)),
+            blame=blame if is_int(blame) else None, why=str(d.get("why", "")),
+            unreached=tuple(s for s in (said if isinstance(said, list) else ()) if is_int(s)),
             mac=d.get("mac"), sealed="mac" in d, signed=unsealed(d),
         )  # fmt: skip
 

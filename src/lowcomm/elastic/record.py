@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from .decide import View
+from .messages import is_int
 
 log = logging.getLogger("lowcomm")
 
@@ -81,12 +82,7 @@ def _well_formed(got: Any) -> bool:
     last = got.get("last") if isinstance(got, dict) else None
     members, events = (got.get("members"), got.get("events")) if last is not None else (0, 0)
     return (
-        isinstance(last, list) and len(last) == 2 and isinstance(last[0], str) and _site(last[1])
+        isinstance(last, list) and len(last) == 2 and isinstance(last[0], str) and is_int(last[1])
         and isinstance(events, list) and all(isinstance(e, dict) for e in events)
-        and isinstance(members, list) and all(_site(m) for m in members)
+        and isinstance(members, list) and all(is_int(m) for m in members)
     )  # fmt: skip
-
-
-def _site(value: Any) -> bool:
-    """Whether ``value`` is an int (a bool is not)."""
-    return isinstance(value, int) and not isinstance(value, bool)
