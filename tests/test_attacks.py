@@ -77,6 +77,29 @@ def test_each_attack_does_what_it_says(spec, check):
     assert check(x, y)
 
 
+def test_drift_sends_one_fixed_direction_every_sync_and_collude_shares_it():
+    """drift: the same direction at every step, at the contribution's own norm; each site its
+    own; collude: one direction for all colluders. Neither keeps its buffers."""
+    a, b = harness("drift:1", 1, sites=8), harness("drift:2", 2, sites=8)
+    c = harness("collude:1x2", 1, sites=8)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4096, generator=gen), 3 * torch.randn(4096, generator=gen)
+    sent = {}
+    for name, h, t, step in [("a7", a, x, 7), ("a9", a, y, 9), ("b", b, x, 7), ("c", c, x, 7)]:
+        sent[name] = t.clone()
+        assert h.contribution([sent[name]], step, "ef") is None
+    cos = torch.nn.functional.cosine_similarity
+    assert float(cos(sent["a7"], sent["a9"], dim=0)) > 0.9999  # fixed over syncs
+    assert abs(float(cos(sent["a7"], x, dim=0))) < 0.1  # not the site's own direction
+    assert abs(float(cos(sent["a7"], sent["b"], dim=0))) < 0.1  # each site its own
+    assert torch.allclose(sent["a9"].norm(), y.norm())
+    assert torch.allclose(sent["c"].norm(), 2 * x.norm())
+    d = harness("collude:5", 5, sites=8)
+    other = x.clone()
+    d.contribution([other], 3, None)
+    assert float(cos(other, sent["c"], dim=0)) > 0.9999  # colluders: one direction
+
+
 def test_noise_is_the_same_in_a_replay():
     h = harness("noise:0x1", 0)
     a, b = [torch.ones(64)], [torch.ones(64)]

@@ -169,6 +169,55 @@ def test_cosine_clip_on_top_k_drops_the_sites_against_the_rest_and_the_empty_one
     assert np.linalg.norm(got - truth) < 0.2 * np.linalg.norm(clipped - truth)
 
 
+def test_share_clip_counts_an_entry_few_sent_as_their_share_of_a_majority():
+    """On top-k most entries have one sender; the selected mean applies those whole, so a site
+    spending its budget where nobody else sends moves them as far as everyone together.
+    share-clip divides each entry's sum by max(senders, a majority of the parts), and hands
+    back to a sender what of its part that held back."""
+    rng = np.random.default_rng(6)
+    x = (rng.normal(size=4096) + rng.normal(scale=0.7, size=(8, 4096))).astype(np.float32)
+    parts = _parts(x, "topk")
+    rule = combine_for("share-clip")
+    got = rule.combine(parts, torch.empty(4096)).numpy()
+    sent = [parts.sparse(j) for j in range(8)]
+    norms = np.array([np.linalg.norm(v.numpy()) for _, v in sent])
+    scale = np.minimum(1.0, np.median(norms) / norms)
+    total, count = np.zeros(4096), np.zeros(4096)
+    for (idx, vals), s in zip(sent, scale):
+        np.add.at(total, idx.numpy(), vals.numpy() * s)
+        np.add.at(count, idx.numpy(), 1)
+    assert (count == 1).sum() > (count >= 5).sum() > 0  # lone entries and majority ones both
+    want = total / np.maximum(count, 8 // 2 + 1)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+    # where a majority sent an entry it is their selected mean, as cosine-clip's
+    sel = combine_for("cosine-clip").combine(parts, torch.empty(4096)).numpy()
+    np.testing.assert_allclose(got[count >= 5], sel[count >= 5], rtol=2e-5, atol=1e-6)
+    # handed back to site 3: its values as sent less what the merge applied of them
+    idx, back = rule.unapplied(parts, 3)
+    i3, v3 = (t.numpy() for t in sent[3])
+    applied = v3 * scale[3] / np.maximum(count[i3], 5)
+    np.testing.assert_array_equal(idx.numpy(), i3)
+    np.testing.assert_allclose(back.numpy(), v3 - applied, rtol=2e-5, atol=1e-6)
+
+
+def test_share_clip_bounds_a_site_that_sends_where_nobody_else_does():
+    """Two of eight sites put their whole (median-norm) budget on entries no honest site
+    picks, the same every sync: the selected mean of cosine-clip applies them whole, share-clip
+    a fifth (a lone sender's share of a majority of 8)."""
+    rng = np.random.default_rng(7)
+    x = (rng.normal(size=4096) + rng.normal(scale=0.7, size=(8, 4096))).astype(np.float32)
+    honest = _parts(x[:6], "topk")
+    picked = set(np.concatenate([honest.sparse(j)[0].numpy() for j in range(6)]).tolist())
+    free = np.array([i for i in range(4096) if i not in picked])
+    for j in (6, 7):  # the same sign, on its own entries nobody else picks
+        x[j] = 0.0
+        x[j, free[(j - 6) * 64 : (j - 5) * 64]] = 5.0
+    parts = _parts(x, "topk")
+    bad = free[:128]
+    moved = {r: np.abs(_combine(r, parts)[bad]).max() for r in ("cosine-clip", "share-clip")}
+    assert moved["share-clip"] < 0.25 * moved["cosine-clip"]
+
+
 @pytest.mark.parametrize("rule", ["norm-clip", "cosine-clip"])
 def test_a_top_k_part_that_does_not_decode_is_dropped_by_a_robust_rule_and_stops_the_plain_one(
     rule,

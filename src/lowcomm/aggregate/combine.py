@@ -100,6 +100,8 @@ class Combine(ABC):
     sum_decomposable: ClassVar[bool] = False  # set by SumCombine: all-reduce/two-phase can run it
     # not defined on a sparse codec's contributions (refused for top-k: see check_codec)
     dense_only: ClassVar[bool] = False
+    # unapplied() asked of an unweighted merge too (share-clip hands back what it held back)
+    restores: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)

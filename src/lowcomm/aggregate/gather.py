@@ -112,7 +112,8 @@ class GatherAggregator(Aggregator):
         if not senders:
             return Reduced(total.zero_(), 0)
         ws = [weights[w] for w in senders] if weights is not None else None
-        mine = senders.index(me) if ws is not None and me in senders else None
+        asks = ws is not None or self.rule.restores  # unapplied() wanted of this merge
+        mine = senders.index(me) if asks and me in senders else None
         unapplied = [] if mine is not None else None
         # tracked: each sender's squared norm, summed on the device, read once at the end
         sq = (

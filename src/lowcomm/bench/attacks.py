@@ -3,7 +3,8 @@
 For each strategy, seed and combine rule (``aggregation=``; ``auto`` is the plain rule: the mean,
 or the selected mean for SparseLoCo's top-k): one clean run, and one per attack (``--faults``,
 acted out by the bad sites on every contribution they send from step 1) and number of bad
-sites (the last ones). Every cell runs on the gather exchange (what the robust rules and the
+sites (the last ones). ``absent`` is the control an attack is also compared with: a clean run
+without the bad sites at all (what a perfect defence that spotted them would leave). Every cell runs on the gather exchange (what the robust rules and the
 forged attacks need; the plain mean computes the same there). A rule not defined for a
 strategy's codec (the coordinate-wise rules on top-k) is refused by the config with one line,
 and its cells say so.
@@ -36,8 +37,19 @@ ATTACKS = {
     "nan": "nan:{s}",
     "copy": "copy:{s}",
     "alie": "alie:{s}",
+    "drift": "drift:{s}",
+    "collude": "collude:{s}",
+    "absent": "",  # the control: the bad sites not there at all (workers - bad sites, clean)
 }
-RULES = ("auto", "norm-clip", "cosine-clip", "trimmed-mean", "median", "centered-clip")
+RULES = (
+    "auto",
+    "norm-clip",
+    "cosine-clip",
+    "share-clip",
+    "trimmed-mean",
+    "median",
+    "centered-clip",
+)
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -83,14 +95,15 @@ def _cell(
     """One run; its row (``loss`` None when it stopped or was refused)."""
     name = f"{strategy}-{rule}-{attack}{bad}-s{seed}"
     sites = range(a.workers - bad, a.workers)
-    faults = ",".join(ATTACKS[attack].format(s=s) for s in sites)
+    faults = ",".join(ATTACKS[attack].format(s=s) for s in sites if ATTACKS[attack])
+    workers = a.workers - bad if attack == "absent" else a.workers
     args = [
         "--strategy",
         strategy,
         "--model",
         a.model,
         "--workers",
-        str(a.workers),
+        str(workers),
         "--steps",
         str(a.steps),
         f"sync_every={a.sync_every}",

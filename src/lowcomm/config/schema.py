@@ -101,7 +101,9 @@ class SyncConfig:
         "SparseLoCo authors' code does; measured better), auto (selected-mean for "
         "codec=topk, mean otherwise), or a robust rule against bad sites (reduce=gather): "
         "norm-clip (each clipped to the median norm; top-k too), cosine-clip (norm-clip "
-        "that also drops a contribution against the others; top-k too), median, "
+        "that also drops a contribution against the others; top-k too), share-clip "
+        "(cosine-clip whose top-k merge counts an entry few sent as their share of a "
+        "majority), median, "
         "trimmed-mean, centered-clip (dense codecs).",
     )
     compensation: Compensation = knob(

@@ -50,6 +50,11 @@ default).
   ``signflip:1@20`` sends the negated pseudo-gradient; ``scale:1x1000`` sends it times the
   factor; ``noise:1x2`` adds Gaussian noise of 2x its norm; ``zero:1`` sends zeros (a free
   rider); ``nan:1`` sends NaN, flagged valid (a silent fault that passes a dense mean);
+  ``drift:1`` sends a fixed direction, the same every sync, at its own contribution's norm
+  (times the factor): an attack that accumulates over a run rather than spoiling one sync. On
+  top-k the direction's largest entries are the same indices every sync, which honest sites
+  seldom pick: it spends its budget where nobody else sends. ``collude:1`` is ``drift`` with one
+  direction for every colluding site, so their entries vouch for each other;
 - ``slow:1x3``   site 1 computes 3x slower (from step 1, or ``slow:1@40x3`` from step 40): after
   each inner step it sleeps twice that step's compute time. Sleeping frees the CPU, so on a
   machine with fewer cores than sites the others do not slow down with it.
@@ -71,7 +76,7 @@ from urllib.parse import urlparse
 from ..errors import ConfigError
 
 # on what a site sends (see attack; copy and alie forge it from the others': see forge)
-ATTACKS = ("signflip", "scale", "noise", "zero", "nan", "copy", "alie")
+ATTACKS = ("signflip", "scale", "noise", "zero", "nan", "copy", "alie", "drift", "collude")
 KINDS = (
     "kill",
     "hang",
@@ -164,6 +169,10 @@ def _checked(
             what = "multiplied by" if kind == "scale" else "noised by, times their norm"
             raise ConfigError(f"--faults: {item!r} needs xFACTOR > 0 (what its sends are {what})")
         return Fault(kind, site, int(step), float(factor))
+    if kind in ("drift", "collude"):  # x1 unless told: a typical contribution's norm
+        if factor is not None and float(factor) <= 0:
+            raise ConfigError(f"--faults: {item!r} needs xFACTOR > 0 (times its own norm)")
+        return Fault(kind, site, int(step), float(factor) if factor is not None else None)
     if kind != "slow":
         if factor is not None:
             raise ConfigError(f"--faults: {kind} takes no xFACTOR ({item!r})")

@@ -69,11 +69,10 @@ class Harness:
 
     # -- the hooks a sync calls ------------------------------------------------------------------
     def contribution(self, tensors: list[torch.Tensor], step: int, compensation: Any) -> Any:
-        """An attack armed here (``signflip``, ``scale``, ``noise``, ``zero``, ``nan``), acted
-        out in place on the contribution about to be encoded at ``step`` (its noise drawn from
-        the site and step, so a replay sends the same). Returns the compensation to encode it
-        through: none for ``nan``, whose own NaN decode would stop the site itself (a bad site
-        need not keep its own buffers)."""
+        """An attack armed here (``signflip``, ``scale``, ``noise``, ``zero``, ``nan``,
+        ``drift``, ``collude``), acted out in place on the contribution about to be encoded at
+        ``step`` (its noise drawn from the site and step, so a replay sends the same). Returns
+        the compensation to encode it through: none for ``nan`` and the drifts."""
         f = self.attacking
         if f is None:
             return compensation
@@ -90,7 +89,11 @@ class Harness:
                 g = torch.Generator().manual_seed(f.site * 1_000_003 + step * 1_009 + i)
                 noise = torch.randn(t.shape, generator=g, dtype=torch.float32)
                 t.add_(noise.to(t.device, t.dtype) * (f.factor * t.norm() / t.numel() ** 0.5))
-        return None if f.kind == "nan" else compensation
+            elif f.kind in ("drift", "collude") and t.numel():
+                _drift(t, i, 0 if f.kind == "collude" else f.site + 1, f.factor or 1.0)
+        # nan: its own NaN decode would stop the site itself; drift: a buffer would spread the
+        # fixed direction's residual into the next syncs (a bad site need not keep buffers)
+        return None if f.kind in ("nan", "drift", "collude") else compensation
 
     def outgoing(self, payloads: list[torch.Tensor]) -> None:
         """A ``corrupt:`` fault armed here: spoil the validity flag (the last byte of each row)
@@ -126,3 +129,12 @@ class Harness:
             os.kill(os.getpid(), signal.SIGKILL)
         if point == "collective" and "stall" in self.armed:
             os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _drift(t: torch.Tensor, i: int, who: int, factor: float) -> None:
+    """``t`` (tensor ``i`` of a contribution) replaced in place by a fixed direction, drawn from
+    ``who`` and ``i`` alone (the same every sync; ``who`` 0: shared by every colluder), at
+    ``factor`` times ``t``'s own norm."""
+    g = torch.Generator().manual_seed(who * 1_000_003 + i * 7_919 + t.numel())
+    u = torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.device, t.dtype)
+    t.copy_(u * (factor * t.norm() / u.norm().clamp_min(1e-30)))

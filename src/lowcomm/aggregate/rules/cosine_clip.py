@@ -38,12 +38,24 @@ class CosineClip(NormClip):
             for idx, vals in sent:  # one sender after the other: the same bits everywhere
                 total.index_add_(0, idx, vals)
             keep = [_agrees(torch.dot(v, total[i] - v), len(sent)) for i, v in sent]
-            self.excluded = left_out(parts, [j for j, ok in zip(at, keep) if ok])
-            return selected_mean([s for s, ok in zip(sent, keep) if ok], None, out, tile_k(parts))
+            kept = [j for j, ok in zip(at, keep) if ok]
+            self.excluded = left_out(parts, kept)
+            return self.merge_sparse(parts, [s for s, ok in zip(sent, keep) if ok], kept, out)
         rows, at = finite_rows(parts)
         clipped, keep = _screen(rows) if at else (rows, [])
         self.excluded = left_out(parts, [j for j, ok in zip(at, keep) if ok])
         return out.copy_(_kept_mean(clipped, keep)) if any(keep) else out.zero_()
+
+    def merge_sparse(
+        self,
+        parts: Parts,
+        sent: list[tuple[torch.Tensor, torch.Tensor]],
+        at: list[int],
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """The kept, clipped top-k contributions ``sent`` (parts ``at``) merged into ``out``:
+        here their selected mean."""
+        return selected_mean(sent, None, out, tile_k(parts))
 
     def robust(self, rows: torch.Tensor) -> torch.Tensor:
         clipped, keep = _screen(rows)

@@ -1,0 +1,63 @@
+"""``cosine-clip`` whose top-k merge counts an entry few sites sent as those sites' share, not
+the whole: each entry's sum over the sites that sent it is divided by the number of senders or a
+majority of the contributions, whichever is larger.
+
+Why: the selected mean applies an entry one site alone sent in full. A bad site that spends its
+clipped budget on indices nobody else picks (on top-k most entries have one sender, so a dot
+product with the others of about 0 says nothing) moves those entries as far as every honest
+site together, every sync, in a fixed direction. Here an entry a majority sent is their selected
+mean, as before; one that fewer sent moves by their share of a majority (with 8 sites, a lone
+sender's 1/5), so a minority moves the model no more on entries of its own than its members'
+share of a majority.
+
+What an honest site's entry did not get applied is not lost: the rule hands it back to the
+sender's error buffer (as a weighted merge does), and the site sends it again, grown, until it
+is applied or others pick it too. On dense codecs every site sends every entry, so this is
+``cosine-clip`` exactly."""
+
+from __future__ import annotations
+
+import torch
+
+from ..combine import Parts
+from ._robust import readable
+from .cosine_clip import CosineClip
+
+
+class ShareClip(CosineClip):
+    """``cosine-clip``; on top-k each entry divided by max(senders, a majority of the parts),
+    and what of this site's part that left unapplied handed back to its error buffer."""
+
+    name = "share-clip"
+    restores = True  # unweighted too: the gather exchange asks unapplied() of this rule
+
+    def merge_sparse(
+        self,
+        parts: Parts,
+        sent: list[tuple[torch.Tensor, torch.Tensor]],
+        at: list[int],
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        n = parts.shape.numel()
+        counts = torch.zeros(n, dtype=torch.float32, device=out.device)
+        out.zero_()
+        for idx, vals in sent:  # one sender after the other: the same bits everywhere
+            out.index_add_(0, idx, vals)
+            counts.index_add_(0, idx, torch.ones(idx.numel(), device=out.device))
+        floor = len(parts) // 2 + 1
+        out.div_(counts.clamp_min(floor))
+        # what each kept part had applied, at its own indices (read back by unapplied)
+        self._applied = {j: (i, v / counts[i].clamp_min(floor)) for j, (i, v) in zip(at, sent)}
+        return out
+
+    def unapplied(self, parts: Parts, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """On top-k: of part ``j``'s values as sent, what the last merge did not apply (all
+        of it where the part was left out). Dense: nothing, as every robust rule."""
+        if not hasattr(parts.codec, "decode_sparse"):
+            return super().unapplied(parts, j)
+        got = readable(parts, j, sparse=True)
+        if got is None:  # (never this site's own: it checked its values before sending)
+            return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float32)
+        idx, vals = got
+        applied = getattr(self, "_applied", {}).get(j)
+        return idx, vals if applied is None else vals - applied[1]
