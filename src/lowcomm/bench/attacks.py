@@ -4,8 +4,9 @@ For each strategy, seed and combine rule (``aggregation=``; ``auto`` is the plai
 or the selected mean for SparseLoCo's top-k): one clean run, and one per attack (``--faults``,
 acted out by the bad sites on every contribution they send from step 1) and number of bad
 sites (the last ones). ``absent`` is the control an attack is also compared with: a clean run
-without the bad sites at all (what a perfect defence that spotted them would leave). Every cell runs on the gather exchange (what the robust rules and the
-forged attacks need; the plain mean computes the same there). A rule not defined for a
+without the bad sites at all (what a perfect defence that spotted them would leave). Every
+cell runs on the gather exchange (what the robust rules and the forged attacks need; the plain
+mean computes the same there). A rule not defined for a
 strategy's codec (the coordinate-wise rules on top-k) is refused by the config with one line,
 and its cells say so.
 
