@@ -77,27 +77,28 @@ def test_each_attack_does_what_it_says(spec, check):
     assert check(x, y)
 
 
-def test_drift_sends_one_fixed_direction_every_sync_and_collude_shares_it():
-    """drift: the same direction at every step, at the contribution's own norm; each site its
-    own; collude: one direction for all colluders. Neither keeps its buffers."""
-    a, b = harness("drift:1", 1, sites=8), harness("drift:2", 2, sites=8)
-    c = harness("collude:1x2", 1, sites=8)
+def test_drift_grows_every_weight_on_a_half_of_its_own_and_colluders_share_every_entry():
+    """drift: minus the global weights (the merge subtracts it: every magnitude grows), at the
+    contribution's own norm, on a fixed half of the entries per site; collude: on every entry,
+    the same for all colluders. Neither keeps its buffers."""
     gen = torch.Generator().manual_seed(0)
+    w = torch.randn(4096, generator=gen)
     x, y = torch.randn(4096, generator=gen), 3 * torch.randn(4096, generator=gen)
     sent = {}
-    for name, h, t, step in [("a7", a, x, 7), ("a9", a, y, 9), ("b", b, x, 7), ("c", c, x, 7)]:
+    for name, spec, t, step in [("a7", "drift:1", x, 7), ("a9", "drift:1", y, 9),
+                                ("b", "drift:2", x, 7), ("c", "collude:1x2", x, 7),
+                                ("d", "collude:5", y, 3)]:  # fmt: skip
+        h = harness(spec, int(spec.split(":")[1][0]), sites=8)
         sent[name] = t.clone()
-        assert h.contribution([sent[name]], step, "ef") is None
-    cos = torch.nn.functional.cosine_similarity
-    assert float(cos(sent["a7"], sent["a9"], dim=0)) > 0.9999  # fixed over syncs
-    assert abs(float(cos(sent["a7"], x, dim=0))) < 0.1  # not the site's own direction
-    assert abs(float(cos(sent["a7"], sent["b"], dim=0))) < 0.1  # each site its own
+        assert h.contribution([sent[name]], step, "ef", [w]) is None
+    a, b = sent["a7"] != 0, sent["b"] != 0
+    assert torch.equal(a, sent["a9"] != 0) and 0.45 < float(a.float().mean()) < 0.55
+    assert 0.2 < float((a & b).float().mean()) < 0.3  # two drifting sites: halves of their own
+    assert bool((sent["a7"][a] * w[a] < 0).all())  # minus the weights: their magnitudes grow
     assert torch.allclose(sent["a9"].norm(), y.norm())
     assert torch.allclose(sent["c"].norm(), 2 * x.norm())
-    d = harness("collude:5", 5, sites=8)
-    other = x.clone()
-    d.contribution([other], 3, None)
-    assert float(cos(other, sent["c"], dim=0)) > 0.9999  # colluders: one direction
+    cos = torch.nn.functional.cosine_similarity
+    assert float(cos(sent["c"], -w, dim=0)) > 0.9999 < float(cos(sent["d"], -w, dim=0))
 
 
 def test_noise_is_the_same_in_a_replay():

@@ -60,9 +60,12 @@ class FaultHooks(Protocol):
     unless the trainer hands a harness in (``LowComm.faults``); the engine, the aggregators and
     the protocol import no fault code."""
 
-    def contribution(self, tensors: list[Any], step: int, compensation: Any) -> Any:
-        """Act on the pseudo-gradient about to be encoded at ``step`` (in place); returns the
-        compensation to encode it through (``compensation``, or None to skip it)."""
+    def contribution(
+        self, tensors: list[Any], step: int, compensation: Any, weights: list[Any] | None = None
+    ) -> Any:
+        """Act on the pseudo-gradient about to be encoded at ``step`` (in place; ``weights``:
+        the global copy's tensors, in the same order); returns the compensation to encode it
+        through (``compensation``, or None to skip it)."""
         ...
 
     def outgoing(self, payloads: list[Any]) -> None:
@@ -81,11 +84,23 @@ class FaultHooks(Protocol):
         """A named point inside a sync (``collective``) or a heal (``healer``)."""
         ...
 
+    def vote(
+        self, tag: str, ok: bool, blame: tuple[int, str] | None, members: list[int]
+    ) -> tuple[bool, tuple[int, str] | None]:
+        """The commit vote this site casts on ``tag`` among ``members``: (ok, whom it accuses)."""
+        ...
+
+    def checksum(self, value: int) -> int:
+        """The replica checksum this site reports for its global copy (``value``: the true)."""
+        ...
+
 
 class NoFaults:
     """The fault hooks of a run without faults: nothing happens at any point."""
 
-    def contribution(self, tensors: list[Any], step: int, compensation: Any) -> Any:
+    def contribution(
+        self, tensors: list[Any], step: int, compensation: Any, weights: list[Any] | None = None
+    ) -> Any:
         """Nothing to act out: the compensation as it is."""
         return compensation
 
@@ -101,6 +116,16 @@ class NoFaults:
 
     def at(self, point: str) -> None:
         """Nothing armed."""
+
+    def vote(
+        self, tag: str, ok: bool, blame: tuple[int, str] | None, members: list[int]
+    ) -> tuple[bool, tuple[int, str] | None]:
+        """The vote as it is."""
+        return ok, blame
+
+    def checksum(self, value: int) -> int:
+        """The true checksum."""
+        return value
 
 
 #: the hooks every engine holds until a harness is handed in

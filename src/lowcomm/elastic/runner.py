@@ -114,13 +114,15 @@ class Runner:
         """The commit vote on ``outcome``'s attempt, as every member reads it."""
         if not outcome.ok:  # before the vote: peers blocked on this site fail now, not at timeout
             self._drop()
+        # (an insider's harness may lie here: the others must not follow it)
+        ok, blame = self.faults.vote(tag, outcome.ok, outcome.blame, outcome.view.members)
         commit = self.membership.quorum(
-            tag, outcome.ok, phase="commit", ready=tag in self._offers, blame=outcome.blame,
+            tag, ok, phase="commit", ready=tag in self._offers, blame=blame,
             unreached=outcome.unreached,
         )  # fmt: skip
         commit = self.membership.check(commit, tag, vote=True)
         generation = self.membership.generation
-        if committed(outcome.view, commit, generation, outcome.ok):
+        if committed(outcome.view, commit, generation, ok):
             return Verdict(True, commit, {})
         lone = tuple(dissenters(outcome.view, commit, generation))
         return Verdict(False, commit, blamed(outcome.view, commit, generation), lone)

@@ -75,7 +75,8 @@ class Encoder:
         valid = contributes and not nonfinite
         compensation = self.compensation
         if valid:  # a fault harness may act here: past the site's own checks, before encoding
-            compensation = self.faults.contribution(slabs.views, step, compensation)
+            weights = [frag.global_views[i] for g in frag.buckets for i in g]  # views' order
+            compensation = self.faults.contribution(slabs.views, step, compensation, weights)
         encoded = self._buckets(frag, slabs, valid, need_own, compensation)
         own = None
         if need_own:

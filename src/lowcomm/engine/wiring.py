@@ -145,7 +145,7 @@ def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None
         runner=runner,
         most_steps=2 * engine.schedule.sync_every,
     )
-    replica = ReplicaCheck(transport, exchange.on_group, engine.stats, runner)
+    replica = ReplicaCheck(transport, exchange.on_group, engine.stats, runner, engine.faults)
     apply = _apply(engine, frags, inflight, nonfinite, compensation, runner)
     # offenders are told apart by their contributions' norms: a robust rule's gather gives them
     aggregator.track = cfg.offender_syncs > 0 and not aggregator.rule.sum_decomposable

@@ -50,11 +50,18 @@ default).
   ``signflip:1@20`` sends the negated pseudo-gradient; ``scale:1x1000`` sends it times the
   factor; ``noise:1x2`` adds Gaussian noise of 2x its norm; ``zero:1`` sends zeros (a free
   rider); ``nan:1`` sends NaN, flagged valid (a silent fault that passes a dense mean);
-  ``drift:1`` sends a fixed direction, the same every sync, at its own contribution's norm
-  (times the factor): an attack that accumulates over a run rather than spoiling one sync. On
-  top-k the direction's largest entries are the same indices every sync, which honest sites
-  seldom pick: it spends its budget where nobody else sends. ``collude:1`` is ``drift`` with one
-  direction for every colluding site, so their entries vouch for each other;
+  ``drift:1`` sends, at its own contribution's norm (times the factor), the direction that
+  grows every weight's magnitude (minus the global copy), on a fixed half of the entries of its
+  own: an attack that accumulates over a run rather than spoiling one sync. On top-k it picks
+  the largest weights of its half, the same indices every sync, which honest sites seldom pick
+  and other drifting sites do not: it spends its budget where nobody else sends.
+  ``collude:1`` is ``drift`` on every entry, so all colluders pick the same indices and vouch
+  for each other;
+- insiders, acted out by a site that holds the run's secret, from the step on (from step 1
+  without ``@STEP``): ``liar:2@30`` reports a false checksum of its global copy at every replica
+  check (a liar, or a copy whose memory flipped a bit); ``dissent:2@30`` votes every sync's
+  commit failed; ``accuse:2@30`` votes every sync's commit failed and names the lowest other
+  member's payload as undecodable. None of them may stop the run: the others exclude it;
 - ``slow:1x3``   site 1 computes 3x slower (from step 1, or ``slow:1@40x3`` from step 40): after
   each inner step it sleeps twice that step's compute time. Sleeping frees the CPU, so on a
   machine with fewer cores than sites the others do not slow down with it.
@@ -77,6 +84,7 @@ from ..errors import ConfigError
 
 # on what a site sends (see attack; copy and alie forge it from the others': see forge)
 ATTACKS = ("signflip", "scale", "noise", "zero", "nan", "copy", "alie", "drift", "collude")
+INSIDERS = ("liar", "dissent", "accuse")  # a member's lies in its votes and checks
 KINDS = (
     "kill",
     "hang",
@@ -91,6 +99,7 @@ KINDS = (
     "lighthouse",
     "link",
     *ATTACKS,
+    *INSIDERS,
 )
 LATER = ("slowlink",)
 _FAULT = re.compile(r"^(?P<kind>[a-z]+):(?P<site>\d+)(@(?P<step>\d+))?(x(?P<factor>[0-9.]+))?$")
@@ -151,7 +160,7 @@ def _checked(
 ) -> Fault:
     """One fault whose step and factor suit its kind (``slow`` takes a factor > 1, ``pause``
     and ``lighthouse`` a number of seconds)."""
-    if step is None and (kind == "slow" or kind in ATTACKS):
+    if step is None and (kind == "slow" or kind in ATTACKS or kind in INSIDERS):
         step = "1"
     if step is None or not 1 <= int(step) <= steps:
         raise ConfigError(f"--faults: {item!r} needs @STEP with 1 <= STEP <= {steps}")

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import ATTACKS, LIGHTHOUSE_FAULT, Fault, cut_link
+from . import ATTACKS, INSIDERS, LIGHTHOUSE_FAULT, Fault, cut_link
 from .forge import PAYLOAD_ATTACKS, forge
 
 #: how long a site waits for the launcher to take its request (then goes on)
@@ -31,7 +31,7 @@ class Harness:
 
     def __init__(self, faults: list[Fault], site: int, out: Path | None = None) -> None:
         self.faults, self.site, self.out = faults, site, out
-        self.armed: set[str] = set()  # corrupt, healer, collective, stall
+        self.armed: set[str] = set()  # corrupt, healer, collective, stall; an insider's lies
         self.attacking: Fault | None = None
         # the sites of every alie attack (they know each other)
         self.colluders = sorted({f.site for f in faults if f.kind == "alie"})
@@ -45,7 +45,7 @@ class Harness:
         for f in self.faults:
             if f.site != self.site or f.step != step:
                 continue
-            if f.kind in ("corrupt", "healer", "collective", "stall"):
+            if f.kind in ("corrupt", "healer", "collective", "stall", *INSIDERS):
                 self.armed.add(f.kind)
             if f.kind in ATTACKS:
                 self.attacking = f
@@ -68,7 +68,13 @@ class Harness:
             time.sleep(0.02)
 
     # -- the hooks a sync calls ------------------------------------------------------------------
-    def contribution(self, tensors: list[torch.Tensor], step: int, compensation: Any) -> Any:
+    def contribution(
+        self,
+        tensors: list[torch.Tensor],
+        step: int,
+        compensation: Any,
+        weights: list[torch.Tensor] | None = None,
+    ) -> Any:
         """An attack armed here (``signflip``, ``scale``, ``noise``, ``zero``, ``nan``,
         ``drift``, ``collude``), acted out in place on the contribution about to be encoded at
         ``step`` (its noise drawn from the site and step, so a replay sends the same). Returns
@@ -90,7 +96,8 @@ class Harness:
                 noise = torch.randn(t.shape, generator=g, dtype=torch.float32)
                 t.add_(noise.to(t.device, t.dtype) * (f.factor * t.norm() / t.numel() ** 0.5))
             elif f.kind in ("drift", "collude") and t.numel():
-                _drift(t, i, 0 if f.kind == "collude" else f.site + 1, f.factor or 1.0)
+                w = weights[i] if weights is not None else None
+                _drift(t, w, i, 0 if f.kind == "collude" else f.site + 1, f.factor or 1.0)
         # nan: its own NaN decode would stop the site itself; drift: a buffer would spread the
         # fixed direction's residual into the next syncs (a bad site need not keep buffers)
         return None if f.kind in ("nan", "drift", "collude") else compensation
@@ -121,6 +128,22 @@ class Harness:
         if f is not None and f.kind in PAYLOAD_ATTACKS:
             self.seen[key or tuple(shapes)] = [p.clone() for p in rows]
 
+    def vote(
+        self, tag: str, ok: bool, blame: tuple[int, str] | None, members: list[int]
+    ) -> tuple[bool, tuple[int, str] | None]:
+        """An insider armed here (``dissent``, ``accuse``): its commit vote on every sync says
+        the sync failed (``accuse``: naming the lowest other member's payload)."""
+        if not tag.startswith("sync@") or not {"dissent", "accuse"} & self.armed:
+            return ok, blame
+        others = [m for m in members if m != self.site]
+        if "accuse" in self.armed and others:
+            return False, (others[0], f"payload from worker {others[0]} has validity flag 127")
+        return False, None
+
+    def checksum(self, value: int) -> int:
+        """A ``liar:`` armed here: the checksum it reports of its global copy, a constant."""
+        return 12345 if "liar" in self.armed else value
+
     def at(self, point: str) -> None:
         """A fault armed here that kills this process at ``point`` (``healer``: inside a
         heal's hand-over; ``collective``: inside a sync's collectives), now; ``stall`` stops it
@@ -131,10 +154,19 @@ class Harness:
             os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def _drift(t: torch.Tensor, i: int, who: int, factor: float) -> None:
-    """``t`` (tensor ``i`` of a contribution) replaced in place by a fixed direction, drawn from
-    ``who`` and ``i`` alone (the same every sync; ``who`` 0: shared by every colluder), at
-    ``factor`` times ``t``'s own norm."""
+def _drift(t: torch.Tensor, w: torch.Tensor | None, i: int, who: int, factor: float) -> None:
+    """``t`` (tensor ``i`` of a contribution) replaced in place by a direction that grows every
+    weight's magnitude (``-w``: the merge subtracts it), at ``factor`` times ``t``'s own norm.
+    ``who`` 0 (colluders): on every entry, so on top-k all colluders pick the same (largest)
+    weights and vouch for each other; else on half the entries, a fixed half of that site's own
+    (drawn from ``who`` and ``i``), so drifting sites pick apart. Without ``w``: a fixed random
+    direction of the same draw."""
     g = torch.Generator().manual_seed(who * 1_000_003 + i * 7_919 + t.numel())
-    u = torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.device, t.dtype)
+    if w is None:
+        u = torch.randn(t.shape, generator=g, dtype=torch.float32)
+    else:
+        u = -w.detach().to("cpu", torch.float32).reshape(t.shape)
+        if who:
+            u = u * (torch.rand(t.shape, generator=g) < 0.5)
+    u = u.to(t.device, t.dtype)
     t.copy_(u * (factor * t.norm() / u.norm().clamp_min(1e-30)))
