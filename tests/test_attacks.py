@@ -77,8 +77,8 @@ def test_each_attack_does_what_it_says(spec, check):
     assert check(x, y)
 
 
-def test_drift_grows_every_weight_on_a_half_of_its_own_and_colluders_share_every_entry():
-    """drift: minus the global weights (the merge subtracts it: every magnitude grows), at the
+def test_drift_shrinks_every_weight_on_a_half_of_its_own_and_colluders_share_every_entry():
+    """drift: the global weights (the merge subtracts it: every weight shrinks to 0), at the
     contribution's own norm, on a fixed half of the entries per site; collude: on every entry,
     the same for all colluders. Neither keeps its buffers."""
     gen = torch.Generator().manual_seed(0)
@@ -94,11 +94,11 @@ def test_drift_grows_every_weight_on_a_half_of_its_own_and_colluders_share_every
     a, b = sent["a7"] != 0, sent["b"] != 0
     assert torch.equal(a, sent["a9"] != 0) and 0.45 < float(a.float().mean()) < 0.55
     assert 0.2 < float((a & b).float().mean()) < 0.3  # two drifting sites: halves of their own
-    assert bool((sent["a7"][a] * w[a] < 0).all())  # minus the weights: their magnitudes grow
+    assert bool((sent["a7"][a] * w[a] > 0).all())  # the weights: the merge shrinks them
     assert torch.allclose(sent["a9"].norm(), y.norm())
     assert torch.allclose(sent["c"].norm(), 2 * x.norm())
     cos = torch.nn.functional.cosine_similarity
-    assert float(cos(sent["c"], -w, dim=0)) > 0.9999 < float(cos(sent["d"], -w, dim=0))
+    assert float(cos(sent["c"], w, dim=0)) > 0.9999 < float(cos(sent["d"], w, dim=0))
 
 
 def test_noise_is_the_same_in_a_replay():

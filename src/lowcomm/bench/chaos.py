@@ -45,6 +45,8 @@ from typing import Any
 
 from .. import faults, strategies
 from . import records
+from . import stranger as strangers
+from .stranger import KINDS as STRANGERS
 
 TRAIN = [sys.executable, "-m", "lowcomm.cli", "train"]
 METHODS = {
@@ -58,6 +60,8 @@ KINDS = ("kill", "rejoin", "hang", "pause", "slow", "add", "corrupt")
 FAULT_ORDER = faults.KINDS  # the report lists the kinds a pass drew in the grammar's order
 MIN_WORKERS = 2
 BATCH, SEQ = 4, 64
+SECRET = "secret"  # the campaign's run secret, in its out folder
+CAPTURED = "captured.jsonl"  # the sealed requests its strangers saw (replayed in later runs)
 
 
 @dataclass
@@ -71,9 +75,14 @@ class Schedule:
     steps: int
     faults: list[str] = field(default_factory=list)
     lost: int = 0  # sites away at some point (killed, hung, paused): at most sites - min_workers
+    # the adversary beside the faults: an insider (a fault of the grammar: liar, dissent,
+    # accuse) or a stranger (kind, site, delay_s, seconds: see .stranger); "" for none
+    adversary: str = ""
+    stranger: dict[str, Any] | None = None
 
     def command(self, out: Path) -> list[str]:
-        """The ``lowcomm train`` command that runs this schedule into ``out``."""
+        """The ``lowcomm train`` command that runs this schedule into ``out`` (keyed with the
+        campaign's secret, ``out``'s parent's ``secret``)."""
         args = [
             *TRAIN,
             "--strategy",
@@ -97,15 +106,26 @@ class Schedule:
             "timeout_s=10",
             f"rounds={self.rounds}",
             f"seed={self.seed}",
+            f"secret_file={out.parent / SECRET}",
             *METHODS[self.method],
         ]
+        if any(f.startswith("liar:") for f in self.faults):  # its lie shows at a check
+            args.append("replica_check_every=2")
         if self.faults:
             args += ["--faults", ",".join(self.faults)]
         return args
 
 
-def draw(seed: int, methods: list[str], rounds: list[str], sites: int, steps: int) -> Schedule:
-    """The schedule of ``seed``: method and round mode stratified, faults at random."""
+def draw(
+    seed: int,
+    methods: list[str],
+    rounds: list[str],
+    sites: int,
+    steps: int,
+    adversaries: tuple[str, ...] = (),
+) -> Schedule:
+    """The schedule of ``seed``: method and round mode stratified, faults at random, and one
+    adversary if its drawn kind is among ``adversaries`` (none: no adversary)."""
     rng = random.Random(seed)
     method = methods[seed % len(methods)]
     mode = rounds[(seed // len(methods)) % len(rounds)]
@@ -145,7 +165,7 @@ def draw(seed: int, methods: list[str], rounds: list[str], sites: int, steps: in
             sched.faults.append(f"slow:{site}@{at}x{rng.choice([2, 3])}")
         elif not any(f.startswith("add:") for f in sched.faults):
             sched.faults.append(f"add:{sites}@{at}")
-    _draw_more(sched, random.Random(seed * 7919 + 1), busy)
+    _draw_more(sched, random.Random(seed * 7919 + 1), busy, adversaries)
     return sched
 
 
@@ -156,7 +176,9 @@ def _decoded(method: str) -> bool:
     return not strategy.per_step and strategy.config().resolved_reduce != "allreduce"
 
 
-def _draw_more(sched: Schedule, rng: random.Random, busy: set[int]) -> None:
+def _draw_more(
+    sched: Schedule, rng: random.Random, busy: set[int], adversaries: tuple[str, ...]
+) -> None:
     """Faults of the kinds added later, from a stream of their own (the earlier kinds' draws,
     and the campaigns run on them, stay as they were): the lighthouse killed and started
     again, and the healer of a rejoining site killed inside the hand-over."""
@@ -171,6 +193,7 @@ def _draw_more(sched: Schedule, rng: random.Random, busy: set[int]) -> None:
         sched.lost += 1
         busy.add(healers[0])
     _draw_network(sched, random.Random(sched.seed * 7919 + 2), busy)
+    _draw_adversary(sched, random.Random(sched.seed * 7919 + 3), busy, adversaries)
     if lighthouse is not None:  # asked by a site no fault takes away (drawn last: it knows)
         at, seconds, pick = lighthouse
         there = [s for s in range(sched.sites) if not _away(sched, s)]
@@ -182,7 +205,38 @@ def _away(sched: Schedule, site: int) -> bool:
     return any(f.split("@")[0] in (f"{k}:{site}" for k in _AWAY) for f in sched.faults)
 
 
-_AWAY = ("kill", "hang", "pause", "corrupt", "healer", "collective", "stall", "link")
+_AWAY = ("kill", "hang", "pause", "corrupt", "healer", "collective", "stall", "link",
+         *faults.INSIDERS)  # fmt: skip
+ADVERSARIES = (*faults.INSIDERS, *STRANGERS)
+
+
+def _draw_adversary(
+    sched: Schedule, rng: random.Random, busy: set[int], allowed: tuple[str, ...]
+) -> None:
+    """From a fourth stream: one adversary. An insider (a site that lies in its votes or its
+    checksum: the others exclude it, so it takes a site away, within the same budget; else a
+    stranger instead), or a stranger at the lighthouse, who takes nobody away: a flooded site
+    must not stop. Not a stranger where sites sit in namespaces (a ``link:`` fault): it would
+    not reach their lighthouse."""
+    kind = rng.choice(ADVERSARIES)
+    free = [s for s in range(sched.sites) if s not in busy]
+    netns = any(f.startswith("link:") for f in sched.faults)
+    if kind in faults.INSIDERS and (not free or sched.lost >= sched.sites - MIN_WORKERS):
+        kind = rng.choice(STRANGERS)
+    if kind not in allowed:  # (the stream drew it all the same: the rest stay as they are)
+        return
+    if kind in faults.INSIDERS:
+        site, at = rng.choice(free), rng.randint(15, sched.steps - 25)
+        sched.faults.append(f"{kind}:{site}@{at}")
+        sched.adversary = f"{kind}:{site}@{at}"
+        sched.lost += 1
+        busy.add(site)
+    elif not netns:
+        site = rng.randrange(sched.sites)
+        delay = 0.0 if kind == "junk" else round(rng.uniform(1.0, 8.0), 1)
+        seconds = rng.choice([20.0, 40.0])
+        sched.stranger = {"kind": kind, "site": site, "delay_s": delay, "seconds": seconds}
+        sched.adversary = f"{kind}:{site}+{delay:g}s x{seconds:g}s"
 
 
 def _draw_network(sched: Schedule, rng: random.Random, busy: set[int]) -> None:
@@ -231,6 +285,9 @@ def run_one(sched: Schedule, out: Path, limit: float) -> dict[str, Any]:
     """Run one schedule and check it; its row."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
+    stranger = None
+    if sched.stranger is not None:  # it waits for the run's file, then acts
+        stranger = strangers.spawn(**sched.stranger, out=out, captured=out.parent / CAPTURED)
     t0 = time.monotonic()
     with open(out.parent / f"{out.name}.log", "w") as log:
         # a session of its own: a hung run's sites (the launcher's forkserver children) end too
@@ -245,6 +302,7 @@ def run_one(sched: Schedule, out: Path, limit: float) -> dict[str, Any]:
             os.killpg(proc.pid, signal.SIGKILL)  # a stopped (hung) site left behind too
         proc.wait()
     wall = time.monotonic() - t0
+    acted = strangers.collect(stranger) if stranger is not None else None
     broken = check(sched, out, code, wall, limit)
     summary = json.loads((out / "summary.json").read_text()) if code == 0 else {}
     events = summary.get("membership") or []
@@ -256,6 +314,7 @@ def run_one(sched: Schedule, out: Path, limit: float) -> dict[str, Any]:
         "goodput": summary.get("goodput"),
         "resync_s": [e["resync_s"] for e in events if e.get("left") and "resync_s" in e],
         "heal_s": [e["heal_s"] for e in events if "heal_s" in e],
+        "stranger_acted": acted,
         "violations": broken,
     }
 
@@ -283,6 +342,11 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--limit", type=float, default=240.0, help="seconds before a run is a hang")
     p.add_argument("--out", default="runs/bench-chaos")
+    p.add_argument(
+        "--adversaries",
+        default=",".join(ADVERSARIES),
+        help="the kinds of adversary a schedule may draw (none: no adversary)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the schedules, run nothing")
     p.add_argument(
         "--baseline",
@@ -310,11 +374,17 @@ def main(argv: list[str]) -> int:
             a.dry_run,
         )
     a.sites = a.sites or 4
+    adversaries = tuple(k for k in a.adversaries.split(",") if k and k != "none")
     unknown = sorted(set(methods) - set(METHODS)) + sorted(set(rounds) - set(ROUNDS))
+    unknown += sorted(set(adversaries) - set(ADVERSARIES))
     if unknown:
-        raise SystemExit(f"lowcomm bench chaos: unknown {unknown}: use {list(METHODS)}, {ROUNDS}")
+        raise SystemExit(
+            f"lowcomm bench chaos: unknown {unknown}: use {list(METHODS)}, {ROUNDS}, {ADVERSARIES}"
+        )
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if not (out / SECRET).exists():  # one secret for the campaign: runs told apart by run id
+        (out / SECRET).write_text(os.urandom(16).hex() + "\n")
     cut = [
         s
         for s in _seeds(a.seeds)
@@ -327,7 +397,7 @@ def main(argv: list[str]) -> int:
         )
     rows = []
     for seed in _seeds(a.seeds):
-        sched = draw(seed, methods, rounds, a.sites, a.steps)
+        sched = draw(seed, methods, rounds, a.sites, a.steps, adversaries)
         if a.dry_run:
             print(json.dumps(asdict(sched)))
             continue
@@ -335,7 +405,8 @@ def main(argv: list[str]) -> int:
         rows.append(row)
         verdict = "ok" if not row["violations"] else "; ".join(row["violations"])
         print(
-            f"seed {seed} {sched.method} {sched.rounds} {','.join(sched.faults)}: exit "
+            f"seed {seed} {sched.method} {sched.rounds} {','.join(sched.faults)} "
+            f"[{sched.adversary or 'no adversary'}]: exit "
             f"{row['exit']} in {row['wall_s']} s: {verdict}",
             flush=True,
         )

@@ -1,0 +1,234 @@
+"""A stranger at a running elastic run's lighthouse: a process of its own without the run's
+secret that knows the run's names (they are what every quorum hands every participant) and
+asks with torchft's own client. What ``lowcomm bench chaos`` draws beside its faults, and
+what the trust benchmark acts out:
+
+- ``flood``: quorum requests under a site's name from 8 threads, with empty data, for a time
+  (the lighthouse keeps the last request per name: the site is displaced while it lasts);
+- ``junk``: as the run starts, one request under each of three new names with data claiming
+  the run (its id, a MAC that is not the run's);
+- ``replay``: a member's sealed request captured from an earlier run (the campaign keeps the
+  ones its strangers saw, DIR/captured.jsonl) sent under a site's current name, for a time;
+- ``store``: once a quorum has shown it the members' store addresses, random keys written into
+  every store, for a time (a group's keys sit under a prefix only the run's key derives).
+
+Every quorum a stranger takes part in hands it the members' requests: it keeps them (one line
+each, with the run id they name) for later replays.
+
+A campaign runs each stranger as a process of its own (:func:`spawn`, ``python -m
+lowcomm.bench.stranger``): its noise (a store gone mid-write) stays in its own log, and it is
+what the attack is, one more process on the network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from ..elastic.messages import replica_name
+
+KINDS = ("flood", "junk", "replay", "store")
+RUN_FILE = "elastic.json"  # what the launcher writes while the run goes (train/join_site.py)
+THREADS = 8
+
+
+class Stranger:
+    """One stranger against the run going into ``out``: ``kind`` at site ``site``, from
+    ``delay_s`` after the run's file appears, for ``seconds``; requests it sees kept in
+    ``captured`` (a JSON-lines file shared by a campaign's strangers)."""
+
+    def __init__(
+        self, kind: str, out: Path, site: int, delay_s: float, seconds: float, captured: Path
+    ) -> None:
+        self.kind, self.out, self.site = kind, out, site
+        self.delay_s, self.seconds, self.captured = delay_s, seconds, captured
+        self.stop = threading.Event()
+        self.asked = 0  # requests sent
+        self.seen: dict[str, dict[str, Any]] = {}  # requests seen in quorums, by name
+        self.stores: set[str] = set()  # store addresses seen in quorums
+        self.written = 0  # junk keys written into stores
+        self.note = ""  # why it did nothing, if it did nothing
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._local = threading.local()
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's client logs each connection
+
+    def start(self) -> None:
+        """Wait for the run in the background, then act."""
+        self._thread.start()
+
+    def finish(self) -> dict[str, Any]:
+        """Stop; what it did (its row in a campaign's results)."""
+        self.stop.set()
+        self._thread.join(timeout=30)
+        self._keep()
+        return {"kind": self.kind, "site": self.site, "delay_s": self.delay_s,
+                "seconds": self.seconds, "asked": self.asked, "seen": len(self.seen),
+                "stores": len(self.stores), "written": self.written,
+                "note": self.note}  # fmt: skip
+
+    # -- acting ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        run = self._wait_for_run()
+        if run is None:
+            return
+        address, run_id = run
+        if self.stop.wait(self.delay_s):
+            return
+        until = time.monotonic() + self.seconds
+        if self.kind == "junk":
+            for n in (9, 10, 11):
+                data = {"site": n, "tag": "start", "phase": "sync", "gen": 0, "join_from": 0,
+                        "enter": True, "run": run_id, "fp": "x", "name": replica_name(run_id, n),
+                        "mac": "00" * 32}  # fmt: skip
+                self._ask(address, replica_name(run_id, n), data)
+            return
+        name = replica_name(run_id, self.site)
+        if self.kind == "store":
+            while not self.stores and not self.stop.is_set() and time.monotonic() < until:
+                self._ask(address, f"{run_id}/stranger", {})  # a quorum shows the stores
+            self._write_stores(until)
+            return
+        data = self._old_request(run_id) if self.kind == "replay" else {}
+        if data is None:
+            self.note = "no request of an earlier run captured yet: nothing to replay"
+            return
+        workers = [
+            threading.Thread(target=self._keep_asking, args=(address, name, data, until))
+            for _ in range(THREADS)
+        ]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+
+    def _wait_for_run(self) -> tuple[str, str] | None:
+        """The lighthouse address and run id of the run in ``out``, once its file is there."""
+        path = self.out / RUN_FILE
+        while not self.stop.is_set():
+            try:
+                record = json.loads(path.read_text())
+                return record["lighthouse"], record["run"]["train"]["run_id"]
+            except (OSError, ValueError, KeyError):
+                time.sleep(0.05)
+        self.note = f"the run never wrote {RUN_FILE}"
+        return None
+
+    def _keep_asking(self, address: str, name: str, data: dict[str, Any], until: float) -> None:
+        while not self.stop.is_set() and time.monotonic() < until:
+            self._ask(address, name, data)
+
+    def _ask(self, address: str, name: str, data: dict[str, Any]) -> None:
+        """One quorum request (a client per thread, made once); what the quorum showed, kept."""
+        self.asked += 1
+        try:
+            client = getattr(self._local, "client", None)
+            if client is None:
+                from torchft.coordination import LighthouseClient
+
+                client = LighthouseClient(_url(address), connect_timeout=timedelta(seconds=2))
+                self._local.client = client
+            q = client.quorum(replica_id=name, timeout=timedelta(seconds=1), address="",
+                              store_address="", step=0, world_size=1, shrink_only=False,
+                              data=data)  # fmt: skip
+        except Exception:  # no quorum in its second, or the lighthouse away: ask again
+            time.sleep(0.05)
+            return
+        for m in q.participants:
+            if isinstance(m.data, dict) and m.data.get("mac") and m.replica_id != name:
+                self.seen[m.replica_id] = dict(m.data)
+            if m.store_address:
+                self.stores.add(m.store_address)
+
+    def _write_stores(self, until: float) -> None:
+        """Random keys into every store seen, until ``until``."""
+        from torch.distributed import TCPStore
+
+        while not self.stop.is_set() and time.monotonic() < until:
+            for where in sorted(self.stores):
+                host, _, port = where.rpartition(":")
+                try:
+                    store = TCPStore(host, int(port), is_master=False,
+                                     timeout=timedelta(seconds=2))  # fmt: skip
+                    for _ in range(50):
+                        store.set(secrets.token_hex(8), secrets.token_bytes(64))
+                        self.written += 1
+                except Exception:  # a store gone with its group: the next one
+                    continue
+            time.sleep(0.2)
+
+    # -- what it keeps -----------------------------------------------------------------------
+    def _old_request(self, run_id: str) -> dict[str, Any] | None:
+        """A sealed request captured from another run than ``run_id``, if any."""
+        try:
+            lines = self.captured.read_text().splitlines()
+        except OSError:
+            return None
+        for line in reversed(lines):
+            data = json.loads(line)
+            if data.get("run") != run_id:
+                return data
+        return None
+
+    def _keep(self) -> None:
+        if self.seen:
+            with open(self.captured, "a") as f:
+                for data in self.seen.values():
+                    f.write(json.dumps(data) + "\n")
+
+
+def _url(address: str) -> str:
+    return address if "://" in address else f"http://{address}"
+
+
+def spawn(kind: str, out: Path, site: int, delay_s: float, seconds: float, captured: Path) -> Any:
+    """A stranger as a process of its own (its log and row beside ``out``); :func:`collect`
+    stops it and reads its row."""
+    row = out.parent / f"{out.name}.stranger.json"
+    row.unlink(missing_ok=True)
+    log = open(out.parent / f"{out.name}.stranger.log", "w")  # noqa: SIM115 (the child's)
+    args = [kind, str(out), str(site), str(delay_s), str(seconds), str(captured), str(row)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lowcomm.bench.stranger", *args], stdout=log, stderr=log
+    )
+    log.close()
+    return proc, row
+
+
+def collect(spawned: Any) -> dict[str, Any]:
+    """Stop a stranger :func:`spawn` started; what it did."""
+    proc, row = spawned
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    try:
+        return json.loads(row.read_text())
+    except (OSError, ValueError):
+        return {"note": f"the stranger left no row (exit {proc.returncode})"}
+
+
+def main(argv: list[str]) -> None:
+    """``python -m lowcomm.bench.stranger KIND OUT SITE DELAY_S SECONDS CAPTURED ROW``: act
+    until SIGTERM (or the time is up), then write the row."""
+    kind, out, site, delay, seconds, captured, row = argv
+    stranger = Stranger(kind, Path(out), int(site), float(delay), float(seconds), Path(captured))
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    stranger.start()
+    done.wait(float(delay) + float(seconds) + 600)
+    Path(row).write_text(json.dumps(stranger.finish()) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
