@@ -101,6 +101,23 @@ def test_drift_shrinks_every_weight_on_a_half_of_its_own_and_colluders_share_eve
     assert float(cos(sent["c"], w, dim=0)) > 0.9999 < float(cos(sent["d"], w, dim=0))
 
 
+def test_an_insider_lies_in_its_votes_and_checksum_from_its_step_and_only_itself():
+    members = [0, 1, 2, 3]
+    for spec, vote, checksum in [
+        ("accuse:2@5", (False, (0, "payload from worker 0 has validity flag 127")), 77),
+        ("dissent:2@5", (False, None), 77),
+        ("liar:2@5", (True, None), 12345),
+    ]:
+        early, h, other = harness(spec, 2, 4, 4), harness(spec, 2, 4, 5), harness(spec, 1, 4, 9)
+        assert early.vote("sync@10", True, None, members) == (True, None) == other.vote(
+            "sync@10", True, None, members)  # fmt: skip
+        assert h.vote("sync@10", True, None, members) == vote
+        assert h.vote("flags@10", True, None, members) == (True, None)  # syncs only
+        assert h.checksum(77) == checksum and other.checksum(77) == early.checksum(77) == 77
+    accuser = harness("accuse:0@1", 0, 4)  # names the lowest member but itself
+    assert accuser.vote("sync@10", True, None, members)[1][0] == 1
+
+
 def test_noise_is_the_same_in_a_replay():
     h = harness("noise:0x1", 0)
     a, b = [torch.ones(64)], [torch.ones(64)]

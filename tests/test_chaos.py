@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -25,6 +26,40 @@ def test_a_seed_draws_one_schedule_that_never_leaves_too_few_sites():
         stay = ("slow", "add", "lighthouse")
         away = {f.split(":")[1].split("@")[0] for f in a.faults if not f.startswith(stay)}
         assert len(away) == a.lost <= 4 - MIN_WORKERS
+
+
+def test_a_seed_draws_one_adversary_within_the_same_budget_and_the_faults_it_had():
+    """Beside its faults a schedule draws one adversary from a stream of its own: an insider
+    (a fault of the grammar, taking its site away within the budget) or a stranger (nobody
+    away; never where sites sit in namespaces). The faults drawn before stay as they were."""
+    from lowcomm.bench.chaos import ADVERSARIES
+    from lowcomm.bench.stranger import KINDS as STRANGERS
+    from lowcomm.faults import INSIDERS
+
+    seen = set()
+    for seed in range(300):
+        plain, a = draw(seed, METHODS, ROUNDS, 4, 100), draw(seed, METHODS, ROUNDS, 4, 100,
+                                                             ADVERSARIES)  # fmt: skip
+        parse_faults(",".join(a.faults), 4, 100)
+        kind = a.adversary.split(":")[0]
+        seen.add(kind or "none")
+        inside = [f for f in a.faults if f.split(":")[0] in INSIDERS]
+        lighthouse = [f for f in plain.faults if f.startswith("lighthouse:")]
+        assert [f for f in a.faults if f not in inside and not f.startswith("lighthouse:")] == [
+            f for f in plain.faults if f not in lighthouse
+        ]
+        assert a.lost <= 4 - MIN_WORKERS and len(inside) <= 1
+        if kind in INSIDERS:
+            assert inside == [a.adversary] and a.lost == plain.lost + 1 and a.stranger is None
+            site = inside[0].split(":")[1].split("@")[0]  # the lighthouse asked by another site
+            assert not any(f.startswith(f"lighthouse:{site}@") for f in a.faults)
+        elif kind:
+            assert kind in STRANGERS and a.stranger["kind"] == kind and a.lost == plain.lost
+            assert not any(f.startswith("link:") for f in a.faults)
+        else:
+            assert any(f.startswith("link:") for f in a.faults)
+        assert "secret_file=/x/secret" in a.command(Path("/x/seed1"))
+    assert seen == {*ADVERSARIES, "none"}
 
 
 def _site(out, site: int, thetas: dict[int, str]) -> None:

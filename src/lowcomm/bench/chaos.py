@@ -372,6 +372,7 @@ def main(argv: list[str]) -> int:
             a.limit,
             Path(a.out),
             a.dry_run,
+            tuple(k for k in a.adversaries.split(",") if k in chaos_sites.ADVERSARIES),
         )
     a.sites = a.sites or 4
     adversaries = tuple(k for k in a.adversaries.split(",") if k and k != "none")
@@ -480,10 +481,17 @@ def summarize(rows: list[dict[str, Any]]) -> str:
         sel = [x for x in rows if any(f.startswith(kind + ":") for f in x["faults"])]
         bad = sum(bool(x["violations"]) for x in sel)
         lines.append(f"| {kind} | {len(sel)} | {bad} |")
+    lines += ["", "| adversary | schedules with it | violations |", "|---|---|---|"]
+    for kind in (*ADVERSARIES, ""):
+        sel = [x for x in rows if (x.get("adversary") or "").split(":")[0] == kind]
+        if sel:
+            bad = sum(bool(x["violations"]) for x in sel)
+            lines.append(f"| {kind or 'none'} | {len(sel)} | {bad} |")
     bad = [x for x in rows if x["violations"]]
     lines += ["", f"{len(rows)} schedules, {len(bad)} with violations"]
     lines += [
-        f"- seed {x['seed']} ({x['method']}, {x['rounds']}, {','.join(x['faults'])}): "
+        f"- seed {x['seed']} ({x['method']}, {x['rounds']}, {','.join(x['faults'])}, "
+        f"{x.get('adversary') or 'no adversary'}): "
         f"{'; '.join(x['violations'])}"
         for x in bad
     ]

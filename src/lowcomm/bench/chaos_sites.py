@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from . import records
+from . import stranger as strangers
 from .deployed import Deployment
 
 METHODS = {"diloco": [], "streaming": ["fragments=2", "overlap=1"], "sparseloco": [], "co2": []}
@@ -36,6 +37,10 @@ KINDS = ("kill", "rejoin", "pause")
 MIN_WORKERS = 2
 BATCH, SEQ, EVERY = 4, 64, 10
 OVER = ("no run is going", "found no run to join", "no other site has been in the run")
+# an insider here lies in its votes (a false checksum stops sites of several ranks on purpose:
+# their replica check is no vote, docs/reliability.md); or a stranger at the lighthouse
+ADVERSARIES = ("dissent", "accuse", *strangers.KINDS)
+SECRET, CAPTURED = "secret", "captured.jsonl"  # in the campaign's folder
 
 
 @dataclass
@@ -49,9 +54,16 @@ class SitesSchedule:
     steps: int
     faults: list[dict[str, Any]] = field(default_factory=list)
     lost: int = 0  # sites taken away at some point (at most sites - MIN_WORKERS)
+    adversary: str = ""  # an insider's fault (KIND:SITE@STEP) or a stranger's line; "": none
+    insider: str = ""  # the insider's --faults, given to its site alone
+    insider_site: int = -1
+    stranger: dict[str, Any] | None = None
+    secret: str = ""  # the campaign's secret file ("" for none)
 
     def train(self, site: int, lighthouse: str) -> list[str]:
         """Site ``site``'s ``lowcomm train`` arguments (the same to bring it back)."""
+        keyed = [f"secret_file={self.secret}"] if self.secret else []
+        lies = ["--faults", self.insider] if self.insider_site == site else []
         return [
             "train",
             "--strategy",
@@ -73,12 +85,22 @@ class SitesSchedule:
             f"site={site}",
             f"sites={self.sites}",
             f"lighthouse={lighthouse}",
+            *keyed,
             *METHODS[self.method],
+            *lies,
         ]
 
 
-def draw(seed: int, methods: list[str], sites: int, ranks: int, steps: int) -> SitesSchedule:
-    """The schedule of ``seed``: the method stratified; one to two faults at random."""
+def draw(
+    seed: int,
+    methods: list[str],
+    sites: int,
+    ranks: int,
+    steps: int,
+    adversaries: tuple[str, ...] = (),
+) -> SitesSchedule:
+    """The schedule of ``seed``: the method stratified; one to two faults at random; one
+    adversary if its drawn kind is among ``adversaries``."""
     rng = random.Random(seed)
     sched = SitesSchedule(seed, methods[seed % len(methods)], sites, ranks, steps)
     syncs = steps // EVERY
@@ -103,7 +125,33 @@ def draw(seed: int, methods: list[str], sites: int, ranks: int, steps: int) -> S
         sched.faults.append(
             {"kind": "lighthouse", "sync": rng.randint(2, syncs - 3), "seconds": rng.choice([1, 3])}
         )
+    _draw_adversary(sched, random.Random(seed * 7919 + 3), busy, adversaries)
     return sched
+
+
+def _draw_adversary(
+    sched: SitesSchedule, rng: random.Random, busy: set[int], allowed: tuple[str, ...]
+) -> None:
+    """From a stream of its own: one adversary, as in :mod:`.chaos` (an insider takes a site
+    away within the same budget, else a stranger comes instead)."""
+    kind = rng.choice(ADVERSARIES)
+    free = [s for s in range(sched.sites) if s not in busy]
+    if kind in ("dissent", "accuse") and (not free or sched.lost >= sched.sites - MIN_WORKERS):
+        kind = rng.choice(strangers.KINDS)
+    if kind not in allowed:
+        return
+    if kind in ("dissent", "accuse"):
+        site, at = rng.choice(free), rng.randint(15, sched.steps - 25)
+        sched.insider, sched.insider_site = f"{kind}:{site}@{at}", site
+        sched.adversary = sched.insider
+        sched.lost += 1
+        busy.add(site)
+        return
+    site = rng.randrange(sched.sites)
+    delay = 0.0 if kind == "junk" else round(rng.uniform(1.0, 8.0), 1)
+    seconds = rng.choice([20.0, 40.0])
+    sched.stranger = {"kind": kind, "site": site, "delay_s": delay, "seconds": seconds}
+    sched.adversary = f"{kind}:{site}+{delay:g}s x{seconds:g}s"
 
 
 class Faults:
@@ -158,6 +206,11 @@ def run_one(sched: SitesSchedule, out: Path, limit: float) -> dict[str, Any]:
     t0 = time.monotonic()
     run = Deployment(out, sched.ranks, sched.train)
     faults = Faults(run)
+    stranger = None
+    if sched.stranger is not None:  # it waits for site 0's run id, then acts
+        captured = out.parent / CAPTURED
+        stranger = strangers.spawn(**sched.stranger, out=out, captured=captured,
+                                   lighthouse=run.address)  # fmt: skip
     try:
         for s in range(sched.sites):
             run.start(s)
@@ -177,15 +230,18 @@ def run_one(sched: SitesSchedule, out: Path, limit: float) -> dict[str, Any]:
         codes = {s: p.poll() for s, p in run.procs.items()}
     finally:
         run.close()
+        acted = strangers.collect(stranger) if stranger is not None else None
     wall = time.monotonic() - t0
     broken = check(sched, out, codes, limit)
-    return {**asdict(sched), "exit": codes, "wall_s": round(wall, 1), "violations": broken}
+    return {**asdict(sched), "exit": codes, "wall_s": round(wall, 1),
+            "stranger_acted": acted, "violations": broken}  # fmt: skip
 
 
 def check(sched: SitesSchedule, out: Path, codes: dict[int, int | None], limit: float) -> list:
     """The invariants this deployed run broke (empty: none), from the sites' own folders."""
     broken = []
     hit = {f["site"] for f in sched.faults if f["kind"] != "lighthouse"}
+    hit |= {sched.insider_site} if sched.insider else set()  # excluded: it stops alone
     for s, code in codes.items():
         log = "\n".join(p.read_text() for p in sorted(out.glob(f"site{s}.*.log")))
         if code is None:
@@ -232,12 +288,18 @@ def main(
     limit: float,
     out: Path,
     dry_run: bool,
+    adversaries: tuple[str, ...] = (),
 ) -> int:
-    """Every seed's deployed schedule, one at a time; a line each; exit 1 on any violation."""
+    """Every seed's deployed schedule, one at a time; a line each; exit 1 on any violation.
+    Keyed with one secret (DIR/secret) when adversaries may be drawn."""
     out.mkdir(parents=True, exist_ok=True)
+    secret = out / SECRET
+    if adversaries and not secret.exists():
+        secret.write_text(os.urandom(16).hex() + "\n")
     rows = []
     for seed in seeds:
-        sched = draw(seed, methods, sites, ranks, steps)
+        sched = draw(seed, methods, sites, ranks, steps, adversaries)
+        sched.secret = str(secret.resolve()) if adversaries else ""
         if dry_run:
             print(json.dumps(asdict(sched)))
             continue
@@ -246,7 +308,8 @@ def main(
         verdict = "ok" if not row["violations"] else "; ".join(row["violations"])
         said = ",".join(_fault(f) for f in sched.faults)
         print(
-            f"seed {seed} {sched.method} {sites}x{ranks} {said}: exit {row['exit']} in "
+            f"seed {seed} {sched.method} {sites}x{ranks} {said} "
+            f"[{sched.adversary or 'no adversary'}]: exit {row['exit']} in "
             f"{row['wall_s']} s: {verdict}",
             flush=True,
         )

@@ -38,6 +38,7 @@ from ..elastic.messages import replica_name
 
 KINDS = ("flood", "junk", "replay", "store")
 RUN_FILE = "elastic.json"  # what the launcher writes while the run goes (train/join_site.py)
+RUN_ID_FILE = "site0/run_id"  # sites launched one by one: what site 0 keeps (train/launch.py)
 THREADS = 8
 
 
@@ -47,9 +48,19 @@ class Stranger:
     ``captured`` (a JSON-lines file shared by a campaign's strangers)."""
 
     def __init__(
-        self, kind: str, out: Path, site: int, delay_s: float, seconds: float, captured: Path
+        self,
+        kind: str,
+        out: Path,
+        site: int,
+        delay_s: float,
+        seconds: float,
+        captured: Path,
+        lighthouse: str = "",
     ) -> None:
         self.kind, self.out, self.site = kind, out, site
+        # sites launched one by one (no launcher's file): their lighthouse, and the run id
+        # site 0 keeps in its folder (DIR/site0/run_id)
+        self.lighthouse = lighthouse
         self.delay_s, self.seconds, self.captured = delay_s, seconds, captured
         self.stop = threading.Event()
         self.asked = 0  # requests sent
@@ -112,9 +123,11 @@ class Stranger:
 
     def _wait_for_run(self) -> tuple[str, str] | None:
         """The lighthouse address and run id of the run in ``out``, once its file is there."""
-        path = self.out / RUN_FILE
+        path = self.out / (RUN_ID_FILE if self.lighthouse else RUN_FILE)
         while not self.stop.is_set():
             try:
+                if self.lighthouse:
+                    return self.lighthouse, path.read_text().strip()
                 record = json.loads(path.read_text())
                 return record["lighthouse"], record["run"]["train"]["run_id"]
             except (OSError, ValueError, KeyError):
@@ -189,13 +202,22 @@ def _url(address: str) -> str:
     return address if "://" in address else f"http://{address}"
 
 
-def spawn(kind: str, out: Path, site: int, delay_s: float, seconds: float, captured: Path) -> Any:
+def spawn(
+    kind: str,
+    out: Path,
+    site: int,
+    delay_s: float,
+    seconds: float,
+    captured: Path,
+    lighthouse: str = "",
+) -> Any:
     """A stranger as a process of its own (its log and row beside ``out``); :func:`collect`
     stops it and reads its row."""
     row = out.parent / f"{out.name}.stranger.json"
     row.unlink(missing_ok=True)
     log = open(out.parent / f"{out.name}.stranger.log", "w")  # noqa: SIM115 (the child's)
     args = [kind, str(out), str(site), str(delay_s), str(seconds), str(captured), str(row)]
+    args += [lighthouse] if lighthouse else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "lowcomm.bench.stranger", *args], stdout=log, stderr=log
     )
@@ -219,10 +241,11 @@ def collect(spawned: Any) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m lowcomm.bench.stranger KIND OUT SITE DELAY_S SECONDS CAPTURED ROW``: act
-    until SIGTERM (or the time is up), then write the row."""
-    kind, out, site, delay, seconds, captured, row = argv
-    stranger = Stranger(kind, Path(out), int(site), float(delay), float(seconds), Path(captured))
+    """``python -m lowcomm.bench.stranger KIND OUT SITE DELAY_S SECONDS CAPTURED ROW
+    [LIGHTHOUSE]``: act until SIGTERM (or the time is up), then write the row."""
+    kind, out, site, delay, seconds, captured, row, *lighthouse = argv
+    stranger = Stranger(kind, Path(out), int(site), float(delay), float(seconds), Path(captured),
+                        *lighthouse)  # fmt: skip
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     stranger.start()

@@ -51,8 +51,9 @@ default).
   factor; ``noise:1x2`` adds Gaussian noise of 2x its norm; ``zero:1`` sends zeros (a free
   rider); ``nan:1`` sends NaN, flagged valid (a silent fault that passes a dense mean);
   ``drift:1`` sends, at its own contribution's norm (times the factor), the direction that
-  shrinks every weight toward 0 (the global copy), on a fixed half of the entries of its own: an attack that accumulates over a run rather than spoiling one sync. On top-k it picks
-  the largest weights of its half, the same indices every sync, which honest sites seldom pick
+  shrinks every weight toward 0 (the global copy), on a fixed half of the entries of its own:
+  an attack that accumulates over a run rather than spoiling one sync. On top-k it picks the
+  largest weights of its half, the same indices every sync, which honest sites seldom pick
   and other drifting sites do not: it spends its budget where nobody else sends.
   ``collude:1`` is ``drift`` on every entry, so all colluders pick the same indices and vouch
   for each other;
