@@ -4,6 +4,7 @@ checks, then real processes on a lighthouse)."""
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future
 from types import SimpleNamespace
 
@@ -147,6 +148,31 @@ def test_a_lone_dissenter_is_excluded_after_the_same_failures_not_before():
     policy = LockStep()
     for lone in [(0,), (2,), (0,)]:
         assert policy.judged(Outcome(view), Verdict(False, commit, {}, lone)).out == {}
+
+
+def test_a_vote_that_missed_a_members_is_no_evidence_the_error_is_real_but_is_bounded():
+    """A quorum round can close before every vote is in (a stranger's request waiting at the
+    lighthouse starts its join clock early: chaos seed 5 stopped a run so, after two such).
+    An incomplete vote decides nothing: it neither excludes nor counts as the same members
+    failing again; UNSURE_FAILURES of them do stop the retries."""
+    from lowcomm.elastic.attempts import SAME_FAILURES, UNSURE_FAILURES, LockStep, Outcome, Verdict
+    from lowcomm.elastic.decide import blamed, complete
+
+    view, commit = _votes(BAD, BAD, {"ok": True})
+    cut = dataclasses.replace(commit, data=commit.data[:2], members=commit.members[:2])
+    assert complete(view, commit, 0) and not complete(view, cut, 0)
+    assert blamed(view, cut, 0) == {}  # two of three accuse 1, but site 2's vote is missing
+    policy = LockStep()
+    for _ in range(UNSURE_FAILURES - 1):
+        policy.after(Outcome(view), Verdict(False, cut, {}, complete=False))
+        assert not policy.hopeless(view)
+    policy.after(Outcome(view), Verdict(False, cut, {}, complete=False))
+    assert policy.hopeless(view)
+    policy = LockStep()  # complete votes that excluded nobody: the old bound
+    for _ in range(SAME_FAILURES - 1):
+        assert not policy.hopeless(view)
+        policy.after(Outcome(view), Verdict(False, commit, {}))
+    assert policy.hopeless(view)
 
 
 def _spec(out, **train):

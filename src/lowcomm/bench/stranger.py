@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import threading
@@ -215,6 +214,7 @@ def spawn(
     stops it and reads its row."""
     row = out.parent / f"{out.name}.stranger.json"
     row.unlink(missing_ok=True)
+    _stop_file(row).unlink(missing_ok=True)
     log = open(out.parent / f"{out.name}.stranger.log", "w")  # noqa: SIM115 (the child's)
     args = [kind, str(out), str(site), str(delay_s), str(seconds), str(captured), str(row)]
     args += [lighthouse] if lighthouse else []
@@ -226,11 +226,12 @@ def spawn(
 
 
 def collect(spawned: Any) -> dict[str, Any]:
-    """Stop a stranger :func:`spawn` started; what it did."""
+    """Stop a stranger :func:`spawn` started (a file it polls for: a signal could land before
+    its imports are done); what it did."""
     proc, row = spawned
-    proc.send_signal(signal.SIGTERM)
+    _stop_file(row).touch()
     try:
-        proc.wait(timeout=30)
+        proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
@@ -242,15 +243,19 @@ def collect(spawned: Any) -> dict[str, Any]:
 
 def main(argv: list[str]) -> None:
     """``python -m lowcomm.bench.stranger KIND OUT SITE DELAY_S SECONDS CAPTURED ROW
-    [LIGHTHOUSE]``: act until SIGTERM (or the time is up), then write the row."""
+    [LIGHTHOUSE]``: act until ROW.stop appears (or the run's limit), then write the row."""
     kind, out, site, delay, seconds, captured, row, *lighthouse = argv
     stranger = Stranger(kind, Path(out), int(site), float(delay), float(seconds), Path(captured),
                         *lighthouse)  # fmt: skip
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
     stranger.start()
-    done.wait(float(delay) + float(seconds) + 600)
+    stop, until = _stop_file(Path(row)), time.monotonic() + 900
+    while not stop.exists() and time.monotonic() < until:
+        time.sleep(0.1)
     Path(row).write_text(json.dumps(stranger.finish()) + "\n")
+
+
+def _stop_file(row: Path) -> Path:
+    return row.with_suffix(".stop")
 
 
 if __name__ == "__main__":

@@ -116,6 +116,13 @@ def dissenters(view: View, commit: View, generation: int) -> list[int]:
     return sorted(out)
 
 
+def complete(view: View, commit: View, generation: int) -> bool:
+    """Whether ``commit`` holds the vote of every member of ``view``'s attempt but its joiners
+    (a quorum round can close before a slow member's vote arrives, sooner still with a
+    stranger's request waiting at the lighthouse: then the vote decides nothing)."""
+    return bool(_complete_vote(view, commit, generation))
+
+
 def _complete_vote(view: View, commit: View, generation: int) -> list[Request]:
     """The commit votes of ``view``'s attempt ``generation``, when every member of it but its
     joiners voted (else none: an incomplete vote decides nothing)."""

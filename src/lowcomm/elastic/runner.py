@@ -16,7 +16,7 @@ from ..protocols import NO_FAULTS, FaultHooks
 from ..transport import ByteMeter, Transport
 from . import heal
 from .attempts import LockStep, Outcome, Verdict, policy_for
-from .decide import View, attempt_of, blamed, committed, dissenters, step_of
+from .decide import View, attempt_of, blamed, committed, complete, dissenters, step_of
 from .groups import Unreachable
 from .membership import Membership, Retry
 from .record import Record
@@ -125,7 +125,8 @@ class Runner:
         if committed(outcome.view, commit, generation, ok):
             return Verdict(True, commit, {})
         lone = tuple(dissenters(outcome.view, commit, generation))
-        return Verdict(False, commit, blamed(outcome.view, commit, generation), lone)
+        out = blamed(outcome.view, commit, generation)
+        return Verdict(False, commit, out, lone, complete(outcome.view, commit, generation))
 
     def _stood(self, tag: str, outcome: Outcome) -> None:
         """The sync stood: the deadline learns from its collectives alone; record it."""
