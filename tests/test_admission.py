@@ -116,6 +116,21 @@ def test_hints_carry_a_mac_bound_to_their_key_and_a_forged_one_reads_as_absent()
     assert Admission(0, "r", None).read_hint("k", b"1") == "1"
 
 
+def test_a_round_hint_counts_only_from_a_known_members_current_process():
+    """A hint carries its writer's site and process: once the members' processes are known
+    (the last quorum), a hint of another process of a member (a recording of an earlier
+    session of the same run id, written again) or of a non-member reads as absent."""
+    from lowcomm.elastic.rounds import Rounds
+
+    rounds = Rounds.__new__(Rounds)  # the reading alone: no store, no membership
+    rounds._incs = {}
+    assert rounds._whose("1#3.ab12") == "1"  # no member known yet: nothing to check against
+    rounds._incs = {0: "cd34", 3: "ab12"}
+    assert rounds._whose("0.25#3.ab12") == "0.25" and rounds._whose(None) is None
+    assert rounds._whose("1#3.ffff") is None  # site 3's earlier process
+    assert rounds._whose("1#7.ab12") is None and rounds._whose("1") is None  # nobody's
+
+
 def test_the_secret_comes_from_a_file_or_the_environment_and_bad_ones_say_so(tmp_path, monkeypatch):
     monkeypatch.delenv("LOWCOMM_SECRET", raising=False)
     assert read_secret("") is None

@@ -16,7 +16,11 @@ our own data plane, so that no site waits for the slowest and no site is cut out
   training, and asks back in at its next one, where it heals like a joiner and carries its
   work in (``late=carry``) or starts from the run's model (``late=drop``).
 
-The hints only ever make a site stop early or skip; they never decide membership.
+The hints only ever make a site stop early or skip; they never decide membership. Each carries
+its writer's site and process (``value#site.inc``), sealed with the rest under a run secret: a
+reader that knows the members' processes (from the last quorum) reads a hint of another
+process of a member (a recording of an earlier session of the same run id, written again) or
+of a non-member as absent.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class Rounds:
         self.cut_rounds = 0  # rounds this site ended early (quorum reached before its H steps)
         self.cut_steps = 0  # inner steps those rounds skipped
         self._stores: dict[int, str] = {}  # expected site -> its store's address
+        self._incs: dict[int, str] = {}  # the last quorum's members -> their process
         self._missed: dict[int, int] = {}  # expected site not in the last views -> syncs missed
         self._dead: set[str] = set()  # stores that could not be reached (their site is gone)
         self._seen: dict[int, float] = {}  # send step -> when this site saw the quorum there
@@ -159,6 +164,8 @@ class Rounds:
         missed one and asks back in at its next); not one whose store is gone (it died)."""
         known = {d.site: d.store for d in view.data}
         stores = {s: known.get(s) or self._stores.get(s) for s in view.members}
+        # whose hints are read: these processes, and an expected site's last one
+        self._incs = {**self._incs, **{d.site: d.inc for d in view.data if d.inc}}
         behind = set(self._behind())
         for s, address in self._stores.items():
             if s in view.members or address in self._dead:
@@ -239,7 +246,19 @@ class Rounds:
         whole = bool(keys) and self._own.check(keys)  # the common case: one round trip
         present = keys if whole else [k for k in keys if self._own.check([k])]
         raws = dict(zip(present, self._own.multi_get(present))) if present else {}
-        return [self._admission.read_hint(k, raws[k]) if k in raws else None for k in keys]
+        return [self._whose(self._admission.read_hint(k, raws[k])) if k in raws else None
+                for k in keys]  # fmt: skip
+
+    def _whose(self, text: str | None) -> str | None:
+        """A hint's value if its writer (``value#site.inc``) is a known member's process (or
+        no member is known yet), else None."""
+        if text is None:
+            return None
+        value, _, writer = text.rpartition("#")
+        site, _, inc = writer.partition(".")
+        if not self._incs or self._incs.get(int(site) if site.isdigit() else -1) == inc:
+            return value
+        return None
 
     def _post(self, key: str, value: str = "1") -> None:
         """Add this hint to this site's store now and to every expected site's store from that
@@ -282,7 +301,8 @@ class Rounds:
         if key.endswith("/arrived"):
             store.add(key, 1)
         else:
-            store.set(key, self._admission.hint(key, value).encode())
+            signed = f"{value}#{self._site}.{self.membership.incarnation}"
+            store.set(key, self._admission.hint(key, signed).encode())
 
     @property
     def _site(self) -> int:
