@@ -287,7 +287,7 @@ def run_one(sched: Schedule, out: Path, limit: float) -> dict[str, Any]:
     out.mkdir(parents=True)
     stranger = None
     if sched.stranger is not None:  # it waits for the run's file, then acts
-        stranger = strangers.spawn(**sched.stranger, out=out, captured=out.parent / CAPTURED)
+        stranger = strangers.spawn(sched.stranger, out, out.parent / CAPTURED)
     t0 = time.monotonic()
     with open(out.parent / f"{out.name}.log", "w") as log:
         # a session of its own: a hung run's sites (the launcher's forkserver children) end too

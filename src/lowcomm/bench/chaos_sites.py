@@ -209,8 +209,7 @@ def run_one(sched: SitesSchedule, out: Path, limit: float) -> dict[str, Any]:
     stranger = None
     if sched.stranger is not None:  # it waits for site 0's run id, then acts
         captured = out.parent / CAPTURED
-        stranger = strangers.spawn(**sched.stranger, out=out, captured=captured,
-                                   lighthouse=run.address)  # fmt: skip
+        stranger = strangers.spawn(sched.stranger, out, captured, run.address)
     try:
         for s in range(sched.sites):
             run.start(s)

@@ -201,23 +201,16 @@ def _url(address: str) -> str:
     return address if "://" in address else f"http://{address}"
 
 
-def spawn(
-    kind: str,
-    out: Path,
-    site: int,
-    delay_s: float,
-    seconds: float,
-    captured: Path,
-    lighthouse: str = "",
-) -> Any:
-    """A stranger as a process of its own (its log and row beside ``out``); :func:`collect`
+def spawn(plan: dict[str, Any], out: Path, captured: Path, lighthouse: str = "") -> Any:
+    """A stranger as a process of its own, as ``plan`` says (a schedule's: kind, site, delay_s,
+    seconds), against the run going into ``out`` (its log and row beside it); :func:`collect`
     stops it and reads its row."""
     row = out.parent / f"{out.name}.stranger.json"
     row.unlink(missing_ok=True)
     _stop_file(row).unlink(missing_ok=True)
     log = open(out.parent / f"{out.name}.stranger.log", "w")  # noqa: SIM115 (the child's)
-    args = [kind, str(out), str(site), str(delay_s), str(seconds), str(captured), str(row)]
-    args += [lighthouse] if lighthouse else []
+    what = [plan["kind"], str(out), str(plan["site"]), str(plan["delay_s"]), str(plan["seconds"])]
+    args = [*what, str(captured), str(row), *([lighthouse] if lighthouse else [])]
     proc = subprocess.Popen(
         [sys.executable, "-m", "lowcomm.bench.stranger", *args], stdout=log, stderr=log
     )
