@@ -205,8 +205,17 @@ def _away(sched: Schedule, site: int) -> bool:
     return any(f.split("@")[0] in (f"{k}:{site}" for k in _AWAY) for f in sched.faults)
 
 
-_AWAY = ("kill", "hang", "pause", "corrupt", "healer", "collective", "stall", "link",
-         *faults.INSIDERS)  # fmt: skip
+_AWAY = (
+    "kill",
+    "hang",
+    "pause",
+    "corrupt",
+    "healer",
+    "collective",
+    "stall",
+    "link",
+    *faults.INSIDERS,
+)
 ADVERSARIES = (*faults.INSIDERS, *STRANGERS)
 
 

@@ -232,8 +232,13 @@ def run_one(sched: SitesSchedule, out: Path, limit: float) -> dict[str, Any]:
         acted = strangers.collect(stranger) if stranger is not None else None
     wall = time.monotonic() - t0
     broken = check(sched, out, codes, limit)
-    return {**asdict(sched), "exit": codes, "wall_s": round(wall, 1),
-            "stranger_acted": acted, "violations": broken}  # fmt: skip
+    return {
+        **asdict(sched),
+        "exit": codes,
+        "wall_s": round(wall, 1),
+        "stranger_acted": acted,
+        "violations": broken,
+    }
 
 
 def check(sched: SitesSchedule, out: Path, codes: dict[int, int | None], limit: float) -> list:

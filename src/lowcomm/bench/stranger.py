@@ -80,10 +80,17 @@ class Stranger:
         self.stop.set()
         self._thread.join(timeout=30)
         self._keep()
-        return {"kind": self.kind, "site": self.site, "delay_s": self.delay_s,
-                "seconds": self.seconds, "asked": self.asked, "seen": len(self.seen),
-                "stores": len(self.stores), "written": self.written,
-                "note": self.note}  # fmt: skip
+        return {
+            "kind": self.kind,
+            "site": self.site,
+            "delay_s": self.delay_s,
+            "seconds": self.seconds,
+            "asked": self.asked,
+            "seen": len(self.seen),
+            "stores": len(self.stores),
+            "written": self.written,
+            "note": self.note,
+        }
 
     # -- acting ------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -96,9 +103,18 @@ class Stranger:
         until = time.monotonic() + self.seconds
         if self.kind == "junk":
             for n in (9, 10, 11):
-                data = {"site": n, "tag": "start", "phase": "sync", "gen": 0, "join_from": 0,
-                        "enter": True, "run": run_id, "fp": "x", "name": replica_name(run_id, n),
-                        "mac": "00" * 32}  # fmt: skip
+                data = {
+                    "site": n,
+                    "tag": "start",
+                    "phase": "sync",
+                    "gen": 0,
+                    "join_from": 0,
+                    "enter": True,
+                    "run": run_id,
+                    "fp": "x",
+                    "name": replica_name(run_id, n),
+                    "mac": "00" * 32,
+                }
                 self._ask(address, replica_name(run_id, n), data)
             return
         name = replica_name(run_id, self.site)
@@ -148,9 +164,16 @@ class Stranger:
 
                 client = LighthouseClient(_url(address), connect_timeout=timedelta(seconds=2))
                 self._local.client = client
-            q = client.quorum(replica_id=name, timeout=timedelta(seconds=1), address="",
-                              store_address="", step=0, world_size=1, shrink_only=False,
-                              data=data)  # fmt: skip
+            q = client.quorum(
+                replica_id=name,
+                timeout=timedelta(seconds=1),
+                address="",
+                store_address="",
+                step=0,
+                world_size=1,
+                shrink_only=False,
+                data=data,
+            )
         except Exception:  # no quorum in its second, or the lighthouse away: ask again
             time.sleep(0.05)
             return
@@ -168,8 +191,7 @@ class Stranger:
             for where in sorted(self.stores):
                 host, _, port = where.rpartition(":")
                 try:
-                    store = TCPStore(host, int(port), is_master=False,
-                                     timeout=timedelta(seconds=2))  # fmt: skip
+                    store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=2))
                     for _ in range(50):
                         store.set(secrets.token_hex(8), secrets.token_bytes(64))
                         self.written += 1
@@ -238,8 +260,9 @@ def main(argv: list[str]) -> None:
     """``python -m lowcomm.bench.stranger KIND OUT SITE DELAY_S SECONDS CAPTURED ROW
     [LIGHTHOUSE]``: act until ROW.stop appears (or the run's limit), then write the row."""
     kind, out, site, delay, seconds, captured, row, *lighthouse = argv
-    stranger = Stranger(kind, Path(out), int(site), float(delay), float(seconds), Path(captured),
-                        *lighthouse)  # fmt: skip
+    stranger = Stranger(
+        kind, Path(out), int(site), float(delay), float(seconds), Path(captured), *lighthouse
+    )
     stranger.start()
     stop, until = _stop_file(Path(row)), time.monotonic() + 900
     while not stop.exists() and time.monotonic() < until:

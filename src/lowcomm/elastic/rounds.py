@@ -246,8 +246,9 @@ class Rounds:
         whole = bool(keys) and self._own.check(keys)  # the common case: one round trip
         present = keys if whole else [k for k in keys if self._own.check([k])]
         raws = dict(zip(present, self._own.multi_get(present))) if present else {}
-        return [self._whose(self._admission.read_hint(k, raws[k])) if k in raws else None
-                for k in keys]  # fmt: skip
+        return [
+            self._whose(self._admission.read_hint(k, raws[k])) if k in raws else None for k in keys
+        ]
 
     def _whose(self, text: str | None) -> str | None:
         """A hint's value if its writer (``value#site.inc``) is a known member's process (or
