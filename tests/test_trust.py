@@ -374,3 +374,108 @@ def test_an_insider_voting_against_every_sync_leaves_and_the_others_finish(tmp_p
     (left,) = a["events"]
     assert left["left"] == [2] and left["excluded"] == [2]
     assert "its vote alone failed 3 attempts in a row" in outs[0][1]
+
+
+def _front(secret: bytes, join_s: float = 20.0):
+    """torchft's lighthouse on loopback behind an authenticating front (what a keyed run's
+    launcher and ``lowcomm lighthouse --secret-file`` serve); (address, front, server)."""
+    pytest.importorskip("torchft")
+    pytest.importorskip("grpc")
+    from lowcomm.train.lighthouse import serve
+
+    options = {"min_replicas": 1, "join_timeout_ms": int(join_s * 1000), "quorum_tick_ms": 20,
+               "heartbeat_timeout_ms": 1_000}  # fmt: skip
+    server, front = serve("127.0.0.1:0", options, secret)
+    return f"http://127.0.0.1:{front.port}", front, server
+
+
+def _ask(address: str, name: str, data: dict, timeout_s: float = 1.0):
+    from datetime import timedelta
+
+    from torchft.coordination import LighthouseClient
+
+    client = LighthouseClient(address, connect_timeout=timedelta(seconds=5))
+    return client.quorum(replica_id=name, timeout=timedelta(seconds=timeout_s), address="",
+                         store_address="", step=0, world_size=1, shrink_only=False,
+                         data=data)  # fmt: skip
+
+
+def test_the_front_forwards_sealed_requests_under_their_name_and_refuses_the_rest():
+    """Behind the front the lighthouse sees only requests sealed under the run's secret, under
+    the name they were sealed with, each newer than the last of that name and recent: junk, a
+    copy under another name, a member's older request and another secret's are refused."""
+    import time
+
+    from lowcomm.elastic.admission import Admission
+    from lowcomm.elastic.front import FRESH_S, REFUSED
+    from lowcomm.elastic.messages import replica_name
+
+    address, front, server = _front(b"the run's secret", join_s=0.1)
+    try:
+
+        def sealed(admission, site, seq, name=None):
+            d = {
+                "site": site,
+                "tag": "start",
+                "phase": "sync",
+                "gen": 0,
+                "join_from": 0,
+                "run": "r1",
+                "fp": "f",
+                "name": name or replica_name("r1", site),
+                "seq": seq,
+            }
+            return admission.seal(d)  # fmt: skip
+
+        run, other = Admission(0, "r1", b"the run's secret"), Admission(0, "r1", b"another")
+        now = time.time_ns()
+        q = _ask(address, replica_name("r1", 0), sealed(run, 0, now))
+        assert [m.replica_id for m in q.participants] == [replica_name("r1", 0)]
+        refused = [
+            (replica_name("r1", 1), {"site": 1, "tag": "start"}),  # junk
+            (replica_name("r1", 1), sealed(run, 0, now + 1)),  # site 0's, under 1's name
+            (replica_name("r1", 0), sealed(run, 0, now - 1)),  # an older one of site 0's
+            (replica_name("r1", 2), sealed(other, 2, now)),  # another secret
+            (replica_name("r1", 3), sealed(run, 3, now - int(2 * FRESH_S * 1e9))),  # stale
+        ]
+        for name, data in refused:
+            with pytest.raises(Exception, match=REFUSED[:30]):
+                _ask(address, name, data)
+        assert front.refused == len(refused)
+        again = _ask(address, replica_name("r1", 0), sealed(run, 0, now))  # a retry: the same
+        assert [m.replica_id for m in again.participants] == [replica_name("r1", 0)]
+    finally:
+        front.stop()
+        server.shutdown()
+
+
+def test_behind_the_front_a_flood_of_a_sites_name_never_reaches_the_lighthouse(
+    tmp_path, monkeypatch
+):
+    """The flood of test_a_stranger_flooding... through the front: every request of the
+    stranger is refused, site 1 is never displaced, and the three sites finish equal."""
+    import threading
+
+    from test_elastic import CASES, _site_process
+
+    secret = tmp_path / "secret"
+    secret.write_text("the run's secret\n")
+    monkeypatch.delenv("LOWCOMM_SECRET", raising=False)
+    preset, kw, _ = CASES["diloco"]
+    address, front, server = _front(b"the run's secret")
+    stop = threading.Event()
+    try:
+        _flood(address, "lowcomm/site0001", stop)
+        procs = [_site_process(tmp_path, address, preset, kw, i, secret_file=str(secret))
+                 for i in range(3)]  # fmt: skip
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        stop.set()
+        front.stop()
+        server.shutdown()
+    assert [p.returncode for p in procs] == [0, 0, 0], [o[1][-3000:] for o in outs]
+    assert "another process asked under this site's name" not in outs[1][1]
+    assert front.refused > 0
+    sites = [torch.load(tmp_path / f"site{i}.pt", weights_only=True) for i in range(3)]
+    assert all(torch.equal(s["global"], sites[0]["global"]) for s in sites)
+    assert all(s["members"] == [0, 1, 2] and not s["events"] for s in sites)

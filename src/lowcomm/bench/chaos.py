@@ -242,7 +242,7 @@ def _draw_adversary(
         busy.add(site)
     elif not netns:
         site = rng.randrange(sched.sites)
-        delay = 0.0 if kind == "junk" else round(rng.uniform(1.0, 8.0), 1)
+        delay = 0.0 if kind == "junk" else round(rng.uniform(0.5, 4.0), 1)
         seconds = rng.choice([20.0, 40.0])
         sched.stranger = {"kind": kind, "site": site, "delay_s": delay, "seconds": seconds}
         sched.adversary = f"{kind}:{site}+{delay:g}s x{seconds:g}s"
@@ -312,6 +312,9 @@ def run_one(sched: Schedule, out: Path, limit: float) -> dict[str, Any]:
         proc.wait()
     wall = time.monotonic() - t0
     acted = strangers.collect(stranger) if stranger is not None else None
+    if acted and acted.get("run_id"):  # a listener on the wire heard its requests
+        secret = (out.parent / SECRET).read_bytes().strip()
+        strangers.overheard(out.parent / CAPTURED, acted["run_id"], secret, sched.sites)
     broken = check(sched, out, code, wall, limit)
     summary = json.loads((out / "summary.json").read_text()) if code == 0 else {}
     events = summary.get("membership") or []

@@ -67,6 +67,8 @@ class Stranger:
         self.stores: set[str] = set()  # store addresses seen in quorums
         self.written = 0  # junk keys written into stores
         self.note = ""  # why it did nothing, if it did nothing
+        self.run_id = ""  # the run's id, once found
+        self.refused = 0  # requests a keyed lighthouse's front refused
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._local = threading.local()
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's client logs each connection
@@ -89,6 +91,8 @@ class Stranger:
             "seen": len(self.seen),
             "stores": len(self.stores),
             "written": self.written,
+            "run_id": self.run_id,
+            "refused": self.refused,
             "note": self.note,
         }
 
@@ -127,9 +131,13 @@ class Stranger:
         if data is None:
             self.note = "no request of an earlier run captured yet: nothing to replay"
             return
+        # a replay goes under the site's name here and, half the threads, under its own
+        names = [name, data.get("name") or name] if self.kind == "replay" else [name]
         workers = [
-            threading.Thread(target=self._keep_asking, args=(address, name, data, until))
-            for _ in range(THREADS)
+            threading.Thread(
+                target=self._keep_asking, args=(address, names[i % len(names)], data, until)
+            )
+            for i in range(THREADS)
         ]
         for t in workers:
             t.start()
@@ -137,14 +145,17 @@ class Stranger:
             t.join()
 
     def _wait_for_run(self) -> tuple[str, str] | None:
-        """The lighthouse address and run id of the run in ``out``, once its file is there."""
+        """The lighthouse address and run id of the run in ``out``, once its file is there
+        (kept: a campaign records what a listener on the wire would have seen of the run)."""
         path = self.out / (RUN_ID_FILE if self.lighthouse else RUN_FILE)
         while not self.stop.is_set():
             try:
                 if self.lighthouse:
-                    return self.lighthouse, path.read_text().strip()
+                    self.run_id = path.read_text().strip()
+                    return self.lighthouse, self.run_id
                 record = json.loads(path.read_text())
-                return record["lighthouse"], record["run"]["train"]["run_id"]
+                self.run_id = record["run"]["train"]["run_id"]
+                return record["lighthouse"], self.run_id
             except (OSError, ValueError, KeyError):
                 time.sleep(0.05)
         self.note = f"the run never wrote {RUN_FILE}"
@@ -174,7 +185,8 @@ class Stranger:
                 shrink_only=False,
                 data=data,
             )
-        except Exception:  # no quorum in its second, or the lighthouse away: ask again
+        except Exception as err:  # no quorum in its second, refused, or away: ask again
+            self.refused += "PermissionDenied" in str(err)
             time.sleep(0.05)
             return
         for m in q.participants:
@@ -276,3 +288,27 @@ def _stop_file(row: Path) -> Path:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+def overheard(captured: Path, run_id: str, secret: bytes, sites: int) -> None:
+    """What a listener on the wire saw of run ``run_id`` (its sites' requests travel in the
+    clear): one sealed request per site, appended to ``captured`` for a later run's ``replay``
+    stranger. The campaign writes it, with the run's secret, as the run's sites would have."""
+    from ..elastic.admission import Admission
+
+    with open(captured, "a") as f:
+        for site in range(sites):
+            data = {
+                "site": site,
+                "tag": "sync@10",
+                "phase": "sync",
+                "gen": 0,
+                "join_from": 0,
+                "run": run_id,
+                "fp": "f",
+                "name": replica_name(run_id, site),
+                "seq": time.time_ns(),
+                "inc": "0",
+                "store": "",
+            }
+            f.write(json.dumps(Admission(site, run_id, secret).seal(data)) + "\n")

@@ -43,6 +43,12 @@ def _add_lighthouse(sub: Any) -> None:
         help="the runs' timeout_s (lock-step: a quorum waits so long)",
     )
     h.add_argument(
+        "--secret-file",
+        default="",
+        help="the runs' secret (else $LOWCOMM_SECRET): only requests sealed under it reach "
+        "the lighthouse (an authenticating front; the lighthouse itself on loopback)",
+    )
+    h.add_argument(
         "--heartbeat-timeout-s",
         type=float,
         default=2.0,
@@ -54,7 +60,9 @@ def _add_lighthouse(sub: Any) -> None:
 def cmd_lighthouse(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C or SIGTERM (exit 0); a port in use or no torchft: one line, exit 2."""
     from ..config import ConfigError
+    from ..elastic.admission import read_secret
     from ..elastic.rounds import LIGHTHOUSE_JOIN_S
+    from ..train.lighthouse import serve
 
     _check_port(args.port, args.host)
     if args.timeout_s <= 0 or args.heartbeat_timeout_s <= 0:
@@ -62,31 +70,35 @@ def cmd_lighthouse(args: argparse.Namespace) -> int:
     if not os.environ.get("LOWCOMM_DEBUG"):
         os.environ.setdefault("RUST_LOG", "warn")  # it logs every quorum at INFO (read on import)
     try:
-        from torchft.coordination import LighthouseServer
+        import torchft.coordination  # noqa: F401 (its lighthouse, imported by serve)
     except ImportError:
         raise ConfigError(
             "the lighthouse is torchft's: pip install 'lowcomm[elastic]' (a pinned torchft)"
         ) from None
     join_s = LIGHTHOUSE_JOIN_S if args.rounds == "quorum" else args.timeout_s
-    server = LighthouseServer(
-        bind=_bind(args.host, args.port),
-        min_replicas=1,
-        join_timeout_ms=int(join_s * 1000),
-        quorum_tick_ms=20,
-        heartbeat_timeout_ms=int(args.heartbeat_timeout_s * 1000),
-    )
+    options = {
+        "min_replicas": 1,
+        "join_timeout_ms": int(join_s * 1000),
+        "quorum_tick_ms": 20,
+        "heartbeat_timeout_ms": int(args.heartbeat_timeout_s * 1000),
+    }
+    server, front = serve(_bind(args.host, args.port), options, read_secret(args.secret_file))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     where = socket.gethostname() if args.host in ("::", "0.0.0.0") else args.host
     where = f"[{where}]" if ":" in where else where
+    keyed = "; only requests sealed under the secret reach it" if front is not None else ""
     print(
         f"lowcomm: lighthouse at http://{where}:{args.port} (rounds="
-        f"{args.rounds}); point the sites at it with lighthouse=HOST:{args.port}; Ctrl-C "
-        f"stops it",
+        f"{args.rounds}){keyed}; point the sites at it with lighthouse=HOST:{args.port}; "
+        f"Ctrl-C stops it",
         flush=True,
     )
     stop.wait()
+    if front is not None:
+        print(f"lowcomm: the front refused {front.refused} requests", flush=True)
+        front.stop()
     server.shutdown()
     print("lowcomm: lighthouse stopped", flush=True)
     return 0

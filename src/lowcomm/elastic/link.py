@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..errors import MembershipError
+from .front import REFUSED
 
 log = logging.getLogger("lowcomm")
 
@@ -87,6 +88,12 @@ class Link:
                     f"than min_workers={e.min_workers} sites may remain"
                 ) from None
             except Exception as err:  # unreachable (refused, reset): it may be restarting
+                if REFUSED in str(err):  # a keyed lighthouse's front: this site's secret
+                    raise MembershipError(
+                        f"site {e.site}: the lighthouse at {e.lighthouse} refused this site's "
+                        f"request: it carries no valid MAC under the run's secret (this site "
+                        f"holds another, or none): give it the run's secret"
+                    ) from None
                 log.warning(
                     "site %d: the lighthouse at %s is unreachable at %s (%s); asking "
                     "again for up to %g s",

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, TrainConfig
+from ..elastic.admission import read_secret
 from ..errors import LowCommError
 from ..faults import Staged, adds, joins, links, parse_faults, paused
 from .entry import clear_stale, error_file, failure_of, run_entry, user_errors
@@ -115,7 +116,8 @@ def run_sites(spec: RunSpec, workers: int) -> dict[str, Any] | None:
         if not address:  # ours: at one address for the whole run, started again if it dies
             options = settings.lighthouse_options(min_replicas=1)  # lowcomm checks min_workers
             where = {"netns": net.switch, "host": net.switch_addr} if net else {}
-            keeper = Keeper(ctx, options, out_dir, **where)
+            secret = read_secret(spec.train.secret_file)  # keyed: a front refuses strangers
+            keeper = Keeper(ctx, options, out_dir, secret=secret, **where)
             keeper.start()
             address = keeper.address
         return _run_sites(spec, workers, ctx, servers, address, keeper, net)

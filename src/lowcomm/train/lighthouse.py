@@ -24,11 +24,27 @@ from .ports import free_port
 _UP_S = 30.0  # bound on a (re)started lighthouse's process listening on its port
 
 
-def _serve(port: int, options: dict[str, int], netns: str, up: Any) -> None:
-    """The lighthouse's process: serve until killed (RUST_LOG=warn: see :class:`Keeper`),
-    inside network namespace ``netns`` if one is named; ``up`` is set once it listens."""
+def serve(bind: str, options: dict[str, int], secret: bytes | None) -> tuple[Any, Any]:
+    """torchft's lighthouse at ``bind`` (HOST:PORT); with a run ``secret``, on loopback behind
+    an authenticating :class:`~lowcomm.elastic.front.Front` at ``bind`` instead, which forwards
+    only requests sealed under it. Both are held by the caller (dropped, they stop)."""
     from torchft.coordination import LighthouseServer
 
+    if secret is None:
+        return LighthouseServer(bind=bind, **options), None
+    from ..elastic.front import Front
+
+    server = LighthouseServer(bind="127.0.0.1:0", **options)
+    upstream = server.address().rsplit(":", 1)[1]
+    front = Front(f"127.0.0.1:{upstream}", secret, bind)
+    front.start()
+    return server, front
+
+
+def _serve(port: int, options: dict[str, int], netns: str, up: Any, secret: bytes | None) -> None:
+    """The lighthouse's process: serve until killed (RUST_LOG=warn: see :class:`Keeper`),
+    inside network namespace ``netns`` if one is named, behind a front with ``secret``;
+    ``up`` is set once it listens."""
     # Ctrl-C reaches the whole process group: the launcher stops this process itself, after
     # the sites (a KeyboardInterrupt here would only print a traceback into the run's output)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -36,9 +52,9 @@ def _serve(port: int, options: dict[str, int], netns: str, up: Any) -> None:
         from ..netshape.namespaces import enter
 
         enter(netns)
-    server = LighthouseServer(bind=f"[::]:{port}", **options)  # held: dropped, it stops
+    held = serve(f"[::]:{port}", options, secret)
     up.set()
-    while server is not None:
+    while held:
         time.sleep(3600)
 
 
@@ -47,7 +63,13 @@ class Keeper:
     wait loop calls it every 0.2 s), ended by :meth:`stop`."""
 
     def __init__(
-        self, ctx: Any, options: dict[str, int], out_dir: Path, netns: str = "", host: str = ""
+        self,
+        ctx: Any,
+        options: dict[str, int],
+        out_dir: Path,
+        netns: str = "",
+        host: str = "",
+        secret: bytes | None = None,
     ) -> None:
         if not os.environ.get("LOWCOMM_DEBUG"):  # the sites' clients log at INFO too
             os.environ.setdefault("RUST_LOG", "warn")  # (sites inherit it: set before any fork)
@@ -57,13 +79,14 @@ class Keeper:
         self.port = free_port(host="")  # every interface: the sites may be on other machines
         self.address = f"http://{host or socket.gethostname()}:{self.port}"
         self._proc: Any = None
+        self.secret = secret  # a keyed run's: the lighthouse serves behind a front
         self._back_at: float | None = None  # a lighthouse: fault's restart time
 
     def start(self) -> None:
         """Start the lighthouse's process and wait until it listens (at most ``_UP_S``)."""
         up = self.ctx.Event()
         self._proc = self.ctx.Process(
-            target=_serve, args=(self.port, self.options, self.netns, up), daemon=True
+            target=_serve, args=(self.port, self.options, self.netns, up, self.secret), daemon=True
         )
         self._proc.start()
         deadline = time.monotonic() + _UP_S
