@@ -119,9 +119,11 @@ def test_a_killed_lighthouse_is_started_again_and_every_site_finishes(tmp_path):
 # 26 s: by hand (-m slow); both fault campaigns kill and restart the lighthouse in every pass
 @pytest.mark.slow
 def test_a_standalone_lighthouse_serves_a_run_and_survives_a_restart_at_its_address(tmp_path):
-    """`lowcomm lighthouse --port P`: the sites of `lowcomm train ... lighthouse=...:P` meet
-    there; killed (SIGKILL) and started again by the same command while they train, the run
-    goes on to its end; SIGTERM stops it with exit 0; the port taken is one line, exit 2."""
+    """`lowcomm lighthouse --port P --secret-file F`: the sites of `lowcomm train ...
+    lighthouse=...:P secret_file=F` meet there, behind its authenticating front; killed
+    (SIGKILL) and started again by the same command while they train, the run goes on to its
+    end (the sites re-register by their heartbeats); SIGTERM stops it with exit 0; the port
+    taken is one line, exit 2."""
     import os
     import signal
     import time
@@ -129,12 +131,16 @@ def test_a_standalone_lighthouse_serves_a_run_and_survives_a_restart_at_its_addr
     from lowcomm.train.ports import free_port
 
     port = free_port(host="")
+    secret = tmp_path / "secret"
+    secret.write_text("the run's secret\n")
     serve = [sys.executable, "-m", "lowcomm.cli", "lighthouse", "--port", str(port),
-             "--timeout-s", "20", "--heartbeat-timeout-s", "1"]  # fmt: skip
+             "--timeout-s", "20", "--heartbeat-timeout-s", "1",
+             "--secret-file", str(secret)]  # fmt: skip
 
     def start() -> subprocess.Popen:
         proc = subprocess.Popen(serve, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert "lowcomm: lighthouse at" in proc.stdout.readline()
+        line = proc.stdout.readline()
+        assert "lowcomm: lighthouse at" in line and "only requests sealed" in line, line
         return proc
 
     lighthouse = start()
@@ -142,8 +148,8 @@ def test_a_standalone_lighthouse_serves_a_run_and_survives_a_restart_at_its_addr
     assert taken.returncode == 2 and f"port {port} is in use" in taken.stderr
     out = tmp_path / "run"
     run = subprocess.Popen([*LOWCOMM, *RUN, "--steps", "120", f"lighthouse=127.0.0.1:{port}",
-                            "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)  # fmt: skip
+                            f"secret_file={secret}", "--out", str(out)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         while (
             not (out / "metrics.jsonl").exists()
@@ -164,3 +170,4 @@ def test_a_standalone_lighthouse_serves_a_run_and_survives_a_restart_at_its_addr
         lighthouse.send_signal(signal.SIGTERM)
         said, _ = lighthouse.communicate(timeout=30)
     assert lighthouse.returncode == 0 and "lowcomm: lighthouse stopped" in said
+    assert "lowcomm: the front refused 0 requests" in said

@@ -296,6 +296,9 @@ def _flood(lighthouse: str, name: str, stop, threads: int = 8) -> None:
         threading.Thread(target=ask, daemon=True).start()
 
 
+# 23 s: by hand (-m slow): a lighthouse without the front (an own loop's); the default suite
+# runs the same flood behind the front, as keyed runs of lowcomm's are served
+@pytest.mark.slow
 def test_a_stranger_flooding_a_sites_name_costs_time_not_the_run(tmp_path, monkeypatch):
     """The finding: a process without the secret asking as ``site0001`` from 8 threads
     stopped site 1 ("left out ... stops here"). Now site 1 takes a fresh name each time its
@@ -479,3 +482,23 @@ def test_behind_the_front_a_flood_of_a_sites_name_never_reaches_the_lighthouse(
     sites = [torch.load(tmp_path / f"site{i}.pt", weights_only=True) for i in range(3)]
     assert all(torch.equal(s["global"], sites[0]["global"]) for s in sites)
     assert all(s["members"] == [0, 1, 2] and not s["events"] for s in sites)
+
+
+# 16 s: by hand (-m slow); the front's refusals are pinned above, this is the site's one line
+@pytest.mark.slow
+def test_a_site_with_another_secret_is_refused_by_the_front_at_once_with_one_line(tmp_path):
+    from test_elastic import CASES, _site_process
+
+    wrong = tmp_path / "wrong"
+    wrong.write_text("another secret\n")
+    preset, kw, _ = CASES["diloco"]
+    address, front, server = _front(b"the run's secret")
+    try:
+        proc = _site_process(tmp_path, address, preset, kw, 0, secret_file=str(wrong))
+        _, err = proc.communicate(timeout=120)
+    finally:
+        front.stop()
+        server.shutdown()
+    assert proc.returncode != 0
+    assert "refused this site's request: it carries no valid MAC under the run's secret" in err
+    assert front.refused >= 1

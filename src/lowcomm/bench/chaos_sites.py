@@ -148,7 +148,7 @@ def _draw_adversary(
         busy.add(site)
         return
     site = rng.randrange(sched.sites)
-    delay = 0.0 if kind == "junk" else round(rng.uniform(1.0, 8.0), 1)
+    delay = 0.0 if kind == "junk" else round(rng.uniform(0.5, 4.0), 1)
     seconds = rng.choice([20.0, 40.0])
     sched.stranger = {"kind": kind, "site": site, "delay_s": delay, "seconds": seconds}
     sched.adversary = f"{kind}:{site}+{delay:g}s x{seconds:g}s"
