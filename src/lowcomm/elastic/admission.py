@@ -17,10 +17,12 @@ What carries a MAC under that key (HMAC-SHA256):
 - (not a MAC carried, a MAC used) each group's store prefix, so a process without the key cannot
   tell where a group's keys will be.
 
-The lighthouse itself has no authentication (torchft's): a process that heartbeats under a
-site's name can keep a dead site "alive", and one that asks under a live site's name displaces
-its requests; the site then asks under a fresh name and the others wait for it, at most
-``timeout_s`` (see :mod:`.reading`). Nothing a stranger sends decides anything.
+The lighthouse itself has no authentication (torchft's); a keyed run's serves behind an
+authenticating front (:mod:`.front`) that forwards only sealed requests. Behind a bare one a
+process that heartbeats under a site's name can keep a dead site "alive", and one that asks
+under a live site's name displaces its requests; the site then asks under a fresh name and the
+others wait for it, at most ``timeout_s`` (see :mod:`.reading`). Nothing a stranger sends
+decides anything.
 """
 
 from __future__ import annotations
