@@ -15,6 +15,9 @@ whether the models of the sites that finished are equal, and the last line of an
 stopped.
 
     python benchmarks/trust_from_outside.py OUT_DIR [CASE ...]
+
+The lighthouse is given the secret too (`--secret-file`: its front refuses what is not sealed
+under it); `NO_FRONT=1` runs a bare one, as before the front existed.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from pathlib import Path
 import torch
 
 RUN_ID = "trust"
+# the lighthouse behind its authenticating front (`--secret-file`); NO_FRONT=1: a bare one
+FRONT = not os.environ.get("NO_FRONT")
 SITE = ["train", "--strategy", "diloco", "--model", "tiny", "--steps", "200", "sync_every=10",
         "elastic=true", "min_workers=2", "timeout_s=30", "heartbeat_timeout_s=2",
         "progress=false", "eval_every=0", "threads=1", "sites=3", f"run_id={RUN_ID}"]  # fmt: skip
@@ -40,11 +45,12 @@ LIAR = (
 )
 
 
-def lighthouse(port: int) -> subprocess.Popen:
-    """`lowcomm lighthouse` on ``port``, started and answering."""
+def lighthouse(port: int, secret: Path | None) -> subprocess.Popen:
+    """`lowcomm lighthouse` on ``port`` (behind its front with ``secret``), answering."""
+    keyed = ["--secret-file", str(secret)] if secret is not None else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "lowcomm.cli", "lighthouse", "--port", str(port),
-         "--timeout-s", "30", "--heartbeat-timeout-s", "2"],
+         "--timeout-s", "30", "--heartbeat-timeout-s", "2", *keyed],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     assert "lighthouse at" in (proc.stdout.readline() if proc.stdout else "")
@@ -79,7 +85,7 @@ def run_case(case: str, out: Path, secret: Path) -> dict:
     from lowcomm.train.ports import free_port
 
     port = free_port(host="")
-    lh = lighthouse(port)
+    lh = lighthouse(port, secret if FRONT else None)
     stop = threading.Event()
     if case == "junk":  # once, before the sites start
         junk = {"site": 9, "tag": "start", "phase": "sync", "gen": 0, "join_from": 0,
