@@ -192,12 +192,15 @@ def test_share_clip_counts_an_entry_few_sent_as_their_share_of_a_majority():
     # where a majority sent an entry it is their selected mean, as cosine-clip's
     sel = combine_for("cosine-clip").combine(parts, torch.empty(4096)).numpy()
     np.testing.assert_allclose(got[count >= 5], sel[count >= 5], rtol=2e-5, atol=1e-6)
-    # handed back to site 3: its values as sent less what the merge applied of them
+    # handed back to site 3, in the error buffer's units (the selected mean applies a part
+    # whole): the share held back, 1 - c / max(c, 5), of its values as sent; none where a
+    # majority sent the entry
     idx, back = rule.unapplied(parts, 3)
     i3, v3 = (t.numpy() for t in sent[3])
-    applied = v3 * scale[3] / np.maximum(count[i3], 5)
     np.testing.assert_array_equal(idx.numpy(), i3)
-    np.testing.assert_allclose(back.numpy(), v3 - applied, rtol=2e-5, atol=1e-6)
+    held = 1.0 - count[i3] / np.maximum(count[i3], 5)
+    np.testing.assert_allclose(back.numpy(), v3 * held, rtol=2e-5, atol=1e-6)
+    assert (back.numpy()[count[i3] >= 5] == 0).all() and (held > 0).any()
 
 
 def test_share_clip_bounds_a_site_that_sends_where_nobody_else_does():

@@ -410,7 +410,7 @@ def test_the_front_forwards_sealed_requests_under_their_name_and_refuses_the_res
     import time
 
     from lowcomm.elastic.admission import Admission
-    from lowcomm.elastic.front import FRESH_S, REFUSED
+    from lowcomm.elastic.front import FRESH_S
     from lowcomm.elastic.messages import replica_name
 
     address, front, server = _front(b"the run's secret", join_s=0.1)
@@ -442,7 +442,7 @@ def test_the_front_forwards_sealed_requests_under_their_name_and_refuses_the_res
             (replica_name("r1", 3), sealed(run, 3, now - int(2 * FRESH_S * 1e9))),  # stale
         ]
         for name, data in refused:
-            with pytest.raises(Exception, match=REFUSED[:30]):
+            with pytest.raises(Exception, match="lowcomm front: refused"):
                 _ask(address, name, data)
         assert front.refused == len(refused)
         again = _ask(address, replica_name("r1", 0), sealed(run, 0, now))  # a retry: the same
@@ -502,3 +502,71 @@ def test_a_site_with_another_secret_is_refused_by_the_front_at_once_with_one_lin
     assert proc.returncode != 0
     assert "refused this site's request: it carries no valid MAC under the run's secret" in err
     assert front.refused >= 1
+
+
+def _pb(number: int, payload: bytes | int) -> bytes:
+    """One protobuf field: bytes (wire type 2) or a varint (0)."""
+
+    def varint(v: int) -> bytes:
+        out = b""
+        while True:
+            out += bytes([(v & 0x7F) | (0x80 if v > 0x7F else 0)])
+            v >>= 7
+            if not v:
+                return out
+
+    if isinstance(payload, int):
+        return varint(number << 3) + varint(payload)
+    return varint(number << 3 | 2) + varint(len(payload)) + payload
+
+
+def test_the_front_reads_a_request_strictly_and_refuses_what_the_lighthouse_would_read_otherwise():
+    """A protobuf decoder skips unknown fields and merges repeats: a sealed request followed by
+    a group or a second requester would reach the lighthouse as another name and data. The
+    front refuses any byte it does not read itself, a varint past 10 bytes at once, JSON nested
+    beyond reading, and (a launcher's front) another run's request."""
+    import json
+    import time
+
+    pytest.importorskip("grpc")
+    from lowcomm.elastic.admission import Admission
+    from lowcomm.elastic.front import REFUSED, Front
+    from lowcomm.elastic.messages import replica_name
+
+    secret = b"the run's secret"
+    front = Front("127.0.0.1:1", secret, "127.0.0.1:0", run_ids=frozenset(["r1"]))
+
+    def member(site: int, run: str = "r1", **more) -> bytes:
+        data = {
+            "site": site,
+            "tag": "start",
+            "phase": "sync",
+            "gen": 0,
+            "join_from": 0,
+            "run": run,
+            "fp": "f",
+            "name": replica_name(run, site),
+            "seq": time.time_ns(),
+        }
+        data = Admission(site, run, secret).seal(data)
+        return (
+            _pb(1, replica_name(run, site).encode()) + _pb(4, 0) + _pb(7, json.dumps(data).encode())
+        )
+
+    good = _pb(1, member(0))
+    assert front.refusal(good) == ""
+    evil = _pb(1, b"r1/site0001") + _pb(7, b"{}")
+    for bad in [
+        good + b"\x0b\x0c" + _pb(1, evil),  # an empty group, then another requester
+        good + _pb(1, evil),  # a second requester: a decoder merges it over the first
+        _pb(1, member(0) + _pb(1, b"r1/site0001")),  # a repeated field inside
+        _pb(1, member(0) + _pb(9, b"x")),  # a field it does not know
+        _pb(1, member(0))[:-3],  # cut short
+        _pb(1, member(1, run="r2")),  # another run's, on a launcher's front
+        _pb(1, _pb(1, b"r1/site0000") + _pb(7, b"[" * 100_000 + b"]" * 100_000)),  # deep JSON
+    ]:
+        assert front.refusal(bad) == REFUSED
+    t0 = time.perf_counter()
+    assert front.refusal(b"\x0a" + b"\xff" * 4_000_000) == REFUSED  # a varint that never ends
+    assert time.perf_counter() - t0 < 1.0
+    front.stop()

@@ -90,6 +90,13 @@ class LockStep:
         same = self._stuck[-(SAME_FAILURES - 1) :].count(view.members) == SAME_FAILURES - 1
         return same or self._unsure >= UNSURE_FAILURES
 
+    def exhausted(self) -> str:
+        """Why no further attempt is made where this site's collectives completed but the
+        votes kept missing a member's ('' while attempts go on)."""
+        if self._unsure < UNSURE_FAILURES:
+            return ""
+        return f"its commit vote missed a member's {self._unsure} attempts in a row"
+
     def after(self, outcome: Outcome, verdict: Verdict) -> Retry | None:
         """Note a failed attempt; what the next one asks with (None: ask as the first did)."""
         if not verdict.out and verdict.complete:

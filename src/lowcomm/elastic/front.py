@@ -2,26 +2,27 @@
 which forwards to the lighthouse (listening on loopback only) just the quorum requests that
 carry a valid MAC under the run's secret and the name they were sealed with.
 
-Why: torchft's lighthouse answers anyone. A stranger's request under a site's name displaced
-that site's own (it keeps the last request per name), and a stranger's request under any name
-became a participant the lighthouse counts: a quorum round then closed with whichever site
-asked next and the stranger, so two members asking a moment apart landed in different quorums
-(chaos seeds 5 and 12, rounds=quorum). Behind the front a stranger's request never reaches the
-lighthouse: it is refused with ``PERMISSION_DENIED`` and counted. Nor does a replay: of a
-name's sealed requests only ones at least as new as the last it forwarded pass, and none sent
-more than ``FRESH_S`` ago (their ``seq``, the time they were sent, is sealed): a member's older
-request does not come through, nor one recorded in another run (but one of the last
-``FRESH_S`` seconds, under its own name: a participant the lighthouse counts, for a moment).
+Why: torchft's lighthouse answers anyone, and every request it holds is a participant it
+counts. A stranger's request under a site's name displaced that site's own (it keeps the last
+request per name), and a stranger's request under any name closed a quorum round with whichever
+site asked next, so two members asking a moment apart landed in different quorums (chaos seeds
+5 and 12, rounds=quorum). Behind the front such a request is refused with ``PERMISSION_DENIED``
+and counted.
 
-It speaks the lighthouse's gRPC protocol byte for byte (torchft's own ``LighthouseClient`` on
-both sides): it reads the one field it needs (the requester's data, a JSON string) from the
-request's protobuf bytes and forwards the bytes unchanged, with the caller's deadline. A
-heartbeat names only a replica: it is forwarded for a name a valid request came in under, and
-answered (not forwarded) for any other once the front has served ``REGISTER_S`` (until then
-every beat goes through: the sites re-register with a restarted lighthouse by their beats
-before they ask again). So a stranger's heartbeats keep no name alive that never asked with the
-secret, but in that first window, and one under a member's name always can (documented).
-Anything else of the service (GetConfig, SubscribeFailures) is not served.
+What passes: a request whose protobuf holds exactly the fields a ``LighthouseQuorumRequest``
+has, each once (anything else is refused: the lighthouse would read bytes the front did not),
+whose data is a request sealed under the key of the run it names (with ``run_ids``, one of
+those), under the name it came in, sent (its sealed ``seq``) within ``FRESH_S`` of this
+machine's clock and no earlier than the newest one forwarded from the same process of that
+name. So a member's older request does not come through, nor one recorded in another run more
+than ``FRESH_S`` ago (a launcher's front takes its own run's only: none at all). The bytes go on
+unchanged, with the caller's deadline; the lighthouse's own error comes back as it was.
+
+A heartbeat names only a replica: it is forwarded for a name a valid request came in under (a
+``names_file`` keeps those across restarts), and for any name in the front's first
+``REGISTER_S`` (the sites re-register with a restarted lighthouse by their beats before they
+ask again); otherwise it is answered and dropped. A stranger's beats under a member's name
+still count (documented). Nothing else of the service is served.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from .admission import Admission
@@ -40,37 +42,54 @@ log = logging.getLogger("lowcomm")
 
 SERVICE = "torchft.LighthouseService"
 REFUSED = "lowcomm front: refused: this request carries no valid MAC under the run's secret"
-# a request sent longer ago than this (by its sealed seq, against this machine's clock) is
-# stale: a recording. Wide enough for the clocks of machines kept by NTP
+STALE = "lowcomm front: refused: a stale or replayed request"
+# a request sent longer ago than this (by its sealed seq, against this machine's clock) is a
+# recording; each send is sealed anew (see .link), so only clocks apart by more refuse a site
 FRESH_S = 300.0
-# after it starts, every heartbeat is forwarded for this long: the sites re-register with a
-# restarted lighthouse by their beats before they ask again
+# after it starts, every heartbeat is forwarded for this long (see the module)
 REGISTER_S = 30.0
-_THREADS = 64  # a quorum request waits for its quorum (each holds a thread that long)
+_THREADS = 256  # each quorum request holds a thread while its quorum forms
+_MAX_BYTES = 1 << 16  # a quorum request is a few hundred bytes
+_RUNS = 64  # run ids whose keys are kept (derived again when dropped)
+# a QuorumMember's fields: number -> protobuf wire type (0: varint, 2: bytes)
+_MEMBER = {1: 2, 2: 2, 3: 2, 4: 0, 5: 0, 6: 0, 7: 2, 8: 0}
 
 
 class Front:
     """Forwards valid requests from ``bind`` (HOST:PORT; port 0: any) to the lighthouse at
-    ``upstream``, under ``secret``; :meth:`start`, then :attr:`port`; :meth:`stop`."""
+    ``upstream``, under ``secret`` (``run_ids``: only these runs'; ``names_file``: the names
+    that asked, kept across restarts); :meth:`start`, then :attr:`port`; :meth:`stop`."""
 
-    def __init__(self, upstream: str, secret: bytes, bind: str) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        secret: bytes,
+        bind: str,
+        run_ids: frozenset[str] | None = None,
+        names_file: Path | None = None,
+    ) -> None:
         import grpc
 
-        self.secret, self.refused = secret, 0
+        self.secret, self.run_ids, self.names_file = secret, run_ids, names_file
+        self.refused = 0
         self._channel = grpc.insecure_channel(upstream.removeprefix("http://"))
         self._calls = {
             m: self._channel.unary_unary(f"/{SERVICE}/{m}") for m in ("Quorum", "Heartbeat")
         }
         self._runs: dict[str, Admission] = {}  # run id -> its key (derived once)
-        self._vouched: set[str] = set()  # names a valid request came in under
-        self._newest: dict[str, int] = {}  # name -> the newest seq a valid request of it had
+        self._vouched: set[str] = _names(names_file)  # names a valid request came in under
+        self._newest: dict[tuple[str, str], int] = {}  # (name, process) -> its newest seq
         self._lock = threading.Lock()
         self._started = time.monotonic()
         handlers = {
             "Quorum": grpc.unary_unary_rpc_method_handler(self._quorum),
             "Heartbeat": grpc.unary_unary_rpc_method_handler(self._heartbeat),
         }
-        self._server = grpc.server(ThreadPoolExecutor(_THREADS))
+        self._server = grpc.server(
+            ThreadPoolExecutor(_THREADS),
+            # one lighthouse per port: a second bind fails, as torchft's own does
+            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", _MAX_BYTES)],
+        )
         self._server.add_generic_rpc_handlers(
             [grpc.method_handlers_generic_handler(SERVICE, handlers)]
         )
@@ -91,87 +110,137 @@ class Front:
     def _quorum(self, request: bytes, context: Any) -> bytes:
         import grpc
 
-        name, data = requester(request)
-        if not self.valid(name, data):
+        why = self.refusal(request)
+        if why:
             with self._lock:
                 self.refused += 1
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, REFUSED)
-        with self._lock:
-            self._vouched.add(name)
-        return self._calls["Quorum"](request, timeout=context.time_remaining())
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+        return self._forward("Quorum", request, context)
 
     def _heartbeat(self, request: bytes, context: Any) -> bytes:
-        name = _fields(request).get(1, b"").decode(errors="replace")
+        import grpc
+
+        fields = _strict(request, {1: 2})
+        if fields is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lowcomm front: a malformed beat")
+        name = bytes(fields.get(1, b"")).decode(errors="replace")
         with self._lock:
             known = name in self._vouched
-        # just started (again): the live sites beat before they ask, so that a restarted
-        # lighthouse knows them all before the first quorum (see .link); after that, only names
-        # that asked with the secret. (A site's very first beat precedes its first request.)
         if not known and time.monotonic() - self._started > REGISTER_S:
             return b""
-        return self._calls["Heartbeat"](request, timeout=context.time_remaining())
+        return self._forward("Heartbeat", request, context)
 
-    def valid(self, name: str, data: str) -> bool:
-        """Whether ``data`` (a requester's JSON) is a request sealed under the run's key of the
-        run it names, under the name ``name`` it came in."""
+    def _forward(self, method: str, request: bytes, context: Any) -> bytes:
+        """``request`` to the lighthouse with the caller's deadline, cancelled if the caller
+        goes; the lighthouse's error relayed as it was."""
+        import grpc
+
+        call = self._calls[method].future(request, timeout=context.time_remaining())
+        context.add_callback(call.cancel)
         try:
-            raw = json.loads(data)
-        except ValueError:
-            return False
-        request = Request.from_wire(raw, name)
-        if request is None or not request.sealed or not isinstance(request.run, str):
-            return False
+            return call.result()  # type: ignore[no-any-return]
+        except grpc.RpcError as err:
+            context.abort(err.code(), err.details() or "")
+            raise  # (abort raises)
+
+    def refusal(self, request: bytes) -> str:
+        """Why ``request`` (a ``LighthouseQuorumRequest``'s bytes) is refused; '' if it passes
+        (its name is then vouched for)."""
+        member = _requester(request)
+        if member is None:
+            return REFUSED
+        name = bytes(member.get(1, b"")).decode(errors="replace")
+        try:
+            raw = json.loads(bytes(member.get(7, b"")).decode(errors="replace"))
+        except (ValueError, RecursionError):
+            return REFUSED
+        request_ = Request.from_wire(raw, name) if isinstance(raw, dict) else None
+        if request_ is None or not request_.sealed or not isinstance(request_.run, str):
+            return REFUSED
+        if self.run_ids is not None and request_.run not in self.run_ids:
+            return REFUSED
+        if not self._admission(request_.run).valid(request_.mac, "request", request_.signed):
+            return REFUSED
+        return self._fresh(name, request_)
+
+    def _fresh(self, name: str, request: Request) -> str:
+        """'' if ``request`` (valid) is recent and no older than its process's last: then its
+        name is vouched for; else why not."""
+        if abs(request.seq - time.time_ns()) > FRESH_S * 1e9:
+            return f"{STALE}: sent more than {FRESH_S:g} s from the lighthouse's clock"
         with self._lock:
-            admission = self._runs.get(request.run)
+            who = (name, request.inc)
+            if request.seq < self._newest.get(who, 0):
+                return f"{STALE}: older than its site's last"
+            self._newest[who] = request.seq
+            if name not in self._vouched:
+                self._vouched.add(name)
+                if self.names_file is not None:
+                    with open(self.names_file, "a") as f:
+                        f.write(name + "\n")
+        return ""
+
+    def _admission(self, run_id: str) -> Admission:
+        with self._lock:
+            admission = self._runs.get(run_id)
             if admission is None:
-                admission = self._runs[request.run] = Admission(-1, request.run, self.secret)
-            if not admission.valid(request.mac, "request", request.signed):
-                return False
-            # a name's requests come newer and newer (seq: when sent, sealed): an older one is
-            # a replay (the same one again is a retry, after the lighthouse was unreachable)
-            if request.seq < self._newest.get(name, 0):
-                return False
-            if abs(request.seq - time.time_ns()) > FRESH_S * 1e9:  # recorded long ago
-                return False
-            self._newest[name] = request.seq
-            return True
+                if len(self._runs) >= _RUNS:  # junk naming a new run each time: bounded
+                    self._runs.clear()
+                admission = self._runs[run_id] = Admission(-1, run_id, self.secret)
+            return admission
 
 
-def requester(request: bytes) -> tuple[str, str]:
-    """The replica id and data of a ``LighthouseQuorumRequest``'s requester (protobuf: field
-    1, a ``QuorumMember`` whose fields 1 and 7 are they); empty strings where absent."""
-    member = _fields(_fields(request).get(1, b""))
-    return member.get(1, b"").decode(errors="replace"), member.get(7, b"").decode(errors="replace")
+def _names(path: Path | None) -> set[str]:
+    try:
+        return set(path.read_text().split()) if path is not None else set()
+    except OSError:
+        return set()
 
 
-def _fields(message: bytes) -> dict[int, bytes]:
-    """The length-delimited fields of a protobuf ``message`` by number (the last of each);
-    numbers and fixed-width fields are skipped. Malformed bytes end the reading."""
-    out: dict[int, bytes] = {}
+def _requester(request: bytes) -> dict[int, Any] | None:
+    """The fields of a ``LighthouseQuorumRequest``'s requester (a ``QuorumMember``), read
+    strictly; None when the bytes hold anything else (see :func:`_strict`)."""
+    top = _strict(request, {1: 2})
+    if top is None or 1 not in top:
+        return None
+    return _strict(top[1], _MEMBER)
+
+
+def _strict(message: bytes, allowed: dict[int, int]) -> dict[int, Any] | None:
+    """The fields of protobuf ``message`` (number -> bytes or int), when it holds only fields
+    of ``allowed`` (number -> wire type), each at most once; None otherwise (a field it does not
+    know, a group, a repeat, bytes cut short): the lighthouse must read nothing the front did
+    not, and a decoder merges repeats and skips unknown fields."""
+    if len(message) > _MAX_BYTES:
+        return None
+    out: dict[int, Any] = {}
     i = 0
     while i < len(message):
         key, i = _varint(message, i)
-        number, kind = key >> 3, key & 7
-        if kind == 0:
-            _, i = _varint(message, i)
-        elif kind == 2:
-            size, i = _varint(message, i)
-            out[number] = message[i : i + size]
-            i += size
-        elif kind in (1, 5):
-            i += 8 if kind == 1 else 4
-        else:
-            break
+        if key is None or allowed.get(key >> 3) != key & 7 or key >> 3 in out:
+            return None
+        if key & 7 == 0:
+            value, i = _varint(message, i)
+            if value is None:
+                return None
+            out[key >> 3] = value
+            continue
+        size, i = _varint(message, i)
+        if size is None or i + size > len(message):
+            return None
+        out[key >> 3] = message[i : i + size]
+        i += size
     return out
 
 
-def _varint(data: bytes, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while i < len(data):
-        byte = data[i]
-        i += 1
-        value |= (byte & 0x7F) << shift
+def _varint(data: bytes, i: int) -> tuple[int | None, int]:
+    """The varint at ``data[i:]`` and where it ends; None past 10 bytes or the end."""
+    value = 0
+    for n in range(10):
+        if i + n >= len(data):
+            return None, i
+        byte = data[i + n]
+        value |= (byte & 0x7F) << (7 * n)
         if not byte & 0x80:
-            return value, i
-        shift += 7
-    return value, len(data) + 1  # ran out: ends the caller's loop
+            return value, i + n + 1
+    return None, i

@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..errors import MembershipError
-from .front import REFUSED
+from .front import FRESH_S, REFUSED, STALE
 
 log = logging.getLogger("lowcomm")
 
@@ -65,12 +65,14 @@ class Link:
     def quorum(self, tag: str, data: dict[str, Any], wait_s: float, address: str) -> Any:
         """torchft's quorum for this site's request ``data`` (sent with this site's epoch as
         ``lh``), waiting at most ``wait_s`` for it to form; an unreachable lighthouse is waited
-        for (see the module)."""
+        for (see the module). Each send is stamped anew (``data["seq"]``, sealed: a keyed
+        lighthouse's front refuses a stale one), and ``data`` keeps the last stamp."""
         e = self.elastic
         if self._lost_at > self._back_at:  # it was away: back, it must know every live site
             self._reach(tag, time.monotonic())
         while True:
             asked = time.monotonic()
+            data["seq"] = time.time_ns()
             try:
                 return self._client.quorum(
                     replica_id=self.name(),
@@ -92,7 +94,14 @@ class Link:
                     raise MembershipError(
                         f"site {e.site}: the lighthouse at {e.lighthouse} refused this site's "
                         f"request: it carries no valid MAC under the run's secret (this site "
-                        f"holds another, or none): give it the run's secret"
+                        f"holds another, or none, or belongs to another run): give it the "
+                        f"run's secret and run id"
+                    ) from None
+                if STALE in str(err):  # (each send is stamped anew: only clocks do this)
+                    raise MembershipError(
+                        f"site {e.site}: the lighthouse at {e.lighthouse} refused this site's "
+                        f"request as stale: this machine's clock and the lighthouse's differ by "
+                        f"more than {FRESH_S:g} s, or went back: set both by NTP"
                     ) from None
                 log.warning(
                     "site %d: the lighthouse at %s is unreachable at %s (%s); asking "

@@ -78,6 +78,10 @@ class Runner:
             self.membership.exclude(verdict.out, tag, outcome.view)
             retry = policy.after(outcome, verdict)
             self._failed()
+            if policy.exhausted():  # (where its collectives failed, hopeless() raises first)
+                raise MembershipError(
+                    f"site {self._site}: {tag} failed: {policy.exhausted()}; it stops here"
+                )
 
     def attempt(
         self, tag: str, collectives: Collectives[T], policy: LockStep, retry: Retry | None

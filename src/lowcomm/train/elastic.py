@@ -117,7 +117,8 @@ def run_sites(spec: RunSpec, workers: int) -> dict[str, Any] | None:
             options = settings.lighthouse_options(min_replicas=1)  # lowcomm checks min_workers
             where = {"netns": net.switch, "host": net.switch_addr} if net else {}
             secret = read_secret(spec.train.secret_file)  # keyed: a front refuses strangers
-            keeper = Keeper(ctx, options, out_dir, secret=secret, **where)
+            run_id = spec.train.run_id
+            keeper = Keeper(ctx, options, out_dir, secret=secret, run_id=run_id, **where)
             keeper.start()
             address = keeper.address
         return _run_sites(spec, workers, ctx, servers, address, keeper, net)

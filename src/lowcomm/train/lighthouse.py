@@ -22,12 +22,20 @@ from ..faults import LIGHTHOUSE_FAULT
 from .ports import free_port
 
 _UP_S = 30.0  # bound on a (re)started lighthouse's process listening on its port
+LIGHTHOUSE_NAMES = ".lighthouse_names"  # (in the run's folder) see Keeper
 
 
-def serve(bind: str, options: dict[str, int], secret: bytes | None) -> tuple[Any, Any]:
+def serve(
+    bind: str,
+    options: dict[str, int],
+    secret: bytes | None,
+    run_id: str = "",
+    names_file: Path | None = None,
+) -> tuple[Any, Any]:
     """torchft's lighthouse at ``bind`` (HOST:PORT); with a run ``secret``, on loopback behind
     an authenticating :class:`~lowcomm.elastic.front.Front` at ``bind`` instead, which forwards
-    only requests sealed under it. Both are held by the caller (dropped, they stop)."""
+    only requests sealed under it (``run_id``: of that run only; ``names_file``: where it keeps
+    the names that asked). Both are held by the caller (dropped, they stop)."""
     from torchft.coordination import LighthouseServer
 
     if secret is None:
@@ -36,15 +44,19 @@ def serve(bind: str, options: dict[str, int], secret: bytes | None) -> tuple[Any
 
     server = LighthouseServer(bind="127.0.0.1:0", **options)
     upstream = server.address().rsplit(":", 1)[1]
-    front = Front(f"127.0.0.1:{upstream}", secret, bind)
+    runs = frozenset([run_id]) if run_id else None
+    front = Front(f"127.0.0.1:{upstream}", secret, bind, runs, names_file)
     front.start()
     return server, front
 
 
-def _serve(port: int, options: dict[str, int], netns: str, up: Any, secret: bytes | None) -> None:
+def _serve(port: int, options: dict[str, int], netns: str, up: Any, front: tuple) -> None:
     """The lighthouse's process: serve until killed (RUST_LOG=warn: see :class:`Keeper`),
-    inside network namespace ``netns`` if one is named, behind a front with ``secret``;
-    ``up`` is set once it listens."""
+    inside network namespace ``netns`` if one is named, behind a front if ``front`` (secret,
+    run id, names file) holds a secret; ``up`` is set once it listens."""
+    import logging
+
+    logging.getLogger("lowcomm").setLevel(logging.ERROR)  # a junk request is no news here
     # Ctrl-C reaches the whole process group: the launcher stops this process itself, after
     # the sites (a KeyboardInterrupt here would only print a traceback into the run's output)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -52,7 +64,7 @@ def _serve(port: int, options: dict[str, int], netns: str, up: Any, secret: byte
         from ..netshape.namespaces import enter
 
         enter(netns)
-    held = serve(f"[::]:{port}", options, secret)
+    held = serve(f"[::]:{port}", options, *front)
     up.set()
     while held:
         time.sleep(3600)
@@ -70,6 +82,7 @@ class Keeper:
         netns: str = "",
         host: str = "",
         secret: bytes | None = None,
+        run_id: str = "",
     ) -> None:
         if not os.environ.get("LOWCOMM_DEBUG"):  # the sites' clients log at INFO too
             os.environ.setdefault("RUST_LOG", "warn")  # (sites inherit it: set before any fork)
@@ -79,14 +92,16 @@ class Keeper:
         self.port = free_port(host="")  # every interface: the sites may be on other machines
         self.address = f"http://{host or socket.gethostname()}:{self.port}"
         self._proc: Any = None
-        self.secret = secret  # a keyed run's: the lighthouse serves behind a front
+        # a keyed run's lighthouse serves behind a front that takes this run's requests only,
+        # and keeps the names that asked (a restarted one still knows whose beats count)
+        self.front = (secret, run_id, out_dir / LIGHTHOUSE_NAMES)
         self._back_at: float | None = None  # a lighthouse: fault's restart time
 
     def start(self) -> None:
         """Start the lighthouse's process and wait until it listens (at most ``_UP_S``)."""
         up = self.ctx.Event()
         self._proc = self.ctx.Process(
-            target=_serve, args=(self.port, self.options, self.netns, up, self.secret), daemon=True
+            target=_serve, args=(self.port, self.options, self.netns, up, self.front), daemon=True
         )
         self._proc.start()
         deadline = time.monotonic() + _UP_S
@@ -129,3 +144,4 @@ class Keeper:
             self._proc.kill()
             self._proc.join()
         (self.out_dir / LIGHTHOUSE_FAULT).unlink(missing_ok=True)
+        (self.out_dir / LIGHTHOUSE_NAMES).unlink(missing_ok=True)

@@ -10,10 +10,10 @@ mean, as before; one that fewer sent moves by their share of a majority (with 8 
 sender's 1/5), so a minority moves the model no more on entries of its own than its members'
 share of a majority.
 
-What an honest site's entry did not get applied is not lost: the rule hands it back to the
-sender's error buffer (as a weighted merge does), and the site sends it again, grown, until it
-is applied or others pick it too. On dense codecs every site sends every entry, so this is
-``cosine-clip`` exactly."""
+What an honest site's entry did not get applied is not lost: the rule hands the share it held
+back (``1 - c / max(c, floor)`` of the entry) to the sender's error buffer (as a weighted merge
+does), and the site sends it again, grown, until it is applied or others pick it too. On dense
+codecs every site sends every entry, so this is ``cosine-clip`` exactly."""
 
 from __future__ import annotations
 
@@ -46,18 +46,21 @@ class ShareClip(CosineClip):
             counts.index_add_(0, idx, torch.ones(idx.numel(), device=out.device))
         floor = len(parts) // 2 + 1
         out.div_(counts.clamp_min(floor))
-        # what each kept part had applied, at its own indices (read back by unapplied)
-        self._applied = {j: (i, v / counts[i].clamp_min(floor)) for j, (i, v) in zip(at, sent)}
+        # each entry's share applied, c / max(c, floor), and which parts it was of (unapplied)
+        self._share, self._kept = counts / counts.clamp_min(floor), set(at)
         return out
 
     def unapplied(self, parts: Parts, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """On top-k: of part ``j``'s values as sent, what the last merge did not apply (all
-        of it where the part was left out). Dense: nothing, as every robust rule."""
+        """On top-k: what of part ``j`` the last merge held back, in the units of the error
+        buffer (those of the selected mean, which applies a part whole): ``(1 - c / max(c,
+        floor)) v`` at its entries, ``v`` where the part was left out. (What clipping took is
+        not handed back, as no robust rule hands it back.) Dense: nothing."""
         if not hasattr(parts.codec, "decode_sparse"):
             return super().unapplied(parts, j)
         got = readable(parts, j, sparse=True)
         if got is None:  # (never this site's own: it checked its values before sending)
             return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float32)
         idx, vals = got
-        applied = getattr(self, "_applied", {}).get(j)
-        return idx, vals if applied is None else vals - applied[1]
+        if j not in getattr(self, "_kept", ()):
+            return idx, vals
+        return idx, vals * (1.0 - self._share[idx])
