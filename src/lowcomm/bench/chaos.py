@@ -79,10 +79,11 @@ class Schedule:
     # accuse) or a stranger (kind, site, delay_s, seconds: see .stranger); "" for none
     adversary: str = ""
     stranger: dict[str, Any] | None = None
+    keyed: bool = False  # with the campaign's secret (a campaign that draws adversaries)
 
     def command(self, out: Path) -> list[str]:
-        """The ``lowcomm train`` command that runs this schedule into ``out`` (keyed with the
-        campaign's secret, ``out``'s parent's ``secret``)."""
+        """The ``lowcomm train`` command that runs this schedule into ``out`` (``keyed``: with
+        the campaign's secret, ``out``'s parent's ``secret``)."""
         args = [
             *TRAIN,
             "--strategy",
@@ -106,7 +107,7 @@ class Schedule:
             "timeout_s=10",
             f"rounds={self.rounds}",
             f"seed={self.seed}",
-            f"secret_file={out.parent / SECRET}",
+            *([f"secret_file={out.parent / SECRET}"] if self.keyed else []),
             *METHODS[self.method],
         ]
         if any(f.startswith("liar:") for f in self.faults):  # its lie shows at a check
@@ -129,7 +130,7 @@ def draw(
     rng = random.Random(seed)
     method = methods[seed % len(methods)]
     mode = rounds[(seed // len(methods)) % len(rounds)]
-    sched = Schedule(seed, method, mode, sites, steps)
+    sched = Schedule(seed, method, mode, sites, steps, keyed=bool(adversaries))
     spare = sites - MIN_WORKERS  # how many sites may go for good
     busy: set[int] = set()
     for _ in range(rng.randint(1, 3)):
@@ -295,23 +296,14 @@ def run_one(sched: Schedule, out: Path, limit: float) -> dict[str, Any]:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     stranger = None
-    if sched.stranger is not None:  # it waits for the run's file, then acts
-        stranger = strangers.spawn(sched.stranger, out, out.parent / CAPTURED)
     t0 = time.monotonic()
-    with open(out.parent / f"{out.name}.log", "w") as log:
-        # a session of its own: a hung run's sites (the launcher's forkserver children) end too
-        proc = subprocess.Popen(
-            sched.command(out), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            code: int | None = proc.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            code = None
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # a stopped (hung) site left behind too
-        proc.wait()
+    try:
+        if sched.stranger is not None:  # it waits for the run's file, then acts
+            stranger = strangers.spawn(sched.stranger, out, out.parent / CAPTURED)
+        code = _run(sched, out, limit)
+    finally:
+        acted = strangers.collect(stranger) if stranger is not None else None
     wall = time.monotonic() - t0
-    acted = strangers.collect(stranger) if stranger is not None else None
     if acted and acted.get("run_id"):  # a listener on the wire heard its requests
         secret = (out.parent / SECRET).read_bytes().strip()
         strangers.overheard(out.parent / CAPTURED, acted["run_id"], secret, sched.sites)
@@ -329,6 +321,24 @@ def run_one(sched: Schedule, out: Path, limit: float) -> dict[str, Any]:
         "stranger_acted": acted,
         "violations": broken,
     }
+
+
+def _run(sched: Schedule, out: Path, limit: float) -> int | None:
+    """The schedule's run, its output in ``out``'s log; its exit code (None: killed at
+    ``limit``, a hang)."""
+    with open(out.parent / f"{out.name}.log", "w") as log:
+        # a session of its own: a hung run's sites (the launcher's forkserver children) end too
+        proc = subprocess.Popen(
+            sched.command(out), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            code: int | None = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            code = None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # a stopped (hung) site left behind too
+        proc.wait()
+    return code
 
 
 def _seeds(text: str) -> list[int]:
@@ -396,7 +406,7 @@ def main(argv: list[str]) -> int:
         )
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    if not (out / SECRET).exists():  # one secret for the campaign: runs told apart by run id
+    if adversaries and not (out / SECRET).exists():  # one secret: runs told apart by run id
         (out / SECRET).write_text(os.urandom(16).hex() + "\n")
     cut = [
         s

@@ -204,13 +204,12 @@ def run_one(sched: SitesSchedule, out: Path, limit: float) -> dict[str, Any]:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     t0 = time.monotonic()
-    run = Deployment(out, sched.ranks, sched.train)
+    run = Deployment(out, sched.ranks, sched.train, secret_file=sched.secret)
     faults = Faults(run)
     stranger = None
-    if sched.stranger is not None:  # it waits for site 0's run id, then acts
-        captured = out.parent / CAPTURED
-        stranger = strangers.spawn(sched.stranger, out, captured, run.address)
     try:
+        if sched.stranger is not None:  # it waits for site 0's run id, then acts
+            stranger = strangers.spawn(sched.stranger, out, out.parent / CAPTURED, run.address)
         for s in range(sched.sites):
             run.start(s)
         pending = sorted(sched.faults, key=lambda f: f["sync"])

@@ -29,12 +29,14 @@ class Deployment:
         train: Callable[[int, str], list[str]],
         net: Any = None,
         timeout_s: float = 10.0,
+        secret_file: str = "",
     ) -> None:
         from ..train.ports import free_port
 
         root.mkdir(parents=True, exist_ok=True)
         self.root, self.ranks, self.train, self.net = root, ranks, train, net
         self.timeout_s = timeout_s
+        self.secret_file = secret_file  # a keyed run's: its lighthouse serves behind the front
         self.port = free_port(host="")
         self.host = net.switch_addr if net is not None else "127.0.0.1"
         self.address = f"{self.host}:{self.port}"  # the lighthouse, as the sites reach it
@@ -55,6 +57,7 @@ class Deployment:
             f"{self.timeout_s:g}",
             "--heartbeat-timeout-s",
             "1",
+            *(["--secret-file", self.secret_file] if self.secret_file else []),
         ]
         if self.net is not None:
             argv = ["ip", "netns", "exec", self.net.switch, *argv]

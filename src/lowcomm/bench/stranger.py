@@ -71,6 +71,7 @@ class Stranger:
         self.refused = 0  # requests a keyed lighthouse's front refused
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._local = threading.local()
+        self._count = threading.Lock()  # asked and refused, from every thread
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's client logs each connection
 
     def start(self) -> None:
@@ -167,7 +168,8 @@ class Stranger:
 
     def _ask(self, address: str, name: str, data: dict[str, Any]) -> None:
         """One quorum request (a client per thread, made once); what the quorum showed, kept."""
-        self.asked += 1
+        with self._count:
+            self.asked += 1
         try:
             client = getattr(self._local, "client", None)
             if client is None:
@@ -186,7 +188,8 @@ class Stranger:
                 data=data,
             )
         except Exception as err:  # no quorum in its second, refused, or away: ask again
-            self.refused += "PermissionDenied" in str(err)
+            with self._count:
+                self.refused += "PermissionDenied" in str(err)
             time.sleep(0.05)
             return
         for m in q.participants:
@@ -219,7 +222,10 @@ class Stranger:
         except OSError:
             return None
         for line in reversed(lines):
-            data = json.loads(line)
+            try:
+                data = json.loads(line)
+            except ValueError:  # a line another campaign's writer left cut short
+                continue
             if data.get("run") != run_id:
                 return data
         return None
@@ -233,6 +239,30 @@ class Stranger:
 
 def _url(address: str) -> str:
     return address if "://" in address else f"http://{address}"
+
+
+def overheard(captured: Path, run_id: str, secret: bytes, sites: int) -> None:
+    """What a listener on the wire saw of run ``run_id`` (its sites' requests travel in the
+    clear): one sealed request per site, appended to ``captured`` for a later run's ``replay``
+    stranger. The campaign writes it, with the run's secret, as the run's sites would have."""
+    from ..elastic.admission import Admission
+
+    with open(captured, "a") as f:
+        for site in range(sites):
+            data = {
+                "site": site,
+                "tag": "sync@10",
+                "phase": "sync",
+                "gen": 0,
+                "join_from": 0,
+                "run": run_id,
+                "fp": "f",
+                "name": replica_name(run_id, site),
+                "seq": time.time_ns(),
+                "inc": "0",
+                "store": "",
+            }
+            f.write(json.dumps(Admission(site, run_id, secret).seal(data)) + "\n")
 
 
 def spawn(plan: dict[str, Any], out: Path, captured: Path, lighthouse: str = "") -> Any:
@@ -288,27 +318,3 @@ def _stop_file(row: Path) -> Path:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
-
-
-def overheard(captured: Path, run_id: str, secret: bytes, sites: int) -> None:
-    """What a listener on the wire saw of run ``run_id`` (its sites' requests travel in the
-    clear): one sealed request per site, appended to ``captured`` for a later run's ``replay``
-    stranger. The campaign writes it, with the run's secret, as the run's sites would have."""
-    from ..elastic.admission import Admission
-
-    with open(captured, "a") as f:
-        for site in range(sites):
-            data = {
-                "site": site,
-                "tag": "sync@10",
-                "phase": "sync",
-                "gen": 0,
-                "join_from": 0,
-                "run": run_id,
-                "fp": "f",
-                "name": replica_name(run_id, site),
-                "seq": time.time_ns(),
-                "inc": "0",
-                "store": "",
-            }
-            f.write(json.dumps(Admission(site, run_id, secret).seal(data)) + "\n")

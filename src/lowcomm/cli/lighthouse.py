@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import logging
 import os
 import signal
 import socket
@@ -73,7 +74,7 @@ def cmd_lighthouse(args: argparse.Namespace) -> int:
         import torchft.coordination  # noqa: F401 (its lighthouse, imported by serve)
     except ImportError:
         raise ConfigError(
-            "the lighthouse is torchft's: pip install 'lowcomm[elastic]' (a pinned torchft)"
+            "the lighthouse is torchft's: pip install 'lowcomm[torchft]' (a pinned torchft)"
         ) from None
     join_s = LIGHTHOUSE_JOIN_S if args.rounds == "quorum" else args.timeout_s
     options = {
@@ -82,7 +83,20 @@ def cmd_lighthouse(args: argparse.Namespace) -> int:
         "quorum_tick_ms": 20,
         "heartbeat_timeout_ms": int(args.heartbeat_timeout_s * 1000),
     }
-    server, front = serve(_bind(args.host, args.port), options, read_secret(args.secret_file))
+    secret = read_secret(args.secret_file)
+    if secret is not None:
+        try:
+            import grpc  # noqa: F401 (the front speaks the lighthouse's gRPC)
+        except ImportError:
+            raise ConfigError(
+                "a keyed lighthouse serves behind a front that needs grpcio: pip install "
+                "'lowcomm[torchft]'"
+            ) from None
+        logging.getLogger("lowcomm").setLevel(logging.ERROR)  # a junk request is no news here
+    try:
+        server, front = serve(_bind(args.host, args.port), options, secret)
+    except OSError as e:
+        raise ConfigError(f"the lighthouse cannot listen on {args.host}:{args.port}: {e}") from None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
