@@ -20,7 +20,9 @@ The hints only ever make a site stop early or skip; they never decide membership
 its writer's site and process (``value#site.inc``), sealed with the rest under a run secret: a
 reader that knows the members' processes (from the last quorum) reads a hint of another
 process of a member (a recording of an earlier session of the same run id, written again) or
-of a non-member as absent.
+of a non-member as absent. (Before its first quorum a site knows no process and reads every
+hint with a valid MAC; a new member's pace, read as absent until its process was known, is
+posted again by every site that knew it once the views show the new process.)
 """
 
 from __future__ import annotations
@@ -165,7 +167,10 @@ class Rounds:
         known = {d.site: d.store for d in view.data}
         stores = {s: known.get(s) or self._stores.get(s) for s in view.members}
         # whose hints are read: these processes, and an expected site's last one
-        self._incs = {**self._incs, **{d.site: d.inc for d in view.data if d.inc}}
+        incs = {**self._incs, **{d.site: d.inc for d in view.data if d.inc}}
+        if self._told and incs != self._incs:  # a new process among them: its pace
+            self._post(_key(0, f"pace{self._site}"), f"{self._told:.6f}")  # came unread
+        self._incs = incs
         behind = set(self._behind())
         for s, address in self._stores.items():
             if s in view.members or address in self._dead:
