@@ -21,8 +21,8 @@ its writer's site and process (``value#site.inc``), sealed with the rest under a
 reader that knows the members' processes (from the last quorum) reads a hint of another
 process of a member (a recording of an earlier session of the same run id, written again) or
 of a non-member as absent. (Before its first quorum a site knows no process and reads every
-hint with a valid MAC; a new member's pace, read as absent until its process was known, is
-posted again by every site that knew it once the views show the new process.)
+hint with a valid MAC; and every site posts its pace again when the members' processes
+change, so a new member's, read as absent until its process was known, is read then.)
 """
 
 from __future__ import annotations
