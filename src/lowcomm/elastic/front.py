@@ -48,6 +48,7 @@ STALE = "lowcomm front: refused: a stale or replayed request"
 FRESH_S = 300.0
 # after it starts, every heartbeat is forwarded for this long (see the module)
 REGISTER_S = 30.0
+TARPIT_S = 0.5  # a refusal's delay (see Front._quorum)
 _THREADS = 256  # each quorum request holds a thread while its quorum forms
 _MAX_BYTES = 1 << 16  # a quorum request is a few hundred bytes
 _RUNS = 64  # run ids whose keys are kept (derived again when dropped)
@@ -114,6 +115,9 @@ class Front:
         if why:
             with self._lock:
                 self.refused += 1
+            # held a moment before the answer: a flood then asks at the pace its threads wait,
+            # not as fast as the CPU refuses (which took the sites' cores on a small host)
+            time.sleep(min(TARPIT_S, max(0.0, (context.time_remaining() or 0.0) - 0.05)))
             context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
         return self._forward("Quorum", request, context)
 
