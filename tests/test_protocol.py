@@ -124,6 +124,8 @@ class _Quorum:
 
 
 class _Lighthouse:
+    sent_seq = 0  # the seq a Link stamps its last send with (the quorums here hold none)
+
     def __init__(self, *data):
         self.answer = _Quorum(*data)
 
@@ -208,7 +210,8 @@ def test_a_hung_peer_store_holds_up_no_hint_to_the_other_sites(monkeypatch):
 
     monkeypatch.setattr(rounds_mod.dist, "TCPStore", store)
     elastic = Elastic(lighthouse="http://unused", site=0, sites=3, rounds="quorum")
-    rounds = rounds_mod.Rounds(SimpleNamespace(elastic=elastic, store=own, admission=_OPEN))
+    membership = SimpleNamespace(elastic=elastic, store=own, admission=_OPEN, incarnation="a1")
+    rounds = rounds_mod.Rounds(membership)
     rounds._stores = {0: "own", 1: "127.0.0.1:1", 2: f"127.0.0.1:{good.port}"}  # hung first
     try:
         rounds._post("lowcomm-rounds/60/arrived")
@@ -555,7 +558,8 @@ def test_a_joiner_takes_part_in_the_sync_that_admitted_it_without_waiting_for_ar
 
     own = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     elastic = Elastic(lighthouse="http://unused", site=4, sites=5, rounds="quorum")
-    rounds = rounds_mod.Rounds(SimpleNamespace(elastic=elastic, store=own, admission=_OPEN))
+    membership = SimpleNamespace(elastic=elastic, store=own, admission=_OPEN, incarnation="a1")
+    rounds = rounds_mod.Rounds(membership)
 
     def waited(step):
         raise AssertionError(f"waited for the others' arrivals at sync@{step}")

@@ -42,6 +42,7 @@ class Link:
         self.name = name or (lambda: elastic.replica_id)
         self._seal = seal or (lambda data: data)
         self.epoch = 0  # lighthouse outages seen (or heard of from a quorum): names groups
+        self.sent_seq = 0  # the seq its last quorum request was sent with (see quorum)
         # when the last heartbeat that found the lighthouse unreachable was sent, and when this
         # site last found it back: an outage since then is waited out before the next quorum
         self._lost_at, self._back_at = -1.0, 0.0
@@ -65,14 +66,14 @@ class Link:
     def quorum(self, tag: str, data: dict[str, Any], wait_s: float, address: str) -> Any:
         """torchft's quorum for this site's request ``data`` (sent with this site's epoch as
         ``lh``), waiting at most ``wait_s`` for it to form; an unreachable lighthouse is waited
-        for (see the module). Each send is stamped anew (``data["seq"]``, sealed: a keyed
-        lighthouse's front refuses a stale one), and ``data`` keeps the last stamp."""
+        for (see the module). Each send is stamped anew (its ``seq``, sealed: a keyed
+        lighthouse's front refuses a stale one); :attr:`sent_seq` is the last stamp."""
         e = self.elastic
         if self._lost_at > self._back_at:  # it was away: back, it must know every live site
             self._reach(tag, time.monotonic())
         while True:
             asked = time.monotonic()
-            data["seq"] = time.time_ns()
+            self.sent_seq = time.time_ns()
             try:
                 return self._client.quorum(
                     replica_id=self.name(),
@@ -82,7 +83,7 @@ class Link:
                     step=0,
                     world_size=1,
                     shrink_only=False,
-                    data=self._seal({**data, "lh": self.epoch}),
+                    data=self._seal({**data, "lh": self.epoch, "seq": self.sent_seq}),
                 )
             except TimeoutError as err:  # the lighthouse answered: no quorum formed
                 raise MembershipError(

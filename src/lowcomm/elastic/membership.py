@@ -288,7 +288,7 @@ class Membership:
         # a wait of exactly timeout_s would give up on a peer about to arrive
         assert self._link is not None, "only a site's rank 0 asks the lighthouse"
         q = self._link.quorum(tag, data, 2 * e.timeout_s + e.connect_s, self.store_address)
-        seq = data["seq"]  # its last send's (a send retried is stamped anew)
+        seq = self._link.sent_seq  # its last send's (a send retried is stamped anew)
         data = self.reader.read(q.participants, join, self.incarnation, seq)
         self._link.adopt([d.lh for d in data])
         return View(int(q.quorum_id), [d.site for d in data], data)
