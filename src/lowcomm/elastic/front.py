@@ -7,7 +7,8 @@ counts. A stranger's request under a site's name displaced that site's own (it k
 request per name), and a stranger's request under any name closed a quorum round with whichever
 site asked next, so two members asking a moment apart landed in different quorums (chaos seeds
 5 and 12, rounds=quorum). Behind the front such a request is refused with ``PERMISSION_DENIED``
-and counted.
+and counted, after ``TARPIT_S``: refused at once, a flood asked again at once, and on 2 cores the
+refusals took the sites' CPU (benchmarks/trust.md).
 
 What passes: a request whose protobuf holds exactly the fields a ``LighthouseQuorumRequest``
 has, each once (anything else is refused: the lighthouse would read bytes the front did not),
