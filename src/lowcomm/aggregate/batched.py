@@ -1,5 +1,6 @@
 """The gather exchange over a whole bucket at once, where the codec has a plan for it (top-k:
-:mod:`~lowcomm.codecs.topk_many`): one encode, one decode per sender and one combine over the
+:mod:`~lowcomm.codecs.topk_many`; the block codecs: :mod:`~lowcomm.codecs.block_many`): one
+encode, one decode per sender and one combine over the
 bucket's flat coordinates, in kernel launches that do not grow with the number of tensors, and
 one host synchronisation per exchange (every sender's flag and decode check, read together).
 
@@ -53,6 +54,9 @@ def encode(
     payload = torch.empty(plan.nbytes + 1, dtype=torch.uint8, device=dev)
     idx, values = plan.encode(flat, payload)
     payload[-1] = int(valid)  # after the packing, which used it as scratch
+    if not plan.sparse:  # a dense codec: our decode is what peers decode of the payload
+        local = plan.decode(payload[:-1])[1] if want else None
+        return Encoded(payload, shapes, n, local, key)
     if want == "sparse":
         return Encoded(payload, shapes, n, None, key, sparse_flat=(idx, values))
     local = None
@@ -61,10 +65,11 @@ def encode(
     return Encoded(payload, shapes, n, local, key)
 
 
-def combines(rule: Combine, weights: list[float] | None, me: int | None) -> bool:
+def combines(plan: Any, rule: Combine, weights: list[float] | None, me: int | None) -> bool:
     """Whether the bucket-at-once combine computes what ``rule`` would (the plain rules, with
-    nothing per tensor asked of them)."""
-    return type(rule) in (Mean, SelectedMean) and (weights is None or me is None)
+    nothing per tensor asked of them; the selected mean of a sparse codec's)."""
+    rules = (Mean, SelectedMean) if plan.sparse else (Mean,)
+    return type(rule) in rules and (weights is None or me is None)
 
 
 def combine(
@@ -100,7 +105,11 @@ def combine(
         return Reduced(selected_mean(sent, ws, total), len(senders), None, tracked)
     total.zero_()
     for j, (idx, values) in enumerate(sent):
-        total.index_add_(0, idx, values * ws[j] if ws is not None else values)
+        part = values * ws[j] if ws is not None else values
+        if idx is None:  # a dense codec's: the per-tensor rule's sum, element by element
+            total += part
+        else:
+            total.index_add_(0, idx, part)
     mean = total.div_(_divisor(sum(ws) if ws is not None else len(sent)))
     return Reduced(mean, len(senders), None, tracked)
 

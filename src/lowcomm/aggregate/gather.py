@@ -74,7 +74,7 @@ class GatherAggregator(Aggregator):
         self.faults.gathered(enc.shapes, gathered, enc.key)
         me = transport.rank if enc.keep_unapplied else None
         plan = self.plan(enc.shapes, payload.device)
-        if plan is not None and batched.combines(self.rule, weights, me):
+        if plan is not None and batched.combines(plan, self.rule, weights, me):
             got = batched.combine(
                 plan, self.rule, gathered, enc.numel, weights, enc.out, self.track
             )

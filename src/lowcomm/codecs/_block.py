@@ -34,6 +34,7 @@ from ._format import (
 )
 from .base import Codec, PayloadError
 from .bitpack import PLANE_BYTES, pack_planar, planar_nbytes, unpack_planar
+from .block_many import BlockPlan
 
 #: smallest stored scale: blocks whose absmax is below it quantize relative to it instead
 #: (an absolute error below 2**-100, far under anything a float32 model notices).
@@ -74,6 +75,7 @@ class BlockCodec(Codec):
         self.per_byte = 8 // self.bits
         self._group = PLANE_BYTES * self.per_byte if self.bits < 8 else PLANE_BYTES
         self._unit = math.lcm(block_size, self._group)
+        self._plans: dict[tuple, BlockPlan] = {}  # plan() caches one per (shapes, device)
 
     def __repr__(self) -> str:
         sr = ", stochastic=True" if self.stochastic else ""
@@ -259,6 +261,17 @@ class BlockCodec(Codec):
                 f"format's range ({self.invalid_codes})"
             )
         return out.view(shape)
+
+    def plan(self, shapes: list[torch.Size], device: torch.device) -> BlockPlan | None:
+        """The plan that encodes and decodes tensors of ``shapes`` together on ``device``
+        (cached; :mod:`.block_many`), or None with stochastic rounding (its draws would fall
+        otherwise)."""
+        if self.stochastic:
+            return None
+        key = (tuple(tuple(s) for s in shapes), device)
+        if key not in self._plans:
+            self._plans[key] = BlockPlan(self, [torch.Size(s) for s in shapes], device)
+        return self._plans[key]
 
     def _encode_fused(self, flat: torch.Tensor, scales: torch.Tensor, packed: torch.Tensor) -> bool:
         """Optional: encode all of ``flat`` with a fused kernel, the same bits as the chunked

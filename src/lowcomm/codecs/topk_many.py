@@ -86,7 +86,9 @@ class _Group:
 
 class TopKPlan:
     """One bucket's shapes under one top-k codec, on one device: :meth:`encode` and
-    :meth:`decode` of all of them at once."""
+    :meth:`decode` of all of them at once. ``sparse``: decodes are (indices, values)."""
+
+    sparse = True
 
     def __init__(self, codec, shapes: list[torch.Size], device: torch.device) -> None:
         self.codec, self.device = codec, device

@@ -50,6 +50,14 @@ class AlphaMix(Merge):
         self.alpha = alpha
 
     def merge(self, frag: Fragment, in_flight: torch.Tensor | None) -> None:
+        params = [p.detach() for p in frag.params]
+        dev = frag.global_flat.device
+        if wanted(dev) and all(p.dtype == torch.float32 and p.device == dev for p in params):
+            # an accelerator: multi-tensor kernels (launches that do not grow with the number
+            # of parameters), the same element-wise ops and bits
+            torch._foreach_mul_(params, self.alpha)
+            torch._foreach_add_(params, frag.global_views, alpha=1.0 - self.alpha)
+            return
         for p, g in pieces(frag.params, frag.global_flat):  # one pass: p is re-read in cache
             self._mix(p, g)
 
