@@ -22,6 +22,7 @@ import os
 
 import torch
 
+from . import _triton
 from ._format import HEADER_BYTES, write_header
 from .bitpack_many import Stream, Streams
 
@@ -63,11 +64,11 @@ class _Group:
         self.kept_t = torch.cat(self.kept_at).to(device)
         self.ntiles = base.numel()
         at = torch.arange(self.L, dtype=torch.int64)
+        self.base_t, self.row_t = base.to(device), row.to(device)  # (the fused kernel's too)
         if self.rows:  # each tile's rows, as indices of tc-element rows of the input
             r = torch.arange(self.tr, dtype=torch.int64)
             self.row_index = ((base[:, None] + r * row[:, None]) // self.tc).view(-1).to(device)
         else:
-            self.base_t, self.row_t = base.to(device), row.to(device)
             self.r, self.c = (at // self.tc).to(device), (at % self.tc).to(device)
         self.rev = (self.L - 1 - at).to(device)  # the lower index ranks higher among ties
         self.lane = torch.arange(self.k, dtype=torch.int64, device=device)
@@ -170,14 +171,24 @@ class TopKPlan:
         Ranked by magnitude with ``topk``; where a tile's k-th magnitude is shared by more
         entries than were kept, which of them is kept is the rule's to say (the lower index)
         and ``topk``'s choice may differ: then everything is ranked again by an exact key (one
-        host read says whether; ties are rare outside planted data such as zero rows)."""
+        host read says whether; ties are rare outside planted data such as zero rows). Where
+        Triton runs, a group is selected by its fused kernel instead: the same rule, exactly,
+        in one read of the tiles and no host read."""
         local = torch.empty(self.kept, dtype=torch.int64, device=flat.device)
         values = torch.empty(self.kept, dtype=torch.float32, device=flat.device)
-        tied = [self._select(flat, local, values, grp, exact=False) for grp in self.groups]
+        rest = [grp for grp in self.groups if not self._fused(flat, local, values, grp)]
+        tied = [self._select(flat, local, values, grp, exact=False) for grp in rest]
         if tied and bool(torch.stack(tied).any()):
-            for grp in self.groups:
+            for grp in rest:
                 self._select(flat, local, values, grp, exact=True)
         return local, values
+
+    @staticmethod
+    def _fused(flat: torch.Tensor, local: torch.Tensor, values: torch.Tensor, grp: _Group) -> bool:
+        """One group's selection by the fused kernel; False where it does not run."""
+        return _triton.select_tiles(
+            flat, grp.base_t, grp.row_t, grp.kept_t, grp.tc, grp.L, grp.k, local, values
+        )
 
     def _select(
         self,

@@ -1,0 +1,94 @@
+"""The fused Triton kernels (codecs/_triton.py) against the torch path they replace: the same
+indices and values, bit for bit, ties, zeros and non-finite entries included.
+
+They run where Triton does: compiled on a GPU (``make gpu-check``), or on a CPU under Triton's
+interpreter (``TRITON_INTERPRET=1`` set before the import, with Triton installed:
+docs/testing.md); skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from test_topk_many import SHAPES, bucket
+
+from lowcomm.codecs import _triton, make_codec
+from lowcomm.codecs.topk_many import TopKPlan
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+pytestmark = [
+    pytest.mark.skipif(_triton.triton is None, reason="Triton is not installed"),
+    pytest.mark.skipif(
+        DEVICE == "cpu" and not INTERPRETED, reason="no GPU, and Triton's interpreter is off"
+    ),
+]
+if DEVICE == "cuda":
+    pytestmark.append(pytest.mark.cuda)
+
+
+def _select(plan: TopKPlan, flat: torch.Tensor, fused: bool, monkeypatch) -> tuple:
+    monkeypatch.setenv("LOWCOMM_TRITON", "1" if fused else "0")
+    return plan.select(flat)
+
+
+@pytest.mark.parametrize("density", [1 / 64, 1 / 8, 0.5])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fused_selection_is_the_torch_paths(density, seed, monkeypatch):
+    codec = make_codec("topk", density=density)
+    tensors = bucket(seed)
+    tensors[6][1, 2, :] = float("inf")  # a tile of infinities: more equal maxima than kept
+    tensors[7][100] = float("nan")
+    flat = torch.cat([t.reshape(-1) for t in tensors]).to(DEVICE)
+    plan = TopKPlan(codec, [t.shape for t in tensors], torch.device(DEVICE))
+    assert _triton.usable(flat.device)
+    li_t, v_t = _select(plan, flat, False, monkeypatch)
+    li_f, v_f = _select(plan, flat, True, monkeypatch)
+    assert not _triton._broken
+    assert torch.equal(li_f, li_t)
+    assert torch.equal(v_f.view(torch.int32), v_t.view(torch.int32))  # NaN's bits too
+
+
+def test_fused_payload_is_the_torch_paths(monkeypatch):
+    """A whole encode (selection, table, packing) writes the same bytes either way."""
+    codec = make_codec("topk")
+    shapes = [torch.Size(s) for s in SHAPES]
+    tensors = bucket(3)
+    flat = torch.cat([t.reshape(-1) for t in tensors]).to(DEVICE)
+    plan = TopKPlan(codec, shapes, torch.device(DEVICE))
+    out = []
+    for fused in (False, True):
+        monkeypatch.setenv("LOWCOMM_TRITON", "1" if fused else "0")
+        payload = torch.empty(plan.nbytes + 1, dtype=torch.uint8, device=DEVICE)
+        idx, vals = plan.encode(flat, payload)
+        out.append((payload[:-1].clone(), idx, vals))
+    assert torch.equal(out[0][0], out[1][0])
+    assert torch.equal(out[0][1], out[1][1])
+    assert torch.equal(out[0][2], out[1][2])
+
+
+def test_a_failing_kernel_hands_over_to_torch(monkeypatch):
+    """A kernel that cannot run turns itself off once, and the torch path gives the result."""
+    codec = make_codec("topk")
+    tensors = bucket(0)
+    flat = torch.cat([t.reshape(-1) for t in tensors]).to(DEVICE)
+    plan = TopKPlan(codec, [t.shape for t in tensors], torch.device(DEVICE))
+    want = _select(plan, flat, False, monkeypatch)
+    monkeypatch.setattr(_triton, "_broken", False)
+    monkeypatch.setattr(_triton, "_select_tiles", _Unlaunchable())
+    got = _select(plan, flat, True, monkeypatch)
+    assert _triton._broken
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+class _Unlaunchable:
+    """Stands in for a kernel whose launch raises."""
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            raise RuntimeError("no kernel today")
+
+        return launch
