@@ -35,7 +35,8 @@ timeout_flag=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout 150
 for part in $PARTS; do
   case $part in
     codec-tests) step codec-tests 50 $PY -m pytest -q -p no:cacheprovider -k cuda \
-      tests/test_codecs.py tests/test_compensation.py tests/test_topk_many.py ;;
+      tests/test_codecs.py tests/test_compensation.py tests/test_topk_many.py \
+      tests/test_block_many.py tests/test_triton.py ;;
     codecs) for n in 16777216 134217728; do
         step codecs-$n 45 $PY -m lowcomm.cli bench codecs --device cuda --no-mix --repeats 5 \
           --codecs fp32,bf16,int8,int4,fp4,topk --numel $n --json
@@ -44,6 +45,8 @@ for part in $PARTS; do
       --steps 100 --launches --json ;;
     sync-shared) step sync-shared 100 $PY -m lowcomm.cli bench sync --device cuda --world 2 \
       --steps 60 --strategies diloco,sparseloco --json ;;
+    state-cpu) step state-cpu 120 $PY -m lowcomm.cli bench sync --device cuda --world 1 \
+      --steps 60 --strategies diloco,sparseloco --state-device cpu --json ;;
     diagnose) step diagnose 240 $PY -m lowcomm.cli bench sync --device cuda --world 1 \
       --diagnose sparseloco --json ;;
     tests) step tests 200 $PY -m pytest -v -p no:cacheprovider -p no:benchmark -m cuda \
@@ -63,12 +66,14 @@ codecs = (read("codecs-16777216") or []) + (read("codecs-134217728") or [])
 if codecs:
     print("\n| codec | numel | encode × copy | decode × copy |\n|---|---|---|---|")
     for r in codecs:
-        print(f"| {r['codec']} | {r['numel']:,} | {r['encode_vs_copy']:.3f} | "
+        fused = " (Triton)" if r.get("triton") and r["codec"].startswith("topk") else ""
+        print(f"| {r['codec']}{fused} | {r['numel']:,} | {r['encode_vs_copy']:.3f} | "
               f"{r['decode_vs_copy']:.3f} |")
-for name in ("sync-world1", "sync-shared"):
+for name in ("sync-world1", "sync-shared", "state-cpu"):
     res = read(name)
     if res and "rows" in res:
-        print(f"\n{name}: {res['device']}, torch {res['torch']}, {res['tensors']} tensors")
+        print(f"\n{name}: {res['device']}, torch {res['torch']}, {res['tensors']} tensors, "
+              f"Triton {'on' if res.get('triton') else 'off'}")
         print(table(res))
 for d in (read("diagnose") or {}).get("diagnoses", []):
     sites = sorted(d["sync_sites"].items(), key=lambda kv: -kv[1])[:12]

@@ -75,28 +75,30 @@ def test_floor_counts_the_passes_of_each_method() -> None:
     assert total("co2", "continue", True, 4.0) == 15.0
 
 
-def _gpu_workload(rank: int, world: int) -> dict:
+def _gpu_workload(rank: int, world: int, state_device: str) -> dict:
     from lowcomm.bench import gpu
 
     args = gpu.parser().parse_args(
         ["--device", "cpu", "--layers", "2", "--width", "32", "--heads", "2", "--seq", "16",
          "--vocab", "256", "--batch", "2", "--steps", "4", "--warmup", "1", "--sync-every", "2",
-         "--strategies", "diloco,sparseloco"]
+         "--strategies", "diloco,sparseloco", "--state-device", state_device]
     )  # fmt: skip
     return gpu.run(args, rank)
 
 
-def test_the_gpu_workload_runs_its_loop_and_table_on_a_cpu(workers):
+@pytest.mark.parametrize("state_device", ["model", "cpu"])
+def test_the_gpu_workload_runs_its_loop_and_table_on_a_cpu(workers, state_device):
     """`bench sync --device cuda`'s workload on the CPU in a tiny shape (a world of one): every
     method gets a row with its speed against the plain loop before and after, and stages per
     sync that add up to no more than their total."""
     pytest.importorskip("transformers")
     from lowcomm.bench.gpu import table
 
-    (result,) = workers(_gpu_workload, 1)
+    (result,) = workers(_gpu_workload, 1, state_device)
     rows = result["rows"]
     assert [r["strategy"] for r in rows] == ["diloco", "sparseloco"]
     for r in rows:
+        assert r["state_device"] == state_device
         assert r["syncs"] == 2 and len(r["plain_tok_s_before_after"]) == 2
         assert r["speed"] == pytest.approx(r["tok_s"] / r["plain_tok_s"])
         stages = r["stages_s"]

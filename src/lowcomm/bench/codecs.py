@@ -228,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
+    from ..codecs import _triton
+
+    for row in rows:  # whether top-k's fused selection ran (a GPU with Triton)
+        row["triton"] = _triton.usable(dev)
     if args.json:
         print(json.dumps(rows, indent=1))
     else:

@@ -125,7 +125,7 @@ def plain(loop: Loop, args: argparse.Namespace) -> dict[str, float]:
 def method(loop: Loop, strategy: str, h: int, args: argparse.Namespace) -> dict[str, Any]:
     """The same loop inside ``strategy``'s block at H = ``h``: speed, stages, memory."""
     _reset_peak(loop.device)
-    engine = _engine(loop, strategy, h)
+    engine = _engine(loop, strategy, h, args.state_device)
     engine.sync_times.on_device = loop.device.type == "cuda"
     with engine:
         # through one sync first: the first allocates the engine's buffers and plans
@@ -139,6 +139,7 @@ def method(loop: Loop, strategy: str, h: int, args: argparse.Namespace) -> dict[
         "s": seconds,
         "tok_s": args.steps * loop.tokens_per_step / seconds,
         "h": h,
+        "state_device": args.state_device,
         "syncs": done,
         "stages_s": per_sync,
         "peak": peak,
@@ -150,12 +151,13 @@ def method(loop: Loop, strategy: str, h: int, args: argparse.Namespace) -> dict[
 PROFILED_H = 10
 
 
-def _engine(loop: Loop, strategy: str, h: int) -> LowComm:
+def _engine(loop: Loop, strategy: str, h: int, state_device: str = "model") -> LowComm:
     from ..engine import LowComm
     from ..presets import preset_config
 
     world = torch.distributed.get_world_size()
-    return LowComm(loop.model, loop.opt, preset_config(strategy, workers=world, sync_every=h))
+    cfg = preset_config(strategy, workers=world, sync_every=h, state_device=state_device)
+    return LowComm(loop.model, loop.opt, cfg)
 
 
 def _profiled_round(loop: Loop, engine: LowComm | None, cpu: bool = False) -> tuple[Any, int, list]:
@@ -365,6 +367,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=int, default=768)
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--vocab", type=int, default=50257)
+    p.add_argument(
+        "--state-device",
+        choices=("model", "cpu"),
+        default="model",
+        help="where the sync's buffers live (cpu: host memory, the accelerator's saved)",
+    )
     p.add_argument("--launches", action="store_true", help="count kernel launches per sync")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--diagnose", default="", help="methods whose round is profiled instead")
@@ -377,13 +385,17 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser().parse_args(argv)
     result = run_workers_json(_worker, args.world, args)
+    from ..codecs import _triton
+
     result.update(world=args.world, device=_device_name(args.device), torch=torch.__version__)
+    result["triton"] = _triton.usable(torch.device(args.device))  # top-k's fused selection
     if args.json:
         print(json.dumps(result, indent=1))
     else:
         speed = statistics.median(r["speed"] for r in result["rows"])
         print(
             f"{result['device']}, torch {result['torch']}, world {args.world}, "
+            f"Triton kernels {'on' if result['triton'] else 'off'}, "
             f"{result['params'] / 1e6:.1f}M parameters in {result['tensors']} tensors, "
             f"median speed {speed:.3f}"
         )
