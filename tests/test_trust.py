@@ -570,3 +570,56 @@ def test_the_front_reads_a_request_strictly_and_refuses_what_the_lighthouse_woul
     assert front.refusal(b"\x0a" + b"\xff" * 4_000_000) == REFUSED  # a varint that never ends
     assert time.perf_counter() - t0 < 1.0
     front.stop()
+
+
+def test_the_front_holds_a_bounded_number_of_refusals_so_a_swarm_leaves_threads_for_the_sites(
+    monkeypatch,
+):
+    """Each refusal is held a moment, but at most ``_HELD`` at once: a stranger asking from
+    more threads than the front's pool gets the rest refused at once, and never occupies the
+    threads the members' requests wait in."""
+    import threading
+
+    pytest.importorskip("grpc")
+    from lowcomm.elastic import front as front_mod
+
+    front = front_mod.Front("127.0.0.1:1", b"the run's secret", "127.0.0.1:0")
+    release, lock = threading.Event(), threading.Lock()
+    holding, most, held = [0], [0], [0]
+
+    def sleep(_seconds: float) -> None:  # a refusal held until the test lets them all go
+        with lock:
+            holding[0] += 1
+            held[0] += 1
+            most[0] = max(most[0], holding[0])
+        release.wait(30)
+        with lock:
+            holding[0] -= 1
+
+    class Context:
+        def time_remaining(self) -> float:
+            return 10.0
+
+        def abort(self, code, details):
+            raise PermissionError(details)
+
+    def ask() -> None:
+        with pytest.raises(PermissionError, match="refused"):
+            front._quorum(b"junk", Context())
+
+    monkeypatch.setattr(front_mod.time, "sleep", sleep)
+    swarm = 3 * front_mod._HELD
+    threads = [threading.Thread(target=ask) for _ in range(swarm)]
+    for t in threads:
+        t.start()
+    for _ in range(3000):  # until every request is answered but the held ones
+        if sum(t.is_alive() for t in threads) <= front_mod._HELD and front.refused == swarm:
+            break
+        threading.Event().wait(0.01)
+    waiting = sum(t.is_alive() for t in threads)
+    release.set()
+    for t in threads:
+        t.join(30)
+    front.stop()
+    assert front.refused == swarm
+    assert waiting == most[0] == held[0] == front_mod._HELD

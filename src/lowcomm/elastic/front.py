@@ -8,7 +8,9 @@ request per name), and a stranger's request under any name closed a quorum round
 site asked next, so two members asking a moment apart landed in different quorums (chaos seeds
 5 and 12, rounds=quorum). Behind the front such a request is refused with ``PERMISSION_DENIED``
 and counted, after ``TARPIT_S``: refused at once, a flood asked again at once, and on 2 cores the
-refusals took the sites' CPU (benchmarks/trust.md).
+refusals took the sites' CPU (benchmarks/trust.md). At most ``_HELD`` refusals wait at once (the
+rest are answered at once): a stranger asking from more threads than the front serves would
+otherwise hold every thread, and the members' requests would queue behind it.
 
 What passes: a request whose protobuf holds exactly the fields a ``LighthouseQuorumRequest``
 has, each once (anything else is refused: the lighthouse would read bytes the front did not),
@@ -51,6 +53,7 @@ FRESH_S = 300.0
 REGISTER_S = 30.0
 TARPIT_S = 0.5  # a refusal's delay (see Front._quorum)
 _THREADS = 256  # each quorum request holds a thread while its quorum forms
+_HELD = 64  # refusals held at once: past these, refused at once (threads stay for the sites)
 _MAX_BYTES = 1 << 16  # a quorum request is a few hundred bytes
 _RUNS = 64  # run ids whose keys are kept (derived again when dropped)
 # a QuorumMember's fields: number -> protobuf wire type (0: varint, 2: bytes)
@@ -82,6 +85,7 @@ class Front:
         self._vouched: set[str] = _names(names_file)  # names a valid request came in under
         self._newest: dict[tuple[str, str], int] = {}  # (name, process) -> its newest seq
         self._lock = threading.Lock()
+        self._held = threading.BoundedSemaphore(_HELD)
         self._started = time.monotonic()
         handlers = {
             "Quorum": grpc.unary_unary_rpc_method_handler(self._quorum),
@@ -117,8 +121,13 @@ class Front:
             with self._lock:
                 self.refused += 1
             # held a moment before the answer: a flood then asks at the pace its threads wait,
-            # not as fast as the CPU refuses (which took the sites' cores on a small host)
-            time.sleep(min(TARPIT_S, max(0.0, (context.time_remaining() or 0.0) - 0.05)))
+            # not as fast as the CPU refuses (which took the sites' cores on a small host); at
+            # most _HELD at once, so a flood of more threads never holds the members' threads
+            if self._held.acquire(blocking=False):
+                try:
+                    time.sleep(min(TARPIT_S, max(0.0, (context.time_remaining() or 0.0) - 0.05)))
+                finally:
+                    self._held.release()
             context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
         return self._forward("Quorum", request, context)
 
