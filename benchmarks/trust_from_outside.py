@@ -6,6 +6,7 @@ patched site:
 - clean: no attack (the control);
 - flood: a stranger asks the lighthouse as site 1 from 8 threads, with empty data, from the
   sites' start for 60 s (torchft's own LighthouseClient);
+- swarm: the flood from 400 threads (more than the front's 256), for 60 s;
 - junk: the same stranger asks once as site 9 with data claiming the run (its id, a bad MAC)
   before the sites start;
 - liar: site 2 runs with `lowcomm.engine.guards.global_checksum` patched to a constant.
@@ -91,8 +92,8 @@ def run_case(case: str, out: Path, secret: Path) -> dict:
         junk = {"site": 9, "tag": "start", "phase": "sync", "gen": 0, "join_from": 0,
                 "enter": True, "run": RUN_ID, "fp": "x", "mac": "00" * 32}  # fmt: skip
         stranger(port, f"{RUN_ID}/site0009", junk, stop, threads=0)
-    if case == "flood":
-        stranger(port, f"{RUN_ID}/site0001", {}, stop, threads=8)
+    if case in ("flood", "swarm"):
+        stranger(port, f"{RUN_ID}/site0001", {}, stop, threads=8 if case == "flood" else 400)
         threading.Timer(60.0, stop.set).start()
     t0 = time.time()
     procs = []

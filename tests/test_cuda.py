@@ -57,6 +57,16 @@ def test_train_every_strategy_on_the_gpu(strategy, tmp_path):
     assert summary["inner_steps"] == 30
 
 
+@pytest.mark.parametrize("strategy", ["streaming", "sparseloco"])
+def test_the_sync_state_in_host_memory_trains_on_the_gpu(strategy, tmp_path):
+    """``state_device=cpu``: the global copy in pinned host memory, the model on the GPU."""
+    out = tmp_path / strategy
+    proc = _lowcomm("train", "--strategy", strategy, "--workers", "1", "--steps", "30",
+                    "--out", str(out), *SMALL, "device=cuda", "sync_every=10",
+                    "state_device=cpu")  # fmt: skip
+    assert _trained(out, proc)["inner_steps"] == 30
+
+
 def test_a_hugging_face_model_trains_on_the_gpu(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "hf"

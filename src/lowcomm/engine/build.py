@@ -97,6 +97,8 @@ def build_fragments(
             if transport is not None:
                 transport.broadcast(flat, src=0, control=True)
             flat = flat.to(state_device)
+            if state_device.type == "cpu" and params and params[0].is_cuda:
+                flat = flat.pin_memory()  # host state of a GPU model: copies at full speed
             frag = Fragment(
                 i,
                 list(group),
