@@ -92,3 +92,51 @@ class _Unlaunchable:
             raise RuntimeError("no kernel today")
 
         return launch
+
+
+def _block_inputs(seed: int) -> list[torch.Tensor]:
+    """Tensors whose blocks hold the block codecs' hard cases: a short last block, zeros, values
+    below the smallest scale, infinities, a NaN, and magnitudes from 1e-30 to 1e30."""
+    g = torch.Generator().manual_seed(seed)
+    big = torch.randn(3000, generator=g) * 10.0 ** torch.randint(-30, 30, (3000,), generator=g)
+    big[:256] = 0.0
+    big[256:300] = 1e-35
+    big[700] = float("inf")
+    big[1100] = -float("inf")
+    big[1500] = float("nan")
+    return [big, torch.randn(5, 77, generator=g), torch.randn(1, generator=g)]
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2", "fp4"])
+@pytest.mark.parametrize("block", [256, 128, 96, 1000])
+def test_fused_block_codecs_write_and_read_the_torch_paths_bits(name, block, monkeypatch):
+    codec = make_codec(name, block_size=block)
+    for t in _block_inputs(block):
+        t = t.to(DEVICE)
+        finite = t.nan_to_num(0.0, 0.0, 0.0)  # (a payload with a NaN scale is refused)
+        for x in (t, finite):
+            monkeypatch.setenv("LOWCOMM_TRITON", "0")
+            want = codec.encode(x)
+            monkeypatch.setenv("LOWCOMM_TRITON", "1")
+            got = codec.encode(x)
+            assert torch.equal(got, want), (name, block, x.shape)
+        back = []
+        for fused in ("0", "1"):
+            monkeypatch.setenv("LOWCOMM_TRITON", fused)
+            back.append(codec.decode(want, t.shape).view(torch.int32))
+        assert torch.equal(back[0], back[1])
+    assert not _triton._broken
+
+
+@pytest.mark.parametrize("name", ["int4", "fp4"])
+def test_fused_block_decode_refuses_what_the_torch_path_refuses(name, monkeypatch):
+    from lowcomm.codecs import PayloadError
+
+    codec = make_codec(name)
+    t = torch.randn(1024).to(DEVICE)
+    payload = codec.encode(t).clone()
+    payload[16 + 4 * 4 + 7] = 0 if name != "fp4" else 0x88  # a code outside the format
+    for fused in ("0", "1"):
+        monkeypatch.setenv("LOWCOMM_TRITON", fused)
+        with pytest.raises(PayloadError, match="codes outside"):
+            codec.decode(payload, t.shape)

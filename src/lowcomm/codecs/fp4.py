@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from . import _native
+from . import _native, _triton
 from ._block import MIN_SCALE, BlockCodec, dither
 from ._format import HEADER_BYTES, check_finite_scales, check_payload, numel_of
 from .bitpack import PLANE_BYTES
@@ -81,10 +81,15 @@ class FP4Codec(BlockCodec):
         iwork.bitwise_and_(0x3FF)
 
     def _quantize(self, xb, scales, work, iwork, codes):
+        table = _tables(xb.device)[0]
+        if not self.stochastic and _triton.quantize(xb, scales, codes, 0, 0, MIN_SCALE, table):
+            return  # one pass on a GPU, the same bits
         self._keys(xb, scales, work, iwork)
         torch.index_select(_tables(xb.device)[0], 0, iwork, out=codes)
 
     def _quantize_packed(self, xb, scales, work, iwork, packed):
+        if not self.stochastic and _triton.usable(xb.device):
+            return False  # the fused _quantize, then the packing: fewer passes
         # whole planar groups: combine the keys of the two codes sharing a byte and look the
         # packed byte up at once (half the lookups, no separate packing pass)
         self._keys(xb, scales, work, iwork)
@@ -163,6 +168,9 @@ class FP4Codec(BlockCodec):
 
     def _dequantize(self, codes, scales, out, iwork):
         dec = _tables(codes.device)[1]
+        bad = _triton.dequantize(codes, scales, out, 0, 0, dec)
+        if bad is not None:  # one pass on a GPU, the same bits
+            return bad
         iwork.copy_(codes)
         torch.index_select(dec, 0, iwork, out=out.view(-1))
         out.mul_(scales[:, None])

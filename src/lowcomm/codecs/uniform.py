@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from ._block import DEFAULT_BLOCK_SIZE, BlockCodec, dither
+from . import _triton
+from ._block import DEFAULT_BLOCK_SIZE, MIN_SCALE, BlockCodec, dither
 from ._format import div_scalar
 from .registry import register
 
@@ -55,6 +56,10 @@ class UniformCodec(BlockCodec):
         super().__init__(block_size, stochastic, generator)
 
     def _quantize(self, xb, scales, work, iwork, codes):
+        if not self.stochastic and _triton.quantize(
+            xb, scales, codes, self.qmax, self.offset, MIN_SCALE
+        ):  # one pass on a GPU, the same bits
+            return
         s = self._block_absmax(xb, work, scales)
         inv = self.qmax / s
         torch.mul(xb, inv[:, None], out=work)
@@ -67,6 +72,9 @@ class UniformCodec(BlockCodec):
         codes.copy_(work.view(torch.int32).view(-1))  # narrowing keeps the low byte
 
     def _dequantize(self, codes, scales, out, iwork):
+        bad = _triton.dequantize(codes, scales, out, self.qmax, self.offset)
+        if bad is not None:  # one pass on a GPU, the same bits
+            return bad
         out.copy_(codes.view(out.shape))
         out.sub_(float(self.offset)).mul_(div_scalar(scales, self.qmax)[:, None])
         return codes.amin() == 0  # (uint8 min is far faster than == / any on a CPU)
