@@ -21,7 +21,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 pytestmark = [
-    pytest.mark.skipif(_triton.triton is None, reason="Triton is not installed"),
+    pytest.mark.skipif(not _triton.AVAILABLE, reason="Triton is not installed"),
     pytest.mark.skipif(
         DEVICE == "cpu" and not INTERPRETED, reason="no GPU, and Triton's interpreter is off"
     ),
@@ -78,20 +78,23 @@ def test_a_failing_kernel_hands_over_to_torch(monkeypatch):
     plan = TopKPlan(codec, [t.shape for t in tensors], torch.device(DEVICE))
     want = _select(plan, flat, False, monkeypatch)
     monkeypatch.setattr(_triton, "_broken", False)
-    monkeypatch.setattr(_triton, "_select_tiles", _Unlaunchable())
+    monkeypatch.setattr(_triton, "kernels", lambda: _Unlaunchable())
     got = _select(plan, flat, True, monkeypatch)
     assert _triton._broken
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 class _Unlaunchable:
-    """Stands in for a kernel whose launch raises."""
+    """Stands in for the kernels' module: every kernel's launch raises."""
 
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            raise RuntimeError("no kernel today")
+    class _Kernel:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("no kernel today")
 
-        return launch
+            return launch
+
+    _select_tiles = _quantize_rows = _dequantize_rows = _Kernel()
 
 
 def _block_inputs(seed: int) -> list[torch.Tensor]:
