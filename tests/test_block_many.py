@@ -96,6 +96,16 @@ def test_every_check_of_the_per_tensor_decode_sets_the_flag(name):
         assert bool(plan.decode(bad_payload)[2]), what
 
 
+@pytest.mark.parametrize("name", CODECS)
+def test_a_bucket_of_empty_tensors_is_its_headers(name):
+    codec = make_codec(name)
+    tensors = [torch.zeros(0), torch.zeros(3, 0)]
+    plan, payload = encoded(codec, tensors, "cpu")
+    assert torch.equal(payload, per_tensor(codec, tensors))
+    idx, values, bad = plan.decode(payload)
+    assert values.numel() == 0 and not bool(bad)
+
+
 def test_no_plan_where_the_draws_would_differ():
     cpu = torch.device("cpu")
     assert make_codec("int4", stochastic=True).plan([torch.Size([256])], cpu) is None

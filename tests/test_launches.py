@@ -1,7 +1,8 @@
 """A sync on an accelerator launches as many kernels for a model of many tensors as for one of
 few: the operators a sync dispatches (views left out: they launch nothing), counted on the
 bucket path a GPU takes (``LOWCOMM_BATCH=1``), on both the training thread and the comm thread,
-are the same for a model of 6 blocks and one of 12. ``lowcomm bench sync --device cuda
+are the same for a model of 6 blocks and one of 12; so are its reads of the device (a value
+read, or a boolean mask), at most two. ``lowcomm bench sync --device cuda
 --launches`` counts the kernels themselves on a GPU."""
 
 from __future__ import annotations
@@ -20,21 +21,40 @@ H = 10
 WIDTH = 32  # every fragment under one CPU chunk (outer.CHUNK): the chunking is the CPU's own
 
 
+#: operators that read the device from the host: a value, or a result whose size depends on it
+HOST_READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique")
+
+
 class _Count(TorchDispatchMode):
-    """Counts dispatched operators that may launch a kernel (not views, not detach)."""
+    """Counts dispatched operators that may launch a kernel (not views, not detach), and those
+    that read the device (HOST_READS, and indexing by a boolean mask)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: collections.Counter[str] = collections.Counter()
+        self.reads: collections.Counter[str] = collections.Counter()
         self.lock = threading.Lock()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
         aliases = [r.alias_info for r in func._schema.returns]
         if not any(a is not None and not a.is_write for a in aliases):
-            if not str(func).startswith(("aten.detach", "aten.lift")):
+            if not name.startswith(("aten.detach", "aten.lift")):
                 with self.lock:
-                    self.ops[str(func)] += 1
+                    self.ops[name] += 1
+        if name.startswith(HOST_READS) or (name.startswith("aten.index") and _masks(args)):
+            with self.lock:
+                self.reads[name] += 1
         return func(*args, **(kwargs or {}))
+
+
+def _masks(args) -> bool:
+    """Whether an indexing operator was handed a boolean mask (its size depends on the data)."""
+    for a in args:
+        for t in a if isinstance(a, (list, tuple)) else [a]:
+            if isinstance(t, torch.Tensor) and t.dtype == torch.bool:
+                return True
+    return False
 
 
 class _Blocks(torch.nn.Module):
@@ -51,8 +71,9 @@ class _Blocks(torch.nn.Module):
         return x
 
 
-def _per_sync(strategy: str, blocks: int, counter: _Count) -> tuple[float, int]:
-    """Operators per sync of a round of H steps in the block, less those of H plain steps."""
+def _per_sync(strategy: str, blocks: int, counter: _Count) -> tuple[float, int, float]:
+    """Operators per sync of a round of H steps in the block, less those of H plain steps; the
+    syncs; host reads per sync."""
     torch.manual_seed(0)
     model = _Blocks(blocks)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -72,18 +93,21 @@ def _per_sync(strategy: str, blocks: int, counter: _Count) -> tuple[float, int]:
         idle()  # the window opens and closes with nothing in flight on the comm thread
         syncs0 = engine.stats.fragment_syncs
         counter.ops.clear()
+        counter.reads.clear()
         with counter:
             for _ in range(H):
                 step()
             idle()
             inside = sum(counter.ops.values())
+            reads = sum(counter.reads.values())
         syncs = engine.stats.fragment_syncs - syncs0
     counter.ops.clear()
+    counter.reads.clear()
     with counter:  # the same steps outside the block
         for _ in range(H):
             step()
-    plain = sum(counter.ops.values())
-    return (inside - plain) / syncs, syncs
+    plain, plain_reads = sum(counter.ops.values()), sum(counter.reads.values())
+    return (inside - plain) / syncs, syncs, (reads - plain_reads) / syncs
 
 
 def _worker(rank: int, world: int, strategy: str) -> dict:
@@ -105,7 +129,11 @@ def _worker(rank: int, world: int, strategy: str) -> dict:
 def test_a_sync_dispatches_as_many_operators_for_twice_the_tensors(workers, strategy, monkeypatch):
     monkeypatch.setenv("LOWCOMM_BATCH", "1")
     (got,) = workers(_worker, 1, strategy)
-    (few, syncs_few), (many, syncs_many) = got[6], got[12]
+    (few, syncs_few, reads_few), (many, syncs_many, reads_many) = got[6], got[12]
     assert syncs_few == syncs_many > 0
     assert few > 0
     assert many == few, f"{strategy}: {few} operators a sync for 24 tensors, {many} for 48"
+    # reads of the device: the tie check of top-k's torch path (none under Triton), the
+    # all-reduce's count or the gather's one read, the control flags (a CPU tensor on a GPU);
+    # the pseudo-gradient's finite check reads the device too, where the CPU's kernel does not
+    assert reads_many == reads_few <= 2, f"{strategy}: {reads_few} and {reads_many} reads a sync"

@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..codecs import _triton
+
 if TYPE_CHECKING:
     from ..engine import LowComm
 
@@ -286,7 +288,8 @@ def run(args: argparse.Namespace, rank: int) -> dict[str, Any]:
         counts = {"tensors": loop.tensors, "tensors_half_layers": half.tensors}
     else:
         counts = {"tensors": loop.tensors}
-    return {"params": loop.params, **counts, "rows": rows}
+    # whether the Triton kernels ran in this worker (a failed compile turns them off here)
+    return {"params": loop.params, **counts, "rows": rows, "triton": _triton.usable(device)}
 
 
 def _preset_h(strategy: str) -> int:
@@ -385,17 +388,14 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser().parse_args(argv)
     result = run_workers_json(_worker, args.world, args)
-    from ..codecs import _triton
-
     result.update(world=args.world, device=_device_name(args.device), torch=torch.__version__)
-    result["triton"] = _triton.usable(torch.device(args.device))  # top-k's fused selection
     if args.json:
         print(json.dumps(result, indent=1))
     else:
         speed = statistics.median(r["speed"] for r in result["rows"])
         print(
             f"{result['device']}, torch {result['torch']}, world {args.world}, "
-            f"Triton kernels {'on' if result['triton'] else 'off'}, "
+            f"Triton kernels {'on' if result.get('triton') else 'off'}, "
             f"{result['params'] / 1e6:.1f}M parameters in {result['tensors']} tensors, "
             f"median speed {speed:.3f}"
         )

@@ -16,7 +16,9 @@ The block codecs' chunk step (int8, int4, int2, FP4: absmax, scale, code; and ba
 to five passes over FP32 in torch; :func:`quantize` and :func:`dequantize` read each block once
 and write its codes (one a byte; the codec packs them) and its scale, with torch's roundings:
 the reciprocal of the scale divided exactly, products and sums rounded apart (no fused
-multiply-add), NaN propagated as torch's maximum does.
+multiply-add), NaN propagated as torch's maximum does (a block holding a NaN gets a NaN scale;
+which NaN, and so that block's codes, may differ from torch's, as they do between a CPU and a
+GPU: every receiver refuses such a payload either way).
 
 ``LOWCOMM_TRITON=0`` turns the kernels off. A kernel that fails to compile or launch turns
 itself off for the process, with a warning, and the torch path takes over.
@@ -24,6 +26,7 @@ itself off for the process, with a warning, and the torch path takes over.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -47,6 +50,11 @@ def usable(device: torch.device) -> bool:
         return False
     interpreted = os.environ.get("TRITON_INTERPRET", "") == "1"
     return device.type == "cuda" or (interpreted and device.type == "cpu")
+
+
+def _on(device: torch.device) -> Any:
+    """A launch goes to the current CUDA device: make it the tensors' own."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def kernels() -> Any:
@@ -91,10 +99,11 @@ def quantize(
     try:
         per, block, programs = _rows_grid(rows, B)
         lut = table if table is not None else codes
-        kernels()._quantize_rows[(programs,)](
-            xb, scales, codes, lut, rows, B, QMAX=qmax, OFFSET=offset, MIN_SCALE=min_scale,
-            R=per, BLOCK=block, enable_fp_fusion=False,
-        )  # fmt: skip
+        with _on(xb.device):
+            kernels()._quantize_rows[(programs,)](
+                xb, scales, codes, lut, rows, B, QMAX=qmax, OFFSET=offset, MIN_SCALE=min_scale,
+                R=per, BLOCK=block, enable_fp_fusion=False,
+            )  # fmt: skip
     except Exception as err:  # a compile or launch failure must not stop a training run
         disable(err)
         return False
@@ -118,10 +127,11 @@ def dequantize(
         per, block, programs = _rows_grid(rows, B)
         bad = torch.empty(programs, dtype=torch.int32, device=out.device)
         lut = table if table is not None else scales
-        kernels()._dequantize_rows[(programs,)](
-            codes, scales, out, lut, bad, rows, B, QMAX=qmax, OFFSET=offset, R=per,
-            BLOCK=block, enable_fp_fusion=False,
-        )  # fmt: skip
+        with _on(out.device):
+            kernels()._dequantize_rows[(programs,)](
+                codes, scales, out, lut, bad, rows, B, QMAX=qmax, OFFSET=offset, R=per,
+                BLOCK=block, enable_fp_fusion=False,
+            )  # fmt: skip
     except Exception as err:
         disable(err)
         return None
@@ -147,9 +157,20 @@ def select_tiles(
     try:
         block = 1 << max(0, L - 1).bit_length()
         warps = 4 if block >= 1024 else max(1, block // 256)
-        kernels()._select_tiles[(base.numel(),)](
-            flat, base, row, kept_at, local, values, TC=tc, L=L, K=k, BLOCK=block, num_warps=warps
-        )
+        with _on(flat.device):
+            kernels()._select_tiles[(base.numel(),)](
+                flat,
+                base,
+                row,
+                kept_at,
+                local,
+                values,
+                TC=tc,
+                L=L,
+                K=k,
+                BLOCK=block,
+                num_warps=warps,
+            )
     except Exception as err:  # a compile or launch failure must not stop a training run
         disable(err)
         return False

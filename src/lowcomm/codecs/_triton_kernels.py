@@ -61,9 +61,12 @@ def _quantize_rows(
     inside = (r[:, None] < rows) & (c[None, :] < B)
     at = r[:, None].to(tl.int64) * B + c[None, :]
     v = tl.load(x + at, mask=inside, other=0.0)
-    nan = tl.max((v != v).to(tl.int32), axis=1) > 0
-    s = tl.maximum(tl.max(tl.abs(v), axis=1), MIN_SCALE)
-    s = tl.where(nan, float("nan"), s)  # torch's amax propagates a NaN; clamp keeps it
+    # the absmax as the largest pattern of |x|: ordered as the magnitudes, and a NaN's above
+    # every number, so a block holding a NaN gets a NaN scale, as torch's maximum gives (which
+    # NaN is the platform's; the clamp to the smallest scale keeps it)
+    top = tl.max(tl.abs(v).to(tl.int32, bitcast=True), axis=1)
+    s = top.to(tl.float32, bitcast=True)
+    s = tl.where(top > 0x7F800000, s, tl.maximum(s, MIN_SCALE))
     tl.store(scales + r, s, mask=r < rows)
     inv = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)  # torch's reciprocal
     if QMAX > 0:  # int-k: round(x qmax / s) + offset in the low bits of a float's pattern

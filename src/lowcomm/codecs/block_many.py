@@ -80,7 +80,12 @@ class BlockPlan:
         self.block_start = _ints(starts, device)
         self.pad_at = _ints(pads, device)
         self.tail_bytes = _ints(tail_bytes, device)
-        self.tail_codes = torch.tensor(tail_codes, dtype=torch.int64).view(-1, self.per).to(device)
+        tail = torch.tensor(tail_codes, dtype=torch.int64).view(-1, self.per)
+        self.tail_codes = tail.to(device)
+        # the fields that hold a code, as flat positions among the tail bytes' fields, and the
+        # codes they hold (an index worked out once: a mask would read the device at each use)
+        used = (tail >= 0).view(-1).nonzero().view(-1)
+        self.tail_used, self.tail_dest = used.to(device), tail.view(-1)[used].to(device)
 
     # ---- encode ------------------------------------------------------------------------------
     def encode(self, flat: torch.Tensor, out: torch.Tensor) -> tuple[None, None]:
@@ -88,13 +93,15 @@ class BlockPlan:
         bytes; the last is left for the caller). Returns (None, None): a dense codec's decode of
         its own payload is :meth:`decode`'s."""
         codec, B, dev = self.codec, self.codec.block_size, flat.device
+        out[self.header_at] = self.header_want
+        if self.blocks == 0:  # empty tensors only: their headers are all there is
+            return None, None
         xb = self._blocks(flat.contiguous())
         scales = torch.empty(self.blocks, dtype=torch.float32, device=dev)
         work = torch.empty_like(xb)
         iwork = torch.empty(self.blocks * B, dtype=torch.int32, device=dev)
         codes = torch.empty(self.blocks * B, dtype=torch.uint8, device=dev)
         codec._quantize(xb, scales, work, iwork, codes)
-        out[self.header_at] = self.header_want
         _copy(self._scale_views(out), self._scale_views_of(scales))
         if self.per == 1:
             _copy(self._code_views(out), self._codes_of(codes))
@@ -153,6 +160,8 @@ class BlockPlan:
         with no host sync."""
         codec, B, dev = self.codec, self.codec.block_size, payload.device
         bad = (payload[self.header_at] != self.header_want).any()
+        if self.blocks == 0:  # empty tensors only: their headers are all there is
+            return None, torch.zeros(0, device=dev), bad
         scales = torch.empty(self.blocks, dtype=torch.float32, device=dev)
         _copy(self._scale_views_of(scales), self._scale_views(payload))
         bad |= ~(torch.isfinite(scales) & (scales >= 0)).all()
@@ -177,8 +186,7 @@ class BlockPlan:
         if self.tail_bytes.numel():
             byte = payload[self.tail_bytes].to(torch.int32)[:, None]
             tail = (byte >> (torch.arange(per, device=dev) * bits)) & mask
-            used = self.tail_codes >= 0
-            codes[self.tail_codes[used]] = tail[used].to(torch.uint8)
+            codes[self.tail_dest] = tail.view(-1)[self.tail_used].to(torch.uint8)
 
     def _values(self, blocks: torch.Tensor) -> torch.Tensor:
         """The decoded blocks without their padding: the tensors one after another."""
