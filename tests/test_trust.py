@@ -623,3 +623,54 @@ def test_the_front_holds_a_bounded_number_of_refusals_so_a_swarm_leaves_threads_
     front.stop()
     assert front.refused == swarm
     assert waiting == most[0] == held[0] == front_mod._HELD
+
+
+def test_a_standalone_lighthouse_given_a_run_id_refuses_every_other_run_of_its_secret(tmp_path):
+    """`lowcomm lighthouse --secret-file F --run-id R`: a fresh request of another run sealed
+    under the same secret (a recording, replayed within the freshness window) is refused, one
+    of run R is served; without the secret the option is one line, exit 2."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pytest.importorskip("torchft")
+    pytest.importorskip("grpc")
+    from lowcomm.elastic.admission import Admission
+    from lowcomm.elastic.messages import replica_name
+    from lowcomm.train.ports import free_port
+
+    secret = tmp_path / "secret"
+    secret.write_text("the run's secret\n")
+    port = free_port(host="")
+    cmd = [sys.executable, "-m", "lowcomm.cli", "lighthouse", "--port", str(port),
+           "--timeout-s", "1", "--run-id", "r1"]  # fmt: skip
+    alone = subprocess.run(cmd, capture_output=True, text=True, env=_no_secret_env())
+    assert alone.returncode == 2 and "--run-id restricts" in alone.stderr
+    assert len(alone.stderr.strip().splitlines()) == 1
+    proc = subprocess.Popen([*cmd, "--secret-file", str(secret)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        assert "only run r1's requests sealed under the secret" in proc.stdout.readline()
+
+        def sealed(run: str) -> dict:
+            d = {"site": 0, "tag": "start", "phase": "sync", "gen": 0, "join_from": 0,
+                 "run": run, "fp": "f", "name": replica_name(run, 0),
+                 "seq": time.time_ns()}  # fmt: skip
+            return Admission(0, run, b"the run's secret").seal(d)
+
+        address = f"http://127.0.0.1:{port}"
+        with pytest.raises(Exception, match="lowcomm front: refused"):
+            _ask(address, replica_name("r2", 0), sealed("r2"))
+        q = _ask(address, replica_name("r1", 0), sealed("r1"))
+        assert [m.replica_id for m in q.participants] == [replica_name("r1", 0)]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        said, _ = proc.communicate(timeout=30)
+    assert "lowcomm: the front refused 1 requests" in said
+
+
+def _no_secret_env() -> dict:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "LOWCOMM_SECRET"}

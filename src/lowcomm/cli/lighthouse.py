@@ -50,6 +50,12 @@ def _add_lighthouse(sub: Any) -> None:
         "the lighthouse (an authenticating front; the lighthouse itself on loopback)",
     )
     h.add_argument(
+        "--run-id",
+        default="",
+        help="with a secret: serve this run only (the sites' run_id=); a request of another run "
+        "of the secret, even a fresh one, is refused (without it, every run of the secret)",
+    )
+    h.add_argument(
         "--heartbeat-timeout-s",
         type=float,
         default=2.0,
@@ -84,6 +90,11 @@ def cmd_lighthouse(args: argparse.Namespace) -> int:
         "heartbeat_timeout_ms": int(args.heartbeat_timeout_s * 1000),
     }
     secret = read_secret(args.secret_file)
+    if args.run_id and secret is None:
+        raise ConfigError(
+            "--run-id restricts a keyed lighthouse's front to one run: give the secret too "
+            "(--secret-file FILE, or $LOWCOMM_SECRET)"
+        )
     if secret is not None:
         try:
             import grpc  # noqa: F401 (the front speaks the lighthouse's gRPC)
@@ -94,7 +105,7 @@ def cmd_lighthouse(args: argparse.Namespace) -> int:
             ) from None
         logging.getLogger("lowcomm").setLevel(logging.ERROR)  # a junk request is no news here
     try:
-        server, front = serve(_bind(args.host, args.port), options, secret)
+        server, front = serve(_bind(args.host, args.port), options, secret, args.run_id)
     except OSError as e:
         raise ConfigError(f"the lighthouse cannot listen on {args.host}:{args.port}: {e}") from None
     stop = threading.Event()
@@ -103,6 +114,8 @@ def cmd_lighthouse(args: argparse.Namespace) -> int:
     where = socket.gethostname() if args.host in ("::", "0.0.0.0") else args.host
     where = f"[{where}]" if ":" in where else where
     keyed = "; only requests sealed under the secret reach it" if front is not None else ""
+    if front is not None and args.run_id:
+        keyed = f"; only run {args.run_id}'s requests sealed under the secret reach it"
     print(
         f"lowcomm: lighthouse at http://{where}:{args.port} (rounds="
         f"{args.rounds}){keyed}; point the sites at it with lighthouse=HOST:{args.port}; "
