@@ -34,7 +34,7 @@ workers=$($PY -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")
 timeout_flag=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout 150" || echo "")
 for part in $PARTS; do
   case $part in
-    codec-tests) step codec-tests 50 $PY -m pytest -q -p no:cacheprovider -k cuda \
+    codec-tests) step codec-tests 150 $PY -m pytest -q -p no:cacheprovider -k cuda \
       tests/test_codecs.py tests/test_compensation.py tests/test_topk_many.py \
       tests/test_block_many.py tests/test_triton.py ;;
     codecs) for n in 16777216 134217728; do
