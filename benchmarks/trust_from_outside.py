@@ -17,8 +17,9 @@ stopped.
 
     python benchmarks/trust_from_outside.py OUT_DIR [CASE ...]
 
-The lighthouse is given the secret too (`--secret-file`: its front refuses what is not sealed
-under it); `NO_FRONT=1` runs a bare one, as before the front existed.
+The lighthouse is given the secret and the run's id too (`--secret-file`, `--run-id`: its front
+refuses what is not sealed under it for this run); `NO_FRONT=1` runs a bare one, as before the
+front existed.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ LIAR = (
 
 def lighthouse(port: int, secret: Path | None) -> subprocess.Popen:
     """`lowcomm lighthouse` on ``port`` (behind its front with ``secret``), answering."""
-    keyed = ["--secret-file", str(secret)] if secret is not None else []
+    keyed = ["--secret-file", str(secret), "--run-id", RUN_ID] if secret is not None else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "lowcomm.cli", "lighthouse", "--port", str(port),
          "--timeout-s", "30", "--heartbeat-timeout-s", "2", *keyed],
