@@ -530,7 +530,7 @@ def test_the_front_reads_a_request_strictly_and_refuses_what_the_lighthouse_woul
 
     pytest.importorskip("grpc")
     from lowcomm.elastic.admission import Admission
-    from lowcomm.elastic.front import REFUSED, Front
+    from lowcomm.elastic.front import OTHER_RUN, REFUSED, Front, _varint
     from lowcomm.elastic.messages import replica_name
 
     secret = b"the run's secret"
@@ -562,13 +562,26 @@ def test_the_front_reads_a_request_strictly_and_refuses_what_the_lighthouse_woul
         _pb(1, member(0) + _pb(1, b"r1/site0001")),  # a repeated field inside
         _pb(1, member(0) + _pb(9, b"x")),  # a field it does not know
         _pb(1, member(0))[:-3],  # cut short
-        _pb(1, member(1, run="r2")),  # another run's, on a launcher's front
         _pb(1, _pb(1, b"r1/site0000") + _pb(7, b"[" * 100_000 + b"]" * 100_000)),  # deep JSON
     ]:
         assert front.refusal(bad) == REFUSED
-    t0 = time.perf_counter()
+    # another run's, sealed under the secret, on a launcher's front: told which run it serves
+    assert (
+        front.refusal(_pb(1, member(1, run="r2")))
+        == f"{OTHER_RUN} (run r2; this lighthouse serves r1)"
+    )
     assert front.refusal(b"\x0a" + b"\xff" * 4_000_000) == REFUSED  # a varint that never ends
-    assert time.perf_counter() - t0 < 1.0
+    read: list[int] = []
+
+    class Endless:  # a varint that never ends: which of its bytes are read
+        def __len__(self) -> int:
+            return 4_000_000
+
+        def __getitem__(self, i: int) -> int:
+            read.append(i)
+            return 0xFF
+
+    assert _varint(Endless(), 0)[0] is None and max(read) == 9  # no further than 10 bytes
     front.stop()
 
 
@@ -660,14 +673,27 @@ def test_a_standalone_lighthouse_given_a_run_id_refuses_every_other_run_of_its_s
             return Admission(0, run, b"the run's secret").seal(d)
 
         address = f"http://127.0.0.1:{port}"
-        with pytest.raises(Exception, match="lowcomm front: refused"):
+        with pytest.raises(
+            Exception, match="another run's request .run r2; this lighthouse serves r1"
+        ):
             _ask(address, replica_name("r2", 0), sealed("r2"))
+        with pytest.raises(Exception, match="carries no valid MAC"):  # nothing told a stranger
+            _ask(address, replica_name("r2", 0), {**sealed("r2"), "mac": "00" * 32})
         q = _ask(address, replica_name("r1", 0), sealed("r1"))
         assert [m.replica_id for m in q.participants] == [replica_name("r1", 0)]
+        site = subprocess.run(  # a site of run r2, as a user launches it
+            [sys.executable, "-m", "lowcomm.cli", "train", "--strategy", "diloco", "--model",
+             "tiny", "--steps", "20", "sync_every=10", "progress=false", "elastic=true",
+             "sites=2", "site=1", f"lighthouse=127.0.0.1:{port}", f"secret_file={secret}",
+             "run_id=r2", "timeout_s=20", "--out", str(tmp_path / "r2")],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert site.returncode == 2, site.stderr[-2000:]
+        assert "serves run r1 only, and this site is of run r2: give it run_id=r1" in site.stderr
     finally:
         proc.send_signal(signal.SIGTERM)
         said, _ = proc.communicate(timeout=30)
-    assert "lowcomm: the front refused 1 requests" in said
+    assert "lowcomm: the front refused 3 requests" in said
 
 
 def _no_secret_env() -> dict:

@@ -46,6 +46,7 @@ log = logging.getLogger("lowcomm")
 SERVICE = "torchft.LighthouseService"
 REFUSED = "lowcomm front: refused: this request carries no valid MAC under the run's secret"
 STALE = "lowcomm front: refused: a stale or replayed request"
+OTHER_RUN = "lowcomm front: refused: another run's request"
 # a request sent longer ago than this (by its sealed seq, against this machine's clock) is a
 # recording; each send is sealed anew (see .link), so only clocks apart by more refuse a site
 FRESH_S = 300.0
@@ -171,10 +172,11 @@ class Front:
         request_ = Request.from_wire(raw, name) if isinstance(raw, dict) else None
         if request_ is None or not request_.sealed or not isinstance(request_.run, str):
             return REFUSED
-        if self.run_ids is not None and request_.run not in self.run_ids:
-            return REFUSED
         if not self._admission(request_.run).valid(request_.mac, "request", request_.signed):
             return REFUSED
+        if self.run_ids is not None and request_.run not in self.run_ids:
+            # sealed under the secret: a site of another run, told which run this front serves
+            return f"{OTHER_RUN} (run {request_.run}; this lighthouse serves {min(self.run_ids)})"
         return self._fresh(name, request_)
 
     def _fresh(self, name: str, request: Request) -> str:

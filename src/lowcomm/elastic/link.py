@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..errors import MembershipError
-from .front import FRESH_S, REFUSED, STALE
+from .front import FRESH_S, OTHER_RUN, REFUSED, STALE
 
 log = logging.getLogger("lowcomm")
 
@@ -91,6 +91,13 @@ class Link:
                     f"than min_workers={e.min_workers} sites may remain"
                 ) from None
             except Exception as err:  # unreachable (refused, reset): it may be restarting
+                if OTHER_RUN in str(err):  # a front serving one run: the run ids differ
+                    served = str(err).split("this lighthouse serves ", 1)[-1].split(")")[0]
+                    raise MembershipError(
+                        f"site {e.site}: the lighthouse at {e.lighthouse} serves run {served} "
+                        f"only, and this site is of run {e.run_id}: give it "
+                        f"run_id={served} (or start the lighthouse with --run-id {e.run_id})"
+                    ) from None
                 if REFUSED in str(err):  # a keyed lighthouse's front: this site's secret
                     raise MembershipError(
                         f"site {e.site}: the lighthouse at {e.lighthouse} refused this site's "
