@@ -661,6 +661,9 @@ def test_a_standalone_lighthouse_given_a_run_id_refuses_every_other_run_of_its_s
     alone = subprocess.run(cmd, capture_output=True, text=True, env=_no_secret_env())
     assert alone.returncode == 2 and "--run-id restricts" in alone.stderr
     assert len(alone.stderr.strip().splitlines()) == 1
+    bad = subprocess.run([*cmd[:-1], "a/b", "--secret-file", str(secret)], capture_output=True,
+                         text=True)  # fmt: skip
+    assert bad.returncode == 2 and "--run-id a/b: use 1 to 64 letters" in bad.stderr
     proc = subprocess.Popen([*cmd, "--secret-file", str(secret)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
