@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 
 RUN_ID = "trust"
-# the lighthouse behind its authenticating front (`--secret-file`); NO_FRONT=1: a bare one
+# the lighthouse behind its authenticating front (`--secret-file`, `--run-id`); NO_FRONT=1:
+# a bare one
 FRONT = not os.environ.get("NO_FRONT")
 SITE = ["train", "--strategy", "diloco", "--model", "tiny", "--steps", "200", "sync_every=10",
         "elastic=true", "min_workers=2", "timeout_s=30", "heartbeat_timeout_s=2",
