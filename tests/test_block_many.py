@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import lowcomm
 from lowcomm.aggregate import batched
 from lowcomm.aggregate.gather import GatherAggregator
 from lowcomm.codecs import PayloadError, make_codec
@@ -136,35 +135,18 @@ def test_bucket_combine_equals_per_tensor(weights):
     assert err.value.sender == 2
 
 
-def _streaming(rank: int, world: int, codec: str) -> dict:
-    from test_streaming import _train
-
-    _, sync = _train(
-        rank,
-        world,
-        14,
-        lambda m, o: lowcomm.StreamingDiLoCo(
-            m,
-            o,
-            sync_every=6,
-            fragments=3,
-            blocks_per_fragment=0,
-            overlap=1,
-            alpha=0.5,
-            codec=codec,
-        ),
-    )
-    return {k: v.clone() for k, v in sync.global_state().items()}
-
-
 @pytest.mark.parametrize("codec", ["int4", "fp4"])
 def test_streaming_at_once_equals_tensor_by_tensor(workers, codec, monkeypatch):
     """A real two-worker Streaming run ends with the same global weights, bit for bit, with
     each bucket encoded, decoded and combined at once (as on a GPU) and tensor by tensor."""
+    from test_streaming import _streaming_worker
+
     runs = {}
-    for at_once in ("0", "1"):
+    for at_once in ("0", "1"):  # H = 6, 3 fragments, tau = 1, alpha = 0.5, 14 steps
         monkeypatch.setenv("LOWCOMM_BATCH", at_once)
-        runs[at_once] = workers(_streaming, 2, codec)
+        runs[at_once] = [
+            r["global"] for r in workers(_streaming_worker, 2, 6, 3, 1, 0.5, 14, codec)
+        ]
     for name, value in runs["0"][0].items():
         for r in (*runs["0"], *runs["1"]):
             assert torch.equal(r[name], value), name

@@ -62,7 +62,14 @@ def test_streaming_p1_tau0_fp32_is_diloco_exactly(workers):
 
 
 def _streaming_worker(
-    rank: int, world: int, H: int, P: int, tau: int, alpha: float, steps: int = STEPS
+    rank: int,
+    world: int,
+    H: int,
+    P: int,
+    tau: int,
+    alpha: float,
+    steps: int = STEPS,
+    codec: str = "fp32",
 ) -> dict:
     model, sync = _train(
         rank,
@@ -76,7 +83,7 @@ def _streaming_worker(
             blocks_per_fragment=0,
             overlap=tau,
             alpha=alpha,
-            codec="fp32",
+            codec=codec,
             outer_lr=0.7,
             outer_momentum=0.9,
         ),

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from .bitpack import bits_for
+
 log = logging.getLogger(__name__)
 
 #: Triton is an optional dependency (CUDA builds of torch bring it): whether it is installed
@@ -77,7 +79,7 @@ def disable(err: BaseException) -> None:
 
 def _rows_grid(rows: int, B: int) -> tuple[int, int, int]:
     """(rows per program, B rounded up to a power of two, programs)."""
-    block = 1 << max(0, B - 1).bit_length()
+    block = 1 << bits_for(max(1, B))
     per = max(1, 4096 // block)
     return per, block, -(-rows // per)
 
@@ -155,7 +157,7 @@ def select_tiles(
     if not usable(flat.device) or base.numel() == 0:
         return False
     try:
-        block = 1 << max(0, L - 1).bit_length()
+        block = 1 << bits_for(L)
         warps = 4 if block >= 1024 else max(1, block // 256)
         with _on(flat.device):
             kernels()._select_tiles[(base.numel(),)](
