@@ -674,3 +674,25 @@ def test_a_request_is_read_off_the_wire_once_with_every_field_checked():
     lenient = Request.from_wire({**wire, "blame": True, "ok": 1, "fp": 3, "lh": "9"})
     assert lenient is not None and lenient.blame is None and lenient.ok is False
     assert lenient.fp is None and lenient.lh == 0
+
+
+def test_a_sites_pace_reaches_a_new_members_store():
+    """Quorum rounds tell each site's step time to the others' stores; a site that appears
+    (a restart, a joiner) has a store nobody has written to yet. The others post their pace
+    again for it, and it must reach that new store (it went only to the stores known before,
+    so the newcomer read the others' pace as absent and waited timeout_s at its syncs)."""
+    from lowcomm.elastic import rounds as rounds_mod
+
+    own = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    new = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    elastic = Elastic(lighthouse="http://unused", site=0, sites=2, rounds="quorum")
+    membership = SimpleNamespace(elastic=elastic, store=own, admission=_OPEN, incarnation="a1")
+    rounds = rounds_mod.Rounds(membership)
+    rounds._told = 0.25  # this site has told its pace before
+    rounds._incs = {0: "a1"}
+    view = _view(_d(0, "sync@40", inc="a1", store="own"),
+                 _d(1, "sync@40", inc="b1", store=f"127.0.0.1:{new.port}"))  # fmt: skip
+    rounds.expect(view, "sync@40")
+    key = rounds_mod._key(0, "pace0")
+    new.wait([key], timedelta(seconds=30))
+    assert new.get(key).decode().startswith("0.250000#0.")  # (its writer: site 0)

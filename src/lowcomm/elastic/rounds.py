@@ -168,8 +168,7 @@ class Rounds:
         stores = {s: known.get(s) or self._stores.get(s) for s in view.members}
         # whose hints are read: these processes, and an expected site's last one
         incs = {**self._incs, **{d.site: d.inc for d in view.data if d.inc}}
-        if self._told and incs != self._incs:  # a new process among them: its pace
-            self._post(_key(0, f"pace{self._site}"), f"{self._told:.6f}")  # came unread
+        newcomer = bool(self._told) and incs != self._incs
         self._incs = incs
         behind = set(self._behind())
         for s, address in self._stores.items():
@@ -181,6 +180,8 @@ class Rounds:
             if self._missed.get(s, 0) <= 1 or s in behind:
                 stores[s] = address
         self._stores = {s: a for s, a in stores.items() if a and a not in self._dead}
+        if newcomer:  # a new process among them: its pace came unread; to its store too
+            self._post(_key(0, f"pace{self._site}"), f"{self._told:.6f}")
 
     def grace(self) -> float:
         """Seconds a closed quorum waits for the rest: ``grace=``, or 3x the slowest expected
