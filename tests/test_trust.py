@@ -403,7 +403,7 @@ def _ask(address: str, name: str, data: dict, timeout_s: float = 1.0):
                          data=data)  # fmt: skip
 
 
-def test_the_front_forwards_sealed_requests_under_their_name_and_refuses_the_rest():
+def test_the_front_forwards_sealed_requests_under_their_name_and_refuses_the_rest(monkeypatch):
     """Behind the front the lighthouse sees only requests sealed under the run's secret, under
     the name they were sealed with, each newer than the last of that name and recent: junk, a
     copy under another name, a member's older request and another secret's are refused."""
@@ -434,6 +434,8 @@ def test_the_front_forwards_sealed_requests_under_their_name_and_refuses_the_res
         now = time.time_ns()
         q = _ask(address, replica_name("r1", 0), sealed(run, 0, now))
         assert [m.replica_id for m in q.participants] == [replica_name("r1", 0)]
+        again = _ask(address, replica_name("r1", 0), sealed(run, 0, now))  # a retry: the same
+        assert [m.replica_id for m in again.participants] == [replica_name("r1", 0)]
         refused = [
             (replica_name("r1", 1), {"site": 1, "tag": "start"}),  # junk
             (replica_name("r1", 1), sealed(run, 0, now + 1)),  # site 0's, under 1's name
@@ -445,8 +447,14 @@ def test_the_front_forwards_sealed_requests_under_their_name_and_refuses_the_res
             with pytest.raises(Exception, match="lowcomm front: refused"):
                 _ask(address, name, data)
         assert front.refused == len(refused)
-        again = _ask(address, replica_name("r1", 0), sealed(run, 0, now))  # a retry: the same
-        assert [m.replica_id for m in again.participants] == [replica_name("r1", 0)]
+        from lowcomm.elastic import front as front_mod
+
+        monkeypatch.setattr(front_mod, "RETRY_S", -1.0)  # past a retry's moment: a recording
+        with pytest.raises(Exception, match="older than its site's last"):
+            _ask(address, replica_name("r1", 0), sealed(run, 0, now))
+        assert front._site_name(replica_name("r1", 3)) and front._site_name("r1/site0012")
+        for junk in ["x" * 60_000, "r1/site", "r1/sitex", "a/b/site0001", "r1/site0001/"]:
+            assert not front._site_name(junk)  # a beat under it is never forwarded
     finally:
         front.stop()
         server.shutdown()
@@ -536,7 +544,7 @@ def test_the_front_reads_a_request_strictly_and_refuses_what_the_lighthouse_woul
     secret = b"the run's secret"
     front = Front("127.0.0.1:1", secret, "127.0.0.1:0", run_ids=frozenset(["r1"]))
 
-    def member(site: int, run: str = "r1", **more) -> bytes:
+    def member(site: int, run: str = "r1", *more_fields: bytes) -> bytes:
         data = {
             "site": site,
             "tag": "start",
@@ -549,9 +557,8 @@ def test_the_front_reads_a_request_strictly_and_refuses_what_the_lighthouse_woul
             "seq": time.time_ns(),
         }
         data = Admission(site, run, secret).seal(data)
-        return (
-            _pb(1, replica_name(run, site).encode()) + _pb(4, 0) + _pb(7, json.dumps(data).encode())
-        )
+        fields = _pb(1, replica_name(run, site).encode()) + _pb(4, 0) + _pb(5, 1)
+        return fields + _pb(7, json.dumps(data).encode()) + b"".join(more_fields)
 
     good = _pb(1, member(0))
     assert front.refusal(good) == ""
@@ -563,6 +570,8 @@ def test_the_front_reads_a_request_strictly_and_refuses_what_the_lighthouse_woul
         _pb(1, member(0) + _pb(9, b"x")),  # a field it does not know
         _pb(1, member(0))[:-3],  # cut short
         _pb(1, _pb(1, b"r1/site0000") + _pb(7, b"[" * 100_000 + b"]" * 100_000)),  # deep JSON
+        _pb(1, member(0, "r1", _pb(6, 1))),  # shrink_only, which the MAC does not cover
+        _pb(1, member(0, "r1", _pb(8, 3))),  # commit failures, likewise
     ]:
         assert front.refusal(bad) == REFUSED
     # another run's, sealed under the secret, on a launcher's front: told which run it serves
@@ -663,7 +672,7 @@ def test_a_standalone_lighthouse_given_a_run_id_refuses_every_other_run_of_its_s
     assert len(alone.stderr.strip().splitlines()) == 1
     bad = subprocess.run([*cmd[:-1], "a/b", "--secret-file", str(secret)], capture_output=True,
                          text=True)  # fmt: skip
-    assert bad.returncode == 2 and "--run-id a/b: use 1 to 64 letters" in bad.stderr
+    assert bad.returncode == 2 and "--run-id: run_id=a/b: use 1 to 64 letters" in bad.stderr
     proc = subprocess.Popen([*cmd, "--secret-file", str(secret)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
@@ -703,3 +712,28 @@ def _no_secret_env() -> dict:
     import os
 
     return {k: v for k, v in os.environ.items() if k != "LOWCOMM_SECRET"}
+
+
+def test_a_sites_requests_are_stamped_forward_even_when_its_clock_steps_back(monkeypatch):
+    """Each send's seq comes from the clock; NTP stepping the clock back must not make the
+    front refuse the site's next request as older than its last (the site would stop)."""
+    from types import SimpleNamespace
+
+    from lowcomm.elastic import link as link_mod
+
+    sent: list[int] = []
+
+    class Client:
+        def quorum(self, **kw):
+            sent.append(kw["data"]["seq"])
+            return "a quorum"
+
+    link = object.__new__(link_mod.Link)
+    link.elastic = SimpleNamespace(site=0, lighthouse="http://x", timeout_s=5.0)
+    link.name, link._seal, link._client = (lambda: "r1/site0000"), (lambda d: d), Client()
+    link.epoch, link.sent_seq, link._lost_at, link._back_at = 0, 0, -1.0, 0.0
+    clock = iter([5_000_000_000, 4_000_000_000, 6_000_000_000])  # stepped back, then on
+    monkeypatch.setattr(link_mod.time, "time_ns", lambda: next(clock))
+    for _ in range(3):
+        assert link.quorum("sync@10", {}, 1.0, "") == "a quorum"
+    assert sent == [5_000_000_000, 5_000_000_001, 6_000_000_000]

@@ -91,13 +91,12 @@ def cmd_lighthouse(args: argparse.Namespace) -> int:
     }
     secret = read_secret(args.secret_file)
     if args.run_id:  # the sites' run_id= rule: a name no site could carry is refused
-        from ..elastic.messages import RUN_ID
+        from ..elastic.messages import check_run_id
 
-        if not RUN_ID.fullmatch(args.run_id):
-            raise ConfigError(
-                f"--run-id {args.run_id}: use 1 to 64 letters, digits, '.', '_' or '-' (the "
-                "sites' run_id=)"
-            )
+        try:
+            check_run_id(args.run_id)
+        except ConfigError as err:
+            raise ConfigError(f"--run-id: {err}") from None
     if args.run_id and secret is None:
         raise ConfigError(
             "--run-id restricts a keyed lighthouse's front to one run: give the secret too "

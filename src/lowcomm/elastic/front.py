@@ -17,15 +17,19 @@ has, each once (anything else is refused: the lighthouse would read bytes the fr
 whose data is a request sealed under the key of the run it names (with ``run_ids``, one of
 those), under the name it came in, sent (its sealed ``seq``) within ``FRESH_S`` of this
 machine's clock and no earlier than the newest one forwarded from the same process of that
-name. So a member's older request does not come through, nor one recorded in another run more
-than ``FRESH_S`` ago (a launcher's front takes its own run's only: none at all). The bytes go on
+name (that one again only within ``RETRY_S``: a retry, not a recording replayed after its
+round), and whose fields outside the MAC (step, world size, shrink-only, commit failures) are
+as every site sends them. So a member's older request does not come through, nor one
+recorded in another run more than ``FRESH_S`` ago (a launcher's front takes its own run's
+only: none at all). The bytes go on
 unchanged, with the caller's deadline; the lighthouse's own error comes back as it was.
 
 A heartbeat names only a replica: it is forwarded for a name a valid request came in under (a
 ``names_file`` keeps those across restarts), and for any name in the front's first
 ``REGISTER_S`` (the sites re-register with a restarted lighthouse by their beats before they
-ask again); otherwise it is answered and dropped. A stranger's beats under a member's name
-still count (documented). Nothing else of the service is served.
+ask again) under a name of a site's form of a served run; otherwise it is answered and
+dropped (the lighthouse keeps every name it hears a beat from). A stranger's beats under a
+member's name still count (documented). Nothing else of the service is served.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from .admission import Admission
-from .messages import Request
+from .messages import RUN_ID, Request
 
 log = logging.getLogger("lowcomm")
 
@@ -47,6 +51,24 @@ SERVICE = "torchft.LighthouseService"
 REFUSED = "lowcomm front: refused: this request carries no valid MAC under the run's secret"
 STALE = "lowcomm front: refused: a stale or replayed request"
 OTHER_RUN = "lowcomm front: refused: another run's request"
+RETRY_S = 2.0  # a request's own seq is taken again this long after it first came (a retry)
+# a QuorumMember's fields the MAC does not cover, as every site sends them (absent: 0): step,
+# world_size, shrink_only, commit_failures (torchft reads them when it forms a quorum)
+_AS_SENT = {4: 0, 5: 1, 6: 0, 8: 0}
+
+
+def other_run(run: str, served: str) -> str:
+    """The refusal of a valid request of run ``run`` by a front serving run ``served`` only."""
+    return f"{OTHER_RUN} (run {run}; this lighthouse serves {served})"
+
+
+def served_run(details: str) -> str | None:
+    """The run a front serves, read from its :func:`other_run` refusal (None: not one)."""
+    if OTHER_RUN not in details:
+        return None
+    return details.split("this lighthouse serves ", 1)[-1].split(")", 1)[0]
+
+
 # a request sent longer ago than this (by its sealed seq, against this machine's clock) is a
 # recording; each send is sealed anew (see .link), so only clocks apart by more refuse a site
 FRESH_S = 300.0
@@ -84,7 +106,8 @@ class Front:
         }
         self._runs: dict[str, Admission] = {}  # run id -> its key (derived once)
         self._vouched: set[str] = _names(names_file)  # names a valid request came in under
-        self._newest: dict[tuple[str, str], int] = {}  # (name, process) -> its newest seq
+        # (name, process) -> its newest seq, and when that one first came
+        self._newest: dict[tuple[str, str], tuple[int, float]] = {}
         self._lock = threading.Lock()
         self._held = threading.BoundedSemaphore(_HELD)
         self._started = time.monotonic()
@@ -100,7 +123,10 @@ class Front:
         self._server.add_generic_rpc_handlers(
             [grpc.method_handlers_generic_handler(SERVICE, handlers)]
         )
-        self.port = self._server.add_insecure_port(bind)
+        try:  # (grpcio raises where it cannot bind; older ones returned 0)
+            self.port = self._server.add_insecure_port(bind)
+        except RuntimeError as err:
+            raise OSError(f"the lighthouse's front cannot listen on {bind}: {err}") from None
         if not self.port:
             raise OSError(f"the lighthouse's front cannot listen on {bind}")
 
@@ -141,9 +167,19 @@ class Front:
         name = bytes(fields.get(1, b"")).decode(errors="replace")
         with self._lock:
             known = name in self._vouched
-        if not known and time.monotonic() - self._started > REGISTER_S:
+        # unvouched: only in the first seconds, and only a name a site of a served run could
+        # carry (the lighthouse keeps every name it hears a beat from)
+        if not known and (
+            time.monotonic() - self._started > REGISTER_S or not self._site_name(name)
+        ):
             return b""
         return self._forward("Heartbeat", request, context)
+
+    def _site_name(self, name: str) -> bool:
+        """Whether ``name`` has the form of a site's name (``RUN/siteNNNN``) of a served run."""
+        run, _, site = name.rpartition("/site")
+        served = self.run_ids is None or run in self.run_ids
+        return served and RUN_ID.fullmatch(run) is not None and site.isdigit() and len(site) <= 6
 
     def _forward(self, method: str, request: bytes, context: Any) -> bytes:
         """``request`` to the lighthouse with the caller's deadline, cancelled if the caller
@@ -164,6 +200,8 @@ class Front:
         member = _requester(request)
         if member is None:
             return REFUSED
+        if any(member.get(f, 0) != v for f, v in _AS_SENT.items()):
+            return REFUSED  # fields the MAC does not cover, not as a site sends them
         name = bytes(member.get(1, b"")).decode(errors="replace")
         try:
             raw = json.loads(bytes(member.get(7, b"")).decode(errors="replace"))
@@ -174,21 +212,26 @@ class Front:
             return REFUSED
         if not self._admission(request_.run).valid(request_.mac, "request", request_.signed):
             return REFUSED
+        if abs(request_.seq - time.time_ns()) > FRESH_S * 1e9:
+            return f"{STALE}: sent more than {FRESH_S:g} s from the lighthouse's clock"
         if self.run_ids is not None and request_.run not in self.run_ids:
-            # sealed under the secret: a site of another run, told which run this front serves
-            return f"{OTHER_RUN} (run {request_.run}; this lighthouse serves {min(self.run_ids)})"
+            # sealed under the secret, recent: a site of another run, told the run served here
+            return other_run(request_.run, min(self.run_ids))
         return self._fresh(name, request_)
 
     def _fresh(self, name: str, request: Request) -> str:
         """'' if ``request`` (valid) is recent and no older than its process's last: then its
         name is vouched for; else why not."""
-        if abs(request.seq - time.time_ns()) > FRESH_S * 1e9:
-            return f"{STALE}: sent more than {FRESH_S:g} s from the lighthouse's clock"
+        now = time.monotonic()
         with self._lock:
             who = (name, request.inc)
-            if request.seq < self._newest.get(who, 0):
+            seq, first = self._newest.get(who, (0, now))
+            # each send is stamped anew: the same seq again is the transport's retry, for a
+            # moment, or a recording replayed after its round
+            if request.seq < seq or (request.seq == seq and now - first > RETRY_S):
                 return f"{STALE}: older than its site's last"
-            self._newest[who] = request.seq
+            if request.seq > seq:
+                self._newest[who] = (request.seq, now)
             if name not in self._vouched:
                 self._vouched.add(name)
                 if self.names_file is not None:

@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..errors import MembershipError
-from .front import FRESH_S, OTHER_RUN, REFUSED, STALE
+from .front import FRESH_S, REFUSED, STALE, served_run
 
 log = logging.getLogger("lowcomm")
 
@@ -73,7 +73,9 @@ class Link:
             self._reach(tag, time.monotonic())
         while True:
             asked = time.monotonic()
-            self.sent_seq = time.time_ns()
+            # stamped by the clock, but never back: a clock stepped back by NTP must not make
+            # the front refuse this site's next request as older than its last
+            self.sent_seq = max(time.time_ns(), self.sent_seq + 1)
             try:
                 return self._client.quorum(
                     replica_id=self.name(),
@@ -91,8 +93,8 @@ class Link:
                     f"than min_workers={e.min_workers} sites may remain"
                 ) from None
             except Exception as err:  # unreachable (refused, reset): it may be restarting
-                if OTHER_RUN in str(err):  # a front serving one run: the run ids differ
-                    served = str(err).split("this lighthouse serves ", 1)[-1].split(")")[0]
+                served = served_run(str(err))
+                if served is not None:  # a front serving one run: the run ids differ
                     raise MembershipError(
                         f"site {e.site}: the lighthouse at {e.lighthouse} serves run {served} "
                         f"only, and this site is of run {e.run_id}: give it "
