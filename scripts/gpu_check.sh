@@ -66,7 +66,7 @@ codecs = (read("codecs-16777216") or []) + (read("codecs-134217728") or [])
 if codecs:
     print("\n| codec | numel | encode × copy | decode × copy |\n|---|---|---|---|")
     for r in codecs:
-        fused = " (Triton)" if r.get("triton") and r["codec"].startswith("topk") else ""
+        fused = " (Triton)" if r.get("triton") else ""
         print(f"| {r['codec']}{fused} | {r['numel']:,} | {r['encode_vs_copy']:.3f} | "
               f"{r['decode_vs_copy']:.3f} |")
 for name in ("sync-world1", "sync-shared", "state-cpu"):

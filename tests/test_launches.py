@@ -113,22 +113,27 @@ def _per_sync(strategy: str, blocks: int, counter: _Count) -> tuple[float, int, 
 def _worker(rank: int, world: int, strategy: str) -> dict:
     counter = _Count()
     wrap = transport._on_side_stream
+    jobs = [0]
 
     def counted(fn):  # the comm thread's work is counted too
         def run():
+            jobs[0] += 1
             with counter:
                 return fn()
 
         return wrap(run)
 
     transport._on_side_stream = counted
-    return {b: _per_sync(strategy, b, counter) for b in (6, 12)}
+    got = {b: _per_sync(strategy, b, counter) for b in (6, 12)}
+    return {**got, "comm_jobs": jobs[0]}
 
 
 @pytest.mark.parametrize("strategy", ["diloco", "streaming", "sparseloco", "co2"])
 def test_a_sync_dispatches_as_many_operators_for_twice_the_tensors(workers, strategy, monkeypatch):
     monkeypatch.setenv("LOWCOMM_BATCH", "1")
     (got,) = workers(_worker, 1, strategy)
+    if strategy in ("streaming", "co2"):  # their exchanges overlap, on the comm thread:
+        assert got["comm_jobs"] > 0  # its work went through the counted wrapper
     (few, syncs_few, reads_few), (many, syncs_many, reads_many) = got[6], got[12]
     assert syncs_few == syncs_many > 0
     assert few > 0

@@ -304,9 +304,7 @@ def run_one(sched: Schedule, out: Path, limit: float) -> dict[str, Any]:
     finally:
         acted = strangers.collect(stranger) if stranger is not None else None
     wall = time.monotonic() - t0
-    if acted and acted.get("run_id"):  # a listener on the wire heard its requests
-        secret = (out.parent / SECRET).read_bytes().strip()
-        strangers.overheard(out.parent / CAPTURED, acted["run_id"], secret, sched.sites)
+    strangers.heard(acted, out.parent / CAPTURED, out.parent / SECRET, sched.sites)
     broken = check(sched, out, code, wall, limit)
     summary = json.loads((out / "summary.json").read_text()) if code == 0 else {}
     events = summary.get("membership") or []

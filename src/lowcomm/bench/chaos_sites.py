@@ -229,9 +229,7 @@ def run_one(sched: SitesSchedule, out: Path, limit: float) -> dict[str, Any]:
     finally:
         run.close()
         acted = strangers.collect(stranger) if stranger is not None else None
-        if acted and acted.get("run_id") and sched.secret:  # what a listener heard
-            secret = Path(sched.secret).read_bytes().strip()
-            strangers.overheard(out.parent / CAPTURED, acted["run_id"], secret, sched.sites)
+        strangers.heard(acted, out.parent / CAPTURED, sched.secret or "", sched.sites)
     wall = time.monotonic() - t0
     broken = check(sched, out, codes, limit)
     return {

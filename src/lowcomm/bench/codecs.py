@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..codecs import Codec, make_codec
+from ..codecs import Codec, _triton, make_codec
 
 #: (label, codec name, options)
 CODECS: list[tuple[str, str, dict]] = [
@@ -217,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for label, name, opts in chosen:
         for case, tensors in cases:
+            fused = _triton.launched
             row = measure(label, make_codec(name, **opts), tensors, args.repeats)
+            row["triton"] = _triton.launched > fused  # its Triton kernels ran (a GPU)
             row["case"] = case or f"{'x'.join(map(str, big_shape))}"
             rows.append(row)
             if not args.json:
@@ -228,10 +230,6 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-    from ..codecs import _triton
-
-    for row in rows:  # whether top-k's fused selection ran (a GPU with Triton)
-        row["triton"] = _triton.usable(dev)
     if args.json:
         print(json.dumps(rows, indent=1))
     else:

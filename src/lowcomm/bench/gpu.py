@@ -153,7 +153,7 @@ def method(loop: Loop, strategy: str, h: int, args: argparse.Namespace) -> dict[
 PROFILED_H = 10
 
 
-def _engine(loop: Loop, strategy: str, h: int, state_device: str = "model") -> LowComm:
+def _engine(loop: Loop, strategy: str, h: int, state_device: str) -> LowComm:
     from ..engine import LowComm
     from ..presets import preset_config
 
@@ -191,24 +191,24 @@ def _kernels(prof: Any) -> int:
     return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
 
 
-def launches_per_sync(loop: Loop, strategy: str) -> int | None:
+def launches_per_sync(loop: Loop, strategy: str, state_device: str) -> int | None:
     """CUDA kernels, copies and fills per (fragment) sync: those of a round of PROFILED_H steps
     inside the block less those of as many plain steps, over the syncs the round made."""
     if loop.device.type != "cuda":
         return None
     loop.timed(2)  # a model's first steps launch set-up kernels (workspaces) a round does not
     plain_round, _, _ = _profiled_round(loop, None)
-    with (engine := _engine(loop, strategy, PROFILED_H)):
+    with (engine := _engine(loop, strategy, PROFILED_H, state_device)):
         loop.timed(PROFILED_H)  # warm: the engine's buffers and the codecs' tables exist
         prof, syncs, _ = _profiled_round(loop, engine)
     return round((_kernels(prof) - _kernels(plain_round)) / max(syncs, 1))
 
 
-def diagnose(loop: Loop, strategy: str, top: int = 25) -> dict[str, Any]:
+def diagnose(loop: Loop, strategy: str, state_device: str, top: int = 25) -> dict[str, Any]:
     """Where a round's syncs spend their time on the device: the host synchronisations lowcomm
     made (CUDA's sync debug mode, by the line that made each) and the costliest operators
     (``torch.profiler``, by device and by self CPU time), over a round of PROFILED_H steps."""
-    with (engine := _engine(loop, strategy, PROFILED_H)):
+    with (engine := _engine(loop, strategy, PROFILED_H, state_device)):
         loop.timed(PROFILED_H)
         prof, syncs, caught = _profiled_round(loop, engine, cpu=True)
     sites: dict[str, int] = {}
@@ -250,7 +250,7 @@ def run(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     device = torch.device(args.device)
     loop = Loop(args, args.layers, device)
     if args.diagnose and device.type == "cuda":
-        diagnoses = [diagnose(loop, s) for s in args.diagnose.split(",")]
+        diagnoses = [diagnose(loop, s, args.state_device) for s in args.diagnose.split(",")]
         return {"params": loop.params, "tensors": loop.tensors, "diagnoses": diagnoses}
     # the device's first seconds run slower (clocks, the allocator, kernel choices): spent
     # here, not on the first method's plain phase
@@ -262,7 +262,9 @@ def run(args: argparse.Namespace, rank: int) -> dict[str, Any]:
             # the plain loop just before and just after: the device's own drift (clocks,
             # allocator) between phases is as large as the effects looked for
             before = plain(loop, args)
+            fused = _triton.launched
             got = method(loop, strategy, h, args)
+            got["triton_launches"] = _triton.launched - fused  # (0: the torch path ran)
             _release(loop.device)
             after = plain(loop, args)
             base_s = (before["s"] + after["s"]) / 2
@@ -283,13 +285,15 @@ def run(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     if args.launches and device.type == "cuda":
         half = Loop(args, max(1, args.layers // 2), device)
         for row in rows:
-            row["launches_per_sync"] = launches_per_sync(loop, row["strategy"])
-            row["launches_per_sync_half_layers"] = launches_per_sync(half, row["strategy"])
+            row["launches_per_sync"] = launches_per_sync(loop, row["strategy"], args.state_device)
+            row["launches_per_sync_half_layers"] = launches_per_sync(
+                half, row["strategy"], args.state_device
+            )
         counts = {"tensors": loop.tensors, "tensors_half_layers": half.tensors}
     else:
         counts = {"tensors": loop.tensors}
-    # whether the Triton kernels ran in this worker (a failed compile turns them off here)
-    return {"params": loop.params, **counts, "rows": rows, "triton": _triton.usable(device)}
+    # whether Triton kernels ran in this worker (none on the CPU's state, or where they failed)
+    return {"params": loop.params, **counts, "rows": rows, "triton": _triton.launched > 0}
 
 
 def _preset_h(strategy: str) -> int:

@@ -241,6 +241,19 @@ def _url(address: str) -> str:
     return address if "://" in address else f"http://{address}"
 
 
+def heard(
+    acted: dict[str, Any] | None, captured: Path, secret_file: str | Path, sites: int
+) -> None:
+    """After a keyed run a stranger watched (``acted``: what :func:`collect` gave): what a
+    listener on the wire heard of it, for a later run's ``replay`` (see :func:`overheard`)."""
+    from ..elastic.admission import read_secret
+
+    if acted and acted.get("run_id") and secret_file:
+        secret = read_secret(str(secret_file))
+        assert secret is not None  # (read_secret raises for a file it cannot read)
+        overheard(captured, acted["run_id"], secret, sites)
+
+
 def overheard(captured: Path, run_id: str, secret: bytes, sites: int) -> None:
     """What a listener on the wire saw of run ``run_id`` (its sites' requests travel in the
     clear): one sealed request per site, appended to ``captured`` for a later run's ``replay``

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 AVAILABLE = importlib.util.find_spec("triton") is not None
 _broken = False
 _loaded: Any = None  # the kernels' module, imported at first use
+launched = 0  # kernels launched in this process (what a benchmark reports: whether they ran)
 
 
 def usable(device: torch.device) -> bool:
@@ -68,6 +69,11 @@ def kernels() -> Any:
 
         _loaded = _triton_kernels
     return _loaded
+
+
+def _count() -> None:
+    global launched
+    launched += 1
 
 
 def disable(err: BaseException) -> None:
@@ -109,6 +115,7 @@ def quantize(
     except Exception as err:  # a compile or launch failure must not stop a training run
         disable(err)
         return False
+    _count()
     return True
 
 
@@ -137,6 +144,7 @@ def dequantize(
     except Exception as err:
         disable(err)
         return None
+    _count()
     return bad.amax() > 0
 
 
@@ -176,4 +184,5 @@ def select_tiles(
     except Exception as err:  # a compile or launch failure must not stop a training run
         disable(err)
         return False
+    _count()
     return True
