@@ -30,7 +30,6 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -62,25 +61,9 @@ def lighthouse(port: int, secret: Path | None) -> subprocess.Popen:
 
 def stranger(port: int, name: str, data: dict, stop: threading.Event, threads: int) -> None:
     """Quorum requests under ``name`` from ``threads`` threads until ``stop`` (once if 0)."""
-    from torchft.coordination import LighthouseClient
+    from lowcomm.bench.stranger import flood
 
-    def ask(again: bool) -> None:
-        client = LighthouseClient(f"http://127.0.0.1:{port}", connect_timeout=timedelta(seconds=5))
-        while True:
-            try:
-                client.quorum(replica_id=name, timeout=timedelta(seconds=1), address="",
-                              store_address="", step=0, world_size=1, shrink_only=False,
-                              data=data)  # fmt: skip
-            except Exception:  # no quorum in its second
-                pass
-            if not again or stop.is_set():
-                return
-
-    if threads == 0:
-        ask(False)
-        return
-    for _ in range(threads):
-        threading.Thread(target=ask, args=(True,), daemon=True).start()
+    flood(f"127.0.0.1:{port}", name, data, stop, threads)
 
 
 def run_case(case: str, out: Path, secret: Path) -> dict:

@@ -277,23 +277,9 @@ def test_a_site_whose_name_was_taken_asks_again_under_a_new_one_and_the_others_w
 def _flood(lighthouse: str, name: str, stop, threads: int = 8) -> None:
     """A stranger: quorum requests under ``name`` with empty data, from ``threads`` threads,
     until ``stop`` (the finding's attack: torchft's own client, 8 threads)."""
-    import threading
-    from datetime import timedelta
+    from lowcomm.bench.stranger import flood
 
-    from torchft.coordination import LighthouseClient
-
-    def ask() -> None:
-        client = LighthouseClient(lighthouse, connect_timeout=timedelta(seconds=5))
-        while not stop.is_set():
-            try:
-                client.quorum(replica_id=name, timeout=timedelta(seconds=1), address="",
-                              store_address="", step=0, world_size=1, shrink_only=False,
-                              data={})  # fmt: skip
-            except Exception:  # no quorum within its second: ask again
-                pass
-
-    for _ in range(threads):
-        threading.Thread(target=ask, daemon=True).start()
+    flood(lighthouse, name, {}, stop, threads)
 
 
 # 23 s: by hand (-m slow): a lighthouse without the front (an own loop's); the default suite

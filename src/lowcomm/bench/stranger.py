@@ -237,6 +237,39 @@ class Stranger:
                     f.write(json.dumps(data) + "\n")
 
 
+def flood(address: str, name: str, data: dict[str, Any], stop: Any, threads: int) -> None:
+    """Quorum requests under ``name`` with ``data`` from ``threads`` threads of their own, each
+    asking again as soon as it is answered, until ``stop`` (an Event) is set; ``threads`` 0:
+    one request, here. torchft's own client, as an outsider would use it (the trust findings'
+    attack); nothing is counted or kept (:class:`Stranger` does that for the campaigns)."""
+    from torchft.coordination import LighthouseClient
+
+    def ask(again: bool) -> None:
+        client = LighthouseClient(_url(address), connect_timeout=timedelta(seconds=5))
+        while True:
+            try:
+                client.quorum(
+                    replica_id=name,
+                    timeout=timedelta(seconds=1),
+                    address="",
+                    store_address="",
+                    step=0,
+                    world_size=1,
+                    shrink_only=False,
+                    data=data,
+                )
+            except Exception:  # no quorum in its second, or refused: ask again
+                pass
+            if not again or stop.is_set():
+                return
+
+    if threads == 0:
+        ask(False)
+        return
+    for _ in range(threads):
+        threading.Thread(target=ask, args=(True,), daemon=True).start()
+
+
 def _url(address: str) -> str:
     return address if "://" in address else f"http://{address}"
 
