@@ -177,16 +177,7 @@ class Stranger:
 
                 client = LighthouseClient(_url(address), connect_timeout=timedelta(seconds=2))
                 self._local.client = client
-            q = client.quorum(
-                replica_id=name,
-                timeout=timedelta(seconds=1),
-                address="",
-                store_address="",
-                step=0,
-                world_size=1,
-                shrink_only=False,
-                data=data,
-            )
+            q = _quorum(client, name, data)
         except Exception as err:  # no quorum in its second, refused, or away: ask again
             with self._count:
                 self.refused += "PermissionDenied" in str(err)
@@ -248,16 +239,7 @@ def flood(address: str, name: str, data: dict[str, Any], stop: Any, threads: int
         client = LighthouseClient(_url(address), connect_timeout=timedelta(seconds=5))
         while True:
             try:
-                client.quorum(
-                    replica_id=name,
-                    timeout=timedelta(seconds=1),
-                    address="",
-                    store_address="",
-                    step=0,
-                    world_size=1,
-                    shrink_only=False,
-                    data=data,
-                )
+                _quorum(client, name, data)
             except Exception:  # no quorum in its second, or refused: ask again
                 pass
             if not again or stop.is_set():
@@ -268,6 +250,20 @@ def flood(address: str, name: str, data: dict[str, Any], stop: Any, threads: int
         return
     for _ in range(threads):
         threading.Thread(target=ask, args=(True,), daemon=True).start()
+
+
+def _quorum(client: Any, name: str, data: dict[str, Any]) -> Any:
+    """One quorum request under ``name``, as a site's own (one second to form)."""
+    return client.quorum(
+        replica_id=name,
+        timeout=timedelta(seconds=1),
+        address="",
+        store_address="",
+        step=0,
+        world_size=1,
+        shrink_only=False,
+        data=data,
+    )
 
 
 def _url(address: str) -> str:
