@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import adamw, batches, flat_params, local_steps, tiny_model
 
@@ -74,6 +75,55 @@ def test_nonfinite_streak_stops_every_worker(workers):
     for r in res:
         assert r["error"] is not None and "2 syncs in a row" in r["error"]
         assert len(r["globals"]) == 1  # stopped at the second poisoned sync
+
+
+def _nan_on_device_worker(rank: int, world: int, strategy: str, defer: bool) -> dict:
+    """A preset run of 12 steps (H = 2, Streaming's 2 fragments H = 4) in which worker 1's
+    update turns NaN at step H; with ``defer`` the finite check stays on the device (the
+    bucket path), else it is read first."""
+    model = tiny_model(seed=0)
+    opt = adamw(model)
+    data = batches(rank, world)
+    # Streaming applies at its send (overlap 0): a NaN left in the weights would reach the
+    # other fragment through the next forward pass, in either mode
+    extra = {"fragments": 2, "blocks_per_fragment": 0, "overlap": 0}
+    extra = extra if strategy == "streaming" else {}
+    h = 4 if strategy == "streaming" else 2
+    cfg = lowcomm.preset_config(strategy, workers=world, sync_every=h, **extra)
+    deferred, globals_after = [], []
+    with (engine := lowcomm.LowComm(model, opt, cfg)):
+        engine.parts.encoder.defer = defer
+        for step in range(1, 13):
+            x, y = data.next()
+            model(x, y).backward()
+            if rank == 1 and step == h:  # a step at which the first parameter's fragment syncs
+                next(model.parameters()).grad[0, 0] = float("nan")
+            opt.step()
+            opt.zero_grad()
+            if step % 2 == 0:
+                globals_after.append(engine.global_flat().clone())
+        deferred = [f.index for f in engine.fragments if engine.parts.encoder._defers.get(f.index)]
+    return {"globals": globals_after, "final": flat_params(model), "deferred": deferred,
+            "stats": engine.stats.as_dict()}  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy", ["sparseloco", "streaming"])
+def test_a_finite_check_left_on_the_device_leaves_out_as_one_read_first(
+    workers, strategy, monkeypatch
+):
+    """The bucket path (a GPU's) sends the finite check in the payload's flag and learns it
+    with the result: the same bits, the same counts, the same restart as reading it first."""
+    monkeypatch.setenv("LOWCOMM_BATCH", "1")
+    on, off = (workers(_nan_on_device_worker, 3, strategy, d) for d in (True, False))
+    assert on[0]["deferred"] and not off[0]["deferred"]
+    for a, b in zip(on, off):
+        assert all(torch.equal(x, y) for x, y in zip(a["globals"], b["globals"]))
+        assert torch.equal(a["final"], b["final"])
+        for k in ("left_out_syncs", "left_out_here"):
+            assert a["stats"][k] == b["stats"][k]
+        assert all(bool(torch.isfinite(g).all()) for g in a["globals"])
+    assert [r["stats"]["left_out_here"] for r in on] == [0, 1, 0]
+    assert all(r["stats"]["left_out_syncs"] == 1 for r in on)
 
 
 def _replica_worker(rank: int, world: int) -> dict:

@@ -258,28 +258,45 @@ class ErrorFeedback(_Compensation):
         """The engine's common call: what to encode for ``x`` (here ``accumulate``)."""
         return self.accumulate(key, x)
 
+    def flat_on(self, device: torch.device) -> bool:
+        """Whether :meth:`accumulate_flat` takes groups on ``device`` (FP32 buffers there)."""
+        store = self._store
+        return store.dtype == torch.float32 and store.device in (None, device)
+
     def accumulate_flat(
-        self, names: list[str], tensors: list[torch.Tensor], x: torch.Tensor
+        self,
+        names: list[str],
+        tensors: list[torch.Tensor],
+        x: torch.Tensor,
+        ok: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """``accumulate`` of a group at once: ``x`` holds ``tensors`` (named ``names``) one
         after another, and the group's buffers become views of one flat FP32 buffer, which is
         returned (encode it; hand the encoding to :meth:`subtract_flat`). None where the
-        buffers are not FP32 on ``x``'s device: then go tensor by tensor."""
-        store = self._store
-        if store.dtype != torch.float32 or store.device not in (None, x.device):
+        buffers are not FP32 on ``x``'s device (:meth:`flat_on`): then go tensor by tensor.
+
+        ``ok``: a 0-d bool on the device, whether ``x`` is finite, not read here; where it is
+        False the buffers stay as they were (``x`` is zeroed in place, beta taken as 1), and
+        so does the subtraction of what is then encoded (see :meth:`subtract_flat`).
+        """
+        if not self.flat_on(x.device):
             return None
         e = self._flat(names, tensors, x.device)
-        e.mul_(self.beta).add_(x.detach())
+        if ok is None:
+            e.mul_(self.beta).add_(x.detach())
+        else:
+            e.mul_(torch.where(ok, self.beta, 1.0)).add_(x.detach().masked_fill_(~ok, 0.0))
         return e
 
     def subtract_flat(self, e: torch.Tensor, enc: Any) -> None:
         """``e <- e - D(C(e))`` for a group encoded at once, from its encoding (an
-        aggregate.Encoded): at the sent entries of a sparse one, else everywhere."""
+        aggregate.Encoded): at the sent entries of a sparse one, else everywhere; nothing
+        where the encoding's device flag ``enc.ok`` says the update was not finite."""
         if enc.sparse_flat is not None:
             idx, values = enc.sparse_flat
-            e.index_add_(0, idx, values, alpha=-1.0)
+            e.index_add_(0, idx, values if enc.ok is None else values * enc.ok, alpha=-1.0)
         else:
-            e.sub_(enc.local)
+            e.sub_(enc.local if enc.ok is None else enc.local * enc.ok)
 
     def _flat(
         self, names: list[str], tensors: list[torch.Tensor], device: torch.device

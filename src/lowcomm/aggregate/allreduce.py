@@ -74,7 +74,8 @@ class AllReduceAggregator(Aggregator):
             valid = sum(1 for w in weights if w > 0)
             mean = self.rule.finish(buf[:-1].float(), float(buf[-1]))
             return Reduced(mean, valid, scaled_unapplied(self.rule, enc, weights, transport.rank))
-        count = int(round(float(buf[-1])))
+        # the summed flags hold the count; the control flags told it already where they can
+        count = enc.senders if enc.senders is not None else int(round(float(buf[-1])))
         return Reduced(self.rule.finish(buf[:-1].float(), count), count)
 
     def payload_nbytes(self, shapes: list[torch.Size]) -> int:

@@ -21,6 +21,15 @@ if TYPE_CHECKING:  # the math never calls the transport's module, only the objec
 
 T = TypeVar("T")
 
+#: a payload's validity flag: it contributes; it sends nothing (a worker left out); it was left
+#: out because its update was not finite, found on the device (see Valid) and told peers so
+LEFT_OUT, SENT, NONFINITE = 0, 1, 2
+
+#: whether a worker contributes: a bool, or a 0-d bool on the device, its update's finite check
+#: not yet read; then the payload goes out flagged by it (NONFINITE when False) and the
+#: exchange's one host read tells the host what it held (Reduced.left_out_here)
+Valid = bool | torch.Tensor
+
 
 @dataclass
 class Encoded:
@@ -41,6 +50,11 @@ class Encoded:
     # error feedback counted this whole message as sent: a weighted exchange hands back what
     # of it the weighted combination did not apply (Reduced.unapplied)
     keep_unapplied: bool = False
+    # the device's finite check of this worker's update, where encode was handed one (Valid)
+    ok: torch.Tensor | None = None
+    # how many workers' payloads are valid, where every worker's control flags said so before
+    # the exchange (an all-reduce then reads no count from the device); None: not known
+    senders: int | None = None
 
 
 #: per tensor, a flat FP32 tensor or (flat indices, values): see Reduced.unapplied
@@ -61,6 +75,10 @@ class Reduced:
     # contribution norm, inf where it was not finite or the rule left most of it out (not
     # readable, empty, or against the others); None when not tracked
     norms: dict[int, float] | None = None
+    # senders whose payloads were flagged NONFINITE (their updates found not finite on their
+    # devices, so left out), and whether this worker's own was one of them
+    nonfinite: int = 0
+    left_out_here: bool = False
 
 
 class Aggregator(ABC):
@@ -133,6 +151,12 @@ class Aggregator(ABC):
         (tensor by tensor): the engine then hands :meth:`encode` the bucket as one ``flat``."""
         return None
 
+    def defers(self, shapes: list[torch.Size], device: torch.device, compensated: bool) -> bool:
+        """Whether :meth:`encode` takes ``valid`` as a device flag (:data:`Valid`) for a bucket
+        of ``shapes`` on ``device`` (through error feedback if ``compensated``), and the
+        unweighted :meth:`exchange` reads it with its own result: no host read before it."""
+        return False
+
     def step(self) -> None:
         """Count one optimizer step for the reduce-side buffers (their periodic reset).
 
@@ -150,15 +174,23 @@ class Aggregator(ABC):
             self.collective_s += time.perf_counter() - t0
 
 
-def flag(byte: torch.Tensor, sender: int) -> bool:
-    """The validity flag of group rank ``sender``'s payload: True if it contributed
-    (PayloadError naming the sender if not 0/1)."""
+def flag(byte: torch.Tensor, sender: int) -> int:
+    """The validity flag of group rank ``sender``'s payload: SENT, LEFT_OUT or NONFINITE
+    (PayloadError naming the sender if it is none of them)."""
     v = int(byte)
-    if v not in (0, 1):
+    if v not in (LEFT_OUT, SENT, NONFINITE):
         raise PayloadError(
-            f"payload from worker {sender} has validity flag {v}, expected 0 or 1", sender
+            f"payload from worker {sender} has validity flag {v}, expected 0, 1 or 2", sender
         )
-    return v == 1
+    return v
+
+
+def flag_of(valid: Valid) -> torch.Tensor | float:
+    """The flag a payload carries for ``valid``: SENT or LEFT_OUT, or on the device SENT or
+    NONFINITE (a worker that sends nothing never holds a device flag)."""
+    if isinstance(valid, torch.Tensor):
+        return torch.where(valid, float(SENT), float(NONFINITE))
+    return float(SENT if valid else LEFT_OUT)
 
 
 def numel(shape: torch.Size) -> int:
@@ -174,7 +206,7 @@ def encode_compensated(
     compensation: Compensation | None,
     names: list[str],
     tensors: list[torch.Tensor],
-    valid: bool = True,
+    valid: Valid = True,
     key: str | None = None,
     need_dense: bool = True,
     flat: torch.Tensor | None = None,
@@ -183,15 +215,18 @@ def encode_compensated(
 
     Per tensor: ``x' = before_send(name, x)``; the group is encoded; then ``after_send(name, x',
     what peers decode of x')``. A group that is not ``valid`` goes out flagged as left out and
-    leaves the buffers alone (a non-finite gradient must not pollute them). Without
+    leaves the buffers alone (a non-finite gradient must not pollute them), as does one whose
+    device flag (:data:`Valid`) turns out False, through the group's buffers as one. Without
     ``need_dense`` (nobody reads ``Encoded.local``), a compensation that can subtract a sparse
     decode does so at the sent entries only. ``flat`` (the tensors one after another): a
     compensation that keeps the group's buffers as one does the group at once.
     """
-    comp = compensation if valid else None
+    ok = valid if isinstance(valid, torch.Tensor) else None
+    comp = compensation if ok is not None or valid else None
     sparse_ok = comp is not None and not need_dense and hasattr(comp, "subtract_sparse")
     whole = getattr(comp, "accumulate_flat", None) if flat is not None else None
-    e = whole(names, tensors, flat) if whole is not None else None
+    e = whole(names, tensors, flat, ok) if whole is not None else None
+    assert ok is None or e is not None, "a device flag needs the group's buffers as one"
     if comp is not None and e is not None:  # the group's buffers as one: no loop over tensors
         to_send = _views(e, tensors)
         enc = aggregator.encode(

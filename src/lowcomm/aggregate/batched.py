@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..codecs.topk_many import wanted
-from .base import Encoded, Reduced
+from .base import LEFT_OUT, NONFINITE, SENT, Encoded, Reduced, Valid, flag_of
 from .combine import Combine
 from .rules.mean import Mean, _divisor
 from .rules.selected_mean import SelectedMean, selected_mean
@@ -36,33 +36,36 @@ def plan_for(codec: Any, shapes: list[torch.Size], device: torch.device) -> Any:
 def encode(
     plan: Any,
     tensors: list[torch.Tensor],
-    valid: bool,
+    valid: Valid,
     flat: torch.Tensor | None,
     want: str,
     key: str | None,
 ) -> Encoded:
     """The bucket's payload (flag last); ``want``: "" nothing of our own decode, "sparse" it as
     (flat indices, values), "dense" as one flat FP32 tensor. ``flat``: the tensors one after
-    another, if the caller has them so (else they are concatenated)."""
+    another, if the caller has them so (else they are concatenated). ``valid`` on the device:
+    the payload encodes ``flat`` as it is and goes out flagged by it (peers read the flag
+    before anything else, and drop a NONFINITE sender's bytes unread)."""
     shapes = [t.shape for t in tensors]
     n = sum(s.numel() for s in shapes)
     dev = tensors[0].device
-    if not valid:
+    if valid is False:
         flat = torch.zeros(n, device=dev)
     elif flat is None:
         flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
     payload = torch.empty(plan.nbytes + 1, dtype=torch.uint8, device=dev)
     idx, values = plan.encode(flat, payload)
-    payload[-1] = int(valid)  # after the packing, which used it as scratch
+    payload[-1] = flag_of(valid)  # after the packing, which used it as scratch
+    ok = valid if isinstance(valid, torch.Tensor) else None
     if not plan.sparse:  # a dense codec: our decode is what peers decode of the payload
         local = plan.decode(payload[:-1])[1] if want else None
-        return Encoded(payload, shapes, n, local, key)
+        return Encoded(payload, shapes, n, local, key, ok=ok)
     if want == "sparse":
-        return Encoded(payload, shapes, n, None, key, sparse_flat=(idx, values))
+        return Encoded(payload, shapes, n, None, key, sparse_flat=(idx, values), ok=ok)
     local = None
     if want == "dense":
         local = torch.zeros(n, device=dev).index_copy_(0, idx, values)
-    return Encoded(payload, shapes, n, local, key)
+    return Encoded(payload, shapes, n, local, key, ok=ok)
 
 
 def combines(plan: Any, rule: Combine, weights: list[float] | None, me: int | None) -> bool:
@@ -80,10 +83,12 @@ def combine(
     weights: list[float] | None,
     out: torch.Tensor | None,
     track: bool = False,
+    me: int = -1,
 ) -> Reduced | None:
     """The rule's combination of every valid sender's bucket, or None where a sender's flag
     or payload is bad (the per-tensor path then raises, naming it). ``track``: with each
-    sender's squared norm (FP64, of the values it sent; inf where not finite)."""
+    sender's squared norm (FP64, of the values it sent; inf where not finite). ``me``: this
+    worker's group rank, told whether its own payload was flagged NONFINITE."""
     decoded = [plan.decode(g[:-1]) for g in gathered]
     flags = torch.stack([g[-1].to(torch.float64) for g in gathered])
     bad = torch.stack([d[2] for d in decoded]).to(torch.float64)
@@ -91,18 +96,22 @@ def combine(
     read = torch.cat([flags, bad, *[n.view(1) for n in norms]]).tolist()  # the one host read
     m = len(gathered)
     flag, broken = read[:m], read[m : 2 * m]
-    if any(f not in (0, 1) or (f == 1 and b) for f, b in zip(flag, broken)):
+    if any(f not in (LEFT_OUT, SENT, NONFINITE) or (f == SENT and b) for f, b in zip(flag, broken)):
         return None
-    senders = [w for w, f in enumerate(flag) if f == 1]
+    senders = [w for w, f in enumerate(flag) if f == SENT]
+    told = {
+        "nonfinite": flag.count(NONFINITE),
+        "left_out_here": 0 <= me < m and flag[me] == NONFINITE,
+    }
     tracked = {w: inf_if_nan(read[2 * m + w]) for w in senders} if track else None
     dev = gathered[0].device
     total = out if out is not None else torch.empty(numel, device=dev)
     if not senders:
-        return Reduced(total.zero_(), 0)
+        return Reduced(total.zero_(), 0, **told)
     sent = [(decoded[w][0], decoded[w][1]) for w in senders]
     ws = [weights[w] for w in senders] if weights is not None else None
     if isinstance(rule, SelectedMean):
-        return Reduced(selected_mean(sent, ws, total), len(senders), None, tracked)
+        return Reduced(selected_mean(sent, ws, total), len(senders), None, tracked, **told)
     total.zero_()
     for j, (idx, values) in enumerate(sent):
         part = values * ws[j] if ws is not None else values
@@ -111,7 +120,7 @@ def combine(
         else:
             total.index_add_(0, idx, part)
     mean = total.div_(_divisor(sum(ws) if ws is not None else len(sent)))
-    return Reduced(mean, len(senders), None, tracked)
+    return Reduced(mean, len(senders), None, tracked, **told)
 
 
 def inf_if_nan(value: float) -> float:

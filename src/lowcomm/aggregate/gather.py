@@ -10,7 +10,7 @@ import torch
 
 from ..codecs.base import Codec, PayloadError
 from . import batched
-from .base import Aggregator, Encoded, Reduced, contribution, flag, numel
+from .base import NONFINITE, SENT, Aggregator, Encoded, Reduced, Valid, contribution, flag, numel
 from .combine import Combine, Parts
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ class GatherAggregator(Aggregator):
         self,
         tensors: list[torch.Tensor],
         need_local: bool = False,
-        valid: bool = True,
+        valid: Valid = True,
         key: str | None = None,
         slab: torch.Tensor | None = None,
         sparse_local: bool = False,
@@ -43,11 +43,12 @@ class GatherAggregator(Aggregator):
     ) -> Encoded:
         """Each tensor encoded, then one flag byte (see :meth:`Aggregator.encode`); where the
         codec has a plan for the whole bucket on this device, the bucket at once (the same
-        bytes: :mod:`.batched`)."""
+        bytes: :mod:`.batched`), which also takes ``valid`` on the device (:meth:`defers`)."""
         plan = self.plan([t.shape for t in tensors], tensors[0].device) if tensors else None
         if plan is not None:
             want = "" if not need_local else "sparse" if sparse_local else "dense"
             return batched.encode(plan, tensors, valid, flat, want, key)
+        assert isinstance(valid, bool), "a device flag needs a plan (defers)"
         tensors, shapes, n = contribution(tensors, valid)
         parts = [self.codec.encode(t) for t in tensors]
         flag_byte = torch.tensor(
@@ -76,15 +77,24 @@ class GatherAggregator(Aggregator):
         plan = self.plan(enc.shapes, payload.device)
         if plan is not None and batched.combines(plan, self.rule, weights, me):
             got = batched.combine(
-                plan, self.rule, gathered, enc.numel, weights, enc.out, self.track
+                plan, self.rule, gathered, enc.numel, weights, enc.out, self.track, transport.rank
             )
             if got is not None:
                 return got
-        return self._sum_gathered(gathered, enc.shapes, enc.numel, weights, enc.out, me)
+        got = self._sum_gathered(gathered, enc.shapes, enc.numel, weights, enc.out, me)
+        nonfinite = [w for w, g in enumerate(gathered) if flag(g[-1], w) == NONFINITE]
+        got.nonfinite, got.left_out_here = len(nonfinite), transport.rank in nonfinite
+        return got
 
     def plan(self, shapes: list[torch.Size], device: torch.device) -> object | None:
         """The codec's plan for a whole bucket of ``shapes`` on ``device``, if it goes at once."""
         return batched.plan_for(self.codec, shapes, device)
+
+    def defers(self, shapes: list[torch.Size], device: torch.device, compensated: bool) -> bool:
+        """Where the bucket goes at once to a plain rule: the flag byte carries the device's
+        finite check, and the combine's one read takes it with every sender's."""
+        plan = self.plan(shapes, device)
+        return plan is not None and batched.combines(plan, self.rule, None, None)
 
     def payload_nbytes(self, shapes: list[torch.Size]) -> int:
         """The codec's bytes per tensor, plus the flag byte."""
@@ -105,7 +115,7 @@ class GatherAggregator(Aggregator):
         senders = []  # the workers that contributed
         for w, payload in enumerate(gathered):
             self._check_len(payload[:-1], shapes, w)
-            if flag(payload[-1], w):
+            if flag(payload[-1], w) == SENT:
                 senders.append(w)
         dev = gathered[0].device if gathered else None
         total = out if out is not None else torch.empty(total_numel, device=dev)

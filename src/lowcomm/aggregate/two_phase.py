@@ -17,7 +17,16 @@ import torch
 
 from ..codecs.base import Codec
 from ..errors import PayloadError
-from .base import Aggregator, Encoded, Reduced, contribution, flag, numel, scaled_unapplied
+from .base import (
+    SENT,
+    Aggregator,
+    Encoded,
+    Reduced,
+    contribution,
+    flag,
+    numel,
+    scaled_unapplied,
+)
 from .combine import Combine, Parts
 
 if TYPE_CHECKING:
@@ -129,7 +138,7 @@ class TwoPhaseAggregator(Aggregator):
         received = self._timed(transport.all_to_all, list(enc.payload.unbind(0)))
         shape = torch.Size([enc.shard_numel])
         mine = torch.zeros(shape, dtype=torch.float32, device=enc.payload.device)
-        senders = [w for w, p in enumerate(received) if flag(p[-1], w)]
+        senders = [w for w, p in enumerate(received) if flag(p[-1], w) == SENT]
         if senders:
             parts = Parts(
                 self.codec,

@@ -8,11 +8,12 @@ from typing import Any
 import torch
 
 from ..aggregate import Aggregator, Encoded, encode_compensated
+from ..aggregate.base import Valid
 from ..protocols import FaultHooks
 from ..transport import Transport
 from .fragment import Fragment
 from .guards import NonFiniteGuard
-from .tensors import Slabs, all_finite
+from .tensors import Slabs, all_finite, finite_flag
 
 
 class Encoder:
@@ -31,12 +32,17 @@ class Encoder:
         rank: int,
         faults: FaultHooks,
         in_flight: int = 1,
+        defer: bool = False,
     ) -> None:
         self.aggregator, self.compensation = aggregator, compensation
         self.guard, self.rank, self.faults = guard, rank, faults
         self.in_flight = in_flight
+        # the finite check may stay on the device, told with the exchange's result (a fixed
+        # world: an elastic one weighs contributions by the flags gathered before it)
+        self.defer = defer
         self._slabs: dict[int, list[Slabs]] = {}
         self._sends: dict[int, int] = {}
+        self._defers: dict[int, bool] = {}
 
     def slabs(self, frag: Fragment) -> Slabs:
         """The slabs this send of ``frag`` writes (allocated at its first sends)."""
@@ -59,29 +65,29 @@ class Encoder:
         """One fragment's pseudo-gradient, compensated and encoded per bucket.
 
         Returns the payloads, what this worker sent decoded (for the continue merge) and
-        whether its update was non-finite. A fragment without inner steps since its last send
-        (a worker that has left its loop) is not contributed; a non-finite one is left out:
-        peers average without it and its error buffer is not polluted.
+        whether its update was found non-finite here. A fragment without inner steps since its
+        last send (a worker that has left its loop) is not contributed; a non-finite one is
+        left out: peers average without it and its error buffer is not polluted. Where the
+        aggregator :meth:`~lowcomm.aggregate.Aggregator.defers`, the finite check is not read
+        here: the payload carries it, and the exchange's result tells (``left_out_here``).
         """
         slabs = self.slabs(frag)
         need_own = frag.snapshot is not None  # continue merge: keep what is sent, and the weights
         finite = frag.pseudo_grad_into(slabs.views, take_snapshot=need_own)
         contributes = frag.unsent > 0
-        if contributes and finite is None:
-            finite = all_finite(*(s[:-1] for s in slabs.slabs))
-        nonfinite = contributes and not finite
+        valid, nonfinite = self._valid(frag, slabs, finite, contributes)
         if nonfinite:
-            self.guard.leave_out(frag, self.rank, step)
-        valid = contributes and not nonfinite
+            self.guard.leave_out(frag, step)
         compensation = self.compensation
-        if valid:  # a fault harness may act here: past the site's own checks, before encoding
+        sends = contributes and not nonfinite
+        if sends:  # a fault harness may act here: past the site's own checks, before encoding
             weights = [frag.global_views[i] for g in frag.buckets for i in g]  # views' order
             compensation = self.faults.contribution(slabs.views, step, compensation, weights)
         encoded = self._buckets(frag, slabs, valid, need_own, compensation)
         own = None
         if need_own:
             own = slabs.own()
-            if valid:  # a copy: own never aliases a payload
+            if sends:  # a copy: own never aliases a payload (unread if left out after all)
                 torch.cat([e.local for e in encoded], out=own)  # type: ignore[misc]
             else:
                 own.zero_()
@@ -93,8 +99,36 @@ class Encoder:
         frag.unsent = 0
         return encoded, own, nonfinite
 
+    def _valid(
+        self, frag: Fragment, slabs: Slabs, finite: bool | None, contributes: bool
+    ) -> tuple[Valid, bool]:
+        """Whether ``frag``'s update goes out valid (a 0-d bool on the device where the
+        aggregator takes one: nothing read), and whether it was found non-finite here."""
+        if contributes and self._deferred(frag, slabs):
+            dev = slabs.slabs[0].device
+            if finite is not None:  # the CPU's fused kernel found out already
+                return torch.tensor(finite, device=dev), False
+            return finite_flag(*(s[:-1] for s in slabs.slabs)), False
+        if contributes and finite is None:
+            finite = all_finite(*(s[:-1] for s in slabs.slabs))
+        nonfinite = contributes and not finite
+        return contributes and not nonfinite, nonfinite
+
+    def _deferred(self, frag: Fragment, slabs: Slabs) -> bool:
+        """Whether every bucket of ``frag`` may carry a device flag (see :meth:`_valid`)."""
+        if not self.defer or not slabs.slabs:
+            return False
+        if frag.index not in self._defers:
+            comp, dev = self.compensation, slabs.slabs[0].device
+            flat_ok = comp is None or (hasattr(comp, "flat_on") and comp.flat_on(dev))
+            self._defers[frag.index] = flat_ok and all(
+                self.aggregator.defers([slabs.views[i].shape for i in b], dev, comp is not None)
+                for b in frag.buckets
+            )
+        return self._defers[frag.index]
+
     def _buckets(
-        self, frag: Fragment, slabs: Slabs, valid: bool, need_own: bool, compensation: Any
+        self, frag: Fragment, slabs: Slabs, valid: Valid, need_own: bool, compensation: Any
     ) -> list[Encoded]:
         """Encode per bucket, through the error compensation when there is one (error feedback:
         e <- beta e + delta, send e, e <- e - sent; LoCo: h = delta + e, e <- moving average of

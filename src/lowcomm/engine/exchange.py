@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-# Columns of the per-exchange control flags (one int64 row per worker).
+# Columns of the per-exchange control flags (one int64 row per worker): then P unsent counts
+# from UNSENT on, then P validity flags (see flags_row).
 DONE, STEP, NONFINITE, UNSENT = 0, 1, 2, 3
 
 Events = list[tuple[str, int, float]]  # (sent | completed | applied, fragment, time)
@@ -34,20 +35,41 @@ Events = list[tuple[str, int, float]]  # (sent | completed | applied, fragment, 
 class Event:
     """What one exchange (all fragments sent at one step) brought back."""
 
-    flags: torch.Tensor  # [M, 3 + P] int64, every worker's control flags
+    flags: torch.Tensor  # [M, 3 + 2P] int64, every worker's control flags (flags_row)
     reduced: dict[int, Reduced]  # fragment -> averaged pseudo-gradient
     buffers: torch.Tensor | None = None  # averaged / broadcast floating buffers, flat FP32
 
     @property
     def nonfinite_workers(self) -> int:
-        """How many workers' updates were non-finite (left out of this exchange)."""
-        return int(self.flags[:, NONFINITE].sum())
+        """How many workers' updates were non-finite (left out of this exchange): as the flags
+        say, or as the payloads said where the check stayed on the device until then."""
+        told = max((r.nonfinite for r in self.reduced.values()), default=0)
+        return int(self.flags[:, NONFINITE].sum()) + told
 
 
-def flags_row(step: int, done: bool, nonfinite: bool, unsent: list[int]) -> torch.Tensor:
+def flags_row(
+    step: int, done: bool, nonfinite: bool, unsent: list[int], sent: list[int] | None = None
+) -> torch.Tensor:
     """This worker's control flags: has it left its loop, its step, was its update finite,
-    unsent inner steps per fragment."""
-    return torch.tensor([int(done), step, int(nonfinite)] + unsent, dtype=torch.int64)
+    unsent inner steps per fragment, and per fragment whether its payload in this exchange
+    is valid (1 or 0; -1 not known on the host: the payload's own flag says)."""
+    sent = sent if sent is not None else [-1] * len(unsent)
+    return torch.tensor([int(done), step, int(nonfinite)] + unsent + sent, dtype=torch.int64)
+
+
+def unsent_of(flags: torch.Tensor) -> torch.Tensor:
+    """The unsent-steps columns of gathered flags (one per fragment)."""
+    return flags[:, UNSENT : UNSENT + (flags.shape[1] - UNSENT) // 2]
+
+
+def senders_of(flags: torch.Tensor, p: int, world: int) -> int | None:
+    """How many workers' payloads of fragment ``p`` are valid, as every worker's flags say
+    (no read of the device); None where some row does not know, or ``flags`` is not one row
+    per worker of a group of ``world``."""
+    if flags.shape[0] != world:
+        return None
+    col = flags[:, UNSENT + (flags.shape[1] - UNSENT) // 2 + p].tolist()
+    return None if min(col) < 0 else sum(col)
 
 
 def _joined(out: list[Reduced]) -> Reduced:
@@ -65,6 +87,8 @@ def _joined(out: list[Reduced]) -> Reduced:
         min(r.valid_workers for r in out),
         unapplied if held else None,
         norms,
+        max(r.nonfinite for r in out),
+        any(r.left_out_here for r in out),
     )
 
 
@@ -109,13 +133,23 @@ class Exchange:
         return self.runner.run(tag, collectives)
 
     def flags(
-        self, step: int, done: bool, nonfinite: bool = False, covered: dict[int, int] | None = None
+        self,
+        step: int,
+        done: bool,
+        nonfinite: bool = False,
+        covered: dict[int, int] | None = None,
+        sent: dict[int, int] | None = None,
     ) -> torch.Tensor:
         """This worker's flags now (see :func:`flags_row`); ``covered``: the inner steps each
-        fragment sent now holds (its count is reset by encoding)."""
-        covered = covered or {}
+        fragment sent now holds (its count is reset by encoding); ``sent``: whether each
+        fragment sent now is valid (1, 0, or -1 where the payload's flag alone knows)."""
+        covered, sent = covered or {}, sent or {}
         return flags_row(
-            step, done, nonfinite, [covered.get(f.index, f.unsent) for f in self.frags]
+            step,
+            done,
+            nonfinite,
+            [covered.get(f.index, f.unsent) for f in self.frags],
+            [sent.get(f.index, 0) for f in self.frags],
         )
 
     def gather_flags(self, mine: torch.Tensor, tag: str) -> torch.Tensor:
@@ -160,6 +194,9 @@ class Exchange:
                 parts = [dataclasses.replace(e, payload=e.payload.clone()) for e in parts]
             t1 = time.perf_counter()
             w = self.weights(gathered, p) if self.weighted else None
+            senders = senders_of(gathered, p, transport.world_size)
+            for e in parts:  # an all-reduce need not read its count from the device
+                e.senders = senders
             out = [aggregator.exchange(e, transport, w) for e in parts]
             exchanging += time.perf_counter() - t1
             reduced[p] = self._by_site(out[0] if len(out) == 1 else _joined(out))

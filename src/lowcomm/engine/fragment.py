@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..codecs.topk_many import wanted
 from ..config import ConfigError
 from .state import RunState, StatePart
 from .tensors import Part, copy_into, fused_minus, local, minus_params_into, pieces, views
@@ -75,6 +76,12 @@ class Fragment:
             return None
         assert self.snapshot is not None
         snap = views(self.snapshot, self.params)
+        if wanted(self.snapshot.device):  # multi-tensor kernels: launches not per tensor
+            plain = [p.detach().to(self.snapshot.device, torch.float32) for p in self.params]
+            torch._foreach_copy_(out, snap)
+            torch._foreach_sub_(out, plain)
+            torch._foreach_copy_(snap, plain)
+            return None
         for o, s, p in zip(out, snap, self.params):
             for pc, sc, oc in pieces([p.detach()], s.reshape(-1), o.reshape(-1)):
                 torch.sub(sc, pc.to(sc.device, torch.float32), out=oc)

@@ -25,8 +25,8 @@ log = logging.getLogger("lowcomm")
 class NonFiniteGuard:
     """Fragments this worker left out (its update was non-finite) and the run's streak."""
 
-    def __init__(self, patience: int, stats: SyncStats, state: RunState) -> None:
-        self.patience, self.stats = patience, stats
+    def __init__(self, patience: int, stats: SyncStats, state: RunState, rank: int = 0) -> None:
+        self.patience, self.stats, self.rank = patience, stats, rank
         self.left_out: set[int] = set()  # fragments whose last pseudo-gradient here was bad
         self.streak = 0
         state.register(
@@ -41,14 +41,14 @@ class NonFiniteGuard:
     def _load_left_out(self, value: list[int] | set[int]) -> None:
         self.left_out = set(value)
 
-    def leave_out(self, frag: Fragment, rank: int, step: int) -> None:
+    def leave_out(self, frag: Fragment, step: int) -> None:
         """This worker's update of ``frag`` was non-finite: peers average without it."""
         self.left_out.add(frag.index)
         self.stats.left_out_here += 1
         log.warning(
             "rank %d: non-finite pseudo-gradient in fragment %d at step %d; left out "
             "of this sync, restarting from the global parameters",
-            rank,
+            self.rank,
             frag.index,
             step,
         )

@@ -95,8 +95,10 @@ class InFlight:
         return out
 
     def shared(self) -> dict[str, Any]:
-        """The results in flight as every site holds them: without this site's own send."""
-        return {p: {k: v for k, v in d.items() if k != "own"} for p, d in self.save().items()}
+        """The results in flight as every site holds them: without this site's own send (nor
+        whether it was left out)."""
+        mine = ("own", "left_out")
+        return {p: {k: v for k, v in d.items() if k not in mine} for p, d in self.save().items()}
 
     def load(self, saved: dict[str, Any]) -> None:
         """Replace the table with the results of :meth:`save`."""
@@ -108,7 +110,8 @@ def _pending_from(p: int, d: dict[str, Any]) -> Pending:
     flags = d.get("flags")
     if flags is None:  # checkpoints written before the control flags existed
         flags = torch.zeros((1, UNSENT), dtype=torch.int64)
-    reduced = Reduced(d["mean"], int(d["valid_workers"]))
+    told = {"nonfinite": int(d.get("nonfinite", 0)), "left_out_here": bool(d.get("left_out", 0))}
+    reduced = Reduced(d["mean"], int(d["valid_workers"]), **told)
     fut.set_result(Event(flags, {p: reduced}, d.get("buffers")))
     return Pending(fut, int(d["sent_at"]), int(d["apply_at"]), d.get("own"))
 
@@ -124,6 +127,8 @@ def _entry(p: int, event: Event, sent_at: int, apply_at: int) -> dict[str, Any]:
     return {
         "mean": red.mean.clone(),
         "valid_workers": red.valid_workers,
+        "nonfinite": red.nonfinite,  # told by the payloads (a check left on the device)
+        "left_out": int(red.left_out_here),
         "flags": event.flags.clone(),
         "buffers": event.buffers,
         "sent_at": sent_at,

@@ -15,7 +15,7 @@ from torch import Tensor
 from .. import _buffers
 from ..outer import OuterOptimizer
 from ..transport import Transport
-from .exchange import DONE, UNSENT, Events, Exchange
+from .exchange import DONE, Events, Exchange, unsent_of
 from .fragment import Fragment
 from .inflight import InFlight
 from .placement import Placement
@@ -57,7 +57,7 @@ class Leave:
             step += 1
             flags = run_due(step, True)
             if flags is not None:
-                return flags[:, UNSENT:].max(dim=0).values.tolist(), step
+                return unsent_of(flags).max(dim=0).values.tolist(), step
 
     def everyone_left(self, flags: torch.Tensor) -> bool:
         """Whether the gathered flags say every worker has left its loop."""

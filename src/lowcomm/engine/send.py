@@ -39,12 +39,18 @@ def send(
     nonfinite = False
     # quorum rounds weight each contribution by the steps it holds (encoding resets them)
     covered = {p: frags[p].unsent for p in sends} if parts.exchange.weighted else None
+    sent: dict[int, int] = {}  # valid (1) or not (0); -1: the device's flag rides the payload
     with times.stage("encode"):
         for p in sends:
+            had = frags[p].unsent > 0
             encoded[p], owns[p], bad = parts.encoder.encode(frags[p], step)
             nonfinite |= bad
+            deferred = any(e.ok is not None for e in encoded[p])
+            sent[p] = -1 if deferred else int(had and not bad)
     parts.faults.outgoing([e.payload for p in sends for e in encoded[p]])  # corrupt:, if any
-    mine = None if flags is not None else parts.exchange.flags(step, False, nonfinite, covered)
+    mine = None
+    if flags is None:
+        mine = parts.exchange.flags(step, False, nonfinite, covered, sent)
     tag = f"sync@{step}"
     job = parts.exchange.job(encoded, mine, flags, tag)
     healing = offer_heal(parts.membership, state, schedule, tag, step, results)

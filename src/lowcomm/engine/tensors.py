@@ -164,13 +164,20 @@ def fused_minus(
 
 
 def all_finite(*ts: torch.Tensor) -> bool:
-    """Whether every element of every tensor is finite: exactly when their minima and maxima
-    are (NaN propagates), read from the device once.
+    """Whether every element of every tensor is finite (:func:`finite_flag`, read once)."""
+    return bool(finite_flag(*ts))
+
+
+def finite_flag(*ts: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool on the tensors' device: whether every element of every tensor is finite,
+    exactly when their minima and maxima are (NaN propagates). Nothing is read to the host.
 
     One read pass; ``isfinite(t).all()`` writes a model-sized mask first (5x a copy on a CPU).
     """
     ends = [v for t in ts if t.numel() for v in torch.aminmax(t)]
-    return not ends or bool(torch.isfinite(torch.stack(ends)).all())
+    if not ends:
+        return torch.ones((), dtype=torch.bool, device=ts[0].device if ts else None)
+    return torch.isfinite(torch.stack(ends)).all()
 
 
 def named_state(model: nn.Module, part: Part | None) -> dict[str, torch.Tensor]:

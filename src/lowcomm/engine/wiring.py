@@ -120,9 +120,10 @@ def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None
     register_optimizer_state(state, engine.outer, compensation, aggregator, transport)
     state.register("step", step)
     inflight = InFlight(transport, engine.events, state)
-    nonfinite = NonFiniteGuard(cfg.nonfinite_patience, engine.stats, state)
+    nonfinite = NonFiniteGuard(cfg.nonfinite_patience, engine.stats, state, transport.rank)
     register_counters(state, engine.stats, transport.meter)
     local = LocalWeights(engine.model, frags, placement, state)
+    runner = placement.runner(aggregator, transport, buffer_transport, engine.faults)
     encoder = Encoder(
         aggregator,
         compensation,
@@ -130,8 +131,8 @@ def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None
         transport.rank,
         engine.faults,
         in_flight=2 if engine.schedule.is_round_overlap() else 1,
+        defer=runner is None,
     )
-    runner = placement.runner(aggregator, transport, buffer_transport, engine.faults)
     exchange = Exchange(
         engine.model,
         frags,
