@@ -105,3 +105,22 @@ def test_the_gpu_workload_runs_its_loop_and_table_on_a_cpu(workers):
         parts = sum(stages[k] for k in ("encode", "collective", "decode_sum", "outer", "merge"))
         assert 0 < parts <= stages["total"] + 1e-9
     assert "| sparseloco | 2 |" in table(result)
+
+
+def test_host_syncs_are_counted_on_lowcomms_own_lines_only():
+    """A sync-debug warning counts against the sync when lowcomm's engine made it, not when the
+    benchmark's own loop or another package did; a row without the count shows a dash."""
+    from lowcomm.bench.gpu import _engines, table
+
+    assert _engines("/x/src/lowcomm/engine/encode.py")
+    assert _engines("/x/site-packages/lowcomm/codecs/topk.py")
+    assert not _engines("/x/src/lowcomm/bench/gpu.py")
+    assert not _engines("/x/site-packages/torch/nn/functional.py")
+    row = {
+        "strategy": "diloco", "h": 50, "speed": 1.0, "tok_s": 1.0, "plain_tok_s": 1.0,
+        "stages_s": dict.fromkeys(
+            ("encode", "collective", "decode_sum", "outer", "merge", "total"), 0.001
+        ), "sync_share_of_round": 0.01, "extra_peak_bytes": 0,
+    }  # fmt: skip
+    lines = table({"rows": [row, {**row, "host_syncs_per_sync": 1.0}]}).splitlines()
+    assert lines[2].split("|")[-3].strip() == "-" and lines[3].split("|")[-3].strip() == "1"

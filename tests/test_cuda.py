@@ -57,14 +57,21 @@ def test_train_every_strategy_on_the_gpu(strategy, tmp_path):
     assert summary["inner_steps"] == 30
 
 
-@pytest.mark.parametrize("strategy", ["streaming", "sparseloco"])
+@pytest.mark.parametrize("strategy", ["streaming", "sparseloco", "co2"])
 def test_the_sync_state_in_host_memory_trains_on_the_gpu(strategy, tmp_path):
-    """``state_device=cpu``: the global copy in pinned host memory, the model on the GPU."""
-    out = tmp_path / strategy
-    proc = _lowcomm("train", "--strategy", strategy, "--workers", "1", "--steps", "30",
-                    "--out", str(out), *SMALL, "device=cuda", "sync_every=10",
-                    "state_device=cpu")  # fmt: skip
-    assert _trained(out, proc)["inner_steps"] == 30
+    """``state_device=cpu``: the global copy in pinned host memory, the model on the GPU, its
+    transfers in on a copy stream; it ends where the same run with its state on the GPU does
+    (the outer step's arithmetic is the same; a transfer read before it landed would not)."""
+    losses = []
+    for state in ("cpu", "model"):
+        out = tmp_path / f"{strategy}-{state}"
+        proc = _lowcomm("train", "--strategy", strategy, "--workers", "1", "--steps", "30",
+                        "--out", str(out), *SMALL, "device=cuda", "sync_every=10",
+                        f"state_device={state}")  # fmt: skip
+        summary = _trained(out, proc)
+        assert summary["inner_steps"] == 30
+        losses.append(summary["final_val_loss"])
+    assert losses[0] == pytest.approx(losses[1], rel=0.02)
 
 
 def test_a_hugging_face_model_trains_on_the_gpu(tmp_path):

@@ -16,7 +16,8 @@ at both ends, then the plain loop again. Reported per method:
 - with ``--launches``, kernel launches per sync: CUDA kernels, copies and fills
   (``torch.profiler``) of a round of ``PROFILED_H`` steps inside the block less those of as
   many plain steps, over the round's syncs, for the model and for one of half its layers (a
-  sync on flat buffers launches as many for both);
+  sync on flat buffers launches as many for both), and the host synchronisations lowcomm's
+  own lines made per sync (CUDA's sync debug mode);
 - peak GPU memory over the plain loop's (the peak is reset before each phase).
 
 Shapes: ``--world 1`` (an NCCL world of one: no wire, the sync's own work) and ``--world 2``
@@ -185,23 +186,31 @@ def _profiled_round(loop: Loop, engine: LowComm | None, cpu: bool = False) -> tu
     return p, syncs, list(caught)
 
 
+def _engines(filename: str) -> bool:
+    """Whether a line is lowcomm's own, not this benchmark's (its loop, its settling)."""
+    path = Path(filename).as_posix()
+    return "/lowcomm/" in path and "/lowcomm/bench/" not in path
+
+
 def _kernels(prof: Any) -> int:
     from torch.autograd import DeviceType
 
     return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
 
 
-def launches_per_sync(loop: Loop, strategy: str, state_device: str) -> int | None:
+def launches_per_sync(loop: Loop, strategy: str, state_device: str) -> tuple[int, float] | None:
     """CUDA kernels, copies and fills per (fragment) sync: those of a round of PROFILED_H steps
-    inside the block less those of as many plain steps, over the syncs the round made."""
+    inside the block less those of as many plain steps, over the syncs the round made; and the
+    host synchronisations lowcomm's lines made per sync (CUDA's sync debug mode)."""
     if loop.device.type != "cuda":
         return None
     loop.timed(2)  # a model's first steps launch set-up kernels (workspaces) a round does not
     plain_round, _, _ = _profiled_round(loop, None)
     with (engine := _engine(loop, strategy, PROFILED_H, state_device)):
         loop.timed(PROFILED_H)  # warm: the engine's buffers and the codecs' tables exist
-        prof, syncs, _ = _profiled_round(loop, engine)
-    return round((_kernels(prof) - _kernels(plain_round)) / max(syncs, 1))
+        prof, syncs, caught = _profiled_round(loop, engine)
+    ours = sum(1 for w in caught if _engines(w.filename))
+    return round((_kernels(prof) - _kernels(plain_round)) / max(syncs, 1)), ours / max(syncs, 1)
 
 
 def diagnose(loop: Loop, strategy: str, state_device: str, top: int = 25) -> dict[str, Any]:
@@ -213,7 +222,7 @@ def diagnose(loop: Loop, strategy: str, state_device: str, top: int = 25) -> dic
         prof, syncs, caught = _profiled_round(loop, engine, cpu=True)
     sites: dict[str, int] = {}
     for w in caught:  # attributed to the Python line that synchronised; lowcomm's only
-        if "lowcomm" in w.filename:
+        if _engines(w.filename):
             where = f"{Path(w.filename).parent.name}/{Path(w.filename).name}:{w.lineno}"
             sites[where] = sites.get(where, 0) + 1
     averages = prof.key_averages()
@@ -285,10 +294,11 @@ def run(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     if args.launches and device.type == "cuda":
         half = Loop(args, max(1, args.layers // 2), device)
         for row in rows:
-            row["launches_per_sync"] = launches_per_sync(loop, row["strategy"], args.state_device)
-            row["launches_per_sync_half_layers"] = launches_per_sync(
-                half, row["strategy"], args.state_device
-            )
+            full = launches_per_sync(loop, row["strategy"], args.state_device)
+            halved = launches_per_sync(half, row["strategy"], args.state_device)
+            assert full is not None and halved is not None
+            row["launches_per_sync"], row["host_syncs_per_sync"] = full
+            row["launches_per_sync_half_layers"] = halved[0]
         counts = {"tensors": loop.tensors, "tensors_half_layers": half.tensors}
     else:
         counts = {"tensors": loop.tensors}
@@ -319,9 +329,9 @@ def table(result: dict[str, Any]) -> str:
     head = (
         "| method | H | × plain | tok/s | plain tok/s | sync ms | encode | collective | "
         "decode+sum | outer | merge | % of round | launches/sync (½ layers) | "
-        "extra peak MiB |"
+        "host syncs/sync | extra peak MiB |"
     )
-    lines = [head, "|" + "---|" * 14]
+    lines = [head, "|" + "---|" * 15]
     for r in result["rows"]:
         st = {k: 1e3 * v for k, v in r["stages_s"].items()}
         launches = r.get("launches_per_sync")
@@ -332,9 +342,14 @@ def table(result: dict[str, Any]) -> str:
             f"{st['collective']:.1f} | {st['decode_sum']:.1f} | {st['outer']:.1f} | "
             f"{st['merge']:.1f} | {100 * r['sync_share_of_round']:.2f} | "
             f"{launches if launches is not None else '-'} ({half if half is not None else '-'}) | "
+            f"{_or_dash(r.get('host_syncs_per_sync'))} | "
             f"{r['extra_peak_bytes'] / 2**20:,.0f} |"
         )
     return "\n".join(lines)
+
+
+def _or_dash(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:

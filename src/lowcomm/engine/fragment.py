@@ -16,7 +16,18 @@ import torch.nn as nn
 from ..codecs.topk_many import wanted
 from ..config import ConfigError
 from .state import RunState, StatePart
-from .tensors import Part, copy_into, fused_minus, local, minus_params_into, pieces, views
+from .tensors import (
+    Part,
+    copy_into,
+    elsewhere,
+    fused_minus,
+    local,
+    minus_params_into,
+    on_device_of,
+    pieces,
+    values_on,
+    views,
+)
 
 
 @dataclass
@@ -48,9 +59,10 @@ class Fragment:
         return [local(p, self.part) for p in self.raw]
 
     def load_global(self) -> None:
-        """The global copy into the local parameters."""
+        """The global copy into the local parameters (from host state, in one transfer)."""
         with torch.no_grad():
-            copy_into(self.params, self.global_views)
+            params = self.params
+            copy_into(params, views(on_device_of(params, self.global_flat), params))
 
     @property
     def reference(self) -> torch.Tensor:
@@ -76,8 +88,9 @@ class Fragment:
             return None
         assert self.snapshot is not None
         snap = views(self.snapshot, self.params)
-        if wanted(self.snapshot.device):  # multi-tensor kernels: launches not per tensor
-            plain = [p.detach().to(self.snapshot.device, torch.float32) for p in self.params]
+        if wanted(self.snapshot.device) or elsewhere(self.params, self.snapshot.device):
+            # multi-tensor kernels (launches not per tensor); host state: one transfer in
+            plain = values_on(self.snapshot.device, self.params)
             torch._foreach_copy_(out, snap)
             torch._foreach_sub_(out, plain)
             torch._foreach_copy_(snap, plain)
@@ -91,8 +104,9 @@ class Fragment:
     def take_snapshot(self) -> None:
         """Remember the local weights (in FP32) as the continue merge's reference."""
         assert self.snapshot is not None
-        for s, p in zip(views(self.snapshot, self.params), self.params):
-            s.copy_(p.detach())
+        params = self.params
+        for s, v in zip(views(self.snapshot, params), values_on(self.snapshot.device, params)):
+            s.copy_(v)
 
 
 def register_fragment_state(state: RunState, frags: list[Fragment]) -> None:

@@ -17,7 +17,7 @@ from ..codecs.topk_many import wanted
 from ..config import SyncConfig
 from ..schedule import Schedule
 from .fragment import Fragment
-from .tensors import copy_into, pieces, views
+from .tensors import copy_into, elsewhere, on_device_of, pieces, views
 
 
 class Merge:
@@ -51,12 +51,13 @@ class AlphaMix(Merge):
 
     def merge(self, frag: Fragment, in_flight: torch.Tensor | None) -> None:
         params = [p.detach() for p in frag.params]
-        dev = frag.global_flat.device
+        glob = on_device_of(params, frag.global_flat)  # host state: one transfer in
+        dev = glob.device
         if wanted(dev) and all(p.dtype == torch.float32 and p.device == dev for p in params):
             # an accelerator: multi-tensor kernels (launches that do not grow with the number
             # of parameters), the same element-wise ops and bits
             torch._foreach_mul_(params, self.alpha)
-            torch._foreach_add_(params, frag.global_views, alpha=1.0 - self.alpha)
+            torch._foreach_add_(params, views(glob, params), alpha=1.0 - self.alpha)
             return
         for p, g in pieces(frag.params, frag.global_flat):  # one pass: p is re-read in cache
             self._mix(p, g)
@@ -81,6 +82,9 @@ class Continue(Merge):
 
     def merge(self, frag: Fragment, in_flight: torch.Tensor | None) -> None:
         assert frag.snapshot is not None
+        if elsewhere(frag.params, frag.global_flat.device):
+            self._merge_on_the_accelerator(frag, in_flight)
+            return
         if wanted(frag.global_flat.device):
             self._merge_at_once(frag, in_flight)
             return
@@ -96,16 +100,23 @@ class Continue(Merge):
             torch.add(new_local, progress, out=snap)
             p.copy_(new_local)
 
-    def _merge_at_once(self, frag: Fragment, in_flight: torch.Tensor | None) -> None:
+    def _merge_at_once(
+        self,
+        frag: Fragment,
+        in_flight: torch.Tensor | None,
+        state: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         """The same steps as multi-tensor kernels over every parameter (an accelerator's
-        launches then do not grow with the number of parameters); the same bits."""
+        launches then do not grow with the number of parameters); the same bits. ``state``:
+        (global copy, snapshot) where the work is done, if not the fragment's own."""
         assert frag.snapshot is not None
+        glob_flat, snap_flat = state or (frag.global_flat, frag.snapshot)
         params = frag.params
-        dev = frag.global_flat.device
+        dev = glob_flat.device
         local = [p.detach().to(dev, torch.float32) for p in params]
-        snap = views(frag.snapshot, params)
+        snap = views(snap_flat, params)
         progress = torch._foreach_sub(snap, local)
-        glob = views(frag.global_flat, params)
+        glob = views(glob_flat, params)
         if in_flight is not None:
             new_local = torch._foreach_sub(glob, views(in_flight.to(dev), params), alpha=self.keep)
         else:
@@ -113,6 +124,17 @@ class Continue(Merge):
         torch._foreach_sub_(new_local, progress)
         torch._foreach_copy_(snap, torch._foreach_add(new_local, progress))
         copy_into([p.detach() for p in params], new_local)
+
+    def _merge_on_the_accelerator(self, frag: Fragment, in_flight: torch.Tensor | None) -> None:
+        """Host state of an accelerator's model: the global copy, the snapshot and what is in
+        flight each go over in one transfer, the merge runs there, the snapshot comes back
+        in one."""
+        assert frag.snapshot is not None
+        params = frag.params
+        snap = on_device_of(params, frag.snapshot)
+        own = on_device_of(params, in_flight) if in_flight is not None else None
+        self._merge_at_once(frag, own, (on_device_of(params, frag.global_flat), snap))
+        frag.snapshot.copy_(snap)
 
 
 def make_merge(cfg: SyncConfig, schedule: Schedule) -> Merge:

@@ -86,6 +86,49 @@ class Slabs:
         return self._own
 
 
+def elsewhere(params: list[torch.Tensor], device: torch.device) -> bool:
+    """Whether ``params`` live on an accelerator while the state is on ``device`` (the host:
+    ``state_device=cpu``): every transfer between them is then made whole, see
+    :func:`values_on` and :func:`on_device_of`."""
+    return bool(params) and params[0].device != device and params[0].device.type != "cpu"
+
+
+def values_on(device: torch.device, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The params' values in FP32 on ``device``, shaped like them. From an accelerator to the
+    host, one transfer of their concatenation into pinned memory (the host waits once, where
+    a copy per parameter would wait per parameter)."""
+    if not elsewhere(params, device):
+        return [p.detach().to(device, torch.float32) for p in params]
+    flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
+    host = torch.empty(flat.shape, dtype=torch.float32, pin_memory=flat.is_cuda)
+    return views(host.copy_(flat), params)
+
+
+_COPY: dict[int, torch.cuda.Stream] = {}  # a GPU's copy stream, for the process's life
+
+
+def on_device_of(params: list[torch.Tensor], flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` (a state buffer) where ``params`` live: itself, or from the host's pinned
+    memory to the GPU in one transfer on a copy stream of its own, which the compute stream
+    waits for before what reads it (the transfer overlaps the kernels queued before it).
+    The host must not write ``flat`` until a blocking read of the compute stream (as the
+    next pseudo-gradient's :func:`values_on` is) has passed this transfer."""
+    if not elsewhere(params, flat.device):
+        return flat
+    device = params[0].device
+    if device.type != "cuda" or not flat.is_pinned():
+        return flat.to(device)
+    compute = torch.cuda.current_stream(device)
+    if device.index not in _COPY:
+        _COPY[device.index] = torch.cuda.Stream(device)
+    copy = _COPY[device.index]
+    with torch.cuda.stream(copy):  # host memory is ready: nothing on the GPU to wait for
+        out = flat.to(device, non_blocking=True)
+    compute.wait_stream(copy)
+    out.record_stream(compute)  # used there: its memory is not reused until that is done
+    return out
+
+
 def minus_params_into(
     out: list[torch.Tensor], reference: torch.Tensor, params: list[torch.Tensor]
 ) -> None:
@@ -94,7 +137,7 @@ def minus_params_into(
     On an accelerator as multi-tensor kernels (a copy, then the subtraction: the same bits),
     whose launches do not grow with the number of parameters."""
     refs = views(reference, params)
-    plain = [p.detach().to(reference.device, torch.float32) for p in params]
+    plain = values_on(reference.device, params)
     if wanted(reference.device):
         torch._foreach_copy_(out, refs)
         torch._foreach_sub_(out, plain)
