@@ -118,6 +118,36 @@ def test_outer_sgd_lr1_no_momentum_is_model_averaging(workers):
     torch.testing.assert_close(res[0]["after"], (locals_[0] + locals_[1]) / 2, atol=1e-6, rtol=0)
 
 
+def _uneven_worker(rank: int, world: int, strategy: str) -> dict:
+    """Model averaging (H = 2) where worker 1 stops after 7 steps, one step into a round."""
+    model = tiny_model(seed=0)
+    opt = adamw(model)
+    data = batches(rank, world)
+    cfg = lowcomm.preset_config(strategy, workers=world, sync_every=2, outer_lr=1.0,
+                                outer_momentum=0.0, nesterov=False)  # fmt: skip
+    locals_, globals_ = [None], [None]  # per step; locals before that step's sync
+    # registered first, so it runs before the engine's hook (which syncs)
+    opt.register_step_post_hook(lambda *_: locals_.append(flat_params(model)))
+    with (sync := lowcomm.LowComm(model, opt, cfg)):
+        for _ in range(10 if rank == 0 else 7):
+            x, y = data.next()
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            globals_.append(sync.global_flat().clone())
+    return {"locals": locals_, "globals": globals_}
+
+
+def test_a_worker_that_stops_mid_round_is_counted_in_its_last_average(workers):
+    """Worker 1's last step (7) is averaged at the next sync (8) with worker 0's: over two
+    workers, not one, though its control flags went out before it encoded."""
+    res = workers(_uneven_worker, 2, "diloco")
+    expected = (res[0]["locals"][8] + res[1]["locals"][7]) / 2
+    torch.testing.assert_close(res[0]["globals"][8], expected, atol=1e-6, rtol=0)
+    # at 10 worker 1 has nothing left to send: the global copy is worker 0's alone
+    torch.testing.assert_close(res[0]["globals"][10], res[0]["locals"][10], atol=1e-6, rtol=0)
+
+
 def test_unknown_option_is_a_clear_error():
     model = tiny_model()
     with pytest.raises(lowcomm.ConfigError, match="unknown sync option"):

@@ -142,15 +142,13 @@ class Exchange:
     ) -> torch.Tensor:
         """This worker's flags now (see :func:`flags_row`); ``covered``: the inner steps each
         fragment sent now holds (its count is reset by encoding); ``sent``: whether each
-        fragment sent now is valid (1, 0, or -1 where the payload's flag alone knows)."""
-        covered, sent = covered or {}, sent or {}
-        return flags_row(
-            step,
-            done,
-            nonfinite,
-            [covered.get(f.index, f.unsent) for f in self.frags],
-            [sent.get(f.index, 0) for f in self.frags],
-        )
+        fragment sent now is valid (1, 0, or -1 where the payload's flag alone knows). Flags
+        made before encoding (a worker that has left its loop: it may still send its last
+        steps) say -1 for every fragment."""
+        covered = covered or {}
+        valid = [sent.get(f.index, 0) for f in self.frags] if sent is not None else None
+        unsent = [covered.get(f.index, f.unsent) for f in self.frags]
+        return flags_row(step, done, nonfinite, unsent, valid)
 
     def gather_flags(self, mine: torch.Tensor, tag: str) -> torch.Tensor:
         """Every worker's flags, blocking (a worker that has left only mirrors this)."""
