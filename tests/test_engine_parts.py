@@ -86,3 +86,24 @@ def test_a_replayed_leave_on_the_comm_thread_ends_the_site_at_its_next_step():
     inflight.pending[1] = Pending(left, sent_at=10, apply_at=20)
     with pytest.raises(SiteLeft):
         inflight.due(11, [])
+
+
+def test_a_result_in_flight_keeps_what_the_payloads_told_and_the_layout_of_before():
+    """A result saved in flight (a checkpoint, a heal) keeps a worker's NaN found only by the
+    payloads' flags, and where none was found the entry is as it was before those flags: no
+    new keys, control flags without the validity columns (the pins hash checkpoints)."""
+    from lowcomm.aggregate.base import Reduced
+    from lowcomm.engine.exchange import Event, flags_row, without_validity
+    from lowcomm.engine.inflight import _entry, _pending_from
+
+    rows = [flags_row(8, False, False, [3, 0], [1, -1]), flags_row(8, True, False, [2, 0], [1, 0])]
+    flags = without_validity(torch.stack(rows))
+    assert flags.tolist() == [[0, 8, 0, 3, 0], [1, 8, 0, 2, 0]]
+    clean = _entry(0, Event(flags, {0: Reduced(torch.ones(4), 2)}), 8, 9)
+    assert "nonfinite" not in clean and "left_out" not in clean
+    told = Reduced(torch.ones(4), 1, nonfinite=1, left_out_here=True)
+    entry = _entry(0, Event(flags, {0: told}), 8, 9)
+    back = _pending_from(0, entry).future.result()
+    assert back.reduced[0].nonfinite == 1 and back.reduced[0].left_out_here
+    assert back.nonfinite_workers == 1 and torch.equal(back.flags, flags)
+    assert not _pending_from(0, clean).future.result().reduced[0].left_out_here

@@ -35,7 +35,7 @@ Events = list[tuple[str, int, float]]  # (sent | completed | applied, fragment, 
 class Event:
     """What one exchange (all fragments sent at one step) brought back."""
 
-    flags: torch.Tensor  # [M, 3 + 2P] int64, every worker's control flags (flags_row)
+    flags: torch.Tensor  # [M, 3 + P] int64, every worker's control flags (without_validity)
     reduced: dict[int, Reduced]  # fragment -> averaged pseudo-gradient
     buffers: torch.Tensor | None = None  # averaged / broadcast floating buffers, flat FP32
 
@@ -60,6 +60,13 @@ def flags_row(
 def unsent_of(flags: torch.Tensor) -> torch.Tensor:
     """The unsent-steps columns of gathered flags (one per fragment)."""
     return flags[:, UNSENT : UNSENT + (flags.shape[1] - UNSENT) // 2]
+
+
+def without_validity(flags: torch.Tensor) -> torch.Tensor:
+    """Gathered flags as a result keeps them: [M, 3 + P], without the validity columns, which
+    only the exchange that carried them reads (a checkpoint's in-flight results keep their
+    layout from before those columns)."""
+    return flags[:, : UNSENT + (flags.shape[1] - UNSENT) // 2]
 
 
 def senders_of(flags: torch.Tensor, p: int, world: int) -> int | None:
@@ -205,7 +212,8 @@ class Exchange:
         assert gathered is not None
         if buffers is not None and self.runner is not None:
             buffers = buffers.clone()  # reduced in place
-        event = Event(gathered, reduced, self.exchange_buffers(buffers, buffer_transport))
+        buffers = self.exchange_buffers(buffers, buffer_transport)
+        event = Event(without_validity(gathered), reduced, buffers)
         # what exchange() spent outside its collectives is decoding and summing
         decoding = exchanging - (aggregator.collective_s - collective0)
         elapsed = time.perf_counter() - t0

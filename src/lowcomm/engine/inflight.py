@@ -124,13 +124,16 @@ def in_hand(results: dict[int, Result], sent_at: int, apply_at: int) -> dict[str
 
 def _entry(p: int, event: Event, sent_at: int, apply_at: int) -> dict[str, Any]:
     red = event.reduced[p]
+    # what the payloads told (a check left on the device), kept only where they told anything
+    told: dict[str, int] = {}
+    if red.nonfinite or red.left_out_here:
+        told = {"nonfinite": red.nonfinite, "left_out": int(red.left_out_here)}
     return {
         "mean": red.mean.clone(),
         "valid_workers": red.valid_workers,
-        "nonfinite": red.nonfinite,  # told by the payloads (a check left on the device)
-        "left_out": int(red.left_out_here),
         "flags": event.flags.clone(),
         "buffers": event.buffers,
         "sent_at": sent_at,
         "apply_at": apply_at,
+        **told,
     }
