@@ -159,6 +159,28 @@ def test_malformed_lighthouse_data_is_no_member_instead_of_a_crash():
     assert view.members == [0, 1]
 
 
+def test_a_lighthouse_leaves_junk_untold_and_still_tells_lowcomms_other_warnings(caplog):
+    """A site warns of a malformed request; a lighthouse's process (quiet_junk) does not, yet
+    a warning of lowcomm's own still reaches its output (it once silenced them all)."""
+    import logging
+
+    from lowcomm.elastic.messages import REQUESTS_LOG, quiet_junk
+
+    requests = logging.getLogger(REQUESTS_LOG)
+    level = requests.level
+    with caplog.at_level(logging.WARNING, logger="lowcomm"):
+        assert Request.from_wire("junk") is None
+        assert [r.name for r in caplog.records] == [REQUESTS_LOG]
+        caplog.clear()
+        try:
+            quiet_junk()
+            assert Request.from_wire([1, 2]) is None
+            logging.getLogger("lowcomm").warning("site 0: something the operator should see")
+        finally:
+            requests.setLevel(level)
+    assert [r.getMessage() for r in caplog.records] == ["site 0: something the operator should see"]
+
+
 def test_a_member_of_another_run_on_the_same_lighthouse_is_no_member():
     data = [_d(0, "sync@10", fp="run-a"), _d(1, "sync@10", fp="run-a"), _d(2, "sync@10", fp="b")]
     view = _asker(0, *data).ask("sync@10", True, "sync", join=False, ready=False)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import logging
 import os
 import signal
 import socket
@@ -110,7 +109,9 @@ def cmd_lighthouse(args: argparse.Namespace) -> int:
                 "a keyed lighthouse serves behind a front that needs grpcio: pip install "
                 "'lowcomm[torchft]'"
             ) from None
-        logging.getLogger("lowcomm").setLevel(logging.ERROR)  # a junk request is no news here
+        from ..elastic.messages import quiet_junk
+
+        quiet_junk()
     try:
         server, front = serve(_bind(args.host, args.port), options, secret, args.run_id)
     except OSError as e:

@@ -35,7 +35,6 @@ member's name still count (documented). Nothing else of the service is served.
 from __future__ import annotations
 
 import json
-import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -44,8 +43,6 @@ from typing import Any
 
 from .admission import Admission
 from .messages import RUN_ID, Request
-
-log = logging.getLogger("lowcomm")
 
 SERVICE = "torchft.LighthouseService"
 REFUSED = "lowcomm front: refused: this request carries no valid MAC under the run's secret"

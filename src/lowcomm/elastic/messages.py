@@ -14,7 +14,17 @@ from typing import Any
 
 from ..errors import ConfigError
 
-log = logging.getLogger("lowcomm")
+#: where malformed requests are told: a site warns of them; a lighthouse's process silences
+#: this logger alone (junk anyone may send it is no news there), not the rest of lowcomm's
+REQUESTS_LOG = "lowcomm.requests"
+log = logging.getLogger(REQUESTS_LOG)
+
+
+def quiet_junk() -> None:
+    """In a lighthouse's process: malformed requests (anyone may send them) go untold, while
+    lowcomm's other warnings still reach its output."""
+    logging.getLogger(REQUESTS_LOG).setLevel(logging.ERROR)
+
 
 #: the fields every request carries, and their types: one missing or of another type drops it
 REQUIRED: dict[str, type] = {"site": int, "tag": str, "phase": str, "gen": int, "join_from": int}

@@ -54,9 +54,9 @@ def _serve(port: int, options: dict[str, int], netns: str, up: Any, front: tuple
     """The lighthouse's process: serve until killed (RUST_LOG=warn: see :class:`Keeper`),
     inside network namespace ``netns`` if one is named, behind a front if ``front`` (secret,
     run id, names file) holds a secret; ``up`` is set once it listens."""
-    import logging
+    from ..elastic.messages import quiet_junk
 
-    logging.getLogger("lowcomm").setLevel(logging.ERROR)  # a junk request is no news here
+    quiet_junk()
     # Ctrl-C reaches the whole process group: the launcher stops this process itself, after
     # the sites (a KeyboardInterrupt here would only print a traceback into the run's output)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
