@@ -44,10 +44,10 @@ class ShareClip(CosineClip):
         for idx, vals in sent:  # one sender after the other: the same bits everywhere
             out.index_add_(0, idx, vals)
             counts.index_add_(0, idx, torch.ones(idx.numel(), device=out.device))
-        floor = len(parts) // 2 + 1
-        out.div_(counts.clamp_min(floor))
+        divisor = counts.clamp_min(len(parts) // 2 + 1)  # max(senders, a majority)
+        out.div_(divisor)
         # each entry's share applied, c / max(c, floor), and which parts it was of (unapplied)
-        self._share, self._kept = counts / counts.clamp_min(floor), set(at)
+        self._share, self._kept = counts / divisor, set(at)
         return out
 
     def unapplied(self, parts: Parts, j: int) -> tuple[torch.Tensor, torch.Tensor]:
