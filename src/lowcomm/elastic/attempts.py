@@ -88,7 +88,7 @@ class LockStep:
         after ``SAME_FAILURES - 1`` complete votes among them excluded nobody, or
         ``UNSURE_FAILURES`` votes missed a member's."""
         same = self._stuck[-(SAME_FAILURES - 1) :].count(view.members) == SAME_FAILURES - 1
-        return same or self._unsure >= UNSURE_FAILURES
+        return same or bool(self.exhausted())
 
     def exhausted(self) -> str:
         """Why no further attempt is made where this site's collectives completed but the
