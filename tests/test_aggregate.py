@@ -210,3 +210,35 @@ def test_make_aggregator_compensates_the_second_quantisation_like_the_first():
     assert isinstance(built(reduce="two-phase", compensation="ef"), ErrorFeedback)
     assert built(reduce="two-phase") is None and built(reduce="gather", compensation="loco") is None
     assert built(reduce="two-phase", compensation="loco", loco_reset_every=7).reset_every == 7
+
+
+def _flagged_worker(rank: int, world: int, told: bool) -> dict:
+    """Worker 1's top-k payload flagged NONFINITE (2), gathered where that flag is allowed
+    (``told``: senders defer their finite check) or not."""
+    from lowcomm.errors import PayloadError
+
+    agg = aggregator_for("gather", make_codec("topk", density=1 / 8), world)
+    agg.told_nonfinite = told
+    enc = agg.encode(_inputs(rank), need_local=True)
+    if rank == 1:
+        enc.payload[-1] = 2
+    try:
+        red = agg.exchange(enc, Transport())
+    except PayloadError as e:
+        return {"error": str(e), "blamed": e.sender}
+    return {"valid": red.valid_workers, "nonfinite": red.nonfinite, "here": red.left_out_here}
+
+
+@pytest.mark.parametrize("bucket", ["1", "0"])
+def test_a_payload_flagged_not_finite_is_left_out_only_where_senders_defer(
+    workers, monkeypatch, bucket
+):
+    """Flag 2 (not finite, found on the sender's device) leaves its sender out and tells it
+    so; where no sender defers (an elastic run), it is a bad payload, blamed on its sender."""
+    monkeypatch.setenv("LOWCOMM_BATCH", bucket)  # the bucket path's one read, or per tensor
+    told = workers(_flagged_worker, 2, True)
+    assert [(r["valid"], r["nonfinite"], r["here"]) for r in told] == [(1, 1, False), (1, 1, True)]
+    refused = workers(_flagged_worker, 2, False)
+    assert all(
+        r["blamed"] == 1 and "validity flag 2, expected 0 or 1" in r["error"] for r in refused
+    )

@@ -77,12 +77,21 @@ class GatherAggregator(Aggregator):
         plan = self.plan(enc.shapes, payload.device)
         if plan is not None and batched.combines(plan, self.rule, weights, me):
             got = batched.combine(
-                plan, self.rule, gathered, enc.numel, weights, enc.out, self.track, transport.rank
+                plan,
+                self.rule,
+                gathered,
+                enc.numel,
+                weights,
+                enc.out,
+                self.track,
+                transport.rank,
+                self.told_nonfinite,
             )
             if got is not None:
                 return got
         got = self._sum_gathered(gathered, enc.shapes, enc.numel, weights, enc.out, me)
-        nonfinite = [w for w, g in enumerate(gathered) if flag(g[-1], w) == NONFINITE]
+        told = self.told_nonfinite
+        nonfinite = [w for w, g in enumerate(gathered) if flag(g[-1], w, told) == NONFINITE]
         got.nonfinite, got.left_out_here = len(nonfinite), transport.rank in nonfinite
         return got
 
@@ -115,7 +124,7 @@ class GatherAggregator(Aggregator):
         senders = []  # the workers that contributed
         for w, payload in enumerate(gathered):
             self._check_len(payload[:-1], shapes, w)
-            if flag(payload[-1], w) == SENT:
+            if flag(payload[-1], w, self.told_nonfinite) == SENT:
                 senders.append(w)
         dev = gathered[0].device if gathered else None
         total = out if out is not None else torch.empty(total_numel, device=dev)

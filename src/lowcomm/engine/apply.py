@@ -65,15 +65,6 @@ class Apply:
                     self.merge.merge(frag, self.inflight.own(frag.index))
                 self.placement.share_parts(first)
 
-    def _left_out_after_all(self, frag: Fragment, final: bool, step: int) -> None:
-        """This worker's update of ``frag`` was not finite, which its device told only with
-        the result: what it kept of its send is nothing, and (but for the last) it restarts."""
-        own = self.inflight.own(frag.index)
-        if own is not None:
-            own.zero_()
-        if not final:
-            self.guard.leave_out(frag, step)
-
     def _passes(self, p: int, reduced: Reduced, step: int) -> bool:
         return self.check is None or self.check.accept(p, reduced.mean, step)
 
@@ -102,8 +93,10 @@ class Apply:
         ``final`` (leaving the block): no non-finite bookkeeping, buffers left to the exit.
         """
         frag = self.frags[p]
-        if reduced.left_out_here:  # found out with the result: as if found at the send
-            self._left_out_after_all(frag, final, step)
+        if reduced.left_out_here:  # its update was not finite, told with the result (the
+            # check stayed on the device): left out as if found at the send (counted, and
+            # restarted below unless this is the exit's drain, as then)
+            self.guard.leave_out(frag, step)
         if not final:
             self.guard.track(p, event, workers, step)
             if self.offenders is not None:

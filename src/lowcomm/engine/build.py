@@ -109,7 +109,8 @@ def build_fragments(
                 part=placement.part,
             )
             if merge.needs_snapshot:
-                frag.snapshot = flat.clone()
+                # (a clone would not be pinned: host state copies at full speed both ways)
+                frag.snapshot = torch.empty_like(flat, pin_memory=flat.is_pinned()).copy_(flat)
             frags.append(frag)
             frag.load_global()
         placement.share_parts(frags)

@@ -61,7 +61,9 @@ class Encoder:
         if self.aggregator.reduce_compensation is not None:
             transport.submit(self.aggregator.step)
 
-    def encode(self, frag: Fragment, step: int) -> tuple[list[Encoded], torch.Tensor | None, bool]:
+    def encode(
+        self, frag: Fragment, step: int, defer: bool = True
+    ) -> tuple[list[Encoded], torch.Tensor | None, bool]:
         """One fragment's pseudo-gradient, compensated and encoded per bucket.
 
         Returns the payloads, what this worker sent decoded (for the continue merge) and
@@ -69,13 +71,14 @@ class Encoder:
         last send (a worker that has left its loop) is not contributed; a non-finite one is
         left out: peers average without it and its error buffer is not polluted. Where the
         aggregator :meth:`~lowcomm.aggregate.Aggregator.defers`, the finite check is not read
-        here: the payload carries it, and the exchange's result tells (``left_out_here``).
+        here: the payload carries it, and the exchange's result tells (``left_out_here``);
+        ``defer=False`` reads it here all the same (the exit's last exchange, applied apart).
         """
         slabs = self.slabs(frag)
         need_own = frag.snapshot is not None  # continue merge: keep what is sent, and the weights
         finite = frag.pseudo_grad_into(slabs.views, take_snapshot=need_own)
         contributes = frag.unsent > 0
-        valid, nonfinite = self._valid(frag, slabs, finite, contributes)
+        valid, nonfinite = self._valid(frag, slabs, finite, contributes, defer)
         if nonfinite:
             self.guard.leave_out(frag, step)
         compensation = self.compensation
@@ -100,11 +103,12 @@ class Encoder:
         return encoded, own, nonfinite
 
     def _valid(
-        self, frag: Fragment, slabs: Slabs, finite: bool | None, contributes: bool
+        self, frag: Fragment, slabs: Slabs, finite: bool | None, contributes: bool, defer: bool
     ) -> tuple[Valid, bool]:
         """Whether ``frag``'s update goes out valid (a 0-d bool on the device where the
-        aggregator takes one: nothing read), and whether it was found non-finite here."""
-        if contributes and self._deferred(frag, slabs):
+        aggregator takes one and ``defer``: nothing read), and whether it was found non-finite
+        here."""
+        if contributes and defer and self._deferred(frag, slabs):
             dev = slabs.slabs[0].device
             if finite is not None:  # the CPU's fused kernel found out already
                 return torch.tensor(finite, device=dev), False

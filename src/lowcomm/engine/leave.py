@@ -71,7 +71,7 @@ class Leave:
                 apply(p, reduced, own, event, final=True)
 
     def final_outer_step(
-        self, unsent: list[int], step: int, encode: Callable[[Fragment, int], Any]
+        self, unsent: list[int], step: int, encode: Callable[[Fragment, int, bool], Any]
     ) -> None:
         """One blocking outer step for each fragment some worker has inner steps in that no
         result holds: steps after its last send that its last merge did not consume.
@@ -87,7 +87,8 @@ class Leave:
             return
         encoded = {}
         for p in todo:
-            encoded[p], _, _ = encode(self.frags[p], step)
+            # its result is applied here, not by Apply: the finite check is read first
+            encoded[p], _, _ = encode(self.frags[p], step, False)
             self.events.append(("sent", p, time.perf_counter()))
         flags = self.exchange.flags(step, done=True).unsqueeze(0)  # everyone is here: no gather
         job = self.exchange.job(encoded, None, flags, f"final@{step}", with_buffers=False)

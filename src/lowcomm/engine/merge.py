@@ -51,11 +51,11 @@ class AlphaMix(Merge):
 
     def merge(self, frag: Fragment, in_flight: torch.Tensor | None) -> None:
         params = [p.detach() for p in frag.params]
-        glob = on_device_of(params, frag.global_flat)  # host state: one transfer in
-        dev = glob.device
+        dev = params[0].device if params else frag.global_flat.device
         if wanted(dev) and all(p.dtype == torch.float32 and p.device == dev for p in params):
             # an accelerator: multi-tensor kernels (launches that do not grow with the number
-            # of parameters), the same element-wise ops and bits
+            # of parameters), the same element-wise ops and bits; host state in one transfer
+            glob = on_device_of(params, frag.global_flat)
             torch._foreach_mul_(params, self.alpha)
             torch._foreach_add_(params, views(glob, params), alpha=1.0 - self.alpha)
             return

@@ -90,7 +90,7 @@ def elsewhere(params: list[torch.Tensor], device: torch.device) -> bool:
     """Whether ``params`` live on an accelerator while the state is on ``device`` (the host:
     ``state_device=cpu``): every transfer between them is then made whole, see
     :func:`values_on` and :func:`on_device_of`."""
-    return bool(params) and params[0].device != device and params[0].device.type != "cpu"
+    return bool(params) and device.type == "cpu" and params[0].device.type != "cpu"
 
 
 def values_on(device: torch.device, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -110,9 +110,8 @@ _COPY: dict[int, torch.cuda.Stream] = {}  # a GPU's copy stream, for the process
 def on_device_of(params: list[torch.Tensor], flat: torch.Tensor) -> torch.Tensor:
     """``flat`` (a state buffer) where ``params`` live: itself, or from the host's pinned
     memory to the GPU in one transfer on a copy stream of its own, which the compute stream
-    waits for before what reads it (the transfer overlaps the kernels queued before it).
-    The host must not write ``flat`` until a blocking read of the compute stream (as the
-    next pseudo-gradient's :func:`values_on` is) has passed this transfer."""
+    waits for before what reads it (the transfer overlaps the kernels queued before it). The
+    host waits for the transfer too: it may write ``flat`` next (an outer step, a restore)."""
     if not elsewhere(params, flat.device):
         return flat
     device = params[0].device
@@ -126,6 +125,7 @@ def on_device_of(params: list[torch.Tensor], flat: torch.Tensor) -> torch.Tensor
         out = flat.to(device, non_blocking=True)
     compute.wait_stream(copy)
     out.record_stream(compute)  # used there: its memory is not reused until that is done
+    copy.synchronize()  # a non-blocking copy reads the host buffer after this returns
     return out
 
 

@@ -131,8 +131,11 @@ def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None
         transport.rank,
         engine.faults,
         in_flight=2 if engine.schedule.is_round_overlap() else 1,
-        defer=runner is None,
+        # not under round overlap: a result told only after the next send would restart the
+        # worker a sync late (the next send was already made from the bad weights)
+        defer=runner is None and not engine.schedule.is_round_overlap(),
     )
+    aggregator.told_nonfinite = encoder.defer  # the flag such a send may carry
     exchange = Exchange(
         engine.model,
         frags,
