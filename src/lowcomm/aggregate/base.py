@@ -182,7 +182,7 @@ def flags_allowed(told_nonfinite: bool) -> tuple[int, ...]:
     return (LEFT_OUT, SENT, NONFINITE) if told_nonfinite else (LEFT_OUT, SENT)
 
 
-def flag(byte: torch.Tensor, sender: int, told_nonfinite: bool = False) -> int:
+def flag(byte: torch.Tensor | float, sender: int, told_nonfinite: bool = False) -> int:
     """The validity flag of group rank ``sender``'s payload: SENT, LEFT_OUT or (where senders
     defer their finite check) NONFINITE; PayloadError naming the sender if it is none of them."""
     v = int(byte)

@@ -89,11 +89,19 @@ class GatherAggregator(Aggregator):
             )
             if got is not None:
                 return got
-        got = self._sum_gathered(gathered, enc.shapes, enc.numel, weights, enc.out, me)
-        told = self.told_nonfinite
-        nonfinite = [w for w, g in enumerate(gathered) if flag(g[-1], w, told) == NONFINITE]
+        flags = self._flags(gathered)
+        got = self._sum_gathered(gathered, enc.shapes, enc.numel, weights, enc.out, me, flags)
+        nonfinite = [w for w, f in enumerate(flags) if f == NONFINITE]
         got.nonfinite, got.left_out_here = len(nonfinite), transport.rank in nonfinite
         return got
+
+    def _flags(self, gathered: list[torch.Tensor]) -> list[int]:
+        """Every sender's validity flag, read from the device at once (PayloadError naming a
+        sender whose flag is not one this run sends)."""
+        if not gathered:
+            return []
+        read = torch.stack([g[-1] for g in gathered]).tolist()
+        return [flag(v, w, self.told_nonfinite) for w, v in enumerate(read)]
 
     def plan(self, shapes: list[torch.Size], device: torch.device) -> object | None:
         """The codec's plan for a whole bucket of ``shapes`` on ``device``, if it goes at once."""
@@ -117,14 +125,17 @@ class GatherAggregator(Aggregator):
         weights: list[float] | None = None,
         out: torch.Tensor | None = None,
         me: int | None = None,
+        flags: list[int] | None = None,
     ) -> Reduced:
-        """The rule's combination of the gathered payloads, written into ``out`` if given;
+        """The rule's combination of the gathered payloads (their validity ``flags``, if read
+        already), written into ``out`` if given;
         weighted, with ``me`` (this worker) a sender, also what of its part the weights left
         unapplied (:meth:`~.combine.Combine.unapplied`)."""
         senders = []  # the workers that contributed
+        flags = flags if flags is not None else self._flags(gathered)
         for w, payload in enumerate(gathered):
             self._check_len(payload[:-1], shapes, w)
-            if flag(payload[-1], w, self.told_nonfinite) == SENT:
+            if flags[w] == SENT:
                 senders.append(w)
         dev = gathered[0].device if gathered else None
         total = out if out is not None else torch.empty(total_numel, device=dev)
