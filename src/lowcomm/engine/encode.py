@@ -38,7 +38,7 @@ class Encoder:
         self.guard, self.rank, self.faults = guard, rank, faults
         self.in_flight = in_flight
         # the finite check may stay on the device, told with the exchange's result (a fixed
-        # world: an elastic one weighs contributions by the flags gathered before it)
+        # world without round overlap: see wiring)
         self.defer = defer
         self._slabs: dict[int, list[Slabs]] = {}
         self._sends: dict[int, int] = {}
