@@ -130,11 +130,11 @@ def _record(sync, sends: list[dict], applies: list[dict]) -> None:
 
     encode, one = parts.encoder.encode, parts.apply.one
 
-    def encode_(frag, step):
+    def encode_(frag, step, defer=True):
         # ref: what the pseudo-gradient is measured from (the continue merge's snapshot)
         rec = dict(step=step, p=frag.index, ref=frag.reference.clone(),
                    local=_flat(frag.params), unsent=frag.unsent, ef=errors(frag))  # fmt: skip
-        out = encode(frag, step)
+        out = encode(frag, step, defer)
         sends.append(rec)
         return out
 

@@ -124,18 +124,7 @@ def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None
     register_counters(state, engine.stats, transport.meter)
     local = LocalWeights(engine.model, frags, placement, state)
     runner = placement.runner(aggregator, transport, buffer_transport, engine.faults)
-    encoder = Encoder(
-        aggregator,
-        compensation,
-        nonfinite,
-        transport.rank,
-        engine.faults,
-        in_flight=2 if engine.schedule.is_round_overlap() else 1,
-        # not under round overlap: a result told only after the next send would restart the
-        # worker a sync late (the next send was already made from the bad weights)
-        defer=runner is None and not engine.schedule.is_round_overlap(),
-    )
-    aggregator.told_nonfinite = encoder.defer  # the flag such a send may carry
+    encoder = _encoder(engine, aggregator, compensation, nonfinite, transport.rank, runner)
     exchange = Exchange(
         engine.model,
         frags,
@@ -172,6 +161,32 @@ def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None
         faults=engine.faults,
     )
     return parts, admission
+
+
+def _encoder(
+    engine: Built,
+    aggregator: Aggregator,
+    compensation: ErrorFeedback | MovingAverageCompensation | None,
+    nonfinite: NonFiniteGuard,
+    rank: int,
+    runner: Runner | None,
+) -> Encoder:
+    """The encoder, and whether a send may leave its finite check on the device: a fixed world
+    (an elastic runner decides before it sends) without round overlap (a result told only
+    after the next send would restart the worker a sync late, the next send already made from
+    the bad weights). The aggregator then accepts the flag such a send carries."""
+    round_overlap = engine.schedule.is_round_overlap()
+    encoder = Encoder(
+        aggregator,
+        compensation,
+        nonfinite,
+        rank,
+        engine.faults,
+        in_flight=2 if round_overlap else 1,
+        defer=runner is None and not round_overlap,
+    )
+    aggregator.told_nonfinite = encoder.defer
+    return encoder
 
 
 def _apply(
