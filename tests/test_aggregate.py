@@ -237,7 +237,10 @@ def test_a_payload_flagged_not_finite_is_left_out_only_where_senders_defer(
     so; where no sender defers (an elastic run), it is a bad payload, blamed on its sender."""
     monkeypatch.setenv("LOWCOMM_BATCH", bucket)  # the bucket path's one read, or per tensor
     told = workers(_flagged_worker, 2, True)
-    assert [(r["valid"], r["nonfinite"], r["here"]) for r in told] == [(1, 1, False), (1, 1, True)]
+    assert [(r["valid"], r["nonfinite"], r["here"]) for r in told] == [
+        (1, (1,), False),
+        (1, (1,), True),
+    ]
     refused = workers(_flagged_worker, 2, False)
     assert all(
         r["blamed"] == 1 and "validity flag 2, expected 0 or 1" in r["error"] for r in refused

@@ -101,9 +101,24 @@ def test_a_result_in_flight_keeps_what_the_payloads_told_and_the_layout_of_befor
     assert flags.tolist() == [[0, 8, 0, 3, 0], [1, 8, 0, 2, 0]]
     clean = _entry(0, Event(flags, {0: Reduced(torch.ones(4), 2)}), 8, 9)
     assert "nonfinite" not in clean and "left_out" not in clean
-    told = Reduced(torch.ones(4), 1, nonfinite=1, left_out_here=True)
+    told = Reduced(torch.ones(4), 1, nonfinite=(1,), left_out_here=True)
     entry = _entry(0, Event(flags, {0: told}), 8, 9)
     back = _pending_from(0, entry).future.result()
-    assert back.reduced[0].nonfinite == 1 and back.reduced[0].left_out_here
+    assert back.reduced[0].nonfinite == (1,) and back.reduced[0].left_out_here
     assert back.nonfinite_workers == 1 and torch.equal(back.flags, flags)
     assert not _pending_from(0, clean).future.result().reduced[0].left_out_here
+
+
+def test_workers_left_out_are_counted_once_whether_their_flags_or_payloads_told():
+    """One exchange of two fragments: worker 2 found its NaN first (its control flag),
+    workers 0 and 1 each only through its payload of one fragment: three workers, not the
+    most of any one fragment (two)."""
+    from lowcomm.aggregate.base import Reduced
+    from lowcomm.engine.exchange import Event, flags_row, without_validity
+
+    rows = [flags_row(8, False, w == 2, [4, 4], [-1, -1]) for w in range(4)]
+    flags = without_validity(torch.stack(rows))
+    told = {0: (0,), 1: (1,)}
+    event = Event(flags, {p: Reduced(torch.ones(2), 1, nonfinite=w) for p, w in told.items()})
+    assert event.nonfinite_workers == 3
+    assert Event(flags, {p: Reduced(torch.ones(2), 3) for p in (0, 1)}).nonfinite_workers == 1

@@ -75,9 +75,9 @@ class Reduced:
     # contribution norm, inf where it was not finite or the rule left most of it out (not
     # readable, empty, or against the others); None when not tracked
     norms: dict[int, float] | None = None
-    # senders whose payloads were flagged NONFINITE (their updates found not finite on their
-    # devices, so left out), and whether this worker's own was one of them
-    nonfinite: int = 0
+    # the senders (group ranks) whose payloads were flagged NONFINITE (their updates found not
+    # finite on their devices, so left out), and whether this worker's own was one of them
+    nonfinite: tuple[int, ...] = ()
     left_out_here: bool = False
 
 

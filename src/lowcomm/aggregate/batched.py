@@ -103,7 +103,7 @@ def combine(
         return None
     senders = [w for w, f in enumerate(flag) if f == SENT]
     told = {
-        "nonfinite": flag.count(NONFINITE),
+        "nonfinite": tuple(w for w, f in enumerate(flag) if f == NONFINITE),
         "left_out_here": 0 <= me < m and flag[me] == NONFINITE,
     }
     tracked = {w: inf_if_nan(read[2 * m + w]) for w in senders} if track else None

@@ -91,8 +91,8 @@ class GatherAggregator(Aggregator):
                 return got
         flags = self._flags(gathered)
         got = self._sum_gathered(gathered, enc.shapes, enc.numel, weights, enc.out, me, flags)
-        nonfinite = [w for w, f in enumerate(flags) if f == NONFINITE]
-        got.nonfinite, got.left_out_here = len(nonfinite), transport.rank in nonfinite
+        got.nonfinite = tuple(w for w, f in enumerate(flags) if f == NONFINITE)
+        got.left_out_here = transport.rank in got.nonfinite
         return got
 
     def _flags(self, gathered: list[torch.Tensor]) -> list[int]:

@@ -41,10 +41,11 @@ class Event:
 
     @property
     def nonfinite_workers(self) -> int:
-        """How many workers' updates were non-finite (left out of this exchange): as the flags
-        say, or as the payloads said where the check stayed on the device until then."""
-        told = max((r.nonfinite for r in self.reduced.values()), default=0)
-        return int(self.flags[:, NONFINITE].sum()) + told
+        """How many workers' updates were non-finite (left out of this exchange), in any of its
+        fragments: as their flags say, or as their payloads said where the check stayed on
+        the device until then."""
+        flagged = set((self.flags[:, NONFINITE] != 0).nonzero().flatten().tolist())
+        return len(flagged.union(*(r.nonfinite for r in self.reduced.values())))
 
 
 def flags_row(
@@ -94,7 +95,7 @@ def _joined(out: list[Reduced]) -> Reduced:
         min(r.valid_workers for r in out),
         unapplied if held else None,
         norms,
-        max(r.nonfinite for r in out),
+        tuple(sorted(set().union(*(r.nonfinite for r in out)))),
         any(r.left_out_here for r in out),
     )
 

@@ -110,7 +110,7 @@ def _pending_from(p: int, d: dict[str, Any]) -> Pending:
     flags = d.get("flags")
     if flags is None:  # checkpoints written before the control flags existed
         flags = torch.zeros((1, UNSENT), dtype=torch.int64)
-    told = {"nonfinite": int(d.get("nonfinite", 0)), "left_out_here": bool(d.get("left_out", 0))}
+    told = {"nonfinite": tuple(d.get("nonfinite", ())), "left_out_here": bool(d.get("left_out", 0))}
     reduced = Reduced(d["mean"], int(d["valid_workers"]), **told)
     fut.set_result(Event(flags, {p: reduced}, d.get("buffers")))
     return Pending(fut, int(d["sent_at"]), int(d["apply_at"]), d.get("own"))
@@ -125,9 +125,9 @@ def in_hand(results: dict[int, Result], sent_at: int, apply_at: int) -> dict[str
 def _entry(p: int, event: Event, sent_at: int, apply_at: int) -> dict[str, Any]:
     red = event.reduced[p]
     # what the payloads told (a check left on the device), kept only where they told anything
-    told: dict[str, int] = {}
+    told: dict[str, Any] = {}
     if red.nonfinite or red.left_out_here:
-        told = {"nonfinite": red.nonfinite, "left_out": int(red.left_out_here)}
+        told = {"nonfinite": list(red.nonfinite), "left_out": int(red.left_out_here)}
     return {
         "mean": red.mean.clone(),
         "valid_workers": red.valid_workers,
