@@ -44,7 +44,7 @@ class Event:
         """How many workers' updates were non-finite (left out of this exchange), in any of its
         fragments: as their flags say, or as their payloads said where the check stayed on
         the device until then."""
-        flagged = set((self.flags[:, NONFINITE] != 0).nonzero().flatten().tolist())
+        flagged = {w for w, bad in enumerate(self.flags[:, NONFINITE].tolist()) if bad}
         return len(flagged.union(*(r.nonfinite for r in self.reduced.values())))
 
 
