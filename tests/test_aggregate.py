@@ -218,7 +218,7 @@ def _flagged_worker(rank: int, world: int, told: bool) -> dict:
     from lowcomm.errors import PayloadError
 
     agg = aggregator_for("gather", make_codec("topk", density=1 / 8), world)
-    agg.told_nonfinite = told
+    agg.deferred_checks = told
     enc = agg.encode(_inputs(rank), need_local=True)
     if rank == 1:
         enc.payload[-1] = 2

@@ -90,7 +90,7 @@ def _nan_on_device_worker(
     globals_after = []
     with (engine := lowcomm.LowComm(model, opt, cfg)):
         if defer is not None:
-            engine.parts.encoder.defer = defer
+            engine.parts.aggregator.deferred_checks = defer
         for step in range(1, 13):
             x, y = data.next()
             model(x, y).backward()

@@ -92,9 +92,10 @@ class Aggregator(ABC):
     sums_only = True  # the exchange can only sum: it runs sum-decomposable rules only
     track = False  # each sender's contribution norm in every result (gather only: Reduced)
     faults: FaultHooks = NO_FAULTS  # a fault harness's hooks on the gather payload, if any
-    # whether a payload may be flagged NONFINITE: where the engine lets senders defer their
-    # finite check (a fixed world); elsewhere that flag is a peer's bad payload, named as such
-    told_nonfinite = False
+    # whether senders leave their update's finite check on the device, a payload then flagged
+    # NONFINITE where it fails (the engine decides, see engine.wiring); elsewhere that flag is
+    # a peer's bad payload, named as such
+    deferred_checks = False
 
     def __init__(
         self, codec: Codec | None, world_size: int, aggregation: str | Combine = "mean"
@@ -177,16 +178,16 @@ class Aggregator(ABC):
             self.collective_s += time.perf_counter() - t0
 
 
-def flags_allowed(told_nonfinite: bool) -> tuple[int, ...]:
+def flags_allowed(deferred_checks: bool) -> tuple[int, ...]:
     """The validity flags a payload may carry: NONFINITE only where senders defer their check."""
-    return (LEFT_OUT, SENT, NONFINITE) if told_nonfinite else (LEFT_OUT, SENT)
+    return (LEFT_OUT, SENT, NONFINITE) if deferred_checks else (LEFT_OUT, SENT)
 
 
-def flag(byte: torch.Tensor | float, sender: int, told_nonfinite: bool = False) -> int:
+def flag(byte: torch.Tensor | float, sender: int, deferred_checks: bool = False) -> int:
     """The validity flag of group rank ``sender``'s payload: SENT, LEFT_OUT or (where senders
     defer their finite check) NONFINITE; PayloadError naming the sender if it is none of them."""
     v = int(byte)
-    allowed = flags_allowed(told_nonfinite)
+    allowed = flags_allowed(deferred_checks)
     if v not in allowed:
         expected = ", ".join(map(str, allowed[:-1])) + f" or {allowed[-1]}"
         raise PayloadError(

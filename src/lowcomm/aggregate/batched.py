@@ -84,13 +84,13 @@ def combine(
     out: torch.Tensor | None,
     track: bool = False,
     me: int = -1,
-    told_nonfinite: bool = False,
+    deferred_checks: bool = False,
 ) -> Reduced | None:
     """The rule's combination of every valid sender's bucket, or None where a sender's flag
     or payload is bad (the per-tensor path then raises, naming it). ``track``: with each
     sender's squared norm (FP64, of the values it sent; inf where not finite). ``me``: this
     worker's group rank, told whether its own payload was flagged NONFINITE (a flag allowed
-    only with ``told_nonfinite``)."""
+    only with ``deferred_checks``)."""
     decoded = [plan.decode(g[:-1]) for g in gathered]
     flags = torch.stack([g[-1].to(torch.float64) for g in gathered])
     bad = torch.stack([d[2] for d in decoded]).to(torch.float64)
@@ -98,7 +98,7 @@ def combine(
     read = torch.cat([flags, bad, *[n.view(1) for n in norms]]).tolist()  # the one host read
     m = len(gathered)
     flag, broken = read[:m], read[m : 2 * m]
-    allowed = flags_allowed(told_nonfinite)
+    allowed = flags_allowed(deferred_checks)
     if any(f not in allowed or (f == SENT and b) for f, b in zip(flag, broken)):
         return None
     senders = [w for w, f in enumerate(flag) if f == SENT]

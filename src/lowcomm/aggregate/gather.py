@@ -85,7 +85,7 @@ class GatherAggregator(Aggregator):
                 enc.out,
                 self.track,
                 transport.rank,
-                self.told_nonfinite,
+                self.deferred_checks,
             )
             if got is not None:
                 return got
@@ -101,7 +101,7 @@ class GatherAggregator(Aggregator):
         if not gathered:
             return []
         read = torch.stack([g[-1] for g in gathered]).tolist()
-        return [flag(v, w, self.told_nonfinite) for w, v in enumerate(read)]
+        return [flag(v, w, self.deferred_checks) for w, v in enumerate(read)]
 
     def plan(self, shapes: list[torch.Size], device: torch.device) -> object | None:
         """The codec's plan for a whole bucket of ``shapes`` on ``device``, if it goes at once."""

@@ -32,14 +32,10 @@ class Encoder:
         rank: int,
         faults: FaultHooks,
         in_flight: int = 1,
-        defer: bool = False,
     ) -> None:
         self.aggregator, self.compensation = aggregator, compensation
         self.guard, self.rank, self.faults = guard, rank, faults
         self.in_flight = in_flight
-        # the finite check may stay on the device, told with the exchange's result (a fixed
-        # world without round overlap: see wiring)
-        self.defer = defer
         self._slabs: dict[int, list[Slabs]] = {}
         self._sends: dict[int, int] = {}
         self._defers: dict[int, bool] = {}
@@ -120,7 +116,7 @@ class Encoder:
 
     def _deferred(self, frag: Fragment, slabs: Slabs) -> bool:
         """Whether every bucket of ``frag`` may carry a device flag (see :meth:`_valid`)."""
-        if not self.defer or not slabs.slabs:
+        if not self.aggregator.deferred_checks or not slabs.slabs:
             return False
         if frag.index not in self._defers:
             comp, dev = self.compensation, slabs.slabs[0].device

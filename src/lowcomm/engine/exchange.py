@@ -58,16 +58,21 @@ def flags_row(
     return torch.tensor([int(done), step, int(nonfinite)] + unsent + sent, dtype=torch.int64)
 
 
+def _validity_at(flags: torch.Tensor) -> int:
+    """The first validity column of gathered flags (flags_row: P unsent counts, P validities)."""
+    return UNSENT + (flags.shape[1] - UNSENT) // 2
+
+
 def unsent_of(flags: torch.Tensor) -> torch.Tensor:
     """The unsent-steps columns of gathered flags (one per fragment)."""
-    return flags[:, UNSENT : UNSENT + (flags.shape[1] - UNSENT) // 2]
+    return flags[:, UNSENT : _validity_at(flags)]
 
 
 def without_validity(flags: torch.Tensor) -> torch.Tensor:
     """Gathered flags as a result keeps them: [M, 3 + P], without the validity columns, which
     only the exchange that carried them reads (a checkpoint's in-flight results keep their
     layout from before those columns)."""
-    return flags[:, : UNSENT + (flags.shape[1] - UNSENT) // 2]
+    return flags[:, : _validity_at(flags)]
 
 
 def senders_of(flags: torch.Tensor, p: int, world: int) -> int | None:
@@ -76,7 +81,7 @@ def senders_of(flags: torch.Tensor, p: int, world: int) -> int | None:
     per worker of a group of ``world``."""
     if flags.shape[0] != world:
         return None
-    col = flags[:, UNSENT + (flags.shape[1] - UNSENT) // 2 + p].tolist()
+    col = flags[:, _validity_at(flags) + p].tolist()
     return None if min(col) < 0 else sum(col)
 
 

@@ -109,23 +109,21 @@ _COPY: dict[int, torch.cuda.Stream] = {}  # a GPU's copy stream, for the process
 
 def on_device_of(params: list[torch.Tensor], flat: torch.Tensor) -> torch.Tensor:
     """``flat`` (a state buffer) where ``params`` live: itself, or from the host's pinned
-    memory to the GPU in one transfer on a copy stream of its own, which the compute stream
-    waits for before what reads it (the transfer overlaps the kernels queued before it). The
-    host waits for the transfer too: it may write ``flat`` next (an outer step, a restore)."""
+    memory to the GPU in one transfer on a copy stream of its own, overlapping the kernels
+    queued before it; the host waits for the transfer (it may write ``flat`` next: an outer
+    step, a restore)."""
     if not elsewhere(params, flat.device):
         return flat
     device = params[0].device
     if device.type != "cuda" or not flat.is_pinned():
         return flat.to(device)
-    compute = torch.cuda.current_stream(device)
     if device.index not in _COPY:
         _COPY[device.index] = torch.cuda.Stream(device)
-    copy = _COPY[device.index]
-    with torch.cuda.stream(copy):  # host memory is ready: nothing on the GPU to wait for
-        out = flat.to(device, non_blocking=True)
-    compute.wait_stream(copy)
-    out.record_stream(compute)  # used there: its memory is not reused until that is done
-    copy.synchronize()  # a non-blocking copy reads the host buffer after this returns
+    # a blocking copy on the copy stream: the host waits for it alone, not for the training
+    # kernels queued on the compute stream, and it is done before anything there reads it
+    with torch.cuda.stream(_COPY[device.index]):
+        out = flat.to(device)
+    out.record_stream(torch.cuda.current_stream(device))  # its memory is used there
     return out
 
 

@@ -174,19 +174,11 @@ def _encoder(
     """The encoder, and whether a send may leave its finite check on the device: a fixed world
     (an elastic runner decides before it sends) without round overlap (a result told only
     after the next send would restart the worker a sync late, the next send already made from
-    the bad weights). The aggregator then accepts the flag such a send carries."""
+    the bad weights)."""
     round_overlap = engine.schedule.is_round_overlap()
-    encoder = Encoder(
-        aggregator,
-        compensation,
-        nonfinite,
-        rank,
-        engine.faults,
-        in_flight=2 if round_overlap else 1,
-        defer=runner is None and not round_overlap,
-    )
-    aggregator.told_nonfinite = encoder.defer
-    return encoder
+    aggregator.deferred_checks = runner is None and not round_overlap
+    in_flight = 2 if round_overlap else 1
+    return Encoder(aggregator, compensation, nonfinite, rank, engine.faults, in_flight=in_flight)
 
 
 def _apply(
