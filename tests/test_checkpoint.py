@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+from lowcomm.durable import check_weights_only_safe, sha256_file
 from lowcomm.train.checkpoint import (
     CheckpointError,
     CheckpointWarning,
-    check_weights_only_safe,
     checkpoint_dir,
     config_hash,
     finalize,
@@ -29,7 +29,6 @@ from lowcomm.train.checkpoint import (
     rng_state,
     save_rank_state,
     set_rng_state,
-    sha256_file,
     write_meta,
 )
 

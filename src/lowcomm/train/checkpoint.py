@@ -26,14 +26,12 @@ Typical use (rank r of W)::
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import json
 import os
 import random
 import re
 import shutil
-import tempfile
 import time
 import warnings
 from datetime import UTC, datetime
@@ -43,22 +41,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..durable import (
+    atomic_write,
+    check_weights_only_safe,
+    ensure_dir,
+    fsync_dir,
+    sha256_file,
+)
+from ..errors import CheckpointError  # noqa: F401  (re-exported)
+
 META_NAME = "meta.json"
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step-(\d+)$")
-_CHUNK = 8 << 20
-
-# Exactly these types load under torch.load(weights_only=True) on every torch we support (>= 2.6).
-# Exact type checks, not isinstance: np.float64 subclasses float and IntEnum subclasses int, yet
-# both pickle as foreign globals that weights_only refuses.
-_SCALARS = (str, int, float, bool, type(None))
-_ATOMS = _SCALARS + (torch.dtype, torch.device)
-_TENSORS = (torch.Tensor, torch.nn.Parameter)
-_MAPPINGS = (dict, collections.OrderedDict)  # model.state_dict() is an OrderedDict
-_SEQUENCES = (list, tuple, torch.Size)
-
-
-from ..errors import CheckpointError  # noqa: E402,F401  (re-exported)
 
 
 class CheckpointWarning(UserWarning):
@@ -99,103 +93,6 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=step_of)
 
 
-# ---------------------------------------------------------------- atomic file writes
-
-
-def _fsync_dir(path: Path) -> None:
-    # The rename itself is only durable once the directory entry is on disk.
-    if os.name == "nt":  # directories cannot be opened for fsync on Windows
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _ensure_dir(path: Path) -> None:
-    path = Path(path)
-    if path.is_dir():
-        return
-    path.mkdir(parents=True, exist_ok=True)
-    _fsync_dir(path.parent)  # make the new folder's entry durable
-
-
-def _atomic_write(path: Path, write_fn) -> str:
-    """Write via ``write_fn(fileobj)`` to a temp file, fsync, hash, rename over ``path``;
-    return sha256."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write_fn(f)
-            f.flush()
-            os.fsync(f.fileno())
-        # Hash what actually reached the file, before it becomes visible under its real name.
-        digest = sha256_file(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(path.parent)
-    return digest
-
-
-def sha256_file(path: Path) -> str:
-    """SHA-256 hex digest of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-# ---------------------------------------------------------------- validation
-
-
-def _path_str(path: list[Any]) -> str:
-    return "state" + "".join(f"[{k!r}]" for k in path)
-
-
-def check_weights_only_safe(state: Any) -> None:
-    """Raise TypeError (naming the key path) unless ``state`` loads with ``weights_only=True``."""
-    active: set[int] = set()  # ids on the current path: catches cycles, allows shared leaves
-
-    def walk(obj: Any, path: list[Any]) -> None:
-        t = type(obj)
-        if t in _TENSORS or t in _ATOMS:
-            return
-        if t in _MAPPINGS or t in _SEQUENCES:
-            if id(obj) in active:
-                raise TypeError(f"{_path_str(path)} contains itself (reference cycle)")
-            active.add(id(obj))
-            if t in _MAPPINGS:
-                for k, v in obj.items():
-                    if type(k) not in _SCALARS:
-                        raise TypeError(
-                            f"{_path_str(path)} has a key of type "
-                            f"{t.__module__}.{type(k).__qualname__} ({k!r}); "
-                            "only str/int/float/bool/None keys load with weights_only=True"
-                        )
-                    walk(v, path + [k])
-            else:
-                for i, v in enumerate(obj):
-                    walk(v, path + [i])
-            active.discard(id(obj))
-            return
-        raise TypeError(
-            f"{_path_str(path)} is a {t.__module__}.{t.__qualname__}, which "
-            "torch.load(weights_only=True) cannot load; "
-            "store tensors, str/int/float/bool/None and lists/tuples/dicts of those "
-            "(e.g. obj.state_dict() instead of obj, .item() or torch.tensor(...) for numpy values)"
-        )
-
-    walk(state, [])
-
-
 # ---------------------------------------------------------------- writing
 
 
@@ -205,15 +102,15 @@ def save_rank_state(ckpt_dir: Path, rank: int, state: dict) -> str:
         raise TypeError(f"state must be a dict, got {type(state).__qualname__}")
     check_weights_only_safe(state)  # fail now, not at resume time
     ckpt_dir = Path(ckpt_dir)
-    _ensure_dir(ckpt_dir)
+    ensure_dir(ckpt_dir)
     # Re-saving into a folder that already has a meta.json (e.g. the run was resumed from an older
     # checkpoint and reached this step again): the old meta no longer describes the files being
     # replaced, so drop it; rank 0 writes the new one after every rank has finished.
     meta = ckpt_dir / META_NAME
     if meta.exists():
         meta.unlink(missing_ok=True)
-        _fsync_dir(ckpt_dir)
-    return _atomic_write(rank_file(ckpt_dir, rank), lambda f: torch.save(state, f))
+        fsync_dir(ckpt_dir)
+    return atomic_write(rank_file(ckpt_dir, rank), lambda f: torch.save(state, f))
 
 
 def _lowcomm_version() -> str:
@@ -254,8 +151,8 @@ def write_meta(ckpt_dir: Path, meta: dict, checksums: dict[int, str]) -> None:
         "files": {rank_file(ckpt_dir, r).name: shas[r] for r in ranks},
     }
     data = json.dumps(out, indent=2, sort_keys=True).encode() + b"\n"  # raises on non-JSON values
-    _ensure_dir(ckpt_dir)
-    _atomic_write(ckpt_dir / META_NAME, lambda f: f.write(data))
+    ensure_dir(ckpt_dir)
+    atomic_write(ckpt_dir / META_NAME, lambda f: f.write(data))
 
 
 def finalize(
@@ -452,7 +349,7 @@ def prune(run_dir: Path, keep: int, *, checksums: bool = True) -> list[Path]:
         os.replace(d, trash)
         shutil.rmtree(trash, ignore_errors=True)
     if doomed:
-        _fsync_dir(Path(run_dir) / "checkpoints")
+        fsync_dir(Path(run_dir) / "checkpoints")
     return doomed
 
 
