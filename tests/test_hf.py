@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -340,3 +341,290 @@ def test_callback_in_a_plain_trainer_refuses_ddp(tmp_path):
     )
     for r in results:
         assert r["error"] is not None and "identical on every worker" in r["error"]
+
+
+# --- a Trainer run resumed from its own checkpoint --------------------------------------------
+
+RESUME_SCRIPT = Path(__file__).parent / "hf_resume_script.py"
+
+
+def _torchrun_hf(out: Path, plan: str, kill_after: Path | None = None) -> str:
+    """``torchrun --nproc-per-node 2 hf_resume_script.py OUT PLAN``; with ``kill_after`` (a
+    checkpoint folder), every process of it is SIGKILLed from here once that checkpoint is
+    whole (the Trainer's files and both ranks' engine files). Returns the output."""
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(port),
+        str(RESUME_SCRIPT),
+        str(out),
+        plan,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent))
+    log = out / f"torchrun-{plan.replace(':', '-').replace(',', '_')}.log"
+    out.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            if kill_after is None:
+                assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
+                return log.read_text()
+            need = [
+                "trainer_state.json",
+                "rng_state_0.pth",
+                "rng_state_1.pth",
+                "lowcomm-rank0.pt",
+                "lowcomm-rank1.pt",
+            ]
+            deadline = time.monotonic() + 300
+            while not all((kill_after / n).exists() for n in need):
+                assert proc.poll() is None, log.read_text()[-4000:]
+                assert time.monotonic() < deadline, "no whole checkpoint in 300 s"
+                time.sleep(0.05)
+            # torchrun starts its workers in sessions of their own: kill the whole tree
+            for pid in [*_descendants(proc.pid), proc.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            return log.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process under ``pid``, read from /proc (children before their parents' turn)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _same_finals(root: Path, strategy: str, a: str, b: str) -> None:
+    for rank in (0, 1):
+        x = torch.load(root / strategy / a / f"final{rank}.pt", weights_only=True)
+        y = torch.load(root / strategy / b / f"final{rank}.pt", weights_only=True)
+        assert x.keys() == y.keys()
+        worst = max(float((x[k].float() - y[k].float()).abs().max()) for k in x)
+        assert all(torch.equal(x[k], y[k]) for k in x), f"{strategy} rank {rank}: off by {worst}"
+
+
+def _killed_and_resumed(root: Path, strategies: list[str], own: bool = False) -> None:
+    """For each strategy: the uninterrupted run, the run killed after its checkpoint at step
+    20, and its resume; each resume's launch also starts the next strategy's killed run."""
+    pre = "own-" if own else ""
+    plan = [f"{pre}full:{s}" for s in strategies]
+    for s in strategies:
+        part = root / s / f"{pre}part"
+        _torchrun_hf(root, ",".join([*plan, f"{pre}stop:{s}"]), kill_after=part / "checkpoint-20")
+        assert not (part / "checkpoint-40").exists()
+        plan = [f"{pre}resume:{s}"]
+    _torchrun_hf(root, ",".join(plan))
+
+
+@pytest.fixture(scope="module")
+def hf_resumed(tmp_path_factory):
+    """DiLoCo and SparseLoCo runs killed after a checkpoint and resumed, beside the runs that
+    check save_only_model, load_best_model_at_end and the refusals (three torchrun starts)."""
+    root = tmp_path_factory.mktemp("hf-resume")
+    part = root / "diloco" / "part"
+    _torchrun_hf(
+        root,
+        "full:diloco,full:sparseloco,saveonly:diloco,best:diloco,stop:diloco",
+        kill_after=part / "checkpoint-20",
+    )
+    _torchrun_hf(
+        root,
+        "refuse:diloco,resume:diloco,stop:sparseloco",
+        kill_after=root / "sparseloco" / "part" / "checkpoint-20",
+    )
+    _torchrun_hf(root, "resume:sparseloco")
+    return root
+
+
+@pytest.mark.parametrize("strategy", ["diloco", "sparseloco"])
+def test_a_trainer_run_killed_after_a_checkpoint_resumes_bit_for_bit(hf_resumed, strategy):
+    # the engine's state (global copy, outer state, error feedback, schedule) and each rank's
+    # own inner optimizer come back: the resumed run ends where the uninterrupted one does
+    _same_finals(hf_resumed, strategy, "full", "resume")
+    # save_total_limit=1 rotated the engine's files with their checkpoint
+    full = hf_resumed / strategy / "full" / "out"
+    assert sorted(p.name for p in full.iterdir()) == ["checkpoint-40"]
+    assert {p.name for p in (full / "checkpoint-40").glob("lowcomm-*")} == {
+        "lowcomm-rank0.pt",
+        "lowcomm-rank1.pt",
+    }
+
+
+def test_a_resume_of_another_setting_or_of_a_model_only_checkpoint_is_refused(hf_resumed):
+    lines = json.loads((hf_resumed / "diloco" / "refuse" / "lines.json").read_text())
+    part = hf_resumed / "diloco" / "part" / "checkpoint-20"
+    assert lines["setting"] == (
+        f"checkpoint {part} was written with other engine settings: sync_every=10 (this run: "
+        f"5); resume with the checkpoint's settings, or pass lowcomm_resume='model' to "
+        f"LowCommTrainer to start the outer loop afresh from its saved model"
+    )
+    assert lines["save_only_model"].startswith(
+        f"checkpoint {hf_resumed / 'diloco' / 'so' / 'checkpoint-20'} holds no lowcomm engine "
+        f"state (lowcomm-rank"
+    )
+    assert "save_only_model=True" in lines["save_only_model"]
+    said = json.loads((hf_resumed / "diloco" / "saveonly" / "said.json").read_text())
+    assert said and "cannot resume the outer loop" in said[0]
+    assert not list((hf_resumed / "diloco" / "so").glob("*/lowcomm-*"))
+
+
+def test_load_best_model_at_end_loads_the_best_global_parameters(hf_resumed):
+    best = [torch.load(hf_resumed / "diloco" / "best" / f"best{r}.pt") for r in (0, 1)]
+    for b in best:  # the model at the end is the best checkpoint's, which is the global copy
+        assert b["model_is_saved"] and b["saved_is_global"] and b["compared"] >= 20
+    finals = [
+        torch.load(hf_resumed / "diloco" / "best" / f"final{r}.pt", weights_only=True)
+        for r in (0, 1)
+    ]
+    assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "strategies,own",
+    [(["diloco", "streaming", "sparseloco", "co2"], False), (["co2"], True)],
+    ids=["LowCommTrainer", "LowCommCallback"],
+)
+def test_every_strategy_and_the_callback_resume_bit_for_bit(tmp_path, strategies, own):
+    _killed_and_resumed(tmp_path, strategies, own)
+    for s in strategies:
+        _same_finals(tmp_path, s, f"{'own-' if own else ''}full", f"{'own-' if own else ''}resume")
+
+
+# --- the refusals, each with its one line ------------------------------------------------------
+
+
+def _saved(tmp_path: Path, **identity) -> tuple[Path, object]:
+    """A checkpoint folder with rank 0's and rank 1's engine files of a DiLoCo run on 2."""
+    from lowcomm.config import SyncConfig
+    from lowcomm.hf.resume import RunIdentity, save_state
+
+    ident = RunIdentity.of("diloco", 2, SyncConfig(sync_every=10))
+    ident = RunIdentity(**{**ident.__dict__, **identity})
+    ckpt = tmp_path / "checkpoint-20"
+    for rank in (0, 1):
+        save_state(ckpt, rank, ident, 20, {"step": 20}, {"state": {}, "param_groups": []})
+    return ckpt, ident
+
+
+FRESH = "resume='model' to LowCommCallback"
+AFRESH = f"or pass {FRESH} to start the outer loop afresh from its saved model"
+
+
+def test_the_engine_file_loads_back_for_its_own_run(tmp_path):
+    from lowcomm.hf.resume import load_state
+
+    ckpt, ident = _saved(tmp_path)
+    assert load_state(ckpt, 1, ident, 20, FRESH) == {
+        "engine": {"step": 20},
+        "optimizer": {"state": {}, "param_groups": []},
+    }
+
+
+@pytest.mark.parametrize(
+    "change,line",
+    [
+        (
+            {"strategy": "sparseloco"},
+            "checkpoint {c} was written by strategy 'diloco' and this run is 'sparseloco': "
+            "resume with strategy 'diloco', " + AFRESH,
+        ),
+        (
+            {"world_size": 3},
+            "checkpoint {c} was written by 2 workers and this run has 3: resume it on 2 "
+            "workers (torchrun --nproc-per-node 2), " + AFRESH,
+        ),
+    ],
+)
+def test_a_resume_of_another_strategy_or_world_size_is_refused(tmp_path, change, line):
+    from lowcomm.hf.resume import RunIdentity, load_state
+
+    ckpt, ident = _saved(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        load_state(ckpt, 0, RunIdentity(**{**ident.__dict__, **change}), 20, FRESH)
+    assert str(err.value) == line.format(c=ckpt)
+
+
+def test_a_resume_on_more_workers_than_wrote_it_names_the_world_size(tmp_path):
+    from lowcomm.hf.resume import RunIdentity, load_state
+
+    ckpt, ident = _saved(tmp_path)
+    with pytest.raises(ConfigError, match="written by 2 workers and this run has 3"):
+        load_state(ckpt, 2, RunIdentity(**{**ident.__dict__, "world_size": 3}), 20, FRESH)
+
+
+def test_a_resume_with_several_other_settings_names_them(tmp_path):
+    from lowcomm.config import SyncConfig
+    from lowcomm.hf.resume import RunIdentity, load_state
+
+    ckpt, _ = _saved(tmp_path)
+    now = RunIdentity.of("diloco", 2, SyncConfig(sync_every=20, outer_lr=0.5))
+    with pytest.raises(ConfigError) as err:
+        load_state(ckpt, 0, now, 20, FRESH)
+    assert str(err.value) == (
+        f"checkpoint {ckpt} was written with other engine settings: outer_lr=0.7 (this run: "
+        f"0.5), sync_every=10 (this run: 20); resume with the checkpoint's settings, {AFRESH}"
+    )
+
+
+def test_a_torn_renamed_or_stale_engine_file_is_refused(tmp_path):
+    from lowcomm.errors import CheckpointError
+    from lowcomm.hf.resume import load_state, state_path
+
+    ckpt, ident = _saved(tmp_path)
+    with pytest.raises(CheckpointError, match="come from different saves"):
+        load_state(ckpt, 0, ident, 30, FRESH)  # the Trainer's state is of another save
+    zero, one, spare = state_path(ckpt, 0), state_path(ckpt, 1), ckpt / "spare"
+    one.replace(spare)  # the two ranks' files swapped
+    zero.replace(one)
+    spare.replace(zero)
+    with pytest.raises(CheckpointError, match="holds rank 1's state, not rank 0's"):
+        load_state(ckpt, 0, ident, 20, FRESH)
+    zero.write_bytes(zero.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"cannot be read .*resume from an earlier"):
+        load_state(ckpt, 0, ident, 20, FRESH)
+    for path in ckpt.glob("lowcomm-*"):
+        path.unlink()
+    with pytest.raises(CheckpointError, match="holds no lowcomm engine state"):
+        load_state(ckpt, 0, ident, 20, FRESH)
+
+
+def test_the_callback_refuses_what_it_cannot_follow():
+    from types import SimpleNamespace
+
+    from lowcomm.hf import LowCommCallback, LowCommTrainer
+
+    with pytest.raises(ConfigError, match="resume='later': use one of exact, model"):
+        LowCommCallback("diloco", resume="later")
+    with pytest.raises(ConfigError, match="lowcomm_resume='later': use one of exact, model"):
+        LowCommTrainer(lowcomm_resume="later")
+    model = torch.nn.Linear(2, 2)
+    args = SimpleNamespace(load_best_model_at_end=True)
+    with pytest.raises(ConfigError, match="cannot follow load_best_model_at_end=True"):
+        LowCommCallback("diloco").on_train_begin(
+            args, None, None, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1)
+        )
