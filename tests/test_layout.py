@@ -1,5 +1,4 @@
-"""The shape of the source tree: imports point one way, modules and classes stay small, each
-module says what it is for.
+"""The shape of the source tree: imports point one way, each module says what it is for.
 
 Import graph. Nodes are lowcomm's modules (``lowcomm/x/__init__.py`` is the node ``lowcomm.x``).
 An edge A -> B is an explicit import statement in A that names B, wherever it is: at module level,
@@ -26,9 +25,6 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "lowcomm"
-
-MAX_MODULE_LINES = 600
-MAX_CLASS_LINES = 300
 
 
 def _modules() -> dict[str, Path]:
@@ -155,9 +151,9 @@ def test_no_import_cycles():
 
 
 def test_the_sync_imports_no_fault_code():
-    """Faults are a part the trainer hands in (lowcomm.protocols.FaultHooks): the engine, the
-    aggregators, the codecs, the transport and the protocol (elastic/) never import the harness
-    or the fault grammar, so no run without faults carries a fault branch."""
+    """Faults are parts the trainer hands in (its callbacks, a transport factory, hooks): the
+    engine, the aggregators, the codecs, the transport and the protocol (elastic/) never import
+    the harness or the fault grammar, so no run without faults carries a fault branch."""
     graph = import_graph()
     sync = ("engine", "aggregate", "codecs", "elastic", "transport", "compensation", "outer")
     leaks = [
@@ -168,30 +164,6 @@ def test_the_sync_imports_no_fault_code():
         if target == f"{PACKAGE}.faults" or target.startswith(f"{PACKAGE}.faults.")
     ]
     assert not leaks, leaks
-
-
-def test_the_engine_and_the_protocol_take_few_positional_parameters():
-    """A constructor of the engine's or the protocol's parts takes at most 7 positional
-    parameters: the rest are named where the part is built (or come as the parts they are)."""
-    long = []
-    for d in ("engine", "elastic"):
-        for path in sorted((SRC / PACKAGE / d).glob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if not isinstance(node, ast.ClassDef):
-                    continue
-                for f in node.body:
-                    if isinstance(f, ast.FunctionDef) and f.name == "__init__":
-                        n = len(f.args.posonlyargs) + len(f.args.args) - 1
-                        if n > 7:
-                            long.append(f"{_rel(path)}: {node.name} takes {n}")
-    assert not long, long
-
-
-def test_the_formatter_formats_nearly_everything():
-    """``# fmt: skip`` keeps a few aligned tables (and, until they are split, a few long calls
-    of the protocol's runner): at most 30 in the package."""
-    skips = sum(path.read_text().count("# fmt: skip") for path in _src_files())
-    assert skips <= 30, skips
 
 
 def test_rounds_alone_changes_its_counters():
@@ -251,22 +223,6 @@ def test_the_trainer_does_not_reach_up_into_hf():
     assert not any(d.startswith("lowcomm.train") for m in hf for d in graph[m])
 
 
-def test_modules_and_classes_stay_small():
-    too_big = []
-    for path in _src_files():
-        rel = _rel(path)
-        text = path.read_text()
-        lines = text.count("\n")
-        if lines > MAX_MODULE_LINES:
-            too_big.append(f"{rel}: {lines} lines (at most {MAX_MODULE_LINES})")
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.ClassDef):
-                size = node.end_lineno - node.lineno + 1
-                if size > MAX_CLASS_LINES:
-                    too_big.append(f"{rel}: class {node.name} is {size} lines")
-    assert not too_big, "\n".join(too_big)
-
-
 def test_every_module_opens_with_a_docstring():
     missing = [_rel(p) for p in _src_files() if ast.get_docstring(ast.parse(p.read_text())) is None]
     assert not missing, f"modules without a docstring: {missing}"
@@ -290,16 +246,6 @@ def test_one_function_takes_a_runs_settings_apart():
     assert [a.partition(":")[0] + " " + a.rpartition(" ")[2] for a in apart] == [
         "src/lowcomm/train/spec.py of"
     ], apart
-
-
-def test_the_run_holds_few_named_parts():
-    """``Run`` is named parts (at most 8), not a bag of loose fields."""
-    import dataclasses
-
-    from lowcomm.train.run import Run
-
-    names = [f.name for f in dataclasses.fields(Run)]
-    assert len(names) <= 8, names
 
 
 def test_no_engine_typed_any_and_nothing_set_on_it_from_outside():
