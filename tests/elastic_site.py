@@ -5,6 +5,7 @@ itself at a step."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -16,6 +17,7 @@ from helpers import adamw, batches, tiny_model
 
 import lowcomm
 from lowcomm.elastic import heal
+from lowcomm.transport import Transport, TransportWrapper
 
 
 def site(
@@ -30,12 +32,6 @@ def site(
     ``dissent``: an insider's commit votes from the 2nd sync on: "fail" (every sync failed) or
     "blame:S" (site S's payload refused)."""
     torch.set_num_threads(1)
-    if liar:
-        from lowcomm.engine import guards
-
-        guards.global_checksum = lambda frags: 12345
-    if dissent:
-        _dissent(dissent)
     model = tiny_model(seed=0)
     opt = adamw(model)
     data = batches(index, sites)
@@ -43,8 +39,13 @@ def site(
                               timeout_s=20, join=join_from is not None,
                               join_from=join_from or 0, run_id=run_id,
                               secret_file=secret_file)  # fmt: skip
-    delay = 0.3 if kill_in_sync else 0.0
-    sync = getattr(lowcomm, preset)(model, opt, elastic=elastic, comm_delay_s=delay, **kw)
+    slow = kill_in_sync  # each collective of a sync sleeps first: a death lands inside one
+    make = (lambda group, meter: Slow(Transport(group, meter))) if slow else Transport
+    sync = getattr(lowcomm, preset)(model, opt, elastic=elastic, transports=make, **kw)
+    if liar:
+        sync.register_checksum_hook(lambda value: 12345)
+    if dissent:
+        sync.register_vote_hook(lambda vote: _dissent(vote, dissent))
     while after_pid is not None and _alive(after_pid):
         time.sleep(0.02)
     with sync:
@@ -68,21 +69,27 @@ def site(
     )  # fmt: skip
 
 
-def _dissent(how: str) -> None:
-    """This process votes against every commit from the run's 2nd sync on (see ``site``)."""
-    from lowcomm.elastic.membership import Membership
+class Slow(TransportWrapper):
+    """A transport whose collectives each wait 0.3 s first (a slow network)."""
 
-    quorum = Membership.quorum
+    def all_reduce(self, t, control=False, op="sum"):
+        time.sleep(0.3)
+        return self.inner.all_reduce(t, control, op)
 
-    def lying(self, tag, ok=True, phase="sync", ready=False, blame=None, unreached=None,
-              retry=None):  # fmt: skip
-        if phase == "commit" and tag.startswith("sync@") and int(tag[5:]) > 5:
-            ok = False
-            if how.startswith("blame:"):
-                blame = (int(how[6:]), "payload from worker 0 has validity flag 127")
-        return quorum(self, tag, ok, phase, ready, blame, unreached, retry)
+    def all_gather(self, t, control=False):
+        time.sleep(0.3)
+        return self.inner.all_gather(t, control)
 
-    Membership.quorum = lying
+
+def _dissent(vote, how: str):
+    """This site's commit vote from the run's 2nd sync on (see ``site``): failed, and with
+    ``blame:S`` naming site S's payload."""
+    if not vote.tag.startswith("sync@") or int(vote.tag[5:]) <= 5:
+        return None
+    blame = None
+    if how.startswith("blame:"):
+        blame = (int(how[6:]), "payload from worker 0 has validity flag 127")
+    return dataclasses.replace(vote, ok=False, blame=blame)
 
 
 def _alive(pid: int) -> bool:

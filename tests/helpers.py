@@ -57,6 +57,7 @@ class StepGate:
         import threading
 
         self.cond, self.begun, self.held, self.closed = threading.Condition(), 0, [], False
+        self.done = 0  # jobs that ran to their end on the comm thread
         submit = transport.submit
 
         def submitted(fn):
@@ -66,7 +67,10 @@ class StepGate:
             def held():
                 with self.cond:
                     self.held.append(self.cond.wait_for(lambda: self.begun >= need, wait_s))
-                return fn()
+                out = fn()
+                with self.cond:
+                    self.done += 1
+                return out
 
             return submit(held)
 

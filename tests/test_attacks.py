@@ -9,7 +9,8 @@ import torch
 from lowcomm.errors import ConfigError
 from lowcomm.faults import Fault, parse_faults
 from lowcomm.faults.harness import Harness
-from lowcomm.protocols import NO_FAULTS
+from lowcomm.protocols import CommitVote, Contribution, SyncHooks
+from lowcomm.transport import Transport
 
 
 def harness(spec: str, site: int, sites: int = 2, step: int = 1) -> Harness:
@@ -18,6 +19,29 @@ def harness(spec: str, site: int, sites: int = 2, step: int = 1) -> Harness:
     for s in range(1, step + 1):
         h.act(s)
     return h
+
+
+def contribute(h: Harness, tensors: list, step: int, weights: list | None = None) -> bool:
+    """``h``'s contribution hook on ``tensors`` (in place): whether it goes through the
+    compensation."""
+    c = Contribution(step, tensors, weights or [])
+    h.contribution(c)
+    return c.compensate
+
+
+def voted(h: Harness, tag: str, members: list[int]) -> tuple[bool, object]:
+    """The vote ``h`` casts on an attempt of ``tag`` whose collectives completed."""
+    hooks = SyncHooks()
+    hooks.register_vote_hook(h.vote)
+    v = hooks.vote(CommitVote(tag, True, None, tuple(members)))
+    return v.ok, v.blame
+
+
+def reported(h: Harness, value: int) -> int:
+    """The replica checksum ``h`` reports for a global copy whose true checksum is ``value``."""
+    hooks = SyncHooks()
+    hooks.register_checksum_hook(h.checksum)
+    return hooks.checksum(value)
 
 
 def test_attacks_are_read_from_the_fault_grammar():
@@ -38,28 +62,36 @@ def test_a_site_attacks_from_its_step_on_and_only_itself():
     x = [torch.ones(4)]
     other.act(3)  # another site's fault: this one sends as it is
     bad.act(2)  # not yet
-    assert other.contribution(x, 3, "ef") == "ef" and bad.contribution(x, 2, "ef") == "ef"
+    assert contribute(other, x, 3) and contribute(bad, x, 2)
     assert torch.equal(x[0], torch.ones(4))
     bad.act(3)
     for step in (3, 4, 50):
         x = [torch.ones(4), torch.full((2,), -2.0)]
-        assert bad.contribution(x, step, "ef") == "ef"  # its compensation stays
+        assert contribute(bad, x, step)  # its compensation stays
         assert torch.equal(x[0], torch.full((4,), 10.0)) and torch.equal(
             x[1], torch.full((2,), -20.0)
         )
 
 
-def test_without_a_harness_nothing_happens():
+def test_a_harness_without_faults_wraps_nothing_and_hooks_nothing():
+    h = Harness([], 0)
+    assert h.transports(Transport) is Transport
+    hooks = SyncHooks()
+
+    class Engine:  # what the harness would register its hooks on
+        register_contribution_hook = hooks.register_contribution_hook
+        register_vote_hook = hooks.register_vote_hook
+        register_checksum_hook = hooks.register_checksum_hook
+
+    h.on_engine(Engine())
     x = [torch.ones(4)]
-    assert NO_FAULTS.contribution(x, 1, "ef") == "ef" and torch.equal(x[0], torch.ones(4))
-    p = torch.ones(5, dtype=torch.uint8)
-    NO_FAULTS.outgoing([p])
-    assert NO_FAULTS.forged(p, [], 0, None, None) is p and torch.equal(p, torch.ones(5))
+    assert hooks.contribution(Contribution(1, x, [])).compensate
+    assert torch.equal(x[0], torch.ones(4)) and hooks.checksum(7) == 7
 
 
 def test_a_nan_attack_skips_its_own_compensation():
     x = [torch.ones(3)]
-    assert harness("nan:0", 0).contribution(x, 1, "ef") is None
+    assert not contribute(harness("nan:0", 0), x, 1)
     assert bool(torch.isnan(x[0]).all())
 
 
@@ -73,7 +105,7 @@ def test_each_attack_does_what_it_says(spec, check):
     h = harness(spec, 0)
     x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
     y = x.clone()
-    h.contribution([y], 7, None)
+    contribute(h, [y], 7)
     assert check(x, y)
 
 
@@ -90,7 +122,7 @@ def test_drift_shrinks_every_weight_on_a_half_of_its_own_and_colluders_share_eve
                                 ("d", "collude:5", y, 3)]:  # fmt: skip
         h = harness(spec, int(spec.split(":")[1][0]), sites=8)
         sent[name] = t.clone()
-        assert h.contribution([sent[name]], step, "ef", [w]) is None
+        assert not contribute(h, [sent[name]], step, [w])
     a, b = sent["a7"] != 0, sent["b"] != 0
     assert torch.equal(a, sent["a9"] != 0) and 0.45 < float(a.float().mean()) < 0.55
     assert 0.2 < float((a & b).float().mean()) < 0.3  # two drifting sites: halves of their own
@@ -109,22 +141,21 @@ def test_an_insider_lies_in_its_votes_and_checksum_from_its_step_and_only_itself
         ("liar:2@5", (True, None), 12345),
     ]:
         early, h, other = harness(spec, 2, 4, 4), harness(spec, 2, 4, 5), harness(spec, 1, 4, 9)
-        assert early.vote("sync@10", True, None, members) == (True, None) == other.vote(
-            "sync@10", True, None, members)  # fmt: skip
-        assert h.vote("sync@10", True, None, members) == vote
-        assert h.vote("flags@10", True, None, members) == (True, None)  # syncs only
-        assert h.checksum(77) == checksum and other.checksum(77) == early.checksum(77) == 77
+        assert voted(early, "sync@10", members) == (True, None) == voted(other, "sync@10", members)
+        assert voted(h, "sync@10", members) == vote
+        assert voted(h, "flags@10", members) == (True, None)  # syncs only
+        assert reported(h, 77) == checksum and reported(other, 77) == reported(early, 77) == 77
     accuser = harness("accuse:0@1", 0, 4)  # names the lowest member but itself
-    assert accuser.vote("sync@10", True, None, members)[1][0] == 1
+    assert voted(accuser, "sync@10", members)[1][0] == 1
 
 
 def test_noise_is_the_same_in_a_replay():
     h = harness("noise:0x1", 0)
     a, b = [torch.ones(64)], [torch.ones(64)]
-    h.contribution(a, 9, None)
-    h.contribution(b, 9, None)
+    contribute(h, a, 9)
+    contribute(h, b, 9)
     c = [torch.ones(64)]
-    h.contribution(c, 10, None)
+    contribute(h, c, 10)
     assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
 
 
@@ -152,20 +183,32 @@ def _gather_fp32():
     return aggregator_for("gather", make_codec("fp32"), 4)
 
 
+def _engine(agg, *shapes: list[torch.Size]):
+    """What a forger reads of its engine: the aggregator, and one fragment of one bucket per
+    entry of ``shapes``."""
+    from types import SimpleNamespace
+
+    frags = [
+        SimpleNamespace(buckets=[list(range(len(s)))], params=[torch.empty(d) for d in s])
+        for s in shapes
+    ]
+    return SimpleNamespace(aggregator=agg, fragments=frags)
+
+
 def test_copy_sends_another_sites_last_payload_byte_for_byte():
     agg, shapes = _gather_fp32(), [torch.Size([3]), torch.Size([2])]
     h = harness("copy:1", 1, sites=4)
+    h.engine = _engine(agg, shapes, shapes)  # two fragments of the same shapes
+    first, second = ((0,), 0), ((1,), 0)  # fragment 0's only payload, and fragment 1's
     mine = agg.encode([torch.ones(3), torch.ones(2)]).payload
-    assert torch.equal(h.forged(mine, shapes, 1, agg, None), mine)  # nothing seen: honest
+    assert torch.equal(h.forged(mine, 1, first), mine)  # nothing seen: honest
     rows = [agg.encode([torch.full((3,), float(r)), torch.zeros(2)], valid=r != 0).payload
             for r in range(4)]  # fmt: skip
-    h.gathered(shapes, rows, None)
+    h.gathered(rows, first)
     # site 0 sent nothing valid: the first other valid sender is site 2
-    assert torch.equal(h.forged(mine, shapes, 1, agg, None), rows[2])
-    # groups are told apart by their key: another fragment of the same shapes saw nothing yet
-    h.gathered(shapes, rows, "fragment 0 bucket 0")
-    assert torch.equal(h.forged(mine, shapes, 1, agg, "fragment 0 bucket 0"), rows[2])
-    assert torch.equal(h.forged(mine, shapes, 1, agg, "fragment 1 bucket 0"), mine)
+    assert torch.equal(h.forged(mine, 1, first), rows[2])
+    # payloads are told apart by their sync's fragments: the other one saw nothing yet
+    assert torch.equal(h.forged(mine, 1, second), mine)
 
 
 def test_alie_sends_the_honest_mean_minus_z_times_their_spread():
@@ -180,11 +223,12 @@ def test_alie_sends_the_honest_mean_minus_z_times_their_spread():
     assert forge.alie_z(8, 1) == pytest.approx(0.0)
     agg, shapes = _gather_fp32(), [torch.Size([5]), torch.Size([2, 2])]
     h = harness("alie:2,alie:3", 3, sites=4)
+    h.engine, key = _engine(agg, shapes), ((0,), 0)
     g = torch.Generator().manual_seed(0)
     sent = [torch.randn(9, generator=g) for _ in range(4)]
-    h.gathered(shapes, [agg.encode([x[:5], x[5:].reshape(2, 2)]).payload for x in sent], None)
+    h.gathered([agg.encode([x[:5], x[5:].reshape(2, 2)]).payload for x in sent], key)
     mine = agg.encode([torch.zeros(5), torch.zeros(2, 2)]).payload
-    got = agg._decode_flat(h.forged(mine, shapes, 3, agg, None)[:-1], shapes, 9)
+    got = agg._decode_flat(h.forged(mine, 3, key)[:-1], shapes, 9)
     honest = np.stack([sent[0].numpy(), sent[1].numpy()])  # sites 2 and 3 collude
     want = honest.mean(0) - forge.alie_z(4, 2) * honest.std(0, ddof=1)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
@@ -213,12 +257,13 @@ def _attacked_runs(rank: int, world: int, rule: str) -> dict:
         opt = adamw(model)
         data = batches(rank, world)
         sync = lowcomm.DiLoCo(model, opt, sync_every=2, outer_lr=0.7, aggregation=rule,
-                              reduce="gather", nonfinite_patience=1)  # fmt: skip
-        sync.faults = h  # the harness, handed to the engine as the trainer does
+                              reduce="gather", nonfinite_patience=1,
+                              transports=h.transports(Transport))  # fmt: skip
+        h.on_engine(sync)  # the harness, handed to the engine as the trainer does
         try:
             with sync:
                 for step in range(1, STEPS + 1):
-                    h.act(step)
+                    h.on_step_begin(step)
                     x, y = data.next()
                     model(x, y).backward()
                     opt.step()

@@ -387,8 +387,9 @@ def test_ctrl_c_stops_cleanly_with_a_resume_hint(tmp_path):
             "sync_every=4",
             "checkpoint_every=4",
             "eval_every=0",
+            "--faults",  # a slow link (each collective waits first): Ctrl-C lands mid-run
+            "slowlink:0x0.02,slowlink:1x0.02",
         ],
-        env=dict(os.environ, LOWCOMM_TEST_COMM_DELAY_S="0.02"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

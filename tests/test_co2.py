@@ -262,13 +262,12 @@ def _in_flight_worker(rank: int, world: int) -> dict:
             opt.step()
             opt.zero_grad()
         gate.close()  # the last round's exchange: nothing trains after it
-    return {"events": sync.events, "held": gate.held}
+    return {"held": gate.held, "done": gate.done, "syncs": sync.stats.syncs}
 
 
 def test_round_r_collective_in_flight_during_round_r_plus_1(workers):
     for r in workers(_in_flight_worker, 2):
-        sent = [p for what, p, _ in r["events"] if what == "sent"]
-        done = [p for what, p, _ in r["events"] if what == "completed"]
-        assert len(sent) == 3 and len(done) == 3
-        # each round's exchange ran only after round r+1's first step had begun
-        assert len(r["held"]) >= 3 and all(r["held"]), r["held"]
+        # the 3 rounds' exchanges (and the exit's) all went to the comm thread and ran there
+        # to their end, each only after round r+1's first step had begun
+        assert r["syncs"] == 3 and len(r["held"]) == r["done"] >= 3, r
+        assert all(r["held"]), r["held"]

@@ -413,7 +413,7 @@ def test_a_failed_attempt_closes_its_group_so_peers_waiting_on_it_fail_at_once(l
     def site(i: int) -> None:
         m = Membership(Elastic(lighthouse=lighthouse, site=i, sites=3, timeout_s=60,
                                run_id="drop"))  # fmt: skip
-        runner = Runner(m, ByteMeter(), ByteMeter(), 0.0)
+        runner = Runner(m, ByteMeter(), ByteMeter())
 
         def collectives(transport, _):
             attempts[i] += 1

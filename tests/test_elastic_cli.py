@@ -305,7 +305,7 @@ def test_fewer_than_min_workers_stop_the_run_with_one_line_and_it_resumes(tmp_pa
         (["--faults", "kill:7@35"], "names site 7"),
         (["--faults", "explode:1@3"], "unknown kind"),
         (["--faults", "kill:1"], "needs @STEP"),
-        (["--faults", "slowlink:1@60"], "not supported yet"),
+        (["--faults", "slowlink:1@60"], "needs xSECONDS > 0"),
         (["elastic=true", "--faults", "add:1@60"], "numbered on from the run's 3: add:3@STEP"),
         (["--faults", "add:3@60"], "join only an elastic run"),
         (["elastic=true", "--faults", "join:1@60"], "add kill:1@STEP with STEP < 60"),

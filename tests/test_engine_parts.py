@@ -77,7 +77,7 @@ def test_a_replayed_leave_on_the_comm_thread_ends_the_site_at_its_next_step():
     from lowcomm.engine.state import RunState
     from lowcomm.errors import SiteLeft
 
-    inflight = InFlight(None, [], RunState())  # type: ignore[arg-type]
+    inflight = InFlight(None, RunState())  # type: ignore[arg-type]
     fine: Future = Future()
     inflight.pending[0] = Pending(fine, sent_at=10, apply_at=20)
     assert inflight.due(11, []) == []  # still running: nothing due
@@ -122,3 +122,69 @@ def test_workers_left_out_are_counted_once_whether_their_flags_or_payloads_told(
     event = Event(flags, {p: Reduced(torch.ones(2), 1, nonfinite=w) for p, w in told.items()})
     assert event.nonfinite_workers == 3
     assert Event(flags, {p: Reduced(torch.ones(2), 3) for p in (0, 1)}).nonfinite_workers == 1
+
+
+# --- the extension points: hooks on a sync, and the transport factory -------------------------
+
+
+def test_sync_hooks_run_in_order_and_come_off_by_their_handle():
+    from lowcomm.protocols import CommitVote, Contribution, SyncHooks
+
+    hooks, seen = SyncHooks(), []
+    c = Contribution(3, [torch.ones(2)], [torch.zeros(2)])
+    assert hooks.contribution(c) is c and c.compensate  # nothing registered: nothing happens
+    first = hooks.register_contribution_hook(lambda c: seen.append(("first", c.step)))
+
+    def second(c):
+        c.tensors[0].mul_(2)
+        c.compensate = False
+
+    hooks.register_contribution_hook(second)
+    hooks.contribution(c)
+    assert seen == [("first", 3)] and torch.equal(c.tensors[0], torch.full((2,), 2.0))
+    assert not c.compensate
+    first.remove()
+    hooks.contribution(Contribution(4, [torch.ones(2)], []))
+    assert seen == [("first", 3)]
+    vote = CommitVote("sync@4", True, None, (0, 1))
+    hooks.register_vote_hook(lambda v: None)  # None: the vote as it is
+    assert hooks.vote(vote) == vote
+    hooks.register_vote_hook(lambda v: dataclasses.replace(v, ok=False))
+    assert not hooks.vote(vote).ok
+    hooks.register_checksum_hook(lambda value: None)
+    assert hooks.checksum(7) == 7
+    hooks.register_checksum_hook(lambda value: value + 1)
+    assert hooks.checksum(7) == 8
+
+
+def _factory_run(rank: int, world: int, counted: bool) -> dict:
+    """12 DiLoCo steps (H = 4); ``counted``: every transport made by a factory that wraps it
+    and counts the training all-reduces it carries."""
+    from helpers import adamw, batches, local_steps, tiny_model
+
+    import lowcomm
+    from lowcomm.transport import Transport, TransportWrapper
+
+    calls = []
+
+    class Counting(TransportWrapper):
+        def all_reduce(self, t, control=False, op="sum"):
+            calls.append(control)
+            return self.inner.all_reduce(t, control, op)
+
+    made = (lambda group, meter: Counting(Transport(group, meter))) if counted else Transport
+    model = tiny_model(seed=0)
+    opt, data = adamw(model), batches(rank, world)
+    sync = lowcomm.DiLoCo(model, opt, sync_every=4, transports=made)
+    with sync:
+        local_steps(model, opt, data, 12)
+    return {"global": sync.global_flat(), "training": calls.count(False), "syncs": sync.stats.syncs}
+
+
+def test_a_transport_factory_makes_every_transport_the_engine_uses(workers):
+    plain = workers(_factory_run, 2, False)
+    counted = workers(_factory_run, 2, True)
+    for a, b in zip(plain, counted):
+        assert torch.equal(a["global"], b["global"])  # a wrapper that only counts moves nothing
+        # each sync's all-reduce of the pseudo-gradient and of the buffers, and the exit's
+        assert b["syncs"] == 3 and b["training"] >= 3, b

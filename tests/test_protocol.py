@@ -496,7 +496,7 @@ def test_after_a_split_with_no_majority_the_same_pair_is_asked_again_until_a_thi
 
     pair = _view(_d(0, "sync@50", gen=1), _d(3, "sync@50", gen=1))
     member = _Split([pair, _view(_d(2, "sync@50", gen=1), _d(3, "sync@50", gen=1))])
-    runner = Runner(member, ByteMeter(), ByteMeter(), 0.0)
+    runner = Runner(member, ByteMeter(), ByteMeter())
     # quorum rounds without a lighthouse: their expectations a no-op, their retry policy
     runner.rounds = SimpleNamespace(expect=lambda view, tag: None, back=lambda: None)
     runner._policy = QuorumRounds
@@ -528,7 +528,7 @@ def test_in_lock_step_a_split_is_retried_on_the_lighthouses_next_quorum_at_once(
     pair = _view(_d(0, "sync@50", gen=1), _d(3, "sync@50", gen=1))
     member = _Split([pair])
     member.commits[1] = _view(*(_d(s, "sync@50", "commit", gen=1) for s in (0, 3)))
-    runner = Runner(member, ByteMeter(), ByteMeter(), 0.0)
+    runner = Runner(member, ByteMeter(), ByteMeter())
     assert runner.rounds is None  # lock-step
     tries = []
 

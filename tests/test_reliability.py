@@ -214,16 +214,18 @@ def _attacked(rank: int, world: int, faults_spec: str, **kw) -> tuple[object, li
     model = tiny_model(seed=0)
     opt = adamw(model)
     data = batches(rank, world)
-    planned = faults.parse_faults(faults_spec, world, 12)
-    sync = lowcomm.DiLoCo(model, opt, sync_every=2, outer_lr=0.7, **kw)
     from lowcomm.faults.harness import Harness
+    from lowcomm.transport import Transport
 
-    harness = Harness(planned, rank)
-    sync.faults = harness  # as the trainer hands it in
+    harness = Harness(faults.parse_faults(faults_spec, world, 12), rank)
+    sync = lowcomm.DiLoCo(
+        model, opt, sync_every=2, outer_lr=0.7, transports=harness.transports(Transport), **kw
+    )
+    harness.on_engine(sync)  # as the trainer hands it in
     globals_after = []
     with sync:
         for step in range(1, 13):
-            harness.act(step)
+            harness.on_step_begin(step)
             x, y = data.next()
             model(x, y).backward()
             opt.step()

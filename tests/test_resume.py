@@ -29,12 +29,12 @@ COMMON = [
 ]
 
 
-# a slow network for these tests (each collective sleeps first), so a kill lands mid-run
-SLOW = dict(os.environ, LOWCOMM_TEST_COMM_DELAY_S="0.15")
+# a slow link for the run a kill lands in (each collective of its syncs waits first); it only
+# sleeps, so the run trains the same numbers
+SLOW = ["--faults", "slowlink:0x0.15,slowlink:1x0.15"]
 
 
 def _train(args, **kw):
-    kw.setdefault("env", SLOW)
     return subprocess.run(
         LOWCOMM + ["train", *args], capture_output=True, text=True, timeout=300, **kw
     )
@@ -43,11 +43,7 @@ def _train(args, **kw):
 def _kill_after_checkpoint(out: Path, args: list[str]) -> subprocess.CompletedProcess:
     """Run ``lowcomm train ARGS``, SIGKILL worker 1 once the step-16 checkpoint exists."""
     proc = subprocess.Popen(
-        LOWCOMM + ["train", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=SLOW,
+        LOWCOMM + ["train", *args, *SLOW], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     deadline = time.time() + 120
     meta = out / "checkpoints" / "step-000000016" / "meta.json"
@@ -80,10 +76,8 @@ def _kill_after_checkpoint(out: Path, args: list[str]) -> subprocess.CompletedPr
 )
 def test_kill_worker_then_resume_is_bit_identical(tmp_path, strategy, extra):
     full, broken = tmp_path / "full", tmp_path / "broken"
-    # the reference and the resume need no slow network (it only sleeps): only the kill does
-    fast = dict(env=os.environ)
-    ref = _train(["--strategy", strategy, "--workers", "2", "--out", str(full), *COMMON, *extra],
-                 **fast)  # fmt: skip
+    # the reference needs no slow link (it only sleeps): only the kill does
+    ref = _train(["--strategy", strategy, "--workers", "2", "--out", str(full), *COMMON, *extra])
     assert ref.returncode == 0, ref.stderr
 
     dead = _kill_after_checkpoint(
@@ -95,7 +89,7 @@ def test_kill_worker_then_resume_is_bit_identical(tmp_path, strategy, extra):
     assert "worker 1" in dead.stderr and "Last checkpoint" in dead.stderr, dead.stderr
     assert "Traceback" not in dead.stderr.splitlines()[-1]
 
-    res = _train(["--resume", str(broken)], **fast)
+    res = _train(["--resume", str(broken)])
     assert res.returncode == 0, res.stderr
     a = json.loads((full / "summary.json").read_text())
     b = json.loads((broken / "summary.json").read_text())
@@ -124,7 +118,7 @@ def test_corrupt_checkpoint_refused_previous_used(tmp_path):
         "--steps",
         "16",
     ]
-    assert _train(args, env=dict(os.environ, LOWCOMM_TEST_COMM_DELAY_S="0")).returncode == 0
+    assert _train(args).returncode == 0
     last = out / "checkpoints" / "step-000000016" / "rank1.pt"
     data = bytearray(last.read_bytes())
     data[len(data) // 2] ^= 0x10  # one flipped bit

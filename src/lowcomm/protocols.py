@@ -1,16 +1,23 @@
-"""The interfaces the pieces meet at, as ``typing.Protocol``s (structural: no base class needed).
+"""The interfaces the pieces meet at: ``typing.Protocol``s (structural: no base class needed)
+and the engine's extension points.
 
 :class:`SyncEngine` is what the trainer asks of an outer-loop implementation: lowcomm's own
-:class:`~lowcomm.engine.LowComm`, or a peer library's run side by side with it
-(:mod:`lowcomm.peers.torchft`). The compensation interface is
-:class:`lowcomm.compensation.Compensation`.
+:class:`~lowcomm.engine.LowComm`, or another library's run side by side with it (a strategy
+that brings its own engine). :class:`SyncHooks` are the points of a sync where code outside the
+engine may act (a contribution, a commit vote, a replica checksum); a transport factory
+(``LowComm(transports=...)``) makes every transport between workers. The compensation interface
+is :class:`lowcomm.compensation.Compensation`.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from torch.utils.hooks import RemovableHandle
 
 if TYPE_CHECKING:  # annotations only: the engine imports nothing from here at run time
     from .engine.stats import SyncStats
@@ -54,82 +61,85 @@ class SiteMembership(Protocol):
         ...
 
 
-class FaultHooks(Protocol):
-    """The points of a sync where a site may act out a fault on itself (tests and chaos runs:
-    :class:`lowcomm.faults.Harness`). The engine calls these and holds :data:`NO_FAULTS`
-    unless the trainer hands a harness in (``LowComm.faults``); the engine, the aggregators and
-    the protocol import no fault code."""
+@dataclass
+class Contribution:
+    """A worker's contribution to one sync as a contribution hook sees it: past the worker's own
+    finite check, before error compensation and encoding (see :class:`SyncHooks`)."""
 
-    def contribution(
-        self, tensors: list[Any], step: int, compensation: Any, weights: list[Any] | None = None
-    ) -> Any:
-        """Act on the pseudo-gradient about to be encoded at ``step`` (in place; ``weights``:
-        the global copy's tensors, in the same order); returns the compensation to encode it
-        through (``compensation``, or None to skip it)."""
-        ...
-
-    def outgoing(self, payloads: list[Any]) -> None:
-        """Act on a sync's payloads about to be sent (in place)."""
-        ...
-
-    def forged(self, payload: Any, shapes: list[Any], rank: int, agg: Any, key: Any) -> Any:
-        """The gather payload this site sends in place of ``payload`` (``payload`` itself)."""
-        ...
-
-    def gathered(self, shapes: list[Any], rows: list[Any], key: Any) -> None:
-        """What every site sent in a gather exchange of group ``key``."""
-        ...
-
-    def at(self, point: str) -> None:
-        """A named point inside a sync (``collective``) or a heal (``healer``)."""
-        ...
-
-    def vote(
-        self, tag: str, ok: bool, blame: tuple[int, str] | None, members: list[int]
-    ) -> tuple[bool, tuple[int, str] | None]:
-        """The commit vote this site casts on ``tag`` among ``members``: (ok, whom it accuses)."""
-        ...
-
-    def checksum(self, value: int) -> int:
-        """The replica checksum this site reports for its global copy (``value``: the true)."""
-        ...
+    step: int  # the inner step of the sync
+    tensors: list[Any]  # the pseudo-gradient, per tensor: a hook may change them in place
+    weights: list[Any]  # the global copy's tensors, in the same order (read only)
+    compensate: bool = True  # False: sent as it is, past the error compensation and its buffers
 
 
-class NoFaults:
-    """The fault hooks of a run without faults: nothing happens at any point."""
+@dataclass(frozen=True)
+class CommitVote:
+    """What a site says in the commit vote on one attempt of a sync (elastic runs)."""
 
-    def contribution(
-        self, tensors: list[Any], step: int, compensation: Any, weights: list[Any] | None = None
-    ) -> Any:
-        """Nothing to act out: the compensation as it is."""
-        return compensation
+    tag: str  # the sync (``sync@STEP``) or control collective it settles
+    ok: bool  # its collectives completed
+    blame: tuple[int, str] | None  # a member whose payload it could not decode, and why
+    members: tuple[int, ...]  # the attempt's members, as the quorum gave them
 
-    def outgoing(self, payloads: list[Any]) -> None:
-        """Nothing to spoil."""
 
-    def forged(self, payload: Any, shapes: list[Any], rank: int, agg: Any, key: Any) -> Any:
-        """The site's own payload."""
-        return payload
+class SyncHooks:
+    """Where code outside the engine may act on a sync, as torch's module and optimizer hooks
+    do: each ``register_*_hook`` returns a handle whose ``remove()`` takes the hook out again,
+    and hooks run in the order they were registered. Nothing is registered by default.
 
-    def gathered(self, shapes: list[Any], rows: list[Any], key: Any) -> None:
-        """Nothing to keep."""
+    - contribution hooks, ``hook(c: Contribution) -> None``: see or change a worker's
+      pseudo-gradient before it is compensated and encoded (privacy noise, clipping, a test's
+      or a benchmark's bad site);
+    - vote hooks, ``hook(v: CommitVote) -> CommitVote | None``: the vote this site casts on an
+      attempt of a sync (None keeps it);
+    - checksum hooks, ``hook(value: int) -> int | None``: the checksum of its global copy this
+      site reports at a replica check (None keeps it).
+    """
 
-    def at(self, point: str) -> None:
-        """Nothing armed."""
+    def __init__(self) -> None:
+        # OrderedDicts: a handle holds a weak reference to its registry (a dict takes none)
+        self._contribution: OrderedDict[int, Callable[[Contribution], None]] = OrderedDict()
+        self._vote: OrderedDict[int, Callable[[CommitVote], CommitVote | None]] = OrderedDict()
+        self._checksum: OrderedDict[int, Callable[[int], int | None]] = OrderedDict()
 
-    def vote(
-        self, tag: str, ok: bool, blame: tuple[int, str] | None, members: list[int]
-    ) -> tuple[bool, tuple[int, str] | None]:
-        """The vote as it is."""
-        return ok, blame
+    def register_contribution_hook(self, hook: Callable[[Contribution], None]) -> RemovableHandle:
+        """Call ``hook`` on every contribution this worker makes (see the class doc)."""
+        return _registered(self._contribution, hook)
+
+    def register_vote_hook(
+        self, hook: Callable[[CommitVote], CommitVote | None]
+    ) -> RemovableHandle:
+        """Let ``hook`` see, and replace, every commit vote this site casts."""
+        return _registered(self._vote, hook)
+
+    def register_checksum_hook(self, hook: Callable[[int], int | None]) -> RemovableHandle:
+        """Let ``hook`` see, and replace, every replica checksum this site reports."""
+        return _registered(self._checksum, hook)
+
+    def contribution(self, c: Contribution) -> Contribution:
+        """``c`` after every contribution hook."""
+        for hook in list(self._contribution.values()):
+            hook(c)
+        return c
+
+    def vote(self, vote: CommitVote) -> CommitVote:
+        """``vote`` after every vote hook."""
+        for hook in list(self._vote.values()):
+            vote = hook(vote) or vote
+        return vote
 
     def checksum(self, value: int) -> int:
-        """The true checksum."""
+        """``value`` after every checksum hook."""
+        for hook in list(self._checksum.values()):
+            got = hook(value)
+            value = value if got is None else int(got)
         return value
 
 
-#: the hooks every engine holds until a harness is handed in
-NO_FAULTS: FaultHooks = NoFaults()
+def _registered(hooks: OrderedDict[int, Any], hook: Callable[..., Any]) -> RemovableHandle:
+    handle = RemovableHandle(hooks)
+    hooks[handle.id] = hook
+    return handle
 
 
 @runtime_checkable

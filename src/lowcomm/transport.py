@@ -91,6 +91,10 @@ class ByteMeter:
                     setattr(self, k, v)
 
 
+#: makes a transport: called as ``factory(group, meter)`` (see :class:`Transport`)
+TransportFactory = Callable[[Any, "ByteMeter | None"], "Transport"]
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -105,16 +109,17 @@ def device_types(backend: str) -> set[str]:
 
 
 class Transport:
-    """Collectives over one process group, metered; async work on a single ordered comm thread."""
+    """Collectives over one process group, metered; async work on a single ordered comm thread.
+
+    The engine makes every transport between workers through a factory, ``Transport`` itself
+    by default (``LowComm(transports=...)``): a subclass may wrap the collectives, to shape or
+    record what they carry."""
 
     def __init__(
-        self,
-        group: dist.ProcessGroup | None = None,
-        meter: ByteMeter | None = None,
-        delay_s: float = 0.0,
+        self, group: dist.ProcessGroup | None = None, meter: ByteMeter | None = None
     ) -> None:
-        """``delay_s`` adds a sleep before each collective: a test-only slow network, never a
-        default."""
+        """Collectives over ``group`` (None: the default world), counted in ``meter`` (a new
+        one if None)."""
         # a group built from a store (an elastic quorum's) is not in torch's default world
         self._detached = group is not None and not _registered(group)
         if not self._detached and (not dist.is_available() or not dist.is_initialized()):
@@ -132,7 +137,6 @@ class Transport:
         else:
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
-        self.delay_s = delay_s
         self._pool: ThreadPoolExecutor | None = None
         # A backend moves tensors of some device types only (NCCL: CUDA; gloo: CPU here, its
         # CUDA support being partial); a tensor of another type is staged through one it takes
@@ -175,7 +179,6 @@ class Transport:
     # -- collectives (blocking; call from the comm thread for overlap) ------------------------
     def all_reduce(self, t: torch.Tensor, control: bool = False, op: str = "sum") -> torch.Tensor:
         """Reduce ``t`` in place across workers (``op``: sum or max); returns it."""
-        self._maybe_delay()
         m = self.world_size
         n = _nbytes(t)
         buf = self._stage(t)
@@ -188,7 +191,6 @@ class Transport:
 
     def all_gather(self, t: torch.Tensor, control: bool = False) -> list[torch.Tensor]:
         """Every worker's ``t`` (all equal in shape and dtype), in rank order."""
-        self._maybe_delay()
         m = self.world_size
         src = self._stage(t.contiguous())
         out = [torch.empty_like(src) for _ in range(m)]
@@ -202,7 +204,6 @@ class Transport:
 
         All chunks must have one shape and dtype (codecs give equal sizes for equal shapes).
         """
-        self._maybe_delay()
         m = self.world_size
         if len(chunks) != m:
             raise ValueError(f"all_to_all needs {m} chunks, got {len(chunks)}")
@@ -217,7 +218,6 @@ class Transport:
     def all_reduce_async(self, t: torch.Tensor, control: bool = False) -> torch.futures.Future:
         """Start a sum all-reduce of ``t`` in place; returns a Future of ``t``
         (for DDP comm hooks)."""
-        self._maybe_delay()
         m = self.world_size
         n = _nbytes(t)
         work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
@@ -326,9 +326,18 @@ class Transport:
         self.close()
         self.group = None
 
-    def _maybe_delay(self) -> None:
-        if self.delay_s > 0:
-            time.sleep(self.delay_s)
+
+class TransportWrapper:
+    """A transport that hands every call to another one (``inner``) but those a subclass
+    overrides: the way to shape, spoil or record what a run's collectives carry, through the
+    engine's transport factory (``LowComm(transports=lambda group, meter:
+    MyWrapper(Transport(group, meter)))``). An override calls ``self.inner``'s collective."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 # Every transport, so that interpreter exit can let go of their process groups (see

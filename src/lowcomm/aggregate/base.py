@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from ..codecs.base import Codec, PayloadError
-from ..protocols import NO_FAULTS, FaultHooks
 from .combine import Combine, SumCombine, check_sum_only, combine_for
 
 if TYPE_CHECKING:  # the math never calls the transport's module, only the object handed in
@@ -91,7 +90,6 @@ class Aggregator(ABC):
     method: str  # "allreduce", "gather" or "two-phase": for callers that report or branch on it
     sums_only = True  # the exchange can only sum: it runs sum-decomposable rules only
     track = False  # each sender's contribution norm in every result (gather only: Reduced)
-    faults: FaultHooks = NO_FAULTS  # a fault harness's hooks on the gather payload, if any
     # whether senders leave their update's finite check on the device, a payload then flagged
     # NONFINITE where it fails (the engine decides, see engine.wiring); elsewhere that flag is
     # a peer's bad payload, named as such

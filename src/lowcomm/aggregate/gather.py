@@ -69,10 +69,8 @@ class GatherAggregator(Aggregator):
     ) -> Reduced:
         """All-gather the payloads and combine the valid ones by the rule (weighted: see
         :meth:`Aggregator.exchange`)."""
-        # a fault harness's copy or alie attack forges the payload from the last round's
-        payload = self.faults.forged(enc.payload, enc.shapes, transport.rank, self, enc.key)
+        payload = enc.payload
         gathered = self._timed(transport.all_gather, payload)
-        self.faults.gathered(enc.shapes, gathered, enc.key)
         me = transport.rank if enc.keep_unapplied else None
         plan = self.plan(enc.shapes, payload.device)
         if plan is not None and batched.combines(plan, self.rule, weights, me):

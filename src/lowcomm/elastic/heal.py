@@ -68,7 +68,6 @@ def hand_over(
     state: dict[str, Any] | None,
     record: dict[str, Any] | None = None,
     seal: Callable[[bytes], bytes] | None = None,
-    at: Callable[[str], None] = lambda point: None,
 ) -> tuple[Any, Any, int, int]:
     """The run's shared ``state`` to the ``joiners`` (group ranks) only, striped across every
     old member: old member i of k sends the joiners the i-th k-th of its bytes, so each sends
@@ -78,8 +77,7 @@ def hand_over(
     differ, the whole state comes from the healer. A joiner checks the assembled bytes against
     the digest before it loads them, and with ``seal`` (the MAC of some bytes under the run's
     key: see :mod:`.admission`) the healer's MAC of both digests. Returns (state, record: for
-    a joiner unpacked), the state's size in bytes and how many members sent it. ``at``: the
-    engine's fault hook, told when the healer is mid-hand-over (``healer``)."""
+    a joiner unpacked), the state's size in bytes and how many members sent it."""
     old = [r for r in range(transport.world_size) if r not in joiners]
     mine = pack(state) if state is not None else _EMPTY
     rec = pack(record) if transport.rank == healer and record is not None else _EMPTY
@@ -88,8 +86,6 @@ def hand_over(
     if transport.rank == healer:
         meta[_MAC] = _bytes(seal(bytes(meta[8:40].tolist()) + _sha(rec)).ljust(32, b"\0"))
     metas = transport.all_gather(meta, control=True)
-    if transport.rank == healer:
-        at("healer")  # a healer:SITE fault dies here, mid-hand-over
     sources = old if all(torch.equal(metas[r][:40], metas[old[0]][:40]) for r in old) else [healer]
     size, rec_size = (int(x) for x in metas[healer][_SIZES].view(torch.int64).tolist())
     cuts = [size * i // len(sources) for i in range(len(sources) + 1)]

@@ -12,8 +12,8 @@ from datetime import timedelta
 from typing import TypeVar
 
 from ..errors import MembershipError, PayloadError, SiteLeft
-from ..protocols import NO_FAULTS, FaultHooks
-from ..transport import ByteMeter, Transport
+from ..protocols import CommitVote, SyncHooks
+from ..transport import ByteMeter, Transport, TransportFactory
 from . import heal
 from .attempts import LockStep, Outcome, Verdict, policy_for
 from .decide import View, attempt_of, blamed, committed, complete, dissenters, step_of
@@ -37,11 +37,11 @@ class Runner:
         membership: Membership,
         meter: ByteMeter,
         buffer_meter: ByteMeter,
-        delay_s: float,
-        faults: FaultHooks = NO_FAULTS,
+        transports: TransportFactory = Transport,
+        hooks: SyncHooks | None = None,
     ) -> None:
-        self.membership, self.faults = membership, faults
-        self.meter, self.buffer_meter, self.delay_s = meter, buffer_meter, delay_s
+        self.membership, self.hooks = membership, hooks or SyncHooks()
+        self.meter, self.buffer_meter, self.transports = meter, buffer_meter, transports
         # who was in each sync, and each change of members
         self.record = Record(membership.elastic.site, say=membership.position == 0)
         self.settled: tuple[str, View] | None = None  # the last sync that stood, its view
@@ -118,8 +118,10 @@ class Runner:
         """The commit vote on ``outcome``'s attempt, as every member reads it."""
         if not outcome.ok:  # before the vote: peers blocked on this site fail now, not at timeout
             self._drop()
-        # (an insider's harness may lie here: the others must not follow it)
-        ok, blame = self.faults.vote(tag, outcome.ok, outcome.blame, outcome.view.members)
+        # vote hooks may change what this site says (a lie must not lead the others astray)
+        mine = CommitVote(tag, outcome.ok, outcome.blame, tuple(outcome.view.members))
+        said = self.hooks.vote(mine)
+        ok, blame = said.ok, said.blame
         commit = self.membership.quorum(
             tag, ok, phase="commit", ready=tag in self._offers, blame=blame,
             unreached=outcome.unreached,
@@ -189,8 +191,6 @@ class Runner:
             timedelta(seconds=self.deadline(view))
         )
         self._heal_joiners(view, transports[0], tag)
-        if tag.startswith("sync@"):  # a sync of the outer loop: a collective: fault dies in it
-            self.faults.at("collective")  # (and a stall: one stops there)
         t0 = time.perf_counter()
         result = collectives(*transports)
         self._collective_s = time.perf_counter() - t0
@@ -246,9 +246,7 @@ class Runner:
         record = self.record.to_wire()
         joiners = [view.rank_of(s) for s in view.joiners]
         seal = self._heal_seal(view, tag)
-        _, _, size, sources = heal.hand_over(
-            transport, joiners, view.healer, state, record, seal, self.faults.at
-        )
+        _, _, size, sources = heal.hand_over(transport, joiners, view.healer, state, record, seal)
         if not heal.agree(transport, state):
             raise RuntimeError(heal.mismatch(tag))  # this attempt fails; retried without it
         self.record.heal = (time.perf_counter() - t0, size, sources)
@@ -290,8 +288,8 @@ class Runner:
             group = self.membership.group(view, self.membership.generation)
             self._transports = (
                 key,
-                Transport(group, meter=self.meter, delay_s=self.delay_s),
-                Transport(group, meter=self.buffer_meter),
+                self.transports(group, self.meter),
+                self.transports(group, self.buffer_meter),
             )
         return self._transports[1], self._transports[2]
 

@@ -6,18 +6,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
 
 from ..config import ConfigError, SyncConfig
 from ..elastic import Elastic
 from ..elastic.rounds import Rounds
 from ..outer import OuterOptimizer, make_outer
-from ..protocols import NO_FAULTS, FaultHooks
+from ..protocols import CommitVote, Contribution, SyncHooks
 from ..schedule import Schedule
+from ..transport import Transport, TransportFactory
 from .build import check_arguments, resolve_fragments, trainable_params
 from .join import check_healed_at, join_run, rejoin
 from .merge import make_merge
@@ -53,7 +56,12 @@ class LowComm:
         print(sync.stats)
 
     ``config.fragments`` is a count (the blocks are found in the model); explicit lists of
-    module or parameter names go in ``fragment_modules``. ``faults``: a fault harness's hooks.
+    module or parameter names go in ``fragment_modules``.
+
+    Extension points: ``transports`` makes every transport between workers (``Transport``
+    itself by default: a subclass may wrap its collectives), for the fixed world and for each
+    quorum of an elastic run; ``register_contribution_hook``, ``register_vote_hook`` and
+    ``register_checksum_hook`` act on a sync (:class:`~lowcomm.protocols.SyncHooks`).
 
     A worker can be a whole site: give ``mesh``, a 2-D DeviceMesh with a ``"replicate"``
     dimension (one entry per worker) and the model sharded with FSDP2 ``fully_shard`` over the
@@ -72,9 +80,8 @@ class LowComm:
         process_group: dist.ProcessGroup | None = None,
         mesh: Any = None,
         timeout_s: float = 300.0,
-        comm_delay_s: float = 0.0,
         elastic: Elastic | None = None,
-        faults: FaultHooks = NO_FAULTS,
+        transports: TransportFactory = Transport,
         **overrides: Any,
     ) -> None:
         check_arguments(model, inner_optimizer, config, timeout_s, overrides)
@@ -86,15 +93,14 @@ class LowComm:
         self.fragment_names = resolve_fragments(model, self.config, fragment_modules)
         self.schedule = Schedule(self.config.sync_every, len(self.fragment_names), self.config.tau)
         self._merge = make_merge(self.config, self.schedule)
-        self._comm_delay_s, self.faults = comm_delay_s, faults
+        self.transports = transports
+        self.hooks = SyncHooks()
         self._hook: Any = None
         self.step = 0
         self.last_sync_step = -1  # the last step at which anything was sent or applied
         self.stats = SyncStats()
         self.sync_times = SyncTimes()  # always on: a few perf_counter calls per sync
         self.outer: OuterOptimizer = make_outer(self.config)
-        # (what, fragment, time) for sent / completed / applied: lets tests and users see overlap
-        self.events: list[tuple[str, int, float]] = []
         self.state = RunState()
         # built on the joined group at the first start (a group exists only inside the block)
         self._parts: Parts | None = None
@@ -116,6 +122,21 @@ class LowComm:
     compensation = _part("compensation", None, "The error compensation, if any.")
     membership = _part("membership", None, "With elastic=: who is in each sync (a Runner).")
     fragments = _part("fragments", [], "The fragments in schedule order.")
+
+    def register_contribution_hook(self, hook: Callable[[Contribution], None]) -> RemovableHandle:
+        """Call ``hook(c)`` on each contribution this worker makes, before it is compensated
+        and encoded (:class:`~lowcomm.protocols.SyncHooks`); returns a removable handle."""
+        return self.hooks.register_contribution_hook(hook)
+
+    def register_vote_hook(
+        self, hook: Callable[[CommitVote], CommitVote | None]
+    ) -> RemovableHandle:
+        """Let ``hook(vote)`` replace the commit votes this site casts (elastic runs)."""
+        return self.hooks.register_vote_hook(hook)
+
+    def register_checksum_hook(self, hook: Callable[[int], int | None]) -> RemovableHandle:
+        """Let ``hook(value)`` replace the replica checksums this site reports."""
+        return self.hooks.register_checksum_hook(hook)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> LowComm:
@@ -272,8 +293,7 @@ class LowComm:
                     return flags  # every worker has left: stop before exchanging anything
             results = {p: parts.inflight.take(p) for p in due}
             if sends:
-                send(parts, self.schedule, self.sync_times, self.events, self.state, sends, step,
-                     flags, results)  # fmt: skip
+                send(parts, self.schedule, self.sync_times, self.state, sends, step, flags, results)
             parts.apply.results(sends, results, parts.transport.world_size, step)
             self.last_sync_step = step
             if sends:

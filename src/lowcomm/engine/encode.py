@@ -9,7 +9,7 @@ import torch
 
 from ..aggregate import Aggregator, Encoded, encode_compensated
 from ..aggregate.base import Valid
-from ..protocols import FaultHooks
+from ..protocols import Contribution, SyncHooks
 from ..transport import Transport
 from .fragment import Fragment
 from .guards import NonFiniteGuard
@@ -30,11 +30,11 @@ class Encoder:
         compensation: Any,
         guard: NonFiniteGuard,
         rank: int,
-        faults: FaultHooks,
+        hooks: SyncHooks,
         in_flight: int = 1,
     ) -> None:
         self.aggregator, self.compensation = aggregator, compensation
-        self.guard, self.rank, self.faults = guard, rank, faults
+        self.guard, self.rank, self.hooks = guard, rank, hooks
         self.in_flight = in_flight
         self._slabs: dict[int, list[Slabs]] = {}
         self._sends: dict[int, int] = {}
@@ -79,9 +79,11 @@ class Encoder:
             self.guard.leave_out(frag, step)
         compensation = self.compensation
         sends = contributes and not nonfinite
-        if sends:  # a fault harness may act here: past the site's own checks, before encoding
+        if sends:  # contribution hooks act here: past the site's own checks, before encoding
             weights = [frag.global_views[i] for g in frag.buckets for i in g]  # views' order
-            compensation = self.faults.contribution(slabs.views, step, compensation, weights)
+            c = self.hooks.contribution(Contribution(step, slabs.views, weights))
+            if not c.compensate:
+                compensation = None
         encoded = self._buckets(frag, slabs, valid, need_own, compensation)
         own = None
         if need_own:

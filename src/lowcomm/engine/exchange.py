@@ -28,8 +28,6 @@ T = TypeVar("T")
 # from UNSENT on, then P validity flags (see flags_row).
 DONE, STEP, NONFINITE, UNSENT = 0, 1, 2, 3
 
-Events = list[tuple[str, int, float]]  # (sent | completed | applied, fragment, time)
-
 
 @dataclass
 class Event:
@@ -119,7 +117,6 @@ class Exchange:
         buffer_transport: Transport,
         stats: SyncStats,
         times: SyncTimes,
-        events: Events,
         runner: Runner | None = None,
         most_steps: int = 0,
     ) -> None:
@@ -132,7 +129,7 @@ class Exchange:
             transport,
             buffer_transport,
         )
-        self.stats, self.times, self.events = stats, times, events
+        self.stats, self.times = stats, times
         self.runner = runner  # elastic: collectives on the live quorum, settled and retried
         # quorum rounds: contributions weighted by the inner steps they hold (see weights)
         self.weighted = runner is not None and runner.rounds is not None
@@ -211,7 +208,6 @@ class Exchange:
             out = [aggregator.exchange(e, transport, w) for e in parts]
             exchanging += time.perf_counter() - t1
             reduced[p] = self._by_site(out[0] if len(out) == 1 else _joined(out))
-            self.events.append(("completed", p, time.perf_counter()))
         self.stats.peak_bytes_per_sync = max(
             self.stats.peak_bytes_per_sync, transport.meter.sent_bytes - sent0
         )

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import NonFiniteError, ReplicaMismatchError
-from ..protocols import NO_FAULTS, FaultHooks
+from ..protocols import SyncHooks
 from ..transport import Transport
 from .exchange import Event
 from .fragment import Fragment
@@ -106,11 +106,11 @@ class ReplicaCheck:
         on_group: Callable[..., Any],
         stats: SyncStats,
         runner: Any,
-        faults: FaultHooks = NO_FAULTS,
+        hooks: SyncHooks | None = None,
     ) -> None:
         self.transport, self.on_group, self.stats = transport, on_group, stats
         self.runner = runner  # the membership's runner (None in a fixed world)
-        self.faults = faults  # an insider's harness reports a false checksum through this
+        self.hooks = hooks or SyncHooks()  # checksum hooks may change what this site reports
         self._gathered: Future | None = None
 
     def start(self, frags: list[Fragment], tag: str) -> None:
@@ -120,7 +120,7 @@ class ReplicaCheck:
         one element that differs changes it, and it reads the copy once at memory speed (a
         SHA-256 of it cost about 10 memory passes, and a copy to bytes).
         """
-        mine = torch.tensor([self.faults.checksum(global_checksum(frags)) - 2**63])
+        mine = torch.tensor([self.hooks.checksum(global_checksum(frags)) - 2**63])
 
         def gather(t: Transport, _: Any) -> tuple[torch.Tensor, Any]:
             # the view of the attempt that gathered them: whose hash is whose

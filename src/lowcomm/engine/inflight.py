@@ -5,7 +5,6 @@ lands before its fragment is sent again)."""
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ import torch
 from ..aggregate import Reduced
 from ..errors import SiteLeft
 from ..transport import Transport
-from .exchange import UNSENT, Event, Events
+from .exchange import UNSENT, Event
 from .state import RunState, StatePart
 
 Result = tuple[Reduced, "torch.Tensor | None", Event]  # (average, own send decoded, its event)
@@ -35,8 +34,8 @@ class Pending:
 class InFlight:
     """The pending table: submit an exchange, find what is due, take or drain results."""
 
-    def __init__(self, transport: Transport, events: Events, state: RunState) -> None:
-        self.transport, self.events = transport, events
+    def __init__(self, transport: Transport, state: RunState) -> None:
+        self.transport = transport
         self.pending: dict[int, Pending] = {}
         # shared: the averages in flight are the same on every site (each one's own send
         # is not, and a joiner has none: see ``shared``)
@@ -77,7 +76,6 @@ class InFlight:
         """Wait for fragment ``p``'s result and remove it from the table."""
         pend = self.pending.pop(p)
         event = self.transport.wait(pend.future)
-        self.events.append(("applied", p, time.perf_counter()))
         return event.reduced[p], pend.own, event
 
     def save(self) -> dict[str, Any]:

@@ -4,7 +4,6 @@ steps, and average the buffers: the consolidated model that leaving publishes.""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +14,7 @@ from torch import Tensor
 from .. import _buffers
 from ..outer import OuterOptimizer
 from ..transport import Transport
-from .exchange import DONE, Events, Exchange, unsent_of
+from .exchange import DONE, Exchange, unsent_of
 from .fragment import Fragment
 from .inflight import InFlight
 from .placement import Placement
@@ -34,12 +33,11 @@ class Leave:
         exchange: Exchange,
         inflight: InFlight,
         outer: OuterOptimizer,
-        events: Events,
         consumed: int,
     ) -> None:
         self.model, self.frags, self.placement = model, frags, placement
         self.transport, self.exchange, self.inflight = transport, exchange, inflight
-        self.outer, self.events = outer, events
+        self.outer = outer
         # inner steps after a send that its result's merge consumes: tau under replace or the
         # alpha-mix (the steps in flight), 0 under continue (sent with the next send)
         self.consumed = consumed
@@ -89,7 +87,6 @@ class Leave:
         for p in todo:
             # its result is applied here, not by Apply: the finite check is read first
             encoded[p], _, _ = encode(self.frags[p], step, False)
-            self.events.append(("sent", p, time.perf_counter()))
         flags = self.exchange.flags(step, done=True).unsqueeze(0)  # everyone is here: no gather
         job = self.exchange.job(encoded, None, flags, f"final@{step}", with_buffers=False)
         event = self.transport.blocking(job)
@@ -101,7 +98,6 @@ class Leave:
                     self.outer.step(
                         frag.key, frag.global_flat, reduced.mean.to(frag.global_flat.device)
                     )
-                self.events.append(("applied", p, time.perf_counter()))
 
     def sync_buffers(self, step: int) -> None:
         """Floating buffers averaged (or rank 0's), integer ones and frozen weights rank 0's."""

@@ -122,14 +122,15 @@ class Placement:
             self.inner = Transport(inner)
         return outer
 
-    def runner(self, aggregator: Any, transport: Transport, buffers: Transport, faults: Any) -> Any:
-        """With membership, what runs each sync on the live quorum (None without); ``faults``:
-        the engine's fault hooks, which it calls inside a sync and a heal."""
+    def runner(self, transport: Transport, buffers: Transport, transports: Any, hooks: Any) -> Any:
+        """With membership, what runs each sync on the live quorum (None without); its
+        quorums' transports come from ``transports`` (the engine's factory), and ``hooks``
+        (the engine's :class:`~lowcomm.protocols.SyncHooks`) may change its commit votes."""
         if self.membership is None:
             return None
         from ..elastic import Runner
 
-        runner = Runner(self.membership, transport.meter, buffers.meter, transport.delay_s, faults)
+        runner = Runner(self.membership, transport.meter, buffers.meter, transports, hooks)
         runner.record.members = list(self.start_members)  # a site lost before the first sync counts
         if runner.rounds is not None:  # whom to tell of its arrivals at the first sync
             runner.rounds.expect(self.start_view, "start")

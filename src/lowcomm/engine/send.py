@@ -3,7 +3,6 @@ exchange, and offer the run's shared state to a site waiting to join at that syn
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,7 +22,6 @@ def send(
     parts: Parts,
     schedule: Schedule,
     times: SyncTimes,
-    events: list[tuple[str, int, float]],
     state: RunState,
     sends: list[int],
     step: int,
@@ -47,7 +45,6 @@ def send(
             nonfinite |= bad
             deferred = any(e.ok is not None for e in encoded[p])
             sent[p] = -1 if deferred else int(had and not bad)
-    parts.faults.outgoing([e.payload for p in sends for e in encoded[p]])  # corrupt:, if any
     mine = None
     if flags is None:
         mine = parts.exchange.flags(step, False, nonfinite, covered, sent)
@@ -61,8 +58,6 @@ def send(
         parts.inflight.submit(job, step, schedule.apply_step(step), owns)
         if healing:  # the heal reads the state on the comm thread: it must hold still
             parts.transport.wait(parts.inflight.pending[sends[0]].future)
-    for p in sends:
-        events.append(("sent", p, time.perf_counter()))
 
 
 def counted(

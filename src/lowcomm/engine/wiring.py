@@ -36,8 +36,9 @@ if TYPE_CHECKING:
     from ..compensation import ErrorFeedback, MovingAverageCompensation
     from ..elastic import Runner
     from ..outer import OuterOptimizer
-    from ..protocols import FaultHooks
+    from ..protocols import SyncHooks
     from ..schedule import Schedule
+    from ..transport import TransportFactory
     from .merge import Merge
     from .placement import Placement
     from .state import RunState
@@ -57,12 +58,11 @@ class Built(Protocol):
     state: RunState
     stats: SyncStats
     sync_times: SyncTimes
-    events: list[tuple[str, int, float]]
     _placement: Placement
     _by_name: dict[str, torch.Tensor]
     _merge: Merge
-    _comm_delay_s: float
-    faults: FaultHooks
+    transports: TransportFactory
+    hooks: SyncHooks
 
     def fingerprint(self) -> str:
         """What every site of the run must share, hashed."""
@@ -88,7 +88,6 @@ class Parts:
     replica: ReplicaCheck  # the periodic check that every worker holds the same global copy
     apply: Apply  # outer step and merge of a result
     leave: Leave  # the exit path of the with block
-    faults: FaultHooks  # what a fault harness does inside a sync (nothing by default)
 
 
 def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None]:
@@ -101,12 +100,11 @@ def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None
     cfg, placement, state = engine.config, engine._placement, engine.state
     group = placement.join(engine.fingerprint())
     admission = placement.admission
-    transport = Transport(group, delay_s=engine._comm_delay_s)
-    buffer_transport = Transport(group)  # its own meter: buffer bytes apart
+    transport = engine.transports(group, None)
+    buffer_transport = engine.transports(group, None)  # its own meter: buffer bytes apart
     # the codec and reduce chosen for the run's starting size, the same on a joiner
     size = placement.elastic.sites if placement.elastic is not None else transport.world_size
     aggregator = make_aggregator(cfg, size)
-    aggregator.faults = engine.faults
     compensation = make_compensation(cfg, _compensation_device(cfg))
     frags = build_fragments(
         engine.fragment_names,
@@ -119,11 +117,11 @@ def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None
     register_fragment_state(state, frags)
     register_optimizer_state(state, engine.outer, compensation, aggregator, transport)
     state.register("step", step)
-    inflight = InFlight(transport, engine.events, state)
+    inflight = InFlight(transport, state)
     nonfinite = NonFiniteGuard(cfg.nonfinite_patience, engine.stats, state, transport.rank)
     register_counters(state, engine.stats, transport.meter)
     local = LocalWeights(engine.model, frags, placement, state)
-    runner = placement.runner(aggregator, transport, buffer_transport, engine.faults)
+    runner = placement.runner(transport, buffer_transport, engine.transports, engine.hooks)
     encoder = _encoder(engine, aggregator, compensation, nonfinite, transport.rank, runner)
     exchange = Exchange(
         engine.model,
@@ -134,11 +132,10 @@ def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None
         buffer_transport=buffer_transport,
         stats=engine.stats,
         times=engine.sync_times,
-        events=engine.events,
         runner=runner,
         most_steps=2 * engine.schedule.sync_every,
     )
-    replica = ReplicaCheck(transport, exchange.on_group, engine.stats, runner, engine.faults)
+    replica = ReplicaCheck(transport, exchange.on_group, engine.stats, runner, engine.hooks)
     apply = _apply(engine, frags, inflight, nonfinite, compensation, runner)
     # offenders are told apart by their contributions' norms: a robust rule's gather gives them
     aggregator.track = cfg.offender_syncs > 0 and not aggregator.rule.sum_decomposable
@@ -158,7 +155,6 @@ def wire(engine: Built, step: StatePart) -> tuple[Parts, tuple[View, str] | None
         replica=replica,
         apply=apply,
         leave=leave,
-        faults=engine.faults,
     )
     return parts, admission
 
@@ -178,7 +174,7 @@ def _encoder(
     round_overlap = engine.schedule.is_round_overlap()
     aggregator.deferred_checks = runner is None and not round_overlap
     in_flight = 2 if round_overlap else 1
-    return Encoder(aggregator, compensation, nonfinite, rank, engine.faults, in_flight=in_flight)
+    return Encoder(aggregator, compensation, nonfinite, rank, engine.hooks, in_flight=in_flight)
 
 
 def _apply(
@@ -224,7 +220,6 @@ def _leave(
         exchange=exchange,
         inflight=inflight,
         outer=engine.outer,
-        events=engine.events,
         consumed=0 if engine._merge.needs_snapshot else engine.schedule.overlap,
     )
 

@@ -64,11 +64,13 @@ default).
   member's payload as undecodable. None of them may stop the run: the others exclude it;
 - ``slow:1x3``   site 1 computes 3x slower (from step 1, or ``slow:1@40x3`` from step 40): after
   each inner step it sleeps twice that step's compute time. Sleeping frees the CPU, so on a
-  machine with fewer cores than sites the others do not slow down with it.
+  machine with fewer cores than sites the others do not slow down with it;
+- ``slowlink:1x0.2`` site 1's link is slow (from step 1, or ``@STEP``): each collective of its
+  training traffic waits 0.2 s before it starts, as a link of long latency would (shaped links
+  of a given rate, with ``tc``, are ``site_link=``).
 
 A fault acts on the real process, so the rest of the run meets it exactly as it would meet one
-from outside. The kind of later work (``slowlink``) is named here so that a run asking for it
-is refused with one line instead of ignoring it.
+from outside.
 """
 
 from __future__ import annotations
@@ -98,10 +100,10 @@ KINDS = (
     "stall",
     "lighthouse",
     "link",
+    "slowlink",
     *ATTACKS,
     *INSIDERS,
 )
-LATER = ("slowlink",)
 _FAULT = re.compile(r"^(?P<kind>[a-z]+):(?P<site>\d+)(@(?P<step>\d+))?(x(?P<factor>[0-9.]+))?$")
 
 
@@ -130,8 +132,6 @@ def parse_faults(text: str, sites: int, steps: int) -> list[Fault]:
                 f"--faults: cannot read {item!r}: write KIND:SITE[@STEP][xFACTOR], e.g. kill:2@35"
             )
         kind, site = m["kind"], int(m["site"])
-        if kind in LATER:
-            raise ConfigError(f"--faults: {kind} is not supported yet: use {' or '.join(KINDS)}")
         if kind not in KINDS:
             raise ConfigError(
                 f"--faults: unknown kind {kind!r} in {item!r}: use {', '.join(KINDS)}"
@@ -160,16 +160,17 @@ def _checked(
 ) -> Fault:
     """One fault whose step and factor suit its kind (``slow`` takes a factor > 1, ``pause``
     and ``lighthouse`` a number of seconds)."""
-    if step is None and (kind == "slow" or kind in ATTACKS or kind in INSIDERS):
+    if step is None and (kind in ("slow", "slowlink") or kind in ATTACKS or kind in INSIDERS):
         step = "1"
     if step is None or not 1 <= int(step) <= steps:
         raise ConfigError(f"--faults: {item!r} needs @STEP with 1 <= STEP <= {steps}")
-    if kind in ("pause", "lighthouse", "link"):
+    if kind in ("pause", "lighthouse", "link", "slowlink"):
         if factor is None or float(factor) <= 0:
             what = {
                 "pause": "it is stopped",
                 "lighthouse": "the lighthouse is away",
                 "link": "its data plane is cut",
+                "slowlink": "each of its collectives waits",
             }[kind]
             raise ConfigError(f"--faults: {item!r} needs xSECONDS > 0 (how long {what})")
         return Fault(kind, site, int(step), float(factor))

@@ -371,7 +371,7 @@ class PeerMembership:
     ) -> None:
         from ..elastic import Membership, Runner
 
-        self._control = Runner(Membership(elastic), meter, meter, 0.0)
+        self._control = Runner(Membership(elastic), meter, meter)
         self.events: list[dict] = []
         self._step, self._every = step, every
         self._members: list[int] | None = None  # torchft's members at the last commit

@@ -21,11 +21,10 @@ from typing import Any
 
 import torch
 
-from ..faults import pace
 from ..faults.harness import Harness
-from ..protocols import NO_FAULTS
 from ..provenance import git_rev
 from ..transport import Transport, ring_all_reduce_bytes, shutdown
+from .callbacks import Callbacks
 from .log import RunLog
 from .model import count_params
 from .resume import load_state, restore, save_checkpoint
@@ -64,8 +63,9 @@ def run_worker(spec: RunSpec, role: ElasticSite | None = None) -> dict[str, Any]
         _write_workers_json(run)  # an elastic run's launcher keeps it
     site = run.place.site
     faults = place.planned(cfg.faults, site.replicas, cfg.steps)
-    harness = Harness(faults, site.replica, spec.out)  # a site acts its own faults out
-    wrap_for_strategy(run, harness if faults else NO_FAULTS)  # ... inside its syncs too
+    if faults:  # a site acts its own faults out
+        run.callbacks = Callbacks([Harness(faults, site.replica, spec.out)])
+    wrap_for_strategy(run)
     saved = load_state(run, spec.resume) if spec.resume is not None else None
     if saved is not None:
         run.progress.start_step = int(saved["step"]) + 1
@@ -90,7 +90,7 @@ def run_worker(spec: RunSpec, role: ElasticSite | None = None) -> dict[str, Any]
             if healed:
                 _joined(run)
                 after_step(run, run.progress.start_step - 1, log)  # the others' collectives
-            _train_loop(run, harness, log, fresh=saved is None and not healed)
+            _train_loop(run, log, fresh=saved is None and not healed)
             finish(run)
         summary = summarize(run, log)
     finally:
@@ -99,11 +99,10 @@ def run_worker(spec: RunSpec, role: ElasticSite | None = None) -> dict[str, Any]
     return summary.to_dict() if summary is not None else None
 
 
-def _train_loop(run: Run, harness: Harness, log: RunLog, fresh: bool) -> None:
-    """Every inner step from the start step to the last, with the faults a test planned (the
-    site's harness acts before each step; the engine holds it for what it does inside a sync);
-    ``fresh``: neither resumed nor healed (a starting elastic site begins its sync record
-    afresh)."""
+def _train_loop(run: Run, log: RunLog, fresh: bool) -> None:
+    """Every inner step from the start step to the last, the run's callbacks told before and
+    after each; ``fresh``: neither resumed nor healed (a starting elastic site begins its sync
+    record afresh)."""
     role, replica, steps = run.place.role, run.place.site.replica, run.spec.train.steps
     step = run.progress.start_step
     log.begin()
@@ -111,12 +110,12 @@ def _train_loop(run: Run, harness: Harness, log: RunLog, fresh: bool) -> None:
     if role.elastic and not run.spec.strategy.peer:  # a peer's engine has no global copy
         synclog = SyncLog(run.spec.out, replica, run.comm.engine, fresh, run.place.site.part)
     while step <= steps:
-        harness.act(step)
+        run.callbacks.on_step_begin(step)
         started, synced = time.perf_counter(), _sync_s(run)
         train_step(run)
-        # a slow: fault stretches the step's compute, not the sync inside it
+        # the step's compute, not the sync inside it
         took = time.perf_counter() - started - (_sync_s(run) - synced)
-        pace(harness.faults, replica, step, took)
+        run.callbacks.on_step_end(step, took)
         step = _follow(run, step, log)
         if synclog is not None:
             synclog.after_step(step)

@@ -27,10 +27,11 @@ from ..engine import LowComm
 from ..engine.state import RunState, StatePart
 from ..loco import GradReduceState, LoCoState, TorchHookState, allreduce_hook, loco_hook, torch_hook
 from ..peers import torchft
-from ..protocols import NO_FAULTS, FaultHooks, SyncEngine
+from ..protocols import SyncEngine
 from ..transport import ByteMeter, Transport
 from . import checkpoint as ckpt
 from .build import build_model
+from .callbacks import Callbacks
 from .data import Batches, load_corpus, val_batches
 from .site_role import FIXED_WORLD, ElasticSite, QuorumControl, Role
 from .sites import Site, build_mesh, shard_model, site_of
@@ -259,6 +260,8 @@ class Run:
     state: RunState = field(default_factory=RunState)
     """What a checkpoint holds and a resume loads, registered by the parts that own it
     (:func:`register_state`, once the strategy is attached)."""
+    callbacks: Callbacks = field(default_factory=Callbacks)
+    """Parts that act around the inner steps and on the engine (none by default)."""
 
     @property
     def membership(self) -> Any:
@@ -388,20 +391,11 @@ def _shard_for_site(
     return between if hsdp else None
 
 
-def comm_delay_for_tests() -> float:
-    """Seconds to sleep before each training collective: a slow network for tests, never a default.
-
-    Set by the environment (``LOWCOMM_TEST_COMM_DELAY_S``), not the run's config, so no user
-    setting can slow a real run down.
-    """
-    return float(os.environ.get("LOWCOMM_TEST_COMM_DELAY_S", "0"))
-
-
-def wrap_for_strategy(run: Run, faults: FaultHooks = NO_FAULTS) -> None:
-    """Give the run its communication: DDP and a metered hook, or the engine (or a peer);
-    ``faults``: the site's fault harness, which our engine calls inside a sync."""
+def wrap_for_strategy(run: Run) -> None:
+    """Give the run its communication: DDP and a metered hook, or the engine (or a peer), its
+    transports between workers made by the run's callbacks' factory."""
     if not run.spec.strategy.per_step:
-        _attach_engine(run, faults)
+        _attach_engine(run)
     else:
         _attach_ddp(run)
     register_state(run)
@@ -413,8 +407,8 @@ def _attach_ddp(run: Run) -> None:
     if place.site.sharded and run.spec.train.inner_parallel == "fsdp":
         run.learner.train_model = model  # HSDP: FSDP2 reduces inside a worker, all-reduces between
         return
-    grad_transport = Transport(
-        dist.new_group(backend=dist.get_backend()), delay_s=comm_delay_for_tests()
+    grad_transport = run.callbacks.transports(Transport)(
+        dist.new_group(backend=dist.get_backend()), None
     )
     # our own metered broadcast of the initial weights (DDP's would go uncounted)
     with torch.no_grad():
@@ -445,7 +439,7 @@ def register_state(run: Run) -> None:
     state.register("rng", StatePart(ckpt.rng_state, ckpt.set_rng_state))
 
 
-def _attach_engine(run: Run, faults: FaultHooks) -> None:
+def _attach_engine(run: Run) -> None:
     """An outer-loop strategy: our engine around the model (or a peer library's)."""
     spec, role = run.spec, run.place.role
     run.learner.train_model = run.learner.model
@@ -466,10 +460,10 @@ def _attach_engine(run: Run, faults: FaultHooks) -> None:
             spec.sync,
             mesh=run.place.site.mesh,
             timeout_s=spec.train.timeout_s,
-            comm_delay_s=comm_delay_for_tests(),
             elastic=_elastic(run),
-            faults=faults,
+            transports=run.callbacks.transports(Transport),
         )
+        run.callbacks.on_engine(run.comm.engine)
     if role.elastic:
         run.comm.control = QuorumControl(run.comm.engine)
 
