@@ -146,13 +146,12 @@ def test_the_secret_comes_from_a_file_or_the_environment_and_bad_ones_say_so(tmp
 
 
 def test_train_refuses_a_secret_file_without_elastic_and_an_unreadable_one(tmp_path):
-    from lowcomm.config import TrainConfig
-    from lowcomm.config.checks import validate_train
+    from lowcomm.config import MembershipConfig
 
     with pytest.raises(ConfigError, match="add elastic=true"):
-        validate_train(TrainConfig(secret_file=str(tmp_path / "s")))
+        MembershipConfig(secret_file=str(tmp_path / "s"))
     with pytest.raises(ConfigError, match="cannot read it"):
-        validate_train(TrainConfig(elastic=True, secret_file=str(tmp_path / "missing")))
+        MembershipConfig(elastic=True, secret_file=str(tmp_path / "missing"))
 
 
 # -- real processes -------------------------------------------------------------------------------

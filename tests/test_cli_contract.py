@@ -100,12 +100,13 @@ def _saved_run(out: Path, strategy: str, **values) -> None:
     """A run folder with one complete checkpoint whose meta records the run's settings."""
     import dataclasses
 
-    sync_cfg, train_cfg = build_configs({"model": "tiny", **values}, sync=preset_config(strategy))
+    configs = build_configs({"model": "tiny", **values}, sync=preset_config(strategy))
     run = {
         "strategy": strategy,
         "name": None,
-        "sync": dataclasses.asdict(sync_cfg),
-        "train": dataclasses.asdict(train_cfg),
+        "sync": dataclasses.asdict(configs.sync),
+        "train": dataclasses.asdict(configs.train),
+        "membership": dataclasses.asdict(configs.membership),
     }
     d = ckpt.checkpoint_dir(out, 8)
     shas = [ckpt.save_rank_state(d, r, {"step": 8}) for r in range(2)]

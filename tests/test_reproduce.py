@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shlex
 import subprocess
@@ -20,8 +19,7 @@ TINY = ["model=tiny", "batch_size=4", "seq_len=32", "eval_batches=2"]
 
 def _summary(strategy: str, values: dict, workers: int = 2, **fields) -> RunSummary:
     """A summary whose config is built the way the trainer builds it."""
-    sync, train = build_configs(values, sync=preset_config(strategy, workers=workers))
-    config = {**dataclasses.asdict(train), **dataclasses.asdict(sync)}
+    config = build_configs(values, sync=preset_config(strategy, workers=workers)).flat()
     return RunSummary(strategy=strategy, name="row", workers=workers, config=config, **fields)
 
 
@@ -44,8 +42,7 @@ def test_command_reads_back_to_the_same_configuration(strategy, values):
     keys = dict(a.split("=", 1) for a in argv if "=" in a and not a.startswith("-"))
     # every setting is spelled out, not only the ones the user gave
     assert {"sync_every", "outer_lr", "inner_lr", "seed", "codec", "loco_beta"} <= set(keys)
-    sync, train = build_configs(keys, sync=preset_config(strategy, workers=3))
-    assert {**dataclasses.asdict(train), **dataclasses.asdict(sync)} == s.config
+    assert build_configs(keys, sync=preset_config(strategy, workers=3)).flat() == s.config
 
 
 def test_a_shaped_row_is_rerun_by_compare_behind_the_same_link():

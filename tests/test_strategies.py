@@ -170,7 +170,7 @@ def test_fragments_count_replaces_the_presets_blocks():
 
 
 def test_refusals_live_on_the_method():
-    from lowcomm.config import TrainConfig
+    from lowcomm.config import MembershipConfig, TrainConfig
 
     two_ranks = TrainConfig(ranks_per_worker=2, batch_size=8)
     strategies.get("diloco").check_sites(two_ranks)
@@ -181,7 +181,7 @@ def test_refusals_live_on_the_method():
     with pytest.raises(ConfigError, match="ddp_hook=powersgd does not run inside"):
         strategies.get("ddp").check_sites(TrainConfig(ranks_per_worker=2, batch_size=8,
                                                       ddp_hook="powersgd"))  # fmt: skip
-    elastic = TrainConfig(elastic=True)
+    elastic = MembershipConfig(elastic=True)
     with pytest.raises(ConfigError, match="use diloco, streaming, sparseloco or co2"):
         strategies.get("loco").check_elastic(elastic, rejoin=False)
     with pytest.raises(ConfigError, match="a site joins lowcomm's own methods only"):

@@ -42,8 +42,8 @@ def test_torchft_diloco_equals_our_diloco(tmp_path) -> None:
     )
     out = {}
     for strategy in ("diloco", "torchft-diloco"):
-        sync_cfg, train_cfg = build_configs(common, sync=preset_config(strategy))
-        out[strategy] = launch(RunSpec.of(strategy, sync_cfg, train_cfg, tmp_path / strategy), 2)
+        configs = build_configs(common, sync=preset_config(strategy))
+        out[strategy] = launch(RunSpec.of(strategy, configs, tmp_path / strategy), 2)
     ours, theirs = out["diloco"], out["torchft-diloco"]
     assert theirs["syncs"] == ours["syncs"] == 3
     # ours carries one extra FP32 element per sync (the all-present flag), ring cost 1x at M = 2
@@ -56,8 +56,8 @@ def _run_both(tmp_path, strategies: tuple[str, str], **settings) -> list[dict]:
     common = dict(model="tiny", eval_every=12, timeout_s=60, progress=False, **settings)
     out = []
     for strategy in strategies:
-        sync_cfg, train_cfg = build_configs(common, sync=preset_config(strategy))
-        out.append(launch(RunSpec.of(strategy, sync_cfg, train_cfg, tmp_path / strategy), 2))
+        configs = build_configs(common, sync=preset_config(strategy))
+        out.append(launch(RunSpec.of(strategy, configs, tmp_path / strategy), 2))
     return out
 
 

@@ -176,20 +176,20 @@ def test_a_vote_that_missed_a_members_is_no_evidence_the_error_is_real_but_is_bo
 
 
 def _spec(out, **train):
-    from lowcomm.config import SyncConfig, TrainConfig, build_configs
+    from lowcomm.config import SyncConfig, build_configs
     from lowcomm.train.spec import RunSpec
 
     values = {"elastic": True, "sites": 3, "site": 0, "lighthouse": "h:1", **train}
-    sync, cfg = build_configs(values, sync=SyncConfig(), train=TrainConfig())
-    return RunSpec.of("diloco", sync, cfg, out)
+    return RunSpec.of("diloco", build_configs(values, sync=SyncConfig()), out)
 
 
 def test_a_run_id_names_the_sites_at_the_lighthouse_and_keys_the_mac():
     from lowcomm.elastic.admission import Admission
     from lowcomm.elastic.messages import Request, replica_name
     from lowcomm.train.site_role import ElasticSite
+    from lowcomm.train.spec import site_membership
 
-    elastic = _spec("/tmp/x", run_id="r1").elastic.for_site(ElasticSite(0, 3, "h:1"))
+    elastic = site_membership(_spec("/tmp/x", run_id="r1"), ElasticSite(0, 3, "h:1"))
     assert elastic.run_id == "r1" and elastic.replica_id == replica_name("r1", 0) == "r1/site0000"
     # a request sealed in one run means nothing in another run under the same secret
     sealed = Admission(1, "r1", b"s").seal({"site": 1, "tag": "sync@10", "phase": "sync",
@@ -208,10 +208,10 @@ def test_sites_launched_alone_derive_one_run_id_and_keep_it_in_their_folders(tmp
     assert derived_run_id(a) == derived_run_id(b)  # what differs per site does not count
     assert derived_run_id(_spec(tmp_path, steps=7)) == derived_run_id(a)  # may differ anyway
     assert derived_run_id(_spec(tmp_path, model="tiny")) != derived_run_id(a)
-    assert _with_run_id(a, back=False).train.run_id == derived_run_id(a)
+    assert _with_run_id(a, back=False).membership.run_id == derived_run_id(a)
     assert (tmp_path / "a" / "run_id").read_text().strip() == derived_run_id(a)
     (tmp_path / "a" / "run_id").write_text("named\n")  # a run started with run_id=named
-    assert _with_run_id(a, back=True).train.run_id == "named"  # its comeback keeps it
+    assert _with_run_id(a, back=True).membership.run_id == "named"  # its comeback keeps it
     with pytest.raises(ConfigError, match="run_id=other, but the unfinished run .* is run named"):
         _with_run_id(_spec(tmp_path / "a", run_id="other"), back=True)
     with pytest.raises(ConfigError, match="use 1 to 64 letters"):

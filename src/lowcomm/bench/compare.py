@@ -104,17 +104,18 @@ def run_compare(
     for bw in bandwidths or [None]:
         net = _open_network(bw, topology, workers)
         try:
-            for e, seed, values, sync_cfg, train_cfg in plans:
+            for e, seed, values, configs in plans:
                 name = (
                     e.name + (f"-{bw}" if bw else "") + (f"-seed{seed}" if len(seeds) > 1 else "")
                 )
                 print(
-                    f"[compare] {name}: {e.strategy}, {workers} workers, {train_cfg.steps} steps",
+                    f"[compare] {name}: {e.strategy}, {workers} workers, "
+                    f"{configs.train.steps} steps",
                     flush=True,
                 )
                 try:
                     if net is None:
-                        spec = RunSpec.of(e.strategy, sync_cfg, train_cfg, out_dir / name, name)
+                        spec = RunSpec.of(e.strategy, configs, out_dir / name, name)
                         raw = launch(spec, workers, port)
                     else:
                         raw = launch_shaped(net, e.strategy, values, out_dir / name, name)
@@ -156,15 +157,15 @@ def run_compare(
 def _plan(
     entries: list[Entry], common: dict[str, Any], seeds: list[int], workers: int
 ) -> list[tuple]:
-    """(entry, seed, values, sync config, train config) of every run, each config validated."""
+    """(entry, seed, values, settings tree) of every run, each config validated."""
     plans = []
     for seed in seeds:
         for e in entries:
             values = {**common, **e.overrides, "seed": seed}
             strategy = strategies.get(e.strategy)
-            sync_cfg, train_cfg = build_configs(values, sync=strategy.config(workers))
-            strategy.check(sync_cfg, train_cfg, None)
-            plans.append((e, seed, values, sync_cfg, train_cfg))
+            configs = build_configs(values, sync=strategy.config(workers))
+            strategy.check(configs.sync, configs.train, None)
+            plans.append((e, seed, values, configs))
     return plans
 
 

@@ -46,7 +46,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     except ValueError:
         raise ConfigError(f"--seeds must be comma-separated integers, got {args.seeds!r}") from None
     values = _values(args)
-    sync_cfg, train_cfg = build_configs(values)  # validate the common keys early
+    train_cfg = build_configs(values).train  # validate the common keys early
     _check_model(train_cfg.model)
     _check_data(train_cfg.data)
     out = _check_out_dir(args.out)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -48,18 +47,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     args.workers = 2 if args.workers_given is None else args.workers_given
     if args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
-    sync_cfg, train_cfg = build_configs(_values(args), sync=strategy.config(args.workers))
-    _check_model(train_cfg.model)
-    _check_data(train_cfg.data)
-    if train_cfg.site >= 0 and args.workers_given is not None:
+    configs = build_configs(_values(args), sync=strategy.config(args.workers))
+    _check_model(configs.train.model)
+    _check_data(configs.train.data)
+    site = configs.membership.site
+    if site >= 0 and args.workers_given is not None:
         raise ConfigError("site= runs one site here: drop --workers (sites=S is the run's count)")
-    if train_cfg.site >= 0 and not args.overwrite:
+    if site >= 0 and not args.overwrite:
         old = _site_folder(args.out)
     else:
         old = _existing_run(args.out, args.overwrite)
     out = _check_out_dir(args.out)
     # the old run goes only once the new one's settings, model and data have passed their checks
-    spec = RunSpec.of(strategy, sync_cfg, train_cfg, out)
+    spec = RunSpec.of(strategy, configs, out)
     summary = launch(spec, args.workers, args.port, on_checked=lambda: _remove(old))
     _print_summary(summary, out)
     return 0
@@ -112,9 +112,9 @@ RESUME_MAY_CHANGE = frozenset(
 
 def _resume(args: argparse.Namespace) -> int:
     """`lowcomm train --resume DIR`: continue the newest complete checkpoint of DIR."""
-    from ..config import SAVED_BEFORE, SyncConfig, TrainConfig, config_fields
+    from ..config import SAVED_BEFORE, SyncConfig, config_fields
     from ..train.launch import find_resume, launch
-    from ..train.spec import RunSpec
+    from ..train.spec import RunSpec, saved_values
 
     last, meta = find_resume(args.resume)
     run = meta["run"]
@@ -124,12 +124,12 @@ def _resume(args: argparse.Namespace) -> int:
             f"{run['strategy']}, not {args.strategy}; drop --strategy to continue "
             f"it, or start a new run with another --out"
         )
-    known = config_fields()
-    saved = {**SAVED_BEFORE, **run["sync"], **run["train"]}
-    saved = {k: v for k, v in saved.items() if k in known}
     given = _values(args)
-    sync_cfg, train_cfg = build_configs({**saved, **given}, sync=SyncConfig(), train=TrainConfig())
-    now = {**dataclasses.asdict(sync_cfg), **dataclasses.asdict(train_cfg)}
+    known = config_fields()  # the plugins' keys too, where the saved run has any
+    saved = {**SAVED_BEFORE, **saved_values(run)}
+    saved = {k: v for k, v in saved.items() if k in known}
+    configs = build_configs({**saved, **given}, sync=SyncConfig())
+    now = configs.flat()
     changed = sorted(k for k in given if k in saved and now[k] != saved[k])
     conflicts = [k for k in changed if k not in RESUME_MAY_CHANGE]
     if conflicts:
@@ -146,11 +146,12 @@ def _resume(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     # meta counts ranks; a worker may hold several (ranks_per_worker)
-    saved_workers = meta.get("sites") or meta["world_size"] // train_cfg.ranks_per_worker
+    ranks = configs.train.ranks_per_worker
+    saved_workers = meta.get("sites") or meta["world_size"] // ranks
     workers = args.workers_given if args.workers_given is not None else saved_workers
-    if train_cfg.ranks_per_worker > 1 and workers != saved_workers:
+    if ranks > 1 and workers != saved_workers:
         raise ConfigError(
-            f"--resume {args.resume}: a run with ranks_per_worker={train_cfg.ranks_per_worker} "
+            f"--resume {args.resume}: a run with ranks_per_worker={ranks} "
             f"resumes on its {saved_workers} workers, not {workers}: drop --workers"
         )
     print(
@@ -160,7 +161,7 @@ def _resume(args: argparse.Namespace) -> int:
     out = Path(args.resume)
     _print_summary(
         launch(
-            RunSpec.of(run["strategy"], sync_cfg, train_cfg, out, run.get("name"), last),
+            RunSpec.of(run["strategy"], configs, out, run.get("name"), last),
             workers,
             args.port,
         ),

@@ -1,9 +1,11 @@
 """Configuration: every knob of docs/algorithms.md's table as a dataclass field, one name per knob.
 
 The package re-exports everything, so ``from lowcomm.config import X`` is the import path:
-``choices`` (the closed choices, as Literals), ``schema`` (SyncConfig, TrainConfig, each field
-with its help text), ``checks`` (validation, run from ``__post_init__``) and ``parse`` (TOML and
-``key=value`` into configs, ``--help``, :func:`split_sync_kwargs`). Nothing here imports torch.
+``choices`` (the closed choices, as Literals), ``schema`` (SyncConfig: the engine's;
+TrainConfig: the trainer's; each field with its help text), ``membership`` (MembershipConfig:
+an elastic run's), ``checks`` (validation, run from ``__post_init__``) and ``parse`` (TOML and
+``key=value`` into the tree of configs, ``--help``, :func:`split_sync_kwargs`). Nothing here
+imports torch.
 """
 
 from __future__ import annotations
@@ -30,14 +32,18 @@ from .choices import (
     Shard,
     StateDevice,
 )
+from .membership import MembershipConfig, MembershipSettings
 from .parse import (
     SAVED_BEFORE,
+    Configs,
     _coerce,
     build_configs,
     config_fields,
     help_text,
     load_toml,
+    nodes,
     parse_overrides,
+    register_node,
     split_sync_kwargs,
 )
 from .schema import SyncConfig, TrainConfig, knob
@@ -53,11 +59,14 @@ __all__ = [
     "Codec",
     "Compensation",
     "ConfigError",
+    "Configs",
     "DdpHook",
     "FragmentPattern",
     "InnerParallel",
     "LocoQuantizer",
     "LogTo",
+    "MembershipConfig",
+    "MembershipSettings",
     "Merge",
     "OuterKind",
     "Reduce",
@@ -74,7 +83,9 @@ __all__ = [
     "help_text",
     "knob",
     "load_toml",
+    "nodes",
     "parse_overrides",
+    "register_node",
     "split_sync_kwargs",
     "validate_sync",
     "validate_train",

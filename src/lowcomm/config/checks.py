@@ -170,43 +170,6 @@ def validate_train(t: Any) -> None:
         )
     if t.inner_lr <= 0:
         raise ConfigError(f"inner_lr must be > 0, got {t.inner_lr}")
-    if t.min_workers < 1:
-        raise ConfigError(f"min_workers must be >= 1, got {t.min_workers}")
-    if t.site >= 0:
-        _check_own_site(t)
-    if t.site_link:
-        from ..netshape.units import parse_rate
-
-        try:
-            parse_rate(t.site_link)
-        except ValueError as e:
-            raise ConfigError(f"site_link={t.site_link}: {e}") from None
-        if not t.elastic:
-            raise ConfigError("site_link puts elastic sites in namespaces: add elastic=true")
-    if t.secret_file:
-        if not t.elastic:
-            raise ConfigError("secret_file admits elastic sites: add elastic=true")
-        from ..elastic.admission import read_secret
-
-        read_secret(t.secret_file)  # unreadable or empty: said now, before any worker starts
-    if t.run_id:
-        if not t.elastic:
-            raise ConfigError("run_id names an elastic run: add elastic=true")
-        from ..elastic.messages import check_run_id
-
-        check_run_id(t.run_id)
-    if t.heartbeat_timeout_s <= 0:
-        raise ConfigError(f"heartbeat_timeout_s must be > 0, got {t.heartbeat_timeout_s}")
-    if t.rounds == "lockstep" and (t.quorum or t.grace):
-        raise ConfigError("quorum= and grace= set quorum rounds: add rounds=quorum")
-    if t.rounds == "lockstep" and t.weighting != "steps":
-        raise ConfigError("weighting= merges quorum rounds' unequal steps: add rounds=quorum")
-    if t.grace < 0:
-        raise ConfigError(f"grace must be >= 0 seconds (0 = auto), got {t.grace:g}")
-    if t.quorum < 0:
-        raise ConfigError(f"quorum must be >= 0 (0 = a majority), got {t.quorum}")
-    if t.replay and not t.elastic:
-        raise ConfigError("replay= re-enacts an elastic run: add elastic=true")
     if t.timeout_s <= 0:
         raise ConfigError(f"timeout_s must be > 0, got {t.timeout_s}")
     if t.device not in ("auto", "cpu", "cuda") and not t.device.startswith("cuda:"):
@@ -231,22 +194,4 @@ def _check_offenders(cfg: Any) -> None:
             f"evict=true tells sites apart by their contributions, which only a robust "
             f"aggregation sees (this run: {cfg.resolved_aggregation}): set aggregation=norm-clip "
             f"(or median, trimmed-mean, centered-clip)"
-        )
-
-
-def _check_own_site(t: Any) -> None:
-    """A site launched on its own (``site=N sites=S``): what it needs, one line each."""
-    if not t.elastic:
-        raise ConfigError("site= runs one site of an elastic run: add elastic=true")
-    if not t.lighthouse:
-        raise ConfigError(
-            "site= joins the sites at a lighthouse they all reach: start one with "
-            "`lowcomm lighthouse --port P` and add lighthouse=HOST:P"
-        )
-    if not 0 <= t.site < t.sites:
-        raise ConfigError(f"site={t.site} must be in [0, sites={t.sites}): give sites=S")
-    if t.site_link or t.faults:
-        raise ConfigError(
-            "site= runs one site as deployed: site_link= and --faults are the local launcher's "
-            "(kill a site from its own shell instead)"
         )

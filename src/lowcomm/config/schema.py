@@ -27,16 +27,13 @@ from .choices import (
     DdpHook,
     FragmentPattern,
     InnerParallel,
-    Late,
     LocoQuantizer,
     LogTo,
     Merge,
     OuterKind,
     Reduce,
-    Rounds,
     Shard,
     StateDevice,
-    Weighting,
 )
 
 
@@ -251,8 +248,6 @@ class TrainConfig:
     """The reference trainer's knobs (model, data, inner optimizer, logging, run control)."""
 
     def __post_init__(self) -> None:
-        if self.rounds == "quorum":
-            self.elastic = True  # quorum rounds are settled by the lighthouse's quorums
         checks.validate_train(self)
 
     model: str = knob(
@@ -330,81 +325,4 @@ class TrainConfig:
         "none",
         "Also log to: none or tensorboard (DIR/tensorboard/; needs "
         "pip install 'lowcomm[tensorboard]').",
-    )
-    elastic: bool = knob(
-        False,
-        "Sites come and go: a lost site leaves the run and the others go on (membership on "
-        "torchft's lighthouse, one quorum per outer sync). Outer-loop strategies, one rank "
-        "per worker.",
-    )
-    min_workers: int = knob(1, "With elastic: fewer live sites than this stop the run.")
-    lighthouse: str = knob(
-        "", "With elastic: HOST:PORT of a running torchft lighthouse ('' = start one here)."
-    )
-    heartbeat_timeout_s: float = knob(
-        2.0, "With elastic: a site silent this long is left out of the next sync."
-    )
-    rounds: Rounds = knob(
-        "lockstep",
-        "lockstep: every sync waits for every live site; quorum: a sync closes once `quorum` "
-        "sites reached it plus `grace`, slower sites cut their round short and are weighted by "
-        "the steps they took (turns elastic on).",
-    )
-    quorum: int = knob(0, "With rounds=quorum: sites that close a sync (0 = a majority).")
-    grace: float = knob(
-        0.0,
-        "With rounds=quorum: seconds a closed quorum waits for the rest (0 = auto: 3x the "
-        "slowest site's inner step).",
-    )
-    late: Late = knob(
-        "carry",
-        "With rounds=quorum: a site that misses a sync carries its work into its next one "
-        "(carry) or drops it and restarts from the run's model (drop).",
-    )
-    weighting: Weighting = knob(
-        "steps",
-        "With rounds=quorum: how contributions of unequal inner steps h merge: steps (weight "
-        "h), plain (each once) or normalized (each per step, weight 1/h). Equal steps: all "
-        "three are the plain mean.",
-    )
-    site_link: str = knob(
-        "",
-        "With elastic: each site in a network namespace of its own, on a link of this rate "
-        "(tc style, e.g. 50mbit) to a switch that holds the lighthouse; needs root and "
-        "iproute2 ('' = every site on this machine's loopback).",
-    )
-    secret_file: str = knob(
-        "",
-        "With elastic: a file holding the run's secret (else $LOWCOMM_SECRET; never on a "
-        "command line): only sites holding it are admitted, and quorum requests, round hints "
-        "and heals carry a MAC under a key derived from it and the run id.",
-    )
-    run_id: str = knob(
-        "",
-        "With elastic: the run's name, shared by its sites: it names them at the lighthouse "
-        "and, with a secret, keys their MACs, so two runs on one lighthouse never meet. '' = a "
-        "fresh one per launch; with site=, one derived from the run's settings (set it apart "
-        "for two runs of the same settings on one lighthouse) and kept in the site's folder.",
-    )
-    site: int = knob(
-        -1,
-        "With elastic and lighthouse=: run only site N of the run, here (each site launched "
-        "by its own command, on its own machine, into its own --out); the same command brings "
-        "it back into a running run (it heals). -1 = every site on this machine.",
-    )
-    sites: int = knob(0, "With site=: how many sites start the run.")
-    faults: str = knob(
-        "",
-        "Faults on purpose, KIND:SITE@STEP comma-separated, sites 0-based: kill:2@35 "
-        "(SIGKILL before step 35), hang:2@55 (SIGSTOP), pause:2@40x8 (SIGSTOP, SIGCONT 8 s "
-        "later), join:2@60, add:3@60, slow:1x3, corrupt:1@35 (a payload the others refuse), "
-        "healer:0@40, collective:0@40 (dies inside a handover or a sync), lighthouse:0@30x3, "
-        "link:2@40x20 (its data plane cut for 20 s); attacks on what a site sends: "
-        "signflip:1@20, scale:1x1000, noise:1x2, zero:1, nan:1, and with reduce=gather "
-        "copy:1 (another site's last send), alie:1 (a little is enough). Also --faults.",
-    )
-    replay: str = knob(
-        "",
-        "With elastic: a membership.jsonl to re-enact: each site leaves at the sync it left "
-        "in that run, with no real fault. Also --replay.",
     )

@@ -34,6 +34,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
+from ..config.membership import MembershipSettings
 from ..errors import ConfigError, MembershipError
 from .admission import Admission, read_secret
 from .decide import (
@@ -50,7 +51,7 @@ from .decide import (
 from .groups import arrive, gloo_group, group_name, listening_store, store_of, unreachable
 from .joining import Joiner
 from .link import Link
-from .messages import check_run_id, replica_name
+from .messages import replica_name
 from .reading import Reader
 from .site import SiteRanks
 
@@ -59,21 +60,21 @@ T = TypeVar("T")
 log = logging.getLogger("lowcomm")
 
 
-@dataclass(frozen=True)
-class Elastic:
+@dataclass(frozen=True, kw_only=True)
+class Elastic(MembershipSettings):
     """Membership settings: ``LowComm(..., elastic=Elastic(lighthouse=..., site=..., sites=3))``.
 
-    A site is one member of the run (one process for now); the run goes on while at least
-    ``min_workers`` sites remain. Every wait is bounded: a site whose heartbeat lapses for
-    ``heartbeat_timeout_s`` (the lighthouse's setting) is left out, a collective with a dead
-    peer fails within ``timeout_s``.
+    A site is one member of the run (one process, or a site of several ranks); the run goes on
+    while at least ``min_workers`` sites remain. Every wait is bounded: a site whose heartbeat
+    lapses for the lighthouse's heartbeat timeout is left out, a collective with a dead peer
+    fails within ``timeout_s``. Besides where this site is and how it enters the run, it holds
+    what every site of the run shares (:class:`~lowcomm.config.membership.MembershipSettings`).
     """
 
     lighthouse: str  # address of a running LighthouseServer (``http://host:port``)
     site: int  # this site's number, 0-based; unique in the run
     sites: int  # how many sites start the run (the first quorum waits for all of them;
     # a joiner may be a new site, numbered from there on)
-    min_workers: int = 1  # fewer live sites than this stop the run with one line
     # the run's name: its sites' names at the lighthouse, its stores and its key (with a
     # secret), so two runs on one lighthouse never mix
     run_id: str = "lowcomm"
@@ -88,14 +89,6 @@ class Elastic:
     join_from: int = 0  # ... admitted at the run's first sync at or after this inner step
     join_at: str = ""  # ... or exactly at this sync (a replay of a recorded join)
     heal_at: tuple[str, ...] = ()  # replay: the syncs where sites joined (offer a heal there)
-    rounds: str = "lockstep"  # lockstep: every sync waits for every live site; quorum: see below
-    quorum: int = 0  # rounds=quorum: a sync closes once this many sites reached it (0: a majority)
-    grace: float = 0.0  # ... plus this many seconds for the rest (0: auto, 3x the slowest step)
-    late: str = "carry"  # a site that missed its sync: carry its work into the next, or drop it
-    # ... how contributions of unequal steps are merged: by their steps, plainly, or per step
-    weighting: str = "steps"
-    # a file holding the run's secret (else $LOWCOMM_SECRET): only sites holding it take part
-    secret_file: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.lighthouse, str) or not self.lighthouse:
@@ -107,13 +100,8 @@ class Elastic:
                 f"site must be in [0, sites={self.sites}) (or a joiner's new number), "
                 f"got {self.site}"
             )
-        if not 1 <= self.min_workers <= self.sites:
-            raise ConfigError(
-                f"min_workers must be in [1, sites={self.sites}], got {self.min_workers}"
-            )
-        check_run_id(self.run_id)
-        check_rounds(self.rounds, self.quorum, self.grace, self.late, self.sites)
-        check_weighting(self.weighting)
+        super().__post_init__()
+        self.check_sites(self.sites)
 
     @property
     def quorum_size(self) -> int:
@@ -463,31 +451,6 @@ class Patience:
 
 
 _PROBE_S = 0.5  # a live member's store answers at once, a cut one's never
-
-
-def check_rounds(rounds: str, quorum: int, grace: float, late: str, sites: int) -> None:
-    """Raise ConfigError for quorum-round settings that cannot work (one line with the fix)."""
-    if rounds not in ("lockstep", "quorum"):
-        raise ConfigError(f"rounds must be lockstep or quorum, got {rounds!r}")
-    if late not in ("carry", "drop"):
-        raise ConfigError(f"late must be carry or drop, got {late!r}")
-    if grace < 0:
-        raise ConfigError(f"grace must be >= 0 seconds (0: auto), got {grace:g}")
-    if quorum and not sites // 2 < quorum <= sites:
-        # torchft's lighthouse forms a quorum only from more than half of the live sites
-        raise ConfigError(
-            f"quorum must be more than half of the {sites} sites and at most {sites} "
-            f"(the lighthouse's majority rule): try quorum={sites // 2 + 1}, got {quorum}"
-        )
-
-
-WEIGHTINGS = ("steps", "plain", "normalized")
-
-
-def check_weighting(weighting: str) -> None:
-    """Raise ConfigError for a weighting rule that does not exist (one line with the choices)."""
-    if weighting not in WEIGHTINGS:
-        raise ConfigError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {weighting!r}")
 
 
 # what every request a member reads must carry, and its type

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ..config import ConfigError, SyncConfig
 
 if TYPE_CHECKING:
-    from ..config import TrainConfig
+    from ..config import MembershipConfig, TrainConfig
 
 REGISTRY: dict[str, Strategy] = {}
 """Every strategy by name, in the order registered (per-step, outer, peers)."""
@@ -65,7 +65,7 @@ class Strategy:
         """Refuse a worker of several ranks (FSDP2 or DDP inside) when the method cannot run in
         one; outer-loop methods can."""
 
-    def check_elastic(self, cfg: TrainConfig, rejoin: bool) -> None:
+    def check_elastic(self, membership: MembershipConfig, rejoin: bool) -> None:
         """Refuse ``elastic=true`` settings the method cannot run; ``rejoin``: a site joins."""
         if self.per_step:
             raise ConfigError(

@@ -15,7 +15,7 @@ from .diloco import DiLoCo
 from .streaming import SETTINGS as STREAMING
 
 if TYPE_CHECKING:
-    from ..config import TrainConfig
+    from ..config import MembershipConfig, TrainConfig
 
 
 class _Peer(Strategy):
@@ -52,11 +52,11 @@ class TorchftDiLoCo(_Peer):
     summary = "torchft's DiLoCo (peer, for comparison)"
     settings = DiLoCo.settings
 
-    def check_elastic(self, cfg: TrainConfig, rejoin: bool) -> None:
+    def check_elastic(self, membership: MembershipConfig, rejoin: bool) -> None:
         """torchft's own Managers keep membership: no replay, quorum rounds or joins of ours."""
-        if cfg.replay:
+        if membership.replay:
             raise ConfigError("--replay re-enacts lowcomm's own membership, not torchft's: drop it")
-        if cfg.rounds == "quorum":
+        if membership.rounds == "quorum":
             raise ConfigError("rounds=quorum runs lowcomm's own methods, not torchft-diloco")
         if rejoin:
             raise ConfigError("a site joins lowcomm's own methods only, not torchft-diloco")
@@ -71,6 +71,6 @@ class TorchftStreaming(_Peer):
     settings = {**STREAMING, "codec": "fp32"}
     streaming = True
 
-    def check_elastic(self, cfg: TrainConfig, rejoin: bool) -> None:
+    def check_elastic(self, membership: MembershipConfig, rejoin: bool) -> None:
         """Of torchft's methods, only its DiLoCo runs elastic."""
         raise ConfigError(f"elastic=true runs torchft-diloco of torchft's methods, not {self.name}")

@@ -19,18 +19,18 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from ..config import ConfigError, TrainConfig
+from ..config import ConfigError
 from ..elastic.admission import read_secret
 from ..errors import LowCommError
-from ..faults import Staged, adds, joins, links, parse_faults, paused
 from .entry import clear_stale, error_file, failure_of, run_entry, user_errors
 from .join_site import RUN_FILE, run_site, write_run_file
 from .lighthouse import Keeper
 from .site_role import ElasticSite
-from .spec import ElasticSpec, RunSpec, check_corrupt, check_fixed
+from .spec import RunSpec, check_fixed, check_membership, lighthouse_options
 
 # after one site finished the run, how long the launcher waits for the others to finish too
 # (they end at the same sync, within a moment) before it stops those still behind
@@ -45,17 +45,85 @@ class SitesFailed(LowCommError):
         self.exitcode = exitcode
 
 
+class SiteNetwork(Protocol):
+    """Where the sites of a run and its lighthouse run when they do not share this machine's
+    loopback (an extension's: network namespaces bridged by shaped links, say)."""
+
+    lighthouse_host: str  # the lighthouse's address there
+
+    def site_setup(self, site: int, lighthouse: str) -> Callable[[], None]:
+        """What site ``site``'s process runs before anything else (picklable)."""
+        ...
+
+    def lighthouse_setup(self) -> Callable[[], None]:
+        """What the lighthouse's process runs before it serves (picklable)."""
+        ...
+
+    def close(self) -> None:
+        """Take it down (the run is over)."""
+        ...
+
+
+@dataclass(frozen=True)
+class SitePlan:
+    """What the local launcher of an elastic run starts and sets up beyond one process per
+    starting site: a replay's rejoins, or an extension's (a site killed and started again, a
+    site added, a shaped network)."""
+
+    # a site that leaves and joins again (started on standby, let in once the first is gone),
+    # and how it is admitted: {"join_from": STEP} or {"join_at": TAG}
+    again: dict[int, dict[str, Any]] = field(default_factory=dict)
+    added: dict[int, dict[str, Any]] = field(default_factory=dict)  # new sites, numbered on
+    pausing: frozenset[int] = frozenset()  # sites that stop and go on: still running
+    network: SiteNetwork | None = None
+    tick: Callable[[Keeper], None] | None = None  # every round of the launcher's wait
+    close: Callable[[], None] | None = None  # once the run is over
+
+    def merged(self, other: SitePlan | None) -> SitePlan:
+        """This plan and ``other``'s together (one network at most)."""
+        if other is None:
+            return self
+        if self.network is not None and other.network is not None:
+            raise ConfigError("two extensions each put the sites in a network of their own")
+        ticks = [t for t in (self.tick, other.tick) if t is not None]
+        closes = [c for c in (self.close, other.close) if c is not None]
+        return SitePlan(
+            {**self.again, **other.again},
+            {**self.added, **other.added},
+            self.pausing | other.pausing,
+            self.network or other.network,
+            (lambda keeper: [t(keeper) for t in ticks]) if ticks else None,
+            (lambda: [c() for c in closes]) if closes else None,
+        )
+
+
 def check_elastic(spec: RunSpec, workers: int) -> None:
-    """One-line refusals of what the run's elastic settings (or their absence) cannot do,
-    before any site starts."""
-    faults = parse_faults(spec.train.faults, workers, spec.train.steps)
-    check_corrupt(spec, faults)
-    if spec.elastic is None:
-        check_fixed(spec, faults)
+    """One-line refusals of what the run's settings cannot do, before any site starts: its
+    extensions' own, then an elastic run's (or a fixed world's)."""
+    for ext in spec.extensions.values():
+        ext.check(spec, workers)
+    if not spec.elastic:
+        check_fixed(spec)
         return
-    spec.elastic.check(spec, workers, faults)
-    if spec.elastic.replay:
-        replay_joins(spec.elastic.replay, workers)  # read now: its errors before any start
+    check_membership(spec, workers, rejoin=False)  # (an extension's own rejoins: its check)
+    if spec.membership.replay:
+        replay_joins(spec.membership.replay, workers)  # read now: its errors before any start
+
+
+def site_plan(spec: RunSpec, workers: int) -> SitePlan:
+    """What the launcher of ``spec``'s sites starts beyond them: a replay's rejoins (sites
+    added in the recorded run included), then each extension's plan."""
+    m, plan = spec.membership, SitePlan()
+    if m.replay:
+        rejoins = replay_joins(m.replay, workers)
+        when = {s: {"join_at": t} for s, t in rejoins.items()}
+        plan = SitePlan(
+            again={s: w for s, w in when.items() if s < workers},
+            added={s: w for s, w in when.items() if s >= workers},
+        )
+    for ext in spec.extensions.values():
+        plan = plan.merged(ext.plan(spec, workers))
+    return plan
 
 
 def replay_leaves(path: str, sites: int) -> dict[int, str]:
@@ -97,9 +165,10 @@ def run_sites(spec: RunSpec, workers: int) -> dict[str, Any] | None:
 
     ``spec.resume``: a checkpoint folder; every site continues from its global copy. Without
     ``run_id=`` the run gets a fresh id (``lowcomm join`` reads it from DIR/elastic.json)."""
-    if not spec.train.run_id:
-        spec = spec.replace(train=dataclasses.replace(spec.train, run_id=fresh_run_id()))
-    settings, out_dir = _settings(spec), spec.out
+    m = spec.membership
+    if not m.run_id:
+        spec = spec.replace(membership=dataclasses.replace(m, run_id=fresh_run_id()))
+    out_dir = spec.out
     out_dir.mkdir(parents=True, exist_ok=True)
     # sites fork from one server that imported torch and the trainer once: on a small machine
     # that saves each site its own ~2 s of imports (the server starts no threads, so a fork
@@ -109,20 +178,23 @@ def run_sites(spec: RunSpec, workers: int) -> dict[str, Any] | None:
     ctx.set_forkserver_preload(
         ["torch", "torch._dynamo", "lowcomm.train.loop", "lowcomm.train.join_site"]
     )
-    servers = []
-    address, keeper = settings.lighthouse, None
-    net = _site_network(spec, workers)
+    servers: list[Any] = []
+    address, keeper = spec.membership.lighthouse, None
+    plan = site_plan(spec, workers)
+    net = plan.network
     try:
         if not address:  # ours: at one address for the whole run, started again if it dies
-            options = settings.lighthouse_options(min_replicas=1)  # lowcomm checks min_workers
-            where = {"netns": net.switch, "host": net.switch_addr} if net else {}
-            secret = read_secret(spec.train.secret_file)  # keyed: a front refuses strangers
-            run_id = spec.train.run_id
+            options = lighthouse_options(spec, min_replicas=1)  # lowcomm checks min_workers
+            where = {"setup": net.lighthouse_setup(), "host": net.lighthouse_host} if net else {}
+            secret = read_secret(spec.membership.secret_file)  # keyed: a front refuses strangers
+            run_id = spec.membership.run_id
             keeper = Keeper(ctx, options, out_dir, secret=secret, run_id=run_id, **where)
             keeper.start()
             address = keeper.address
-        return _run_sites(spec, workers, ctx, servers, address, keeper, net)
+        return _run_sites(spec, workers, ctx, servers, address, keeper, plan)
     finally:
+        if plan.close is not None:
+            plan.close()
         if net is not None:
             net.close()
 
@@ -132,49 +204,23 @@ def fresh_run_id() -> str:
     return f"run-{secrets.token_hex(6)}"
 
 
-def _settings(spec: RunSpec) -> ElasticSpec:
-    """The elastic settings of ``spec`` (a run of sites has them)."""
-    assert spec.elastic is not None, "sites run an elastic run"
-    return spec.elastic
-
-
-def _site_network(spec: RunSpec, workers: int) -> Any:
-    """A network namespace for each site and the lighthouse's, bridged (a ``link:`` fault
-    cuts one site's link there); None for a run without such a fault."""
-    cfg, settings = spec.train, _settings(spec)
-    faults = parse_faults(cfg.faults, workers, cfg.steps)
-    if not links(faults) and not settings.site_link:
-        return None
-    from ..netshape.network import ShapedNetwork
-
-    total = workers + len(adds(faults))
-    # without site_link a nominal rate: namespaces to cut one site's link in, not to shape it
-    net = ShapedNetwork(
-        settings.site_link or "10gbit",
-        topology="per-worker",
-        workers=total,
-        check=False,
-        name_prefix="lcsites",
-    )
-    return net.__enter__()
-
-
 def _run_sites(
     spec: RunSpec,
     workers: int,
     ctx: Any,
     servers: list[Any],
     address: str,
-    keeper: Any,
-    net: Any,
+    keeper: Keeper | None,
+    plan: SitePlan,
 ) -> dict[str, Any] | None:
-    """Start every site (in its namespace of ``net`` if any) and wait for the survivors."""
-    cfg, out_dir = spec.train, spec.out
+    """Start every site (where ``plan``'s network puts it, if it has one) and wait for the
+    survivors."""
+    out_dir, net = spec.out, plan.network
     peer = ""
     if spec.strategy.peer:  # torchft's Managers: a lighthouse of their own
-        servers.append(_lighthouse(_settings(spec), min_replicas=_settings(spec).min_workers))
+        servers.append(_lighthouse(spec, min_replicas=spec.membership.min_workers))
         peer = servers[-1].address()
-    roles, again, added = _plan(cfg, workers, address, peer)
+    roles, again, added = _roles(spec, workers, address, peer, plan)
     clear_stale(out_dir)
     if spec.strategy.joinable:  # `lowcomm join DIR` starts another site from it
         planned = sorted([*again, *(r.site for r in added)])
@@ -185,8 +231,7 @@ def _run_sites(
         # a joiner heals from a live peer: it never reads the checkpoint
         own = spec.replace(resume=None) if role.join else spec
         if net is not None:
-            where = {"netns": net.namespace(role.site), "addr": net.address(role.site)}
-            staged = dataclasses.replace(role.staged, **where, uplink=net.uplink)
+            staged = dataclasses.replace(role.staged, setup=net.site_setup(role.site, address))
             role = dataclasses.replace(role, staged=staged)
         p = ctx.Process(target=_site_main, args=(role, own))
         p.start()
@@ -211,9 +256,14 @@ def _run_sites(
         gate.set()
         return p
 
-    pausing = {s for s in range(len(procs)) if paused(list(roles[0].staged.faults), s)}
+    def tick() -> None:
+        if keeper is not None:
+            keeper.tick()
+            if plan.tick is not None:
+                plan.tick(keeper)
+
     try:
-        codes = _wait(procs, out_dir, restart, pausing, started, keeper and keeper.tick)
+        codes = _wait(procs, out_dir, restart, plan.pausing, started, tick)
     finally:
         # a second Ctrl-C must not cut the clean-up short (stale workers.json, live sites)
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -231,38 +281,25 @@ def _run_sites(
     return _outcome(codes, out_dir, started)
 
 
-def _plan(
-    cfg: TrainConfig, workers: int, address: str, peer: str
+def _roles(
+    spec: RunSpec, workers: int, address: str, peer: str, plan: SitePlan
 ) -> tuple[list[ElasticSite], dict[int, dict[str, Any]], list[ElasticSite]]:
     """Each starting site's role; how each site that leaves and joins again is admitted; the
-    roles of the sites added during the run (``add:``, or new sites in a replay's joins)."""
-    faults = parse_faults(cfg.faults, workers, cfg.steps)
-    leaves, rejoins = _replayed(cfg.replay, workers) if cfg.replay else ({}, {})
-    when: dict[int, dict[str, Any]] = {s: {"join_at": t} for s, t in rejoins.items()} or {
-        s: {"join_from": n} for s, n in {**joins(faults), **adds(faults)}.items()
-    }
-    new = sorted(s for s in when if s >= workers)
+    roles of the sites added during the run (``plan.added``)."""
+    m = spec.membership
+    leaves, rejoins = _replayed(m.replay, workers) if m.replay else ({}, {})
     heal_at = tuple(rejoins.values())  # a replay: every site offers a heal where one joined
-    total = workers + len(new)  # the data is cut into as many shards as the run has sites
+    total = workers + len(plan.added)  # the data is cut into as many shards as the run has sites
     roles = [
-        ElasticSite(
-            s,
-            total,
-            address,
-            leaves.get(s, ""),
-            peer,
-            heal_at=heal_at,
-            starting=workers,
-            staged=Staged(tuple(faults)),
-        )  # fmt: skip
+        ElasticSite(s, total, address, leaves.get(s, ""), peer, heal_at=heal_at, starting=workers)
         for s in range(workers)
     ]
     added = [
-        dataclasses.replace(roles[0], site=s, leave_after="", join=True, **when[s]) for s in new
+        dataclasses.replace(roles[0], site=s, leave_after="", join=True, **plan.added[s])
+        for s in sorted(plan.added)
     ]
     # a site that leaves (killed, or a replay's leave) and joins again is started anew
-    again = {s: j for s, j in when.items() if s < workers}
-    return roles, again, added
+    return roles, dict(plan.again), added
 
 
 def _standby(role: ElasticSite, gate: Any, when: dict[str, Any]) -> ElasticSite:
@@ -271,14 +308,14 @@ def _standby(role: ElasticSite, gate: Any, when: dict[str, Any]) -> ElasticSite:
     return dataclasses.replace(role, leave_after="", join=True, staged=staged, **when)
 
 
-def _lighthouse(settings: ElasticSpec, min_replicas: int) -> Any:
+def _lighthouse(spec: RunSpec, min_replicas: int) -> Any:
     """A torchft LighthouseServer in this process, with the run's timeouts (torchft's own
     Managers'; the sites' lighthouse is a :class:`Keeper`'s process)."""
     if not os.environ.get("LOWCOMM_DEBUG"):
         os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse logs every quorum at INFO
     from torchft.coordination import LighthouseServer
 
-    return LighthouseServer(bind="[::]:0", **settings.lighthouse_options(min_replicas))
+    return LighthouseServer(bind="[::]:0", **lighthouse_options(spec, min_replicas))
 
 
 def _wait(
@@ -393,18 +430,8 @@ def _outcome(codes: list[int | None], out_dir: Path, started: float) -> dict[str
 
 def _site_main(role: ElasticSite, spec: RunSpec) -> None:
     """One site's process: the trainer with membership, its errors as a launched worker's."""
-    staged = role.staged
-    if staged.netns:  # before any socket: its store and groups listen on its own address
-        from ..netshape.links import WORKER_IFNAME
-        from ..netshape.namespaces import enter
-
-        enter(staged.netns)
-        os.environ.update(
-            LOWCOMM_ADDR=staged.addr,
-            GLOO_SOCKET_IFNAME=WORKER_IFNAME,
-            LOWCOMM_LIGHTHOUSE=role.lighthouse,
-            LOWCOMM_UPLINK=staged.uplink,
-        )
+    if role.staged.setup is not None:  # before any socket (a network namespace, say)
+        role.staged.setup()
     try:
         run_entry(str(spec.out), role.site, lambda: run_site(role, spec))
     except Exception:  # its stack is in its traceback file, which the launcher's line names

@@ -10,6 +10,7 @@ own data shard from the run's step, and exits when the run ends.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from datetime import timedelta
@@ -18,17 +19,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..config import (
-    SAVED_BEFORE,
-    ConfigError,
-    SyncConfig,
-    TrainConfig,
-    build_configs,
-    config_fields,
-)
+from ..config import SAVED_BEFORE, ConfigError, SyncConfig, build_configs, config_fields
 from ..errors import SiteLeft
 from .site_role import ElasticSite
-from .spec import RunSpec
+from .spec import RunSpec, saved_values
 
 RUN_FILE = "elastic.json"
 
@@ -68,9 +62,11 @@ def join_site(run_dir: str, site: int | None = None) -> None:
     site = _free_site(folder, sites, site, set(record.get("planned", [])))
     run = record["run"]
     known = config_fields()
-    saved = {k: v for k, v in {**SAVED_BEFORE, **run["sync"], **run["train"]}.items() if k in known}
-    sync_cfg, cfg = build_configs(saved, sync=SyncConfig(), train=TrainConfig())
-    cfg.faults, cfg.replay = "", ""  # the run's faults and replay are its launcher's
+    saved = {k: v for k, v in {**SAVED_BEFORE, **saved_values(run)}.items() if k in known}
+    configs = build_configs(saved, sync=SyncConfig())
+    # the run's extensions (its faults) and its replay are its launcher's
+    membership = dataclasses.replace(configs.membership, replay="")
+    configs = dataclasses.replace(configs, membership=membership, extensions={})
     starting = int(record.get("starting", sites))
     role = ElasticSite(site, sites, record["lighthouse"], join=True, starting=starting)
     if not os.environ.get("LOWCOMM_DEBUG"):
@@ -79,7 +75,7 @@ def join_site(run_dir: str, site: int | None = None) -> None:
     lock.write_text(f"{os.getpid()}\n")
     print(f"lowcomm: site {site} joins the run in {folder} at its next sync", flush=True)
     try:
-        run_site(role, RunSpec.of(run["strategy"], sync_cfg, cfg, folder, run.get("name")))
+        run_site(role, RunSpec.of(run["strategy"], configs, folder, run.get("name")))
     finally:
         lock.unlink(missing_ok=True)
 

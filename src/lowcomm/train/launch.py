@@ -60,27 +60,6 @@ def _entry(spec: RunSpec) -> Any:
 _error_file, _user_errors = error_file, user_errors  # the names tests and callers know
 
 
-def _check_faults(spec: RunSpec, workers: int) -> None:
-    """The faults read (a typo said now, not by every worker), and the attacks forged from
-    the others' payloads only where every site receives them (the gather exchange)."""
-    from ..faults import parse_faults
-    from ..faults.forge import PAYLOAD_ATTACKS
-
-    faults = parse_faults(spec.train.faults, workers, spec.train.steps)
-    forged = sorted({f.kind for f in faults if f.kind in PAYLOAD_ATTACKS})
-    if "alie" in forged and spec.train.elastic:
-        raise ConfigError(
-            "--faults alie: its colluders tell their own rows apart by group rank, which is a "
-            "site's number only in a fixed world: drop elastic=true for this attack"
-        )
-    if forged and spec.sync.resolved_reduce != "gather":
-        raise ConfigError(
-            f"--faults {'/'.join(forged)} forges a site's sends from the others' last ones, "
-            f"which only reduce=gather hands every site (this run: "
-            f"{spec.sync.resolved_reduce}): add reduce=gather"
-        )
-
-
 def preflight(spec: RunSpec, workers: int) -> list[str]:
     """Check device, model, fragment schedule and data before any worker starts.
 
@@ -99,7 +78,6 @@ def preflight(spec: RunSpec, workers: int) -> list[str]:
     check_log_backend(cfg.log)
     check_gpu_shape(cfg, local_ranks(workers * cfg.ranks_per_worker))
     spec.strategy.check_sites(cfg)
-    _check_faults(spec, workers)
     warnings = []
     vocab = 256
     if cfg.data.startswith("hf:") and importlib.util.find_spec("datasets") is None:
@@ -189,7 +167,7 @@ def launch(
     """
     cfg = spec.train
     spec.strategy.check(spec.sync, cfg, spec.resume)
-    if cfg.site >= 0:  # one site of a run, launched on its own (site=N sites=S)
+    if spec.membership.site >= 0:  # one site of a run, launched on its own (site=N sites=S)
         return _own_site(spec, on_checked)
     if under_torchrun():
         return _under_torchrun(spec, on_checked)
@@ -202,7 +180,7 @@ def launch(
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     if on_checked is not None:
         on_checked()
-    if cfg.elastic:
+    if spec.elastic:
         try:
             return run_sites(spec, workers)
         except SitesFailed as e:
@@ -219,8 +197,8 @@ def _own_site(spec: RunSpec, on_checked: Callable[[], None] | None) -> dict[str,
     from .site_role import ElasticSite
 
     global _site_launched
-    cfg = spec.train
-    _site_launched = cfg.site
+    cfg, m = spec.train, spec.membership
+    _site_launched = m.site
     ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else 1
     if cfg.ranks_per_worker not in (1, ranks):
         raise ConfigError(
@@ -237,8 +215,8 @@ def _own_site(spec: RunSpec, on_checked: Callable[[], None] | None) -> dict[str,
     if ranks > 1:  # the site's ranks are its torchrun world: FSDP2 (or DDP) inside it
         spec.train.ranks_per_worker = ranks
         spec.strategy.check(spec.sync, cfg, spec.resume)
-    check_elastic(spec, cfg.sites)
-    for warning in preflight(spec, cfg.sites):
+    check_elastic(spec, m.sites)
+    for warning in preflight(spec, m.sites):
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     if on_checked is not None:
         on_checked()
@@ -246,7 +224,7 @@ def _own_site(spec: RunSpec, on_checked: Callable[[], None] | None) -> dict[str,
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's client logs every quorum at INFO
     if int(os.environ.get("RANK", "0")) == 0:  # the site's first rank speaks for it
         print(
-            f"lowcomm: site {cfg.site} of {cfg.sites} asks the lighthouse at {cfg.lighthouse} "
+            f"lowcomm: site {m.site} of {m.sites} asks the lighthouse at {m.lighthouse} "
             f"whether the run is going (it starts with the others, or joins and heals)",
             flush=True,
         )
@@ -254,8 +232,8 @@ def _own_site(spec: RunSpec, on_checked: Callable[[], None] | None) -> dict[str,
     # site writes anything; of a site's ranks, rank 0's reading is the one that asks)
     back = (spec.out / "metrics.jsonl").exists()
     spec = _with_run_id(spec, back)
-    role = ElasticSite(cfg.site, cfg.sites, cfg.lighthouse, alone=True, back=back)
-    if cfg.replay:
+    role = ElasticSite(m.site, m.sites, m.lighthouse, alone=True, back=back)
+    if m.replay:
         role = _replayed_site(role, spec)
     return run_site(role, spec)
 
@@ -268,29 +246,29 @@ def _with_run_id(spec: RunSpec, back: bool) -> RunSpec:
     into its folder's run, the one kept there; else one derived from the settings every site
     of the run shares (the same command on every machine gives the same id). Kept in its
     folder for its comebacks."""
-    cfg, kept_file = spec.train, spec.out / RUN_ID_FILE
+    m, kept_file = spec.membership, spec.out / RUN_ID_FILE
     kept = kept_file.read_text().strip() if back and kept_file.exists() else ""
-    if cfg.run_id and kept and cfg.run_id != kept:
+    if m.run_id and kept and m.run_id != kept:
         raise ConfigError(
-            f"run_id={cfg.run_id}, but the unfinished run in {spec.out} is run {kept}: give "
+            f"run_id={m.run_id}, but the unfinished run in {spec.out} is run {kept}: give "
             f"run_id={kept} to bring this site back into it, or a fresh --out"
         )
-    run_id = cfg.run_id or kept or derived_run_id(spec)
+    run_id = m.run_id or kept or derived_run_id(spec)
     if int(os.environ.get("RANK", "0")) == 0 and run_id != kept:  # (its other ranks read it)
         spec.out.mkdir(parents=True, exist_ok=True)
         tmp = kept_file.with_suffix(".tmp")
         tmp.write_text(run_id + "\n")
         tmp.replace(kept_file)
-    return spec.replace(train=dataclasses.replace(cfg, run_id=run_id))
+    return spec.replace(membership=dataclasses.replace(m, run_id=run_id))
 
 
 def derived_run_id(spec: RunSpec) -> str:
     """The run id of sites launched on their own without ``run_id=``: a hash of what every
     site of one run must share anyway (what the settings' fingerprint checks: the strategy,
     the sync settings but where a site keeps its state, the model, the rounds; and the sites)."""
-    cfg, sync = spec.train, dataclasses.asdict(spec.sync)
+    m, sync = spec.membership, dataclasses.asdict(spec.sync)
     sync.pop("state_device", None)
-    shared = [spec.strategy.name, sync, cfg.model, cfg.sites, cfg.rounds, cfg.late, cfg.weighting]
+    shared = [spec.strategy.name, sync, spec.train.model, m.sites, m.rounds, m.late, m.weighting]
     digest = hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode())
     return f"run-{digest.hexdigest()[:12]}"
 
@@ -300,7 +278,7 @@ def _replayed_site(role: ElasticSite, spec: RunSpec) -> ElasticSite:
     membership.jsonl of it): it leaves where it left then, and its command run again into the
     same folder (which then holds its unfinished run) brings it back at the sync where it
     joined then. Whoever restarted it then (an operator, a scheduler) restarts it now."""
-    cfg = spec.train
+    cfg = spec.membership
     leaves, joins = replay_leaves(cfg.replay, cfg.sites), replay_joins(cfg.replay, cfg.sites)
     heal_at = tuple(joins.values())  # every site offers a heal where one joined
     # (each rank of a site decides alike: rank 0 alone asks, and a comeback never reaches its
@@ -341,7 +319,7 @@ def _replayed_site(role: ElasticSite, spec: RunSpec) -> ElasticSite:
 def _under_torchrun(spec: RunSpec, on_checked: Callable[[], None] | None) -> dict[str, Any] | None:
     """This process is one rank of the world torchrun made: check, then train on it."""
     cfg = spec.train
-    if cfg.elastic:
+    if spec.elastic:
         raise ConfigError(
             "elastic=true under torchrun is not supported yet: start the sites with "
             "lowcomm train --workers M elastic=true"

@@ -1,6 +1,6 @@
 """The lighthouse of an elastic run that the launcher started: a process of its own at an
-address fixed for the whole run, started again there when it dies (or when a ``lighthouse:``
-fault killed it, after that fault's seconds).
+address fixed for the whole run, started again there when it dies (or, restarted on purpose,
+after the seconds asked).
 
 A restarted lighthouse knows nothing of the run: the sites re-register with their next
 heartbeat, ask their pending quorum again (:meth:`lowcomm.elastic.membership.Membership.quorum`
@@ -10,15 +10,14 @@ quorum ids, which start again from 1, never meet an old group's store keys.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..faults import LIGHTHOUSE_FAULT
 from .ports import free_port
 
 _UP_S = 30.0  # bound on a (re)started lighthouse's process listening on its port
@@ -50,20 +49,20 @@ def serve(
     return server, front
 
 
-def _serve(port: int, options: dict[str, int], netns: str, up: Any, front: tuple) -> None:
+def _serve(
+    port: int, options: dict[str, int], setup: Callable[[], None] | None, up: Any, front: tuple
+) -> None:
     """The lighthouse's process: serve until killed (RUST_LOG=warn: see :class:`Keeper`),
-    inside network namespace ``netns`` if one is named, behind a front if ``front`` (secret,
-    run id, names file) holds a secret; ``up`` is set once it listens."""
+    after ``setup`` (a network namespace to serve in, say), behind a front if ``front``
+    (secret, run id, names file) holds a secret; ``up`` is set once it listens."""
     from ..elastic.messages import quiet_junk
 
     quiet_junk()
     # Ctrl-C reaches the whole process group: the launcher stops this process itself, after
     # the sites (a KeyboardInterrupt here would only print a traceback into the run's output)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if netns:
-        from ..netshape.namespaces import enter
-
-        enter(netns)
+    if setup is not None:
+        setup()
     held = serve(f"[::]:{port}", options, *front)
     up.set()
     while held:
@@ -79,7 +78,7 @@ class Keeper:
         ctx: Any,
         options: dict[str, int],
         out_dir: Path,
-        netns: str = "",
+        setup: Callable[[], None] | None = None,
         host: str = "",
         secret: bytes | None = None,
         run_id: str = "",
@@ -87,21 +86,22 @@ class Keeper:
         if not os.environ.get("LOWCOMM_DEBUG"):  # the sites' clients log at INFO too
             os.environ.setdefault("RUST_LOG", "warn")  # (sites inherit it: set before any fork)
         self.ctx, self.options, self.out_dir = ctx, options, out_dir
-        # ``netns``: the namespace it serves in (sites in namespaces of their own), at ``host``
-        self.netns = netns
+        # ``setup``: what its process runs first (the namespace it serves in, when the sites
+        # have namespaces of their own), and ``host``: its address there
+        self.setup = setup
         self.port = free_port(host="")  # every interface: the sites may be on other machines
         self.address = f"http://{host or socket.gethostname()}:{self.port}"
         self._proc: Any = None
         # a keyed run's lighthouse serves behind a front that takes this run's requests only,
         # and keeps the names that asked (a restarted one still knows whose beats count)
         self.front = (secret, run_id, out_dir / LIGHTHOUSE_NAMES)
-        self._back_at: float | None = None  # a lighthouse: fault's restart time
+        self._back_at: float | None = None  # when a lighthouse restarted on purpose is back
 
     def start(self) -> None:
         """Start the lighthouse's process and wait until it listens (at most ``_UP_S``)."""
         up = self.ctx.Event()
         self._proc = self.ctx.Process(
-            target=_serve, args=(self.port, self.options, self.netns, up, self.front), daemon=True
+            target=_serve, args=(self.port, self.options, self.setup, up, self.front), daemon=True
         )
         self._proc.start()
         deadline = time.monotonic() + _UP_S
@@ -110,19 +110,15 @@ class Keeper:
                 return
         raise RuntimeError(f"the lighthouse did not start at {self.address} within {_UP_S:g} s")
 
+    def restart(self, after_s: float) -> None:
+        """Stop the lighthouse now; :meth:`tick` starts it again ``after_s`` seconds later, at
+        the same address (the sites ask their pending quorums again meanwhile)."""
+        self._proc.kill()
+        self._proc.join()
+        self._back_at = time.monotonic() + after_s
+
     def tick(self) -> None:
-        """Act on a site's ``lighthouse:`` request; start a dead lighthouse again."""
-        ask = self.out_dir / LIGHTHOUSE_FAULT
-        with contextlib.suppress(OSError):
-            seconds = float(ask.read_text().strip() or 0)
-            self._proc.kill()
-            self._proc.join()
-            self._back_at = time.monotonic() + seconds
-            ask.unlink()
-            print(
-                f"lowcomm: fault: the lighthouse is killed; it starts again in {seconds:g} s",
-                flush=True,
-            )
+        """Start a dead lighthouse again (one restarted on purpose, once its time is up)."""
         if self._proc.exitcode is None:
             return
         if self._back_at is None:  # died by itself (or killed from outside): at once
@@ -143,5 +139,4 @@ class Keeper:
         if self._proc is not None and self._proc.exitcode is None:
             self._proc.kill()
             self._proc.join()
-        (self.out_dir / LIGHTHOUSE_FAULT).unlink(missing_ok=True)
         (self.out_dir / LIGHTHOUSE_NAMES).unlink(missing_ok=True)

@@ -11,7 +11,6 @@ comm hook; the others run the unchanged loop inside the engine's ``with`` block.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import resource
@@ -21,7 +20,6 @@ from typing import Any
 
 import torch
 
-from ..faults.harness import Harness
 from ..provenance import git_rev
 from ..transport import Transport, ring_all_reduce_bytes, shutdown
 from .callbacks import Callbacks
@@ -61,10 +59,14 @@ def run_worker(spec: RunSpec, role: ElasticSite | None = None) -> dict[str, Any]
     run = set_up(spec, place)
     if not place.elastic:
         _write_workers_json(run)  # an elastic run's launcher keeps it
-    site = run.place.site
-    faults = place.planned(cfg.faults, site.replicas, cfg.steps)
-    if faults:  # a site acts its own faults out
-        run.callbacks = Callbacks([Harness(faults, site.replica, spec.out)])
+    site, starting = run.place.site, place.starting or run.place.site.replicas
+    run.callbacks = Callbacks(
+        [
+            cb
+            for ext in spec.extensions.values()
+            for cb in ext.callbacks(spec, site.replica, starting)
+        ]
+    )
     wrap_for_strategy(run)
     saved = load_state(run, spec.resume) if spec.resume is not None else None
     if saved is not None:
@@ -240,7 +242,7 @@ def _behind(run: Run) -> bool:
 
 def _round_steps(run: Run) -> int:
     """Quorum rounds: the steps of a round (0 in lock-step, or without an engine)."""
-    quorum = run.spec.elastic is not None and run.spec.elastic.rounds == "quorum"
+    quorum = run.spec.elastic and run.spec.membership.rounds == "quorum"
     return run.spec.sync.sync_every if quorum and run.comm.engine is not None else 0
 
 
@@ -390,7 +392,7 @@ def _build_summary(run: Run, val_loss: float, means: list[float], rss: int) -> R
     sent, recv, payload, inner = sent * n, recv * n, payload * n, inner * n
     # per-step strategies too: LoCo's knobs live in the sync config, and a row's command
     # (RunSummary.command) must spell them out
-    config = {**dataclasses.asdict(cfg), **dataclasses.asdict(run.spec.sync)}
+    config = run.spec.configs().flat()
     engine = run.comm.engine
     outer = engine.outer if engine is not None else None
     return RunSummary(

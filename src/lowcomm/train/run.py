@@ -35,7 +35,7 @@ from .callbacks import Callbacks
 from .data import Batches, load_corpus, val_batches
 from .site_role import FIXED_WORLD, ElasticSite, QuorumControl, Role
 from .sites import Site, build_mesh, shard_model, site_of
-from .spec import RunSpec
+from .spec import RunSpec, site_membership
 
 
 class Clock:
@@ -470,10 +470,10 @@ def _attach_engine(run: Run) -> None:
 
 def _elastic(run: Run) -> Elastic | None:
     """Membership settings of an elastic run's site (None in a fixed world)."""
-    role, settings = run.place.role, run.spec.elastic
-    if not isinstance(role, ElasticSite) or settings is None:
+    role = run.place.role
+    if not isinstance(role, ElasticSite) or not run.spec.elastic:
         return None
-    return settings.for_site(role)
+    return site_membership(run.spec, role)
 
 
 def _ddp_inside(run: Run) -> nn.Module:

@@ -1,21 +1,36 @@
-"""A site's part in an elastic run, as the trainer sees it: who it is, which faults it acts
-out, the trainer's control collectives on the live quorum, and the membership record."""
+"""A site's part in an elastic run, as the trainer sees it: who it is, what its launcher
+staged for it, the trainer's control collectives on the live quorum, and the membership
+record."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..faults import NOT_STAGED, Fault, Staged, parse_faults
 from ..transport import ByteMeter
 
 if TYPE_CHECKING:
     from ..protocols import SyncEngine
     from .summary import RunSummary
+
+
+@dataclass(frozen=True)
+class Staged:
+    """What the local launcher stages for one site process: a joiner's gate (a site started
+    on standby, let in once the site it replaces has left) and what the process runs first
+    (an extension's: its network namespace, say). Nothing of it exists in a deployed site."""
+
+    gate: object = None  # a multiprocessing Event set to let a standby joiner in
+    setup: Callable[[], None] | None = None  # run in the site's process before anything else
+
+
+#: a site with nothing staged
+NOT_STAGED = Staged()
 
 
 @dataclass(frozen=True)
@@ -29,10 +44,6 @@ class FixedWorld:
     staged: ClassVar[Staged] = NOT_STAGED  # the launcher stages nothing for it
     starting: ClassVar[int] = 0  # the world does not change size
     peer_lighthouse: ClassVar[str] = ""  # a peer library finds its own world
-
-    def planned(self, faults: str, sites: int, steps: int) -> list[Fault]:
-        """The faults this worker acts out: the run's ``--faults``, read for its world."""
-        return parse_faults(faults, sites, steps)
 
 
 @dataclass(frozen=True)
@@ -54,11 +65,7 @@ class ElasticSite:
     # lighthouse says, and its folder is its own (it writes its files whoever else is in)
     alone: bool = False
     back: bool = False  # ... into its folder's unfinished run: it only joins the run going
-    staged: Staged = NOT_STAGED  # what the local launcher's --faults stage for this process
-
-    def planned(self, faults: str, sites: int, steps: int) -> list[Fault]:
-        """The faults this site acts out: read by its launcher for the whole run."""
-        return list(self.staged.faults)
+    staged: Staged = NOT_STAGED  # what the local launcher staged for this process
 
 
 class QuorumControl:

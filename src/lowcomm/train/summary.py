@@ -130,9 +130,9 @@ class RunSummary:
         """
         if not self.config or not self.strategy:
             return None
-        from ..config.parse import config_fields  # lazily: this module stays torch-free
+        from ..config.parse import core_keys  # lazily: this module stays torch-free
 
-        if set(config_fields()) - set(self.config):
+        if core_keys() - set(self.config):
             return None  # an older summary lacks keys: today's defaults would not rerun it
         config = dict(self.config)
         if config.get("device") == "auto" and self.device:
