@@ -38,16 +38,16 @@ for part in $PARTS; do
       tests/test_codecs.py tests/test_compensation.py tests/test_topk_many.py \
       tests/test_block_many.py tests/test_triton.py ;;
     codecs) for n in 16777216 134217728; do
-        step codecs-$n 45 $PY -m lowcomm.cli bench codecs --device cuda --no-mix --repeats 5 \
+        step codecs-$n 45 $PY -m lowcomm.lab bench codecs --device cuda --no-mix --repeats 5 \
           --codecs fp32,bf16,int8,int4,fp4,topk --numel $n --json
       done ;;
-    sync-world1) step sync-world1 180 $PY -m lowcomm.cli bench sync --device cuda --world 1 \
+    sync-world1) step sync-world1 180 $PY -m lowcomm.lab bench sync --device cuda --world 1 \
       --steps 100 --launches --json ;;
-    sync-shared) step sync-shared 100 $PY -m lowcomm.cli bench sync --device cuda --world 2 \
+    sync-shared) step sync-shared 100 $PY -m lowcomm.lab bench sync --device cuda --world 2 \
       --steps 60 --strategies diloco,sparseloco --json ;;
-    state-cpu) step state-cpu 120 $PY -m lowcomm.cli bench sync --device cuda --world 1 \
+    state-cpu) step state-cpu 120 $PY -m lowcomm.lab bench sync --device cuda --world 1 \
       --steps 60 --strategies diloco,sparseloco --state-device cpu --json ;;
-    diagnose) step diagnose 240 $PY -m lowcomm.cli bench sync --device cuda --world 1 \
+    diagnose) step diagnose 240 $PY -m lowcomm.lab bench sync --device cuda --world 1 \
       --diagnose sparseloco --json ;;
     tests) step tests 200 $PY -m pytest -v -p no:cacheprovider -p no:benchmark -m cuda \
       $workers $timeout_flag --durations=0 tests/test_cuda.py ;;
@@ -55,7 +55,7 @@ for part in $PARTS; do
 done
 $PY - "$OUT" <<'PY'
 import json, pathlib, sys
-from lowcomm.bench.gpu import table
+from lowcomm.lab.bench.gpu import table
 out = pathlib.Path(sys.argv[1])
 def read(name):
     try:

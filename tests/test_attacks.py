@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lowcomm.errors import ConfigError
-from lowcomm.faults import Fault, parse_faults
-from lowcomm.faults.harness import Harness
+from lowcomm.lab.faults import Fault, parse_faults
+from lowcomm.lab.faults.harness import Harness
 from lowcomm.protocols import CommitVote, Contribution, SyncHooks
 from lowcomm.transport import Transport
 
@@ -160,7 +160,7 @@ def test_noise_is_the_same_in_a_replay():
 
 
 def test_the_attack_matrix_reads_each_cell_against_the_clean_plain_run():
-    from lowcomm.bench.attacks import table
+    from lowcomm.lab.bench.attacks import table
 
     def row(rule, attack, bad, loss, **kw):
         return {"strategy": "diloco", "seed": 0, "rule": rule, "attack": attack, "bad": bad,
@@ -216,7 +216,7 @@ def test_alie_sends_the_honest_mean_minus_z_times_their_spread():
 
     import numpy as np
 
-    from lowcomm.faults import forge
+    from lowcomm.lab.faults import forge
 
     # Baruch et al.: n = 8, m = 2: s = 3, z = Phi^-1(5/8)
     assert forge.alie_z(8, 2) == pytest.approx(statistics.NormalDist().inv_cdf(5 / 8))

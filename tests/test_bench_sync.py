@@ -11,9 +11,9 @@ import statistics
 import pytest
 import torch
 
-from lowcomm.bench.floor import floor_passes
-from lowcomm.bench.sync import STAGES, tensor_bytes
 from lowcomm.cli import main
+from lowcomm.lab.bench.floor import floor_passes
+from lowcomm.lab.bench.sync import STAGES, tensor_bytes
 from lowcomm.presets import preset_config
 
 STRATEGIES = ["diloco", "streaming", "sparseloco", "co2"]
@@ -76,7 +76,7 @@ def test_floor_counts_the_passes_of_each_method() -> None:
 
 
 def _gpu_workload(rank: int, world: int, state_device: str) -> dict:
-    from lowcomm.bench import gpu
+    from lowcomm.lab.bench import gpu
 
     args = gpu.parser().parse_args(
         ["--device", "cpu", "--layers", "2", "--width", "32", "--heads", "2", "--seq", "16",
@@ -91,7 +91,7 @@ def test_the_gpu_workload_runs_its_loop_and_table_on_a_cpu(workers):
     method gets a row with its speed against the plain loop before and after, and stages per
     sync that add up to no more than their total."""
     pytest.importorskip("transformers")
-    from lowcomm.bench.gpu import table
+    from lowcomm.lab.bench.gpu import table
 
     (result,) = workers(_gpu_workload, 1, "model")
     rows = result["rows"]
@@ -110,11 +110,11 @@ def test_the_gpu_workload_runs_its_loop_and_table_on_a_cpu(workers):
 def test_host_syncs_are_counted_on_lowcomms_own_lines_only():
     """A sync-debug warning counts against the sync when lowcomm's engine made it, not when the
     benchmark's own loop or another package did; a row without the count shows a dash."""
-    from lowcomm.bench.gpu import _engines, table
+    from lowcomm.lab.bench.gpu import _engines, table
 
     assert _engines("/x/src/lowcomm/engine/encode.py")
     assert _engines("/x/site-packages/lowcomm/codecs/topk.py")
-    assert not _engines("/x/src/lowcomm/bench/gpu.py")
+    assert not _engines("/x/src/lowcomm/lab/bench/gpu.py")
     assert not _engines("/x/site-packages/torch/nn/functional.py")
     row = {
         "strategy": "diloco", "h": 50, "speed": 1.0, "tok_s": 1.0, "plain_tok_s": 1.0,

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lowcomm.bench.chaos import MIN_WORKERS, Schedule, check, draw, run_one
-from lowcomm.faults import parse_faults
+from lowcomm.lab.bench.chaos import MIN_WORKERS, Schedule, check, draw, run_one
+from lowcomm.lab.faults import parse_faults
 
 METHODS, ROUNDS = ["diloco", "streaming", "sparseloco", "co2"], ["lockstep", "quorum"]
 
@@ -32,9 +32,9 @@ def test_a_seed_draws_one_adversary_within_the_same_budget_and_the_faults_it_had
     """Beside its faults a schedule draws one adversary from a stream of its own: an insider
     (a fault of the grammar, taking its site away within the budget) or a stranger (nobody
     away; never where sites sit in namespaces). The faults drawn before stay as they were."""
-    from lowcomm.bench.chaos import ADVERSARIES
-    from lowcomm.bench.stranger import KINDS as STRANGERS
-    from lowcomm.faults import INSIDERS
+    from lowcomm.lab.bench.chaos import ADVERSARIES
+    from lowcomm.lab.bench.stranger import KINDS as STRANGERS
+    from lowcomm.lab.faults import INSIDERS
 
     seen = set()
     for seed in range(300):
@@ -126,7 +126,7 @@ def test_a_sites_sync_record_belongs_to_one_run_and_matches_the_replica_checksum
 def test_the_checker_compares_each_shard_of_sites_of_several_ranks_with_the_same_ranks(tmp_path):
     """Rank 0 and rank 1 of a site hold different shards: never a split between them; a shard
     that differs from the same rank's shard of another site is."""
-    from lowcomm.bench.records import split as _split
+    from lowcomm.lab.bench.records import split as _split
 
     for site in (0, 1):
         _site(tmp_path, site, {10: "a", 20: "b"})  # rank 0's shard
@@ -144,7 +144,7 @@ def test_the_deployed_checker_reads_each_sites_folder(tmp_path):
     """lowcomm bench chaos --ranks 2: a site no fault touched must finish; a site brought back
     may instead say the run was over; the finished sites' models must be equal; each shard is
     compared with the same rank's elsewhere."""
-    from lowcomm.bench.chaos_sites import SitesSchedule, check
+    from lowcomm.lab.bench.chaos_sites import SitesSchedule, check
 
     sched = SitesSchedule(0, "diloco", 3, 2, 100, [{"kind": "rejoin", "site": 2, "rank": 1,
                                                     "sync": 3}], lost=1)  # fmt: skip

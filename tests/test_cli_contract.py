@@ -289,7 +289,7 @@ def _summary(
 
 
 def test_report_groups_only_runs_of_one_config_and_data(tmp_path):
-    from lowcomm.bench.compare import write_report
+    from lowcomm.lab.bench.compare import write_report
 
     _summary(tmp_path / "a", "diloco", "diloco", 2.0, 0, "x.txt")
     _summary(tmp_path / "b", "diloco", "diloco", 2.2, 1, "x.txt")  # a second seed
@@ -313,7 +313,7 @@ def test_report_groups_only_runs_of_one_config_and_data(tmp_path):
 
 
 def test_results_md_carries_command_commit_and_date(tmp_path):
-    from lowcomm.bench.compare import write_report
+    from lowcomm.lab.bench.compare import write_report
 
     _summary(tmp_path / "a", "ddp", "ddp", 1.0, 0, "x.txt")
     write_report([tmp_path / "a"], tmp_path / "r", command="lowcomm report a")

@@ -27,7 +27,7 @@ COLLECTIVES = {
 # the files that may name one, each with its reason
 ALLOWED = {
     "transport.py": "the one place collectives are issued",
-    "hooks/patches.py": "meters torch's own dist.all_reduce inside DDP comm hooks (wraps it)",
+    "lab/ddp_hooks.py": "meters torch's own dist.all_reduce inside DDP comm hooks (wraps it)",
     "train/sites.py": "FSDP2's custom all-gather and reduce-scatter, on FSDP2's own mesh groups "
     "and buffers: the collective FSDP2 would issue, metered",
 }

@@ -60,8 +60,10 @@ def _torch_hook_worker(rank: int, world: int, kind: str, bucket_cap_mb: float = 
     opt = adamw(model)
     transport = Transport(dist.new_group(backend="gloo"))
     ddp = DDP(model, process_group=transport.group, bucket_cap_mb=bucket_cap_mb)
-    state = lowcomm.TorchHookState(transport, kind, rank=1, start_iter=2)
-    ddp.register_comm_hook(state, lowcomm.torch_hook)
+    from lowcomm.lab.ddp_hooks import TorchHookState, torch_hook
+
+    state = TorchHookState(transport, kind, rank=1, start_iter=2)
+    ddp.register_comm_hook(state, torch_hook)
     data = batches(rank, world)
     per_step = []
     for _ in range(STEPS):

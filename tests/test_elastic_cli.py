@@ -233,8 +233,8 @@ def test_lowcomm_join_takes_no_site_the_launcher_itself_starts_again(tmp_path):
 
 
 def test_slow_fault_stretches_a_sites_compute_and_is_refused_without_a_factor(monkeypatch):
-    from lowcomm import faults as harness
-    from lowcomm.faults import Fault, pace, parse_faults
+    from lowcomm.lab import faults as harness
+    from lowcomm.lab.faults import Fault, pace, parse_faults
 
     assert parse_faults("slow:1x3,slow:0@40x1.5", 3, 90) == [
         Fault("slow", 1, 1, 3.0), Fault("slow", 0, 40, 1.5)
@@ -489,7 +489,7 @@ def test_a_healer_killed_inside_the_hand_over_costs_the_joiner_one_more_ask(tmp_
     dies after the joiner learnt the state's size and before the state came. The member left
     retries the sync without it, the joiner asks again and heals from site 1, and the two go on
     to the end, their global copies the same after every sync (their own records)."""
-    from lowcomm.bench.records import split as _split
+    from lowcomm.lab.bench.records import split as _split
 
     out = tmp_path / "run"
     faults = "kill:2@25,join:2@45,healer:0@40"

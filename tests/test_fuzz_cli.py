@@ -48,7 +48,7 @@ def test_build_configs_only_raises_config_error(values):
 
 @pytest.fixture
 def no_launch(monkeypatch):
-    import lowcomm.bench.compare as compare
+    import lowcomm.lab.bench.compare as compare
     import lowcomm.train.launch as launch
 
     monkeypatch.setattr(launch, "launch", lambda *a, **k: None)

@@ -137,7 +137,7 @@ def test_the_graph_sees_lazy_relative_and_typing_imports(tmp_path):
     assert found == {"p.a.sib", "p", "p.q.r", "p.q", "p.q.s"}
     graph = import_graph()
     assert "lowcomm.train.tokenizer" in graph["lowcomm.train.data"]  # lazy, in load_corpus
-    assert "lowcomm.sim.cli" in graph["lowcomm.sim.__main__"]
+    assert "lowcomm.lab.sim.cli" in graph["lowcomm.lab.sim.__main__"]
     # the rule for packages: a package's own re-exports do not make it a cycle
     assert find_cycles({"p": {"p.a"}, "p.a": {"p.b"}, "p.b": set()}) == []
     assert find_cycles({"p": {"p.a"}, "p.a": {"p"}}) == [["p", "p.a"]]
@@ -150,20 +150,67 @@ def test_no_import_cycles():
     )
 
 
-def test_the_sync_imports_no_fault_code():
-    """Faults are parts the trainer hands in (its callbacks, a transport factory, hooks): the
-    engine, the aggregators, the codecs, the transport and the protocol (elastic/) never import
-    the harness or the fault grammar, so no run without faults carries a fault branch."""
+LAB = f"{PACKAGE}.lab"
+
+
+def _in_lab(module: str) -> bool:
+    return module == LAB or module.startswith(f"{LAB}.")
+
+
+def test_the_core_imports_nothing_of_the_lab():
+    """The core (every module outside ``lowcomm.lab``) imports nothing of the lab: not at
+    module level, not lazily inside a function, not for typing. The lab finds the core's
+    extension points by registering itself (``lowcomm.plugins``)."""
     graph = import_graph()
-    sync = ("engine", "aggregate", "codecs", "elastic", "transport", "compensation", "outer")
     leaks = [
         f"{name} imports {target}"
         for name, targets in graph.items()
-        if name.split(".")[1:2] and name.split(".")[1] in sync
+        if not _in_lab(name)
         for target in targets
-        if target == f"{PACKAGE}.faults" or target.startswith(f"{PACKAGE}.faults.")
+        if _in_lab(target)
     ]
     assert not leaks, leaks
+
+
+def test_the_lab_stands_above_the_core():
+    """Every arrow between the two runs from the lab down into the core, and the lab uses the
+    core at all (a lab that imported nothing would pass the test above vacuously)."""
+    graph = import_graph()
+    down = [(n, t) for n, ts in graph.items() if _in_lab(n) for t in ts if not _in_lab(t)]
+    assert {t for _, t in down} >= {f"{PACKAGE}.engine", f"{PACKAGE}.train.extensions"}, down
+    assert not [(n, t) for n, ts in graph.items() if not _in_lab(n) for t in ts if _in_lab(t)]
+
+
+def test_a_run_of_the_core_loads_no_lab_module(tmp_path):
+    """``lowcomm train`` of a core method, end to end in one process (a world of one under a
+    torchrun-like environment), with the lab installed beside it: no lab module is imported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from lowcomm.cli import main\n"
+        f"code = main(['train', '--strategy', 'diloco', '--out', {str(tmp_path / 'run')!r},\n"
+        "             'model=tiny', 'steps=4', 'sync_every=2', 'batch_size=2', 'seq_len=16',\n"
+        "             'eval_batches=1', 'eval_every=0', 'progress=false'])\n"
+        "lab = sorted(m for m in sys.modules if m.startswith('lowcomm.lab'))\n"
+        "assert code == 0 and not lab, (code, lab)\n"
+    )
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}  # fmt: skip
+    import os
+
+    res = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_rounds_alone_changes_its_counters():

@@ -18,7 +18,7 @@ from lowcomm.elastic.membership import Elastic, Membership
 from lowcomm.elastic.messages import Request
 from lowcomm.elastic.reading import Reader
 from lowcomm.errors import MembershipError
-from lowcomm.faults import Fault, parse_faults
+from lowcomm.lab.faults import Fault, parse_faults
 
 pytest.importorskip("torchft")
 

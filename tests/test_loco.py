@@ -290,7 +290,7 @@ def test_quantizer_errors_side_by_side():
     """Relative error of both quantisers on gradient-like matrices (Gaussian; heavy-tailed
     Student-t with 3 degrees of freedom; rows and columns of different scales), at the group
     each uses on a transformer-sized matrix: ours 128 elements, the authors' min(rows, cols)."""
-    from lowcomm.codecs import authors_group_size
+    from lowcomm.hooks.loco_common import authors_group_size
 
     g = torch.Generator().manual_seed(0)
     shape = (768, 2048)
@@ -412,8 +412,8 @@ def test_diloco_with_loco_compressed_pseudo_gradients(workers):
 def _patch_worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from lowcomm.hooks import patches
-    from lowcomm.hooks.ddp import TorchHookState
+    from lowcomm.lab import ddp_hooks as patches
+    from lowcomm.lab.ddp_hooks import TorchHookState
     from lowcomm.transport import Transport
 
     original = dist.all_reduce

@@ -1,4 +1,4 @@
-"""Tests of the kernel-shaped network harness (lowcomm.netshape).
+"""Tests of the kernel-shaped network harness (lowcomm.lab.netshape).
 
 Tests marked ``network`` need root and iproute2; they skip, saying why, elsewhere. Run them all
 with ``pytest tests/test_netshape.py -m "network or not network"``.
@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from lowcomm.netshape import (
+from lowcomm.lab.netshape import (
     LinkCheckFailed,
     NetworkUnavailable,
     ShapedNetwork,
@@ -181,7 +181,7 @@ def test_measure_needs_an_active_network() -> None:
 def test_helper_programs_run_by_path_on_plain_loopback() -> None:
     """The measuring programs are real files of the installed package, runnable by path with
     the standard library alone; on an unshaped loopback every byte sent is received."""
-    from lowcomm.netshape import measure
+    from lowcomm.lab.netshape import measure
 
     nbytes = 3 << 20
     receiver = subprocess.Popen(
@@ -303,7 +303,7 @@ _SIGNAL_SCRIPT = textwrap.dedent(
     """
     import signal, sys, time
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started ignoring it
-    from lowcomm.netshape import ShapedNetwork
+    from lowcomm.lab.netshape import ShapedNetwork
     with ShapedNetwork(
         "20mbit", sys.argv[1], workers=2, name_prefix=sys.argv[2], check=False
     ) as net:
@@ -418,7 +418,7 @@ def test_cli(network_ok: None) -> None:
         [
             sys.executable,
             "-m",
-            "lowcomm.netshape",
+            "lowcomm.lab.netshape",
             "--rate",
             "30mbit",
             "--topology",
@@ -445,7 +445,7 @@ def test_cli(network_ok: None) -> None:
         subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     )
     bad = subprocess.run(
-        [sys.executable, "-m", "lowcomm.netshape", "--rate", "10mbps"],
+        [sys.executable, "-m", "lowcomm.lab.netshape", "--rate", "10mbps"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from lowcomm.bench.compare import plot_results
+from lowcomm.lab.bench.compare import plot_results
 from lowcomm.train.summary import RunSummary
 
 
@@ -76,7 +76,7 @@ def _finished(folder, name, strategy, loss):
 
 
 def test_report_merges_folders_and_averages_seeds(tmp_path):
-    from lowcomm.bench.compare import write_report
+    from lowcomm.lab.bench.compare import write_report
 
     for folder, ddp, sl in (("screen", 1.0, 1.5), ("seed1", 1.2, 1.7)):
         _finished(tmp_path / folder, "ddp", "ddp", ddp)
@@ -128,7 +128,7 @@ def _curve(folder, name, entry, bw, steps, walls, losses, **extra):
 
 
 def test_time_to_loss_interpolates_between_evaluations(tmp_path):
-    from lowcomm.bench.compare import time_to_loss
+    from lowcomm.lab.bench.compare import time_to_loss
 
     d = _curve(tmp_path, "a", "a", None, [10, 20, 30], [1.0, 3.0, 5.0], [4.0, 3.0, 2.0])
     assert time_to_loss(d, 2.5) == (4.0, 25.0)  # halfway between steps 20 and 30
@@ -137,7 +137,7 @@ def test_time_to_loss_interpolates_between_evaluations(tmp_path):
 
 
 def test_network_table_relates_each_link_to_the_unshaped_run(tmp_path):
-    from lowcomm.bench.compare import network_table, write_report
+    from lowcomm.lab.bench.compare import network_table, write_report
 
     _curve(tmp_path / "net", "ddp", "ddp", None, [10, 20], [1.0, 2.0], [3.0, 2.0])
     # a 10-step window on a slow link: 4 s per step, never reaches 2.0 itself
@@ -163,7 +163,7 @@ def test_compare_goes_on_after_a_lost_run_and_fails_at_the_end(tmp_path, monkeyp
     non-zero."""
     import pytest
 
-    from lowcomm.bench import compare
+    from lowcomm.lab.bench import compare
     from lowcomm.train.launch import LaunchError
 
     ran = []
@@ -209,7 +209,7 @@ def test_compare_goes_on_after_a_lost_run_and_fails_at_the_end(tmp_path, monkeyp
 def test_plot_titles_carry_the_provenance(tmp_path, monkeypatch):
     import matplotlib.axes
 
-    from lowcomm.bench.compare import provenance
+    from lowcomm.lab.bench.compare import provenance
 
     titles = []
     original = matplotlib.axes.Axes.set_title

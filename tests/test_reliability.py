@@ -209,12 +209,12 @@ def test_check_before_apply_learns_a_bound_and_skips_what_is_past_it():
 def _attacked(rank: int, world: int, faults_spec: str, **kw) -> tuple[object, list]:
     """12 steps of DiLoCo (H = 2) on the tiny model, this rank acting out ``faults_spec``;
     the engine and the global copy after each sync."""
-    from lowcomm import faults
+    from lowcomm.lab import faults
 
     model = tiny_model(seed=0)
     opt = adamw(model)
     data = batches(rank, world)
-    from lowcomm.faults.harness import Harness
+    from lowcomm.lab.faults.harness import Harness
     from lowcomm.transport import Transport
 
     harness = Harness(faults.parse_faults(faults_spec, world, 12), rank)

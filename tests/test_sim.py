@@ -1,4 +1,4 @@
-"""The compute-utilization simulator (lowcomm.sim): paper tables, physics, CLI, --from-run."""
+"""The compute-utilization simulator (lowcomm.lab.sim): paper tables, physics, CLI, --from-run."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lowcomm.sim import (
+from lowcomm.lab.sim import (
     GRID,
     PAPER_WIRE_SCALE,
     PRESETS,
@@ -418,14 +418,14 @@ def test_from_run_missing_fields(tmp_path, capsys):
 
 
 def test_simulator_does_not_need_torch():
-    """Import lowcomm.sim with torch made unimportable (bypassing lowcomm/__init__)."""
+    """Import lowcomm.lab.sim with torch made unimportable (bypassing lowcomm/__init__)."""
     src = Path(__file__).resolve().parents[1] / "src" / "lowcomm"
     code = (
         "import sys, types\n"
         "sys.modules['torch'] = None\n"
         f"pkg = types.ModuleType('lowcomm'); pkg.__path__ = [{str(src)!r}]\n"
         "sys.modules['lowcomm'] = pkg\n"
-        "from lowcomm.sim import cli\n"
+        "from lowcomm.lab.sim import cli\n"
         "sys.exit(cli.main(['--model', '1b', '--json']))\n"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -440,7 +440,7 @@ def test_report_fills_every_placeholder_of_its_template():
     """benchmarks/simulator.md's generator: the packaged template, all placeholders filled."""
     import re
 
-    from lowcomm.sim import report
+    from lowcomm.lab.sim import report
 
     template = report._template()
     names = set(re.findall(r"\{(\w+)\}", template))
@@ -453,6 +453,6 @@ def test_report_fills_every_placeholder_of_its_template():
 
 def test_the_reports_paper_table_matches_the_tests_own_transcription():
     """The report prints the paper's table beside ours: two transcriptions made apart agree."""
-    from lowcomm.sim import report
+    from lowcomm.lab.sim import report
 
     assert report.PAPER_TABLE4 == PAPER_TABLE4

@@ -18,11 +18,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lowcomm.bench.deployed import LOWCOMM, Deployment
 from lowcomm.elastic.messages import Request
 from lowcomm.elastic.reading import Reader
 from lowcomm.elastic.site import SiteRanks
 from lowcomm.errors import MembershipError
+from lowcomm.lab.bench.deployed import LOWCOMM, Deployment
 
 TRAIN = ["train", "--strategy", "diloco", "--model", "tiny", "sync_every=10", "progress=false",
          "eval_every=0", "threads=1", "elastic=true", "heartbeat_timeout_s=1",
@@ -118,9 +118,9 @@ def _sites(net, root: Path, sites: int, steps: int, extra: tuple = ()) -> Deploy
 
 @pytest.fixture
 def network():
-    from lowcomm.netshape.errors import NetworkUnavailable
-    from lowcomm.netshape.namespaces import require_root_and_iproute2
-    from lowcomm.netshape.network import ShapedNetwork
+    from lowcomm.lab.netshape.errors import NetworkUnavailable
+    from lowcomm.lab.netshape.namespaces import require_root_and_iproute2
+    from lowcomm.lab.netshape.network import ShapedNetwork
 
     pytest.importorskip("torchft")
     try:

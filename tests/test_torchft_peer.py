@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from lowcomm.config import ConfigError, build_configs
-from lowcomm.peers import torchft as torchft_peer
+from lowcomm.lab.peers import torchft as torchft_peer
 from lowcomm.presets import preset_config
 from lowcomm.train.launch import launch
 from lowcomm.train.model import build_model

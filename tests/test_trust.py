@@ -277,7 +277,7 @@ def test_a_site_whose_name_was_taken_asks_again_under_a_new_one_and_the_others_w
 def _flood(lighthouse: str, name: str, stop, threads: int = 8) -> None:
     """A stranger: quorum requests under ``name`` with empty data, from ``threads`` threads,
     until ``stop`` (the finding's attack: torchft's own client, 8 threads)."""
-    from lowcomm.bench.stranger import flood
+    from lowcomm.lab.bench.stranger import flood
 
     flood(lighthouse, name, {}, stop, threads)
 

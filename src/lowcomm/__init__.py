@@ -2,7 +2,8 @@
 
 Public API: the general engine (:class:`LowComm` + :class:`SyncConfig`), its presets, the
 per-step DDP comm hooks, and the errors users catch (all derive from :class:`LowCommError`).
-Attributes load lazily, so ``import lowcomm.schedule`` or ``lowcomm.sim`` does not import torch.
+Attributes load lazily, so ``import lowcomm.schedule`` or ``lowcomm.config`` does not import
+torch.
 """
 
 from __future__ import annotations
@@ -41,8 +42,6 @@ _LAZY = {
     "allreduce_hook": "loco",
     "LoCoState": "loco",
     "loco_hook": "loco",
-    "TorchHookState": "loco",
-    "torch_hook": "loco",
     "load_model": "train.export",
     "RunSummary": "train.summary",
 }

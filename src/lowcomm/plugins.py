@@ -30,10 +30,14 @@ def load() -> bool:
     if _loaded:
         return False
     _loaded = True
+    ran = []
     for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name):
-        ep.load()()
-    for register in _added:
+        register = ep.load()
         register()
+        ran.append(register)
+    for register in _added:
+        if register not in ran:  # an installed plugin also added by hand: once
+            register()
     return True
 
 

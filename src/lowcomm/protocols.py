@@ -51,7 +51,7 @@ class Link(HasMeter, Protocol):
 
 class SiteMembership(Protocol):
     """Who is in an elastic run, as the trainer reads it (:class:`lowcomm.elastic.Runner`, or
-    :class:`lowcomm.peers.torchft.PeerMembership`)."""
+    a peer library's own)."""
 
     members: list[int] | None  # the sites of the last sync (or control collective) that stood
     events: list[dict]  # membership changes: the sync, who left or joined, the time lost

@@ -1,13 +1,14 @@
-"""`lowcomm train | join | lighthouse | compare | report | simulate | bench`: the command-line
-contract of docs/design.md.
+"""`lowcomm train | join | lighthouse`: the command-line contract of docs/design.md, and the
+commands other packages add (the lab's ``compare``, ``report``, ``simulate``, ``bench``).
 
 User errors (unknown strategy or key, bad values, missing files, unwritable output, a port in
 use) print one line naming the problem and the fix, and exit with status 2, never a traceback.
 
 This package holds the parser and the entry point (:func:`main`, the ``lowcomm`` console
-script; ``python -m lowcomm.cli`` runs it too); each subcommand lives in its own module
-(``train``, ``join``, ``compare`` with ``report``, ``tools`` for simulate and bench), and
-``common`` holds what they share.
+script; ``python -m lowcomm.cli`` runs it too); each core subcommand lives in its own module
+(``train``, ``join``, ``lighthouse``), and ``common`` holds what every command shares. A
+command of a plugin (:mod:`lowcomm.plugins`) is added with :func:`register_command`; the
+plugins are loaded only for a command the core does not have, or for the help.
 """
 
 from __future__ import annotations
@@ -15,25 +16,25 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import LowCommError
 from .common import (  # noqa: F401  (the one-module CLI's names stay importable from here)
+    Help,
+    Parser,
     UsageError,
-    _check_data,
-    _check_model,
-    _check_out_dir,
-    _command,
-    _existing_run,
-    _Help,
-    _Parser,
-    _port,
-    _remove,
-    _values,
+    check_data,
+    check_model,
+    check_out_dir,
+    command_line,
+    config_values,
+    existing_run,
+    port,
+    remove,
 )
-from .compare import _add_compare, _add_report, cmd_compare, cmd_report
 from .join import _add_join, cmd_join
 from .lighthouse import _add_lighthouse, cmd_lighthouse
-from .tools import _add_bench, _add_simulate, cmd_bench, cmd_simulate
 from .train import (  # noqa: F401
     RESUME_MAY_CHANGE,
     _add_train,
@@ -46,45 +47,57 @@ __all__ = [
     "RESUME_MAY_CHANGE",
     "UsageError",
     "build_parser",
-    "cmd_bench",
-    "cmd_compare",
     "cmd_join",
     "cmd_lighthouse",
-    "cmd_report",
-    "cmd_simulate",
     "cmd_train",
     "main",
+    "register_command",
 ]
 
 _OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
+CORE = ("train", "join", "lighthouse")
+# a plugin's commands: name -> (adds its parser to the subparsers, parses its own key=value)
+_COMMANDS: dict[str, tuple[Callable[[Any], None], bool]] = {}
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `lowcomm` argument parser (config keys are listed in `train --help`)."""
-    from .. import __version__
 
-    p = _Parser(prog="lowcomm", description="Low-communication distributed training.")
+def register_command(name: str, add: Callable[[Any], None], own_args: bool = False) -> None:
+    """A command of ``lowcomm`` from a plugin: ``add(subparsers)`` adds its parser (which sets
+    ``func``); ``own_args``: it reads its ``key=value`` arguments itself (a benchmark passes
+    them on to its runs)."""
+    if name in CORE or _COMMANDS.get(name, (add, own_args)) != (add, own_args):
+        raise ValueError(f"command {name!r} is taken")
+    _COMMANDS[name] = (add, own_args)
+
+
+def build_parser(plugins_too: bool = True) -> argparse.ArgumentParser:
+    """The `lowcomm` argument parser (config keys are listed in `train --help`); with
+    ``plugins_too``, the plugins' commands as well (loading the plugins)."""
+    from .. import __version__, plugins
+
+    p = Parser(prog="lowcomm", description="Low-communication distributed training.")
     p.add_argument("--version", action="version", version=f"lowcomm {__version__}")
-    sub = p.add_subparsers(dest="command", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", parser_class=Parser)
     _add_train(sub)
     _add_join(sub)
     _add_lighthouse(sub)
-    _add_compare(sub)
-    _add_report(sub)
-    _add_simulate(sub)
-    _add_bench(sub)
+    if plugins_too:
+        plugins.load()
+        for add, _ in _COMMANDS.values():
+            add(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `lowcomm` command."""
-    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    # a command of the core's own needs no plugin (its help lists their keys: it loads them)
+    parser = build_parser(plugins_too=not argv or argv[0] not in CORE)
     # key=value overrides may sit anywhere among the options (argparse cannot interleave them)
-    # (a benchmark parses its own arguments, settings it passes on to its runs among them)
-    bench = bool(argv) and argv[0] == "bench"
-    overrides = [] if bench else [a for a in argv if _OVERRIDE.match(a)]
-    rest = argv if bench else [a for a in argv if not _OVERRIDE.match(a)]
+    # (a command that reads its own, a benchmark's, passes settings on to its runs)
+    own = bool(argv) and _COMMANDS.get(argv[0], (None, False))[1]
+    overrides = [] if own else [a for a in argv if _OVERRIDE.match(a)]
+    rest = argv if own else [a for a in argv if not _OVERRIDE.match(a)]
     args: argparse.Namespace | None = None
     try:
         args = parser.parse_args(rest)

@@ -19,12 +19,21 @@ class UsageError(LowCommError):
     """Bad command-line input: printed as one line, exit status 2."""
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, with errors as one line, and an epilog that may be a function: made
+    only when the help is shown (the list of config keys loads the plugins' keys)."""
+
     def error(self, message: str) -> None:  # one line, exit 2, like every other user error
         raise UsageError(f"{self.prog}: {message} (see --help)")
 
+    def format_help(self) -> str:
+        """The help, its epilog made now if it is a function."""
+        if callable(self.epilog):
+            self.epilog = self.epilog()
+        return super().format_help()
 
-class _Help(argparse.RawDescriptionHelpFormatter):
+
+class Help(argparse.RawDescriptionHelpFormatter):
     """Shows each flag's default unless its help already names it (or it has none)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
@@ -38,7 +47,7 @@ class _Help(argparse.RawDescriptionHelpFormatter):
         return text
 
 
-def _port(text: str) -> int:
+def port(text: str) -> int:
     """argparse type of --port: a TCP port number."""
     try:
         port = int(text)
@@ -51,7 +60,7 @@ def _port(text: str) -> int:
     return port
 
 
-def _check_out_dir(path: str | Path) -> Path:
+def check_out_dir(path: str | Path) -> Path:
     out = Path(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -71,7 +80,7 @@ _RUN_MARKS = ("summary.json", "metrics.jsonl", "model.pt", "checkpoints")
 _RUN_OUTPUTS = _RUN_MARKS + ("corpus.json", "workers.json", "workers.json.tmp", "tensorboard", "hf")
 
 
-def _existing_run(path: str, overwrite: bool) -> list[Path]:
+def existing_run(path: str, overwrite: bool) -> list[Path]:
     """What a run already wrote in --out: refused unless --overwrite (then it is to be removed)."""
     out = Path(path)
     marks = [n for n in _RUN_MARKS if (out / n).exists()]
@@ -83,7 +92,7 @@ def _existing_run(path: str, overwrite: bool) -> list[Path]:
     return [out / n for n in _RUN_OUTPUTS if (out / n).exists()] if marks else []
 
 
-def _remove(paths: list[Path]) -> None:
+def remove(paths: list[Path]) -> None:
     """Remove the old run's files and folders (only what a run writes: other files stay)."""
     for target in paths:
         if target.is_dir():
@@ -92,14 +101,14 @@ def _remove(paths: list[Path]) -> None:
             target.unlink(missing_ok=True)
 
 
-def _check_model(name: str) -> None:
+def check_model(name: str) -> None:
     from ..train.model import PRESETS, unknown_preset
 
     if name not in PRESETS and not name.startswith("hf:"):  # hf: names are checked by lowcomm.hf
         raise ConfigError(unknown_preset(name))
 
 
-def _values(args: argparse.Namespace) -> dict[str, Any]:
+def config_values(args: argparse.Namespace) -> dict[str, Any]:
     values: dict[str, Any] = {}
     if getattr(args, "config", None):
         values.update(load_toml(args.config))
@@ -111,7 +120,7 @@ def _values(args: argparse.Namespace) -> dict[str, Any]:
     return values
 
 
-def _check_data(spec: str) -> None:
+def check_data(spec: str) -> None:
     """A missing corpus path named now (the full data check runs in the launcher)."""
     if spec in ("stdlib", "") or spec.startswith("hf:"):
         return
@@ -125,7 +134,7 @@ def _check_data(spec: str) -> None:
         )
 
 
-def _command() -> str:
+def command_line() -> str:
     """This process's command line, as a user would type it (for results.md and plots)."""
     return " ".join(["lowcomm", *sys.argv[1:]])
 
@@ -137,7 +146,7 @@ _MODEL_HELP = (
 _STEPS_HELP = f"inner steps per worker (default: {TrainConfig.steps}, the steps key)"
 
 
-def _add_model_and_steps(p: argparse.ArgumentParser) -> None:
+def add_model_and_steps(p: argparse.ArgumentParser) -> None:
     """--model and --steps, shared by train and compare."""
     p.add_argument("--model", default=None, metavar="PRESET", help=_MODEL_HELP)
     p.add_argument("--steps", type=int, default=None, metavar="N", help=_STEPS_HELP)
@@ -152,7 +161,7 @@ def _add_model_and_steps(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_config_port_overrides(p: argparse.ArgumentParser) -> None:
+def add_config_port_overrides(p: argparse.ArgumentParser) -> None:
     """--config, --port and the key=value overrides, shared by train and compare."""
     p.add_argument(
         "--config",
@@ -160,5 +169,5 @@ def _add_config_port_overrides(p: argparse.ArgumentParser) -> None:
         metavar="FILE.toml",
         help="TOML file of config keys (default: none)",
     )
-    p.add_argument("--port", type=_port, default=None, help="rendezvous port (default: a free one)")
+    p.add_argument("--port", type=port, default=None, help="rendezvous port (default: a free one)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")

@@ -10,24 +10,23 @@ from typing import Any
 
 from ..config import ConfigError, build_configs, help_text
 from .common import (
+    Help,
     UsageError,
-    _add_config_port_overrides,
-    _add_model_and_steps,
-    _check_data,
-    _check_model,
-    _check_out_dir,
-    _existing_run,
-    _Help,
-    _remove,
-    _values,
+    add_config_port_overrides,
+    add_model_and_steps,
+    check_data,
+    check_model,
+    check_out_dir,
+    config_values,
+    existing_run,
+    remove,
 )
 
 
 def _print_summary(summary: dict[str, Any] | None, out: Path) -> None:
     if summary is None:  # not rank 0 under torchrun
         return
-    from ..bench.report import results_table
-    from ..train.summary import RunSummary
+    from ..train.summary import RunSummary, results_table
 
     print(results_table([RunSummary.from_dict(summary)]))
     print(f"summary: {out / 'summary.json'}")
@@ -47,20 +46,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     args.workers = 2 if args.workers_given is None else args.workers_given
     if args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
-    configs = build_configs(_values(args), sync=strategy.config(args.workers))
-    _check_model(configs.train.model)
-    _check_data(configs.train.data)
+    configs = build_configs(config_values(args), sync=strategy.config(args.workers))
+    check_model(configs.train.model)
+    check_data(configs.train.data)
     site = configs.membership.site
     if site >= 0 and args.workers_given is not None:
         raise ConfigError("site= runs one site here: drop --workers (sites=S is the run's count)")
     if site >= 0 and not args.overwrite:
         old = _site_folder(args.out)
     else:
-        old = _existing_run(args.out, args.overwrite)
-    out = _check_out_dir(args.out)
+        old = existing_run(args.out, args.overwrite)
+    out = check_out_dir(args.out)
     # the old run goes only once the new one's settings, model and data have passed their checks
     spec = RunSpec.of(strategy, configs, out)
-    summary = launch(spec, args.workers, args.port, on_checked=lambda: _remove(old))
+    summary = launch(spec, args.workers, args.port, on_checked=lambda: remove(old))
     _print_summary(summary, out)
     return 0
 
@@ -124,7 +123,7 @@ def _resume(args: argparse.Namespace) -> int:
             f"{run['strategy']}, not {args.strategy}; drop --strategy to continue "
             f"it, or start a new run with another --out"
         )
-    given = _values(args)
+    given = config_values(args)
     known = config_fields()  # the plugins' keys too, where the saved run has any
     saved = {**SAVED_BEFORE, **saved_values(run)}
     saved = {k: v for k, v in saved.items() if k in known}
@@ -174,11 +173,12 @@ def _add_train(sub: Any) -> None:
     t = sub.add_parser(
         "train",
         help="train one strategy",
-        formatter_class=_Help,
+        formatter_class=Help,
         usage="lowcomm train --strategy NAME [options] [key=value ...]\n"
         "       lowcomm train --resume DIR [options] [key=value ...]",
-        epilog="config keys (key=value or in --config FILE.toml), with their defaults:\n"
-        + help_text(),
+        epilog=lambda: (
+            "config keys (key=value or in --config FILE.toml), with their defaults:\n" + help_text()
+        ),
     )
     need = t.add_argument_group("required (unless --resume DIR)")
     need.add_argument(
@@ -203,7 +203,7 @@ def _add_train(sub: Any) -> None:
         help="continue the run saved in DIR from its newest complete checkpoint "
         "(default: start a new run)",
     )
-    _add_model_and_steps(t)
+    add_model_and_steps(t)
     t.add_argument(
         "--out",
         default="runs/train",
@@ -229,5 +229,5 @@ def _add_train(sub: Any) -> None:
         help="with elastic=true: re-enact the membership.jsonl of a run (each site leaves at "
         "the sync it left then, no real fault); same as replay=FILE",
     )
-    _add_config_port_overrides(t)
+    add_config_port_overrides(t)
     t.set_defaults(func=cmd_train)

@@ -27,8 +27,6 @@ CODEC_NAMES: tuple[str, ...] = codec_names()
 
 # public name -> the module that defines it (imported on first access: those import torch)
 _LAZY = {
-    "AuthorsInt4Codec": "int4_authors",
-    "authors_group_size": "int4_authors",
     "Codec": "base",
     "DenseCodec": "dense",
     "FP4Codec": "fp4",
@@ -46,8 +44,6 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "AuthorsInt4Codec",
-    "authors_group_size",
     "CODEC_NAMES",
     "Codec",
     "CodecSpec",

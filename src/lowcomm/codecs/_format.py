@@ -30,10 +30,16 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian torch platform
 HEADER_BYTES = 16
 MAGIC = b"LC"
 VERSION = 1
+
+
 # codec name -> header byte 3: each codec's ``@register(wire_id=...)`` (an alias writes its
 # target's, under the target's name)
-CODEC_IDS = {s.name: s.wire_id for s in specs().values() if s.wire_id is not None}
-_ID_NAMES = {v: k for k, v in CODEC_IDS.items()}
+def codec_ids() -> dict[str, int]:
+    """Every codec's wire id by name (a plugin's too, once its module is imported)."""
+    return {s.name: s.wire_id for s in specs().values() if s.wire_id is not None}
+
+
+CODEC_IDS = codec_ids()  # the core's own
 _STRUCT = struct.Struct("<2sBBIQ")
 
 #: elements per chunk of the CPU encode/decode loops: big enough to amortise the Python
@@ -61,7 +67,7 @@ def numel_of(shape) -> int:
 
 
 def write_header(payload: torch.Tensor, codec: str, param: int, numel: int) -> None:
-    raw = _STRUCT.pack(MAGIC, VERSION, CODEC_IDS[codec], param, numel)
+    raw = _STRUCT.pack(MAGIC, VERSION, codec_ids()[codec], param, numel)
     payload[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
 
 
@@ -105,10 +111,11 @@ def check_payload(
         )
     if version != VERSION:
         raise PayloadError(f"{name}: payload format version {version}, this build reads {VERSION}")
-    if cid != CODEC_IDS[codec]:
+    ids = codec_ids()
+    if cid != ids[codec]:
+        was = next((n for n, i in ids.items() if i == cid), f"id {cid}")
         raise PayloadError(
-            f"{name}: payload was encoded with codec {_ID_NAMES.get(cid, f'id {cid}')}, "
-            f"decoding with {describe}"
+            f"{name}: payload was encoded with codec {was}, decoding with {describe}"
         )
     if got_param != param:
         raise PayloadError(

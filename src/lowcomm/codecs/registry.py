@@ -22,6 +22,8 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .. import plugins
+
 if TYPE_CHECKING:
     from .base import Codec
 
@@ -57,6 +59,8 @@ class CodecSpec:
 
 # name -> class, filled by @register as the codec modules are imported
 _CLASSES: dict[str, type] = {}
+# codecs declared outside this package (a plugin's: lowcomm.plugins), as their modules import
+_EXTERNAL: dict[str, CodecSpec] = {}
 
 
 def register(name: str, **declared: Any) -> Callable[[_T], _T]:
@@ -72,15 +76,26 @@ def register(name: str, **declared: Any) -> Callable[[_T], _T]:
             cls.name = name
             cls.elementwise = spec.elementwise
         _CLASSES[name] = cls
+        if not cls.__module__.startswith(f"{__package__}."):  # a plugin's: its spec with it
+            taken = {s.wire_id: s.name for s in _package_specs().values()}
+            if name in _package_specs() or spec.wire_id in taken:
+                raise ValueError(f"codec {name!r} (wire id {spec.wire_id}) is taken")
+            _EXTERNAL[name] = dataclasses.replace(spec, module=cls.__module__)
         return cls
 
     return decorate
 
 
-@cache
 def specs() -> dict[str, CodecSpec]:
-    """Every declared name -> its spec, read from this package's files without importing them;
-    ordered by wire id, aliases last (the order configs list the choices in)."""
+    """Every declared name -> its spec: this package's (read from its files without importing
+    them; ordered by wire id, aliases last: the order configs list the choices in), then the
+    plugins' registered so far."""
+    return {**_package_specs(), **_EXTERNAL}
+
+
+@cache
+def _package_specs() -> dict[str, CodecSpec]:
+    """This package's declared names -> their specs, read from its files."""
     found: dict[str, CodecSpec] = {}
     for path in sorted(_DIR.glob("*.py")):
         text = path.read_text(encoding="utf-8")
@@ -155,8 +170,8 @@ def codec_names(**where: bool) -> tuple[str, ...]:
 
 def codec_class(name: str) -> type:
     """The class registered as ``name`` (imports its module, and with it torch)."""
-    spec = specs()[name]
-    importlib.import_module(f"{__package__}.{spec.module}")
+    if name not in _CLASSES:
+        importlib.import_module(f"{__package__}.{specs()[name].module}")
     return _CLASSES[name]
 
 
@@ -167,6 +182,8 @@ def make_codec(name: str, **opts: Any) -> Codec:
     given as None are ignored, while an option no codec reads (a typo) raises ValueError.
     """
     table = specs()
+    if name not in table and plugins.load():  # a plugin's codec, perhaps
+        table = specs()
     spec = table.get(name)
     if spec is None or not spec.config:
         raise ValueError(f"unknown codec {name!r}; valid names: {', '.join(codec_names())}")

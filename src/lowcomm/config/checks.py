@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, Literal, get_args
 
+from .. import plugins
+from ..codecs.registry import codec_names
 from ..errors import ConfigError
 from . import choices
 from .choices import (
@@ -16,7 +18,6 @@ from .choices import (
     CODECS,
     DENSE_CODECS,
     DENSE_ONLY_RULES,
-    ELEMENTWISE_CODECS,
     SPARSE_CODECS,
     SUM_RULES,
 )
@@ -32,6 +33,14 @@ _CHOICES = {name: get_args(lit) for name, lit in _LITERALS.items()} | {
     "Codec": CODECS,
     "Aggregation": AGGREGATIONS,
 }
+
+
+def _codecs(value: str) -> tuple[str, ...]:
+    """The codec names a config may give: the core's, and a plugin's where ``value`` is none
+    of those (the plugins are loaded then)."""
+    if value not in CODECS and plugins.load():
+        return codec_names()
+    return codec_names() if value not in CODECS else CODECS
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -50,7 +59,7 @@ def check_types(cfg: Any) -> None:
         value = getattr(cfg, f.name)
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
         if kind in _CHOICES:
-            allowed = _CHOICES[kind]
+            allowed = _codecs(value) if kind == "Codec" else _CHOICES[kind]
             if not isinstance(value, str):
                 raise ConfigError(f"{f.name} must be one of {', '.join(allowed)}; got {value!r}")
             _choice(f.name, value, allowed)
@@ -134,7 +143,7 @@ def validate_sync(cfg: Any) -> None:
             f"have one sender or none): use aggregation=cosine-clip (or norm-clip), or a "
             f"dense codec"
         )
-    if cfg.reduce == "two-phase" and cfg.codec not in ELEMENTWISE_CODECS:
+    if cfg.reduce == "two-phase" and cfg.codec not in codec_names(elementwise=True):
         raise ConfigError(
             f"reduce=two-phase needs an element-wise codec; {cfg.codec} encodes whole "
             f"tensors: use reduce=gather"

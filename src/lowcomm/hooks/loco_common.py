@@ -29,8 +29,24 @@ from typing import Any
 
 import torch
 
-from ..codecs import Codec, authors_group_size, make_codec
+from ..codecs import Codec, make_codec
 from ..errors import ConfigError
+
+
+def authors_group_size(shape: torch.Size | tuple[int, ...], fallback: int) -> int:
+    """The authors' group for a tensor: ``min(rows, cols)`` of its matrix view (rows = dim 0).
+
+    A 1-D or 0-d tensor has no such matrix (the authors never quantise one): ``fallback``.
+    """
+    shape = tuple(int(d) for d in shape)
+    if len(shape) < 2 or 0 in shape:
+        return fallback
+    rows = shape[0]
+    cols = 1
+    for d in shape[1:]:
+        cols *= d
+    return max(1, min(rows, cols))
+
 
 QUANTIZERS = ("ours", "authors")
 DEFAULT_QUANTIZER = "ours"

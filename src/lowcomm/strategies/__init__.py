@@ -12,8 +12,9 @@ import pkgutil
 
 from .base import REGISTRY, Strategy, elastic_names, find, get, names, register
 
-# the order of REGISTRY (and so of --help and reports): per-step, our outer loops, then peers
-_ORDER = ("ddp", "loco", "diloco", "streaming", "sparseloco", "co2", "torchft")
+# the order of REGISTRY (and so of --help and reports): per-step, then our outer loops (a
+# plugin's methods, a peer's, come after them)
+_ORDER = ("ddp", "loco", "diloco", "streaming", "sparseloco", "co2")
 for _mod in sorted(
     (m.name for m in pkgutil.iter_modules(__path__) if m.name != "base"),
     key=lambda n: (_ORDER.index(n) if n in _ORDER else len(_ORDER), n),

@@ -9,9 +9,11 @@ inside the method that needs it.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from .. import plugins
 from ..config import ConfigError, SyncConfig
 
 if TYPE_CHECKING:
@@ -93,12 +95,33 @@ class Strategy:
         """A per-step method's DDP comm hook: ``loco``, or the trainer's ``ddp_hook``."""
         return cfg.ddp_hook
 
+    def engine(
+        self,
+        model: Any,
+        optimizer: Any,
+        sync_cfg: SyncConfig,
+        *,
+        timeout_s: float,
+        elastic: Any,
+        peer_lighthouse: str,
+    ) -> Any:
+        """The outer loop of another library this method runs instead of lowcomm's engine (a
+        peer's: see ``peer``), or None: lowcomm's own. ``elastic``: a site's membership
+        settings; ``peer_lighthouse``: the address :meth:`own_lighthouse` serves at."""
+        return None
+
+    def own_lighthouse(self, options: dict[str, int]) -> Any:
+        """A lighthouse of the method's own for an elastic run (another library's membership:
+        its ``address()`` is handed to each site, its ``shutdown()`` ends it), or None."""
+        return None
+
     def __repr__(self) -> str:
         return f"<strategy {self.name}>"
 
-    def __reduce__(self) -> tuple[Any, tuple[str]]:
-        # pickled by name (workers are spawned with their run's spec): one instance per method
-        return (get, (self.name,))
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
+        # pickled by name (workers are spawned with their run's spec): one instance per method;
+        # with its module, so a plugin's (not installed: a source tree) is found in a worker too
+        return (_unpickled, (self.name, type(self).__module__))
 
 
 def register(cls: type[Strategy]) -> type[Strategy]:
@@ -110,25 +133,36 @@ def register(cls: type[Strategy]) -> type[Strategy]:
 
 
 def get(name: str | Strategy) -> Strategy:
-    """The strategy called ``name`` (a Strategy is returned as is); ConfigError naming the
-    choices for an unknown name."""
+    """The strategy called ``name`` (a Strategy is returned as is; a plugin's looked for when
+    the core has none of that name); ConfigError naming the choices for an unknown name."""
     if isinstance(name, Strategy):
         return name
-    try:
-        return REGISTRY[name]
-    except KeyError:
-        raise ConfigError(
-            f"unknown strategy '{name}': choose one of {', '.join(REGISTRY)}"
-        ) from None
+    found = find(name)
+    if found is None:
+        raise ConfigError(f"unknown strategy '{name}': choose one of {', '.join(REGISTRY)}")
+    return found
 
 
 def find(name: str) -> Strategy | None:
-    """The strategy called ``name``, or None (a recorded run's name read back, say)."""
+    """The strategy called ``name``, or None (a recorded run's name read back, say); the
+    plugins are loaded when the core has no method of that name."""
+    if name not in REGISTRY:
+        plugins.load()
     return REGISTRY.get(name)
 
 
+def _unpickled(name: str, module: str) -> Strategy:
+    """A strategy as a pickle names it: by name, its module imported if nothing holds it yet."""
+    if find(name) is None:
+        importlib.import_module(module)
+    return get(name)
+
+
 def names(*, peers: bool = True, per_step: bool = True) -> tuple[str, ...]:
-    """The registered names, in order; without peers or per-step methods if asked."""
+    """The registered names, in order (the plugins' too); without peers or per-step methods
+    if asked."""
+    if peers:
+        plugins.load()
     return tuple(
         n for n, s in REGISTRY.items() if (peers or not s.peer) and (per_step or not s.per_step)
     )

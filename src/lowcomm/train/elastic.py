@@ -217,9 +217,10 @@ def _run_sites(
     survivors."""
     out_dir, net = spec.out, plan.network
     peer = ""
-    if spec.strategy.peer:  # torchft's Managers: a lighthouse of their own
-        servers.append(_lighthouse(spec, min_replicas=spec.membership.min_workers))
-        peer = servers[-1].address()
+    own = spec.strategy.own_lighthouse(lighthouse_options(spec, spec.membership.min_workers))
+    if own is not None:  # another library's membership (torchft's Managers): its own
+        servers.append(own)
+        peer = own.address()
     roles, again, added = _roles(spec, workers, address, peer, plan)
     clear_stale(out_dir)
     if spec.strategy.joinable:  # `lowcomm join DIR` starts another site from it
@@ -306,16 +307,6 @@ def _standby(role: ElasticSite, gate: Any, when: dict[str, Any]) -> ElasticSite:
     """The process of a site that joins again, started now and let in at ``gate``."""
     staged = dataclasses.replace(role.staged, gate=gate)
     return dataclasses.replace(role, leave_after="", join=True, staged=staged, **when)
-
-
-def _lighthouse(spec: RunSpec, min_replicas: int) -> Any:
-    """A torchft LighthouseServer in this process, with the run's timeouts (torchft's own
-    Managers'; the sites' lighthouse is a :class:`Keeper`'s process)."""
-    if not os.environ.get("LOWCOMM_DEBUG"):
-        os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse logs every quorum at INFO
-    from torchft.coordination import LighthouseServer
-
-    return LighthouseServer(bind="[::]:0", **lighthouse_options(spec, min_replicas))
 
 
 def _wait(

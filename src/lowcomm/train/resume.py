@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from ..config import ConfigError
-from ..loco import TorchHookState
 from ..transport import Transport
 from . import checkpoint as ckpt
 from .run import Run
@@ -102,13 +101,8 @@ def restore(run: Run, state: dict[str, Any]) -> None:
     optimizer state and error buffers, on its new data shard; results in flight are dropped.
     """
     hook = run.comm.hook_state
-    if isinstance(hook, TorchHookState) and hook.kind == "powersgd" and run.place.rank == 0:
-        # PyTorch keeps PowerSGD's memories by bucket index with a numpy RNG: not checkpointed
-        print(
-            "lowcomm: resuming a PowerSGD run restarts PyTorch's PowerSGD error-feedback and "
-            "warm-start memories (they are not part of the checkpoint)",
-            file=sys.stderr,
-        )
+    if hook is not None and hook.resume_note and run.place.rank == 0:
+        print(f"lowcomm: {hook.resume_note}", file=sys.stderr)
     if state["same_world"]:
         _restore_everything(run, state)
         return

@@ -25,8 +25,8 @@ from ..config import ConfigError, TrainConfig
 from ..elastic import Elastic
 from ..engine import LowComm
 from ..engine.state import RunState, StatePart
-from ..loco import GradReduceState, LoCoState, TorchHookState, allreduce_hook, loco_hook, torch_hook
-from ..peers import torchft
+from ..hooks.ddp import make_ddp_hook
+from ..loco import GradReduceState, LoCoState, allreduce_hook, loco_hook
 from ..protocols import SyncEngine
 from ..transport import ByteMeter, Transport
 from . import checkpoint as ckpt
@@ -443,16 +443,16 @@ def _attach_engine(run: Run) -> None:
     """An outer-loop strategy: our engine around the model (or a peer library's)."""
     spec, role = run.spec, run.place.role
     run.learner.train_model = run.learner.model
-    if spec.strategy.peer:  # its settings were checked by launch()
-        run.comm.engine = torchft.TorchftDiLoCo(
-            run.learner.model,
-            run.learner.opt,
-            spec.sync,
-            timeout_s=spec.train.timeout_s,
-            streaming=spec.strategy.streaming,
-            elastic=_elastic(run),
-            peer_lighthouse=role.peer_lighthouse,
-        )
+    peer = spec.strategy.engine(
+        run.learner.model,
+        run.learner.opt,
+        spec.sync,
+        timeout_s=spec.train.timeout_s,
+        elastic=_elastic(run),
+        peer_lighthouse=role.peer_lighthouse,
+    )  # another library's outer loop, for a peer method (its settings checked by launch())
+    if peer is not None:
+        run.comm.engine = peer
     else:
         run.comm.engine = LowComm(
             _ddp_inside(run),
@@ -514,12 +514,7 @@ def _ddp_hook(run: Run, transport: Transport) -> tuple[GradReduceState, Callable
             compress_1d=s.loco_compress_1d,
         )
         return state, loco_hook
-    if hook != "allreduce":
-        state = TorchHookState(
-            transport, hook, rank=cfg.powersgd_rank, start_iter=cfg.powersgd_start
-        )
-        return state, torch_hook
-    return GradReduceState(transport), allreduce_hook
+    return make_ddp_hook(hook, transport, cfg)
 
 
 def init_distributed(timeout_s: float, device: torch.device, gpus: int | None = None) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,3 +192,51 @@ def _plain(value: Any) -> str:
     if isinstance(value, float):
         return repr(value)  # shortest text that reads back to the same float
     return str(value)
+
+
+# --- the results table `lowcomm train` and `lowcomm compare` print ---------------------------
+
+
+def fmt_bytes(n: float) -> str:
+    """A byte count as text: 512 B, 1.5 KB, 2.3 MB, ..."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return str(n)
+
+
+def results_table(results: list[RunSummary]) -> str:
+    """Markdown table: loss, ratio to DDP on the same problem, wire bytes, reduction,
+    utilization."""
+    lines = [
+        "| name | strategy | final val loss | vs DDP | wire bytes sent / worker | "
+        "peak wire bytes / sync | fewer bytes than DDP FP32 | wall s | compute util. |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        ddp = ddp_reference(results, r)
+        ratio = f"{r.final_val_loss / ddp:.3f}" if ddp else "-"
+        sent = r.bytes_sent_per_worker or 0
+        red = (r.ddp_fp32_bytes_per_worker or 0) / sent if sent else math.inf
+        lines.append(
+            f"| {r.label} | {r.strategy} | {r.final_val_loss:.4f} | {ratio} | "
+            f"{fmt_bytes(sent)} | {fmt_bytes(r.peak_bytes_per_sync or 0)} | "
+            f"{red:.1f}x | {r.wall_s or 0:.1f} | {r.compute_utilization or 0:.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def _is_baseline(r: RunSummary) -> bool:
+    """A run of the data-parallel baseline under its own name (not a variant of it)."""
+    from .. import strategies  # lazily: this module stays torch-free
+
+    method = strategies.find(r.strategy)
+    return method is not None and method.baseline and r.entry in (None, method.name)
+
+
+def ddp_reference(results: list[RunSummary], run: RunSummary) -> float | None:
+    """Mean final loss of the DDP runs trained on the same problem as ``run`` (None if none)."""
+    key = run.problem_key()
+    losses = [r.final_val_loss for r in results if _is_baseline(r) and r.problem_key() == key]
+    return sum(losses) / len(losses) if losses else None

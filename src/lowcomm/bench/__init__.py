@@ -1,3 +1,0 @@
-"""Benchmarks: ``lowcomm compare`` (strategies side by side, optionally over kernel-shaped links
-from :mod:`lowcomm.netshape`), and codec, sync-cost, overhead, chaos, heal and straggler
-benchmarks."""

@@ -1,0 +1,48 @@
+"""The LoCo authors' 4-bit quantiser (their DeepSpeed kernels), beside our ``int4``.
+
+Per group of ``block_size`` elements with absmax ``a``, the scale is ``s = a / 8`` and an element
+``x`` becomes ``q = clamp(round(x / s), -8, 7)`` (round half to even; only ``+a`` itself, which
+would be ``+8``, is clipped to 7), decoding to ``q * s``. Our ``int4`` instead uses ``s = a / 7``
+and the symmetric codes ``-7..7``: one code fewer, but no clipping. The authors pick one group per
+``min(rows, cols)`` elements of a matrix (:func:`authors_group_size`); as a codec the group is
+the ``block_size`` it is built with, so that any 1-D slice encodes the same way (element-wise).
+The LoCo hooks' ``loco_quantizer=authors`` uses it (the lab registers it as ``int4-authors``).
+
+Wire format: as every block codec (see ``_block``); a code ``q`` is stored as ``q + 8``, so all
+16 codes are valid. Bits per element: ``4 + 32 / block_size``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowcomm.codecs._block import DEFAULT_BLOCK_SIZE, BlockCodec
+from lowcomm.codecs.registry import register
+
+_MAGIC = float(2**23)
+
+
+@register("int4-authors", wire_id=10, options=("block_size",))
+class AuthorsInt4Codec(BlockCodec):
+    """absmax/8 int4, codes -8..7 (top clipped), round half to even, per ``block_size`` group."""
+
+    bits = 4
+    pad_code = 8  # the zero code
+    invalid_codes = "none: all 16 codes are valid"
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        super().__init__(block_size, stochastic=False, generator=None)
+
+    def _quantize(self, xb, scales, work, iwork, codes):
+        s = self._block_absmax(xb, work, scales).div_(8.0)
+        scales.copy_(s)
+        torch.div(xb, s[:, None], out=work)
+        # round half to even into the low mantissa bits: codes land in [0, 16], then clip 16
+        work.add_(_MAGIC + 8.0)
+        codes.copy_(work.view(torch.int32).view(-1))
+        codes.clamp_(max=15)
+
+    def _dequantize(self, codes, scales, out, iwork):
+        out.copy_(codes.view(out.shape))
+        out.sub_(8.0).mul_(scales[:, None])
+        return torch.zeros((), dtype=torch.bool, device=out.device)
