@@ -100,7 +100,7 @@ def _but_flags(shared: dict) -> dict:
     flight: they hold the weights a quorum-rounds sync used, where lock-step keeps the count
     after encoding (0 for the fragments sent); nothing reads them back from there (the done,
     step and non-finite columns are read back, and compared)."""
-    from lowcomm.engine.exchange import UNSENT
+    from lowcomm.engine.sync import UNSENT
 
     held = shared["pending"].items()
     pending = {p: {**d, "flags": d["flags"][:, :UNSENT]} for p, d in held}
@@ -116,7 +116,7 @@ def _record(sync, sends: list[dict], applies: list[dict]) -> None:
     fragment's global copy, local weights, unsent steps and error buffers before it; each
     result applied notes the sync it came from, the fragment before and after, and its error
     buffers after."""
-    from lowcomm.engine.exchange import STEP
+    from lowcomm.engine.sync import STEP
 
     parts = sync.parts
     comp = parts.compensation

@@ -112,7 +112,7 @@ def test_host_syncs_are_counted_on_lowcomms_own_lines_only():
     benchmark's own loop or another package did; a row without the count shows a dash."""
     from lowcomm.lab.bench.gpu import _engines, table
 
-    assert _engines("/x/src/lowcomm/engine/encode.py")
+    assert _engines("/x/src/lowcomm/engine/sync.py")
     assert _engines("/x/site-packages/lowcomm/codecs/topk.py")
     assert not _engines("/x/src/lowcomm/lab/bench/gpu.py")
     assert not _engines("/x/site-packages/torch/nn/functional.py")

@@ -73,8 +73,8 @@ def test_a_replayed_leave_on_the_comm_thread_ends_the_site_at_its_next_step():
     later (before, the protocol ended the process with os._exit from the comm thread)."""
     from concurrent.futures import Future
 
-    from lowcomm.engine.inflight import InFlight, Pending
     from lowcomm.engine.state import RunState
+    from lowcomm.engine.sync import InFlight, Pending
     from lowcomm.errors import SiteLeft
 
     inflight = InFlight(None, RunState())  # type: ignore[arg-type]
@@ -93,8 +93,7 @@ def test_a_result_in_flight_keeps_what_the_payloads_told_and_the_layout_of_befor
     payloads' flags, and where none was found the entry is as it was before those flags: no
     new keys, control flags without the validity columns (the pins hash checkpoints)."""
     from lowcomm.aggregate.base import Reduced
-    from lowcomm.engine.exchange import Event, flags_row, without_validity
-    from lowcomm.engine.inflight import _entry, _pending_from
+    from lowcomm.engine.sync import Event, _entry, _pending_from, flags_row, without_validity
 
     rows = [flags_row(8, False, False, [3, 0], [1, -1]), flags_row(8, True, False, [2, 0], [1, 0])]
     flags = without_validity(torch.stack(rows))
@@ -114,7 +113,7 @@ def test_workers_left_out_are_counted_once_whether_their_flags_or_payloads_told(
     workers 0 and 1 each only through its payload of one fragment: three workers, not the
     most of any one fragment (two)."""
     from lowcomm.aggregate.base import Reduced
-    from lowcomm.engine.exchange import Event, flags_row, without_validity
+    from lowcomm.engine.sync import Event, flags_row, without_validity
 
     rows = [flags_row(8, False, w == 2, [4, 4], [-1, -1]) for w in range(4)]
     flags = without_validity(torch.stack(rows))

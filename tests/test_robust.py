@@ -276,7 +276,7 @@ def test_a_self_reported_step_count_is_clamped_to_zero_and_twice_the_sync_period
     saying 10**6 steps (or -5) got that weight. Counts are clamped to [0, 2 H]."""
     from types import SimpleNamespace
 
-    from lowcomm.engine.exchange import Exchange, flags_row
+    from lowcomm.engine.sync import Exchange, flags_row
 
     exchange = Exchange.__new__(Exchange)
     exchange.runner = SimpleNamespace(membership=SimpleNamespace(

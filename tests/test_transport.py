@@ -58,7 +58,7 @@ def test_an_exchanges_result_tensors_are_all_found_for_the_callers_stream():
     """On a GPU the comm thread's results are recorded on the caller's stream (transport.
     _on_side_stream): every tensor in one, at any depth of dataclasses, dicts, lists, tuples."""
     from lowcomm.aggregate import Reduced
-    from lowcomm.engine.exchange import Event
+    from lowcomm.engine.sync import Event
     from lowcomm.transport import tensors_in
 
     a, b, c, d = (torch.zeros(1) for _ in range(4))

@@ -25,9 +25,9 @@ entering the block again continues the same run as if it had never been left.
 The parts, one job each (docs/design.md draws the path of one sync through them):
 ``core`` (``LowComm``: the hook and ``run_due`` as named calls), ``build`` (argument checks,
 fragments from rank 0), ``fragment`` (a fragment's global copy, snapshot, pseudo-gradient),
-``placement`` (groups, parts inside a worker, broadcasts), ``encode`` (compensate and encode),
-``exchange`` (the collectives of one sync), ``inflight`` (the pending table), ``merge`` (the
-merge rules), ``guards`` (non-finite updates, replica check), ``leave`` (the exit path),
+``placement`` (groups, parts inside a worker, broadcasts), ``sync`` (one sync top to bottom:
+encode, the collectives, the pending table, the outer step and the merge rules), ``guards``
+(non-finite updates, replica check), ``leave`` (the exit path),
 ``state`` (the run state declared once), ``stats`` (counters and stage timing), ``tensors``;
 with membership, ``join`` (a site joining, or back from a sync it missed) and ``quorum``
 (quorum rounds: a round cut short, a site's arrival at a sync).

@@ -15,9 +15,9 @@ from ..schedule import build_fragments as fragment_names
 from ..schedule import check_fragments, expand_fragment_modules, find_blocks
 from ..transport import Transport
 from .fragment import Fragment
-from .merge import Merge
 from .placement import Placement
 from .state import RunState, StatePart
+from .sync import Merge
 from .tensors import buckets, local, views
 
 

@@ -23,12 +23,11 @@ from ..schedule import Schedule
 from ..transport import Transport, TransportFactory
 from .build import check_arguments, resolve_fragments, trainable_params
 from .join import check_healed_at, join_run, rejoin
-from .merge import make_merge
 from .placement import Placement, check_elastic_config
 from .quorum import cut_short, in_round
-from .send import counted, send
 from .state import RunState, StatePart
 from .stats import SyncStats, SyncTimes, Unblocked
+from .sync import counted, make_merge, send
 from .wiring import Parts, fingerprint, wire
 
 

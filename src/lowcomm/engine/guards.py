@@ -14,7 +14,6 @@ import torch
 from ..errors import NonFiniteError, ReplicaMismatchError
 from ..protocols import SyncHooks
 from ..transport import Transport
-from .exchange import Event
 from .fragment import Fragment
 from .state import RunState, StatePart
 from .stats import SyncStats
@@ -53,9 +52,9 @@ class NonFiniteGuard:
             step,
         )
 
-    def track(self, p: int, event: Event, workers: int, step: int) -> None:
-        """Count syncs in which some worker was left out; too many in a row stop the run."""
-        bad = event.nonfinite_workers
+    def track(self, p: int, bad: int, workers: int, step: int) -> None:
+        """Count syncs in which some worker was left out (``bad`` of ``workers`` in fragment
+        ``p``'s); too many in a row stop the run."""
         if bad == 0:
             self.streak = 0
             return

@@ -14,10 +14,9 @@ from torch import Tensor
 from .. import _buffers
 from ..outer import OuterOptimizer
 from ..transport import Transport
-from .exchange import DONE, Exchange, unsent_of
 from .fragment import Fragment
-from .inflight import InFlight
 from .placement import Placement
+from .sync import DONE, Exchange, InFlight, unsent_of
 
 
 class Leave:

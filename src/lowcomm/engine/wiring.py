@@ -19,18 +19,15 @@ from ..compensation import make_compensation
 from ..config import SyncConfig
 from ..elastic import Elastic, View
 from ..transport import Transport
-from .apply import Apply
 from .build import build_fragments, register_optimizer_state
 from .check import Offenders, UpdateCheck
-from .encode import Encoder
-from .exchange import Exchange
 from .fragment import Fragment, register_fragment_state
 from .guards import NonFiniteGuard, ReplicaCheck
-from .inflight import InFlight
 from .leave import Leave
 from .local import LocalWeights
 from .state import StatePart
 from .stats import register_counters
+from .sync import Apply, Encoder, Exchange, InFlight
 
 if TYPE_CHECKING:
     from ..compensation import ErrorFeedback, MovingAverageCompensation
@@ -39,10 +36,10 @@ if TYPE_CHECKING:
     from ..protocols import SyncHooks
     from ..schedule import Schedule
     from ..transport import TransportFactory
-    from .merge import Merge
     from .placement import Placement
     from .state import RunState
     from .stats import SyncStats, SyncTimes
+    from .sync import Merge
 
 
 class Built(Protocol):

@@ -74,7 +74,7 @@ def floor_passes(
 
 def engine_floor(engine: LowComm, workers: int) -> dict[str, float]:
     """:func:`floor_passes` for a built engine: its merge rule, exchange and payload size."""
-    from lowcomm.engine.merge import AlphaMix, Continue
+    from lowcomm.engine.sync import AlphaMix, Continue
 
     rule = engine.parts.apply.merge
     merge = (
