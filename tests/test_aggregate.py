@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowcomm.aggregate import TwoPhaseAggregator, aggregator_for
+from lowcomm.aggregate import TwoPhaseAggregator, aggregator_for, encode_tensors
 from lowcomm.codecs import make_codec
 from lowcomm.transport import Transport
 
@@ -21,7 +21,7 @@ def _agg_worker(rank: int, world: int, method: str, codec_name: str, aggregation
     codec = make_codec(codec_name, block_size=32, density=1 / 8)
     agg = aggregator_for(method, codec, world, aggregation=aggregation)
     t = Transport()
-    enc = agg.encode(_inputs(rank), need_local=True)
+    enc = encode_tensors(agg, _inputs(rank), want="dense")
     red = agg.exchange(enc, t)
     return {
         "mean": red.mean,
@@ -98,7 +98,7 @@ WEIGHTS = [3.0, 1.0, 0.0]  # quorum rounds: inner steps each contribution holds 
 def _weighted_worker(rank: int, world: int, method: str, codec_name: str, aggregation: str):
     codec = make_codec(codec_name, block_size=32, density=1 / 8)
     agg = aggregator_for(method, codec, world, aggregation=aggregation)
-    enc = agg.encode(_inputs(rank), valid=WEIGHTS[rank] > 0)
+    enc = encode_tensors(agg, _inputs(rank), valid=WEIGHTS[rank] > 0)
     red = agg.exchange(enc, Transport(), WEIGHTS)
     return {"mean": red.mean, "valid": red.valid_workers}
 
@@ -164,7 +164,7 @@ def _compensated_worker(rank: int, world: int, key: str | None) -> list[torch.Te
     t = Transport()
     out = []
     for _ in range(ROUNDS):  # the same inputs each round: only the second buffer changes
-        out.append(agg.exchange(agg.encode(_inputs(rank), key=key), t).mean)
+        out.append(agg.exchange(encode_tensors(agg, _inputs(rank), key=key), t).mean)
         agg.step()
     return out
 
@@ -219,7 +219,7 @@ def _flagged_worker(rank: int, world: int, told: bool) -> dict:
 
     agg = aggregator_for("gather", make_codec("topk", density=1 / 8), world)
     agg.deferred_checks = told
-    enc = agg.encode(_inputs(rank), need_local=True)
+    enc = encode_tensors(agg, _inputs(rank), want="dense")
     if rank == 1:
         enc.payload[-1] = 2
     try:
@@ -229,13 +229,9 @@ def _flagged_worker(rank: int, world: int, told: bool) -> dict:
     return {"valid": red.valid_workers, "nonfinite": red.nonfinite, "here": red.left_out_here}
 
 
-@pytest.mark.parametrize("bucket", ["1", "0"])
-def test_a_payload_flagged_not_finite_is_left_out_only_where_senders_defer(
-    workers, monkeypatch, bucket
-):
+def test_a_payload_flagged_not_finite_is_left_out_only_where_senders_defer(workers):
     """Flag 2 (not finite, found on the sender's device) leaves its sender out and tells it
     so; where no sender defers (an elastic run), it is a bad payload, blamed on its sender."""
-    monkeypatch.setenv("LOWCOMM_BATCH", bucket)  # the bucket path's one read, or per tensor
     told = workers(_flagged_worker, 2, True)
     assert [(r["valid"], r["nonfinite"], r["here"]) for r in told] == [
         (1, (1,), False),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lowcomm.aggregate import encode_tensors
 from lowcomm.errors import ConfigError
 from lowcomm.lab.faults import Fault, parse_faults
 from lowcomm.lab.faults.harness import Harness
@@ -200,9 +201,9 @@ def test_copy_sends_another_sites_last_payload_byte_for_byte():
     h = harness("copy:1", 1, sites=4)
     h.engine = _engine(agg, shapes, shapes)  # two fragments of the same shapes
     first, second = ((0,), 0), ((1,), 0)  # fragment 0's only payload, and fragment 1's
-    mine = agg.encode([torch.ones(3), torch.ones(2)]).payload
+    mine = encode_tensors(agg, [torch.ones(3), torch.ones(2)]).payload
     assert torch.equal(h.forged(mine, 1, first), mine)  # nothing seen: honest
-    rows = [agg.encode([torch.full((3,), float(r)), torch.zeros(2)], valid=r != 0).payload
+    rows = [encode_tensors(agg, [torch.full((3,), float(r)), torch.zeros(2)], valid=r != 0).payload
             for r in range(4)]  # fmt: skip
     h.gathered(rows, first)
     # site 0 sent nothing valid: the first other valid sender is site 2
@@ -226,9 +227,9 @@ def test_alie_sends_the_honest_mean_minus_z_times_their_spread():
     h.engine, key = _engine(agg, shapes), ((0,), 0)
     g = torch.Generator().manual_seed(0)
     sent = [torch.randn(9, generator=g) for _ in range(4)]
-    h.gathered([agg.encode([x[:5], x[5:].reshape(2, 2)]).payload for x in sent], key)
-    mine = agg.encode([torch.zeros(5), torch.zeros(2, 2)]).payload
-    got = agg._decode_flat(h.forged(mine, 3, key)[:-1], shapes, 9)
+    h.gathered([encode_tensors(agg, [x[:5], x[5:].reshape(2, 2)]).payload for x in sent], key)
+    mine = encode_tensors(agg, [torch.zeros(5), torch.zeros(2, 2)]).payload
+    got = agg.codec.plan(shapes, torch.device("cpu")).decode(h.forged(mine, 3, key))[1]
     honest = np.stack([sent[0].numpy(), sent[1].numpy()])  # sites 2 and 3 collude
     want = honest.mean(0) - forge.alie_z(4, 2) * honest.std(0, ddof=1)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)

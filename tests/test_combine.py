@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from lowcomm.aggregate import COMBINES, GatherAggregator, aggregator_for, combine_for
+from lowcomm.aggregate import COMBINES, GatherAggregator, aggregator_for, encode_tensors
 from lowcomm.codecs import make_codec
 from lowcomm.config.choices import AGGREGATIONS
 from lowcomm.errors import ConfigError
@@ -39,47 +39,34 @@ def test_an_unknown_rule_is_a_config_error():
         aggregator_for("gather", make_codec("int8"), 2, aggregation="nope")
 
 
+def _gathered(agg, payloads, n, weights=None):
+    """The gather exchange's combination of ``payloads`` (one per worker), as worker 0."""
+    enc = encode_tensors(agg, [torch.zeros(n)])
+    return agg.combine(enc.plan, enc.flag_at, payloads, weights, torch.empty(n), None, 0)
+
+
 def test_gather_hands_the_rule_each_valid_contribution_with_its_weight():
     """Three fake sites' payloads, the middle one left out: the rule's mean is over the others."""
-    codec = make_codec("fp32")
-    agg = GatherAggregator(codec, 3)
+    agg = GatherAggregator(make_codec("fp32"), 3)
     xs = [torch.full((5,), float(v)) for v in (1.0, 100.0, 4.0)]
-    payloads = [agg.encode([x], valid=j != 1).payload for j, x in enumerate(xs)]
-    red = agg._sum_gathered(payloads, [torch.Size([5])], 5, weights=[1.0, 7.0, 2.0])
+    payloads = [encode_tensors(agg, [x], valid=j != 1).payload for j, x in enumerate(xs)]
+    red = _gathered(agg, payloads, 5, weights=[1.0, 7.0, 2.0])
     assert red.valid_workers == 2
     assert torch.equal(red.mean, torch.full((5,), (1.0 + 2 * 4.0) / 3))
 
 
-def test_a_payload_that_fails_to_decode_is_named_by_its_sender():
-    """Every receiver decodes the parts in the same order: the first that fails on its own is
-    the one named, so all receivers blame the same sender (here group rank 5 of 0, 5, 2)."""
-    from lowcomm.aggregate.combine import Parts
-    from lowcomm.errors import PayloadError
-
-    codec = make_codec("int8")
-    payloads = [codec.encode(torch.full((64,), float(v))) for v in (1, 2, 3)]
-    payloads[1] = payloads[1].clone()
-    payloads[1][0] ^= 0xFF  # a flipped header byte
-    parts = Parts(codec, payloads, torch.Size([64]), ["t"] * 3, None, senders=[0, 5, 2])
-    with pytest.raises(PayloadError) as info:
-        try:
-            combine_for("mean").combine(parts, torch.empty(64))
-        except PayloadError as err:
-            raise parts.blame(err) from None
-    assert info.value.sender == 5
-
-
 def test_gather_names_the_sender_of_a_payload_that_fails_to_decode():
-    """The exchange's own path: a flipped header byte in worker 1's payload (its flag valid)
-    is named by its group rank, so every receiver accuses the same sender."""
+    """A flipped header byte in workers 1's and 2's payloads (their flags valid): the first in
+    rank order is named, by its group rank, so every receiver accuses the same sender."""
     from lowcomm.errors import PayloadError
 
     agg = GatherAggregator(make_codec("int8"), 3)
-    payloads = [agg.encode([torch.full((64,), float(v))]).payload.clone() for v in (1, 2, 3)]
+    payloads = [encode_tensors(agg, [torch.full((64,), float(v))]).payload for v in (1, 2, 3)]
     payloads[1][0] ^= 0xFF
-    with pytest.raises(PayloadError) as info:
-        agg._sum_gathered(payloads, [torch.Size([64])], 64)
-    assert info.value.sender == 1
+    payloads[2][0] ^= 0xFF
+    with pytest.raises(PayloadError, match="bad magic") as info:
+        _gathered(agg, payloads, 64)
+    assert info.value.sender == 1 and "from worker 1" in str(info.value)
 
 
 def test_an_accused_group_rank_is_the_site_at_that_rank():

@@ -81,7 +81,7 @@ def _nan_on_device_worker(
     rank: int, world: int, strategy: str, extra: dict, h: int, poison: int, defer: bool | None
 ) -> dict:
     """A preset run of 12 steps (sync_every ``h``) in which worker 1's update turns NaN at step
-    ``poison``; ``defer``: the finite check left on the device (the bucket path), read first
+    ``poison``; ``defer``: the finite check left on the device (in the payload), read first
     (False), or as the engine chooses (None)."""
     model = tiny_model(seed=0)
     opt = adamw(model)
@@ -100,7 +100,10 @@ def _nan_on_device_worker(
             opt.zero_grad()
             if step % 2 == 0:
                 globals_after.append(engine.global_flat().clone())
-        deferred = [f.index for f in engine.fragments if engine.parts.encoder._defers.get(f.index)]
+        agg = engine.parts.aggregator
+        deferred = [
+            f.index for f in engine.fragments if agg.deferred_checks and agg.takes_device_flag
+        ]
     return {"globals": globals_after, "final": flat_params(model), "deferred": deferred,
             "stats": engine.stats.as_dict()}  # fmt: skip
 
@@ -119,11 +122,10 @@ DEFERRED_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(DEFERRED_CASES))
-def test_a_finite_check_left_on_the_device_leaves_out_as_one_read_first(workers, case, monkeypatch):
-    """The bucket path (a GPU's) sends the finite check in the payload's flag and learns it
-    with the result: the same bits, the same counts, the same restart as reading it first,
-    for a result applied at its send, a step later, or by the exit's drain."""
-    monkeypatch.setenv("LOWCOMM_BATCH", "1")
+def test_a_finite_check_left_on_the_device_leaves_out_as_one_read_first(workers, case):
+    """A fixed world sends the finite check in the payload's flag and learns it with the
+    result: the same bits, the same counts, the same restart as reading it first, for a result
+    applied at its send, a step later, or by the exit's drain."""
     strategy, extra, h, poison = DEFERRED_CASES[case]
     on, off = (
         workers(_nan_on_device_worker, 3, strategy, extra, h, poison, d) for d in (True, False)
@@ -140,12 +142,11 @@ def test_a_finite_check_left_on_the_device_leaves_out_as_one_read_first(workers,
         assert all(bool(torch.isfinite(g).all()) for r in on for g in r["globals"])
 
 
-def test_under_round_overlap_the_finite_check_is_read_first(workers, monkeypatch):
+def test_under_round_overlap_the_finite_check_is_read_first(workers):
     """Round overlap applies a result after the next send, made from the weights the bad
     update left: told only then, the restart would come a sync late, so the engine does not
     defer there (its own choice runs as reading first, bit for bit), and a peer's payload
     flagged not finite is then refused."""
-    monkeypatch.setenv("LOWCOMM_BATCH", "1")
     mine, off = (workers(_nan_on_device_worker, 3, "sparseloco", {"overlap": -1}, 2, 2, d)
                  for d in (None, False))  # fmt: skip
     assert mine[0]["deferred"] == []

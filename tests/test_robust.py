@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from lowcomm.aggregate import COMBINES, Parts, aggregator_for, combine_for
+from lowcomm.aggregate import COMBINES, Contributions, aggregator_for, combine_for, encode_tensors
 from lowcomm.codecs import make_codec
 from lowcomm.config import SyncConfig
 from lowcomm.config.choices import DENSE_ONLY_RULES, SUM_RULES
@@ -17,15 +17,33 @@ from lowcomm.errors import ConfigError
 ROBUST = ("median", "trimmed-mean", "norm-clip", "centered-clip", "cosine-clip")
 
 
-def _parts(rows: np.ndarray, codec: str = "fp32", weights=None) -> Parts:
+def _parts(rows: np.ndarray, codec: str = "fp32", weights=None, shapes=None) -> Contributions:
+    """Each row encoded and decoded by the codec's plan of ``shapes`` (one tensor of the row's
+    length by default), as the gather exchange hands them to a rule: a part that does not
+    decode is not present."""
     c = make_codec(codec)
-    payloads = [c.encode(torch.from_numpy(r.astype(np.float32))) for r in rows]
-    shape = torch.Size([rows.shape[1]])
-    return Parts(c, payloads, shape, [f"t{j}" for j in range(len(rows))], weights)
+    plan = c.plan(shapes or [torch.Size([rows.shape[1]])], torch.device("cpu"))
+    decoded, present = [], []
+    for r in rows:
+        out = torch.empty(plan.span + 1, dtype=torch.uint8)
+        plan.encode(torch.from_numpy(r.astype(np.float32)), out)
+        idx, values, bad = plan.decode(out)
+        decoded.append((idx, values))
+        present.append(not bool(bad))
+    return Contributions(plan, decoded, weights, torch.tensor(present))
 
 
-def _combine(rule: str, parts: Parts) -> np.ndarray:
-    return combine_for(rule).combine(parts, torch.empty(parts.shape.numel())).numpy()
+def _combine(rule: str, parts: Contributions) -> np.ndarray:
+    return combine_for(rule).combine(parts, torch.empty(parts.numel)).numpy()
+
+
+def _gather(agg, xs: list[torch.Tensor]):
+    """What the gather exchange combines of ``xs`` (one payload per worker), as worker 0."""
+    encs = [encode_tensors(agg, [x]) for x in xs]
+    e = encs[0]
+    return agg.combine(
+        e.plan, e.flag_at, [x.payload for x in encs], None, torch.empty(e.numel), None, 0
+    )
 
 
 def _np_median(x):
@@ -113,13 +131,30 @@ def test_a_robust_rule_takes_no_self_reported_weight(rule):
     assert not combine_for(rule).unapplied(weighted, 1).any()
 
 
+@pytest.mark.parametrize("rule", ROBUST)
+def test_a_robust_rule_decides_tensor_by_tensor_over_a_whole_fragment(rule):
+    """Over a fragment of several tensors, each tensor's combination is the rule's definition
+    on that tensor's parts alone (a NaN in one part's tensor leaves that part out of it only)."""
+    shapes = [torch.Size([5, 7]), torch.Size([64]), torch.Size([3])]
+    sizes = [s.numel() for s in shapes]
+    x = np.random.default_rng(9).normal(size=(5, sum(sizes))) * np.arange(1, 6)[:, None]
+    x[2, 40] = np.nan  # in the second tensor
+    got = _combine(rule, _parts(x, shapes=shapes))
+    at = 0
+    for n in sizes:
+        rows = x[:, at : at + n]
+        rows = rows[np.isfinite(rows).all(axis=1)]
+        np.testing.assert_allclose(got[at : at + n], REFERENCE[rule](rows), rtol=2e-5, atol=1e-6)
+        at += n
+
+
 def test_norm_clip_on_top_k_clips_each_sites_values_then_takes_the_selected_mean():
     rng = np.random.default_rng(3)
     x = rng.normal(size=(6, 4096)).astype(np.float32)
     x[4] *= 1000.0
     parts = _parts(x, "topk")
     got = combine_for("norm-clip").combine(parts, torch.empty(4096)).numpy()
-    sent = [parts.sparse(j) for j in range(6)]
+    sent = [(parts.index(j), parts.values(j)) for j in range(6)]
     norms = np.array([np.linalg.norm(v.numpy()) for _, v in sent])
     bound = np.median(norms)
     total, count = np.zeros(4096), np.zeros(4096)
@@ -151,7 +186,7 @@ def test_cosine_clip_on_top_k_drops_the_sites_against_the_rest_and_the_empty_one
     x[7] = 0.0
     parts = _parts(x, "topk")
     got = combine_for("cosine-clip").combine(parts, torch.empty(4096)).numpy()
-    sent = [parts.sparse(j) for j in range(8)]
+    sent = [(parts.index(j), parts.values(j)) for j in range(8)]
     assert not sent[7][1].any()  # the free-rider's: left out before anything else
     sent = sent[:7]
     norms = np.array([np.linalg.norm(v.numpy()) for _, v in sent])
@@ -179,7 +214,7 @@ def test_share_clip_counts_an_entry_few_sent_as_their_share_of_a_majority():
     parts = _parts(x, "topk")
     rule = combine_for("share-clip")
     got = rule.combine(parts, torch.empty(4096)).numpy()
-    sent = [parts.sparse(j) for j in range(8)]
+    sent = [(parts.index(j), parts.values(j)) for j in range(8)]
     norms = np.array([np.linalg.norm(v.numpy()) for _, v in sent])
     scale = np.minimum(1.0, np.median(norms) / norms)
     total, count = np.zeros(4096), np.zeros(4096)
@@ -210,7 +245,7 @@ def test_share_clip_bounds_a_site_that_sends_where_nobody_else_does():
     rng = np.random.default_rng(7)
     x = (rng.normal(size=4096) + rng.normal(scale=0.7, size=(8, 4096))).astype(np.float32)
     honest = _parts(x[:6], "topk")
-    picked = set(np.concatenate([honest.sparse(j)[0].numpy() for j in range(6)]).tolist())
+    picked = set(np.concatenate([honest.index(j).numpy() for j in range(6)]).tolist())
     free = np.array([i for i in range(4096) if i not in picked])
     for j in (6, 7):  # the same sign, on its own entries nobody else picks
         x[j] = 0.0
@@ -235,8 +270,11 @@ def test_a_top_k_part_that_does_not_decode_is_dropped_by_a_robust_rule_and_stops
     parts, without = _parts(bad, "topk"), _parts(np.delete(x, 1, axis=0), "topk")
     got = combine_for(rule).combine(parts, torch.empty(4096)).numpy()
     np.testing.assert_array_equal(got, _combine(rule, without))
-    with pytest.raises(PayloadError, match="non-finite"):
-        _combine("selected-mean", parts)
+    plain = aggregator_for("gather", make_codec("topk"), 4, aggregation="selected-mean")
+    xs = [torch.from_numpy(r) for r in bad]
+    with pytest.raises(PayloadError, match="non-finite") as stopped:
+        _gather(plain, xs)
+    assert stopped.value.sender == 1
     # a free-rider's all-zero part says nothing: left out too, where the selected mean counts it
     empty = np.vstack([x, np.zeros((1, 4096), np.float32)])
     np.testing.assert_array_equal(
@@ -266,8 +304,7 @@ def test_a_robust_rule_runs_on_gather_only(rule):
     assert SyncConfig(codec="fp32", aggregation=rule).resolved_reduce == "gather"
     agg = aggregator_for("gather", make_codec("int8"), 3, aggregation=rule)
     xs = [torch.full((64,), float(v)) for v in (1.0, 2.0, 500.0)]
-    payloads = [agg.encode([x]).payload for x in xs]
-    red = agg._sum_gathered(payloads, [torch.Size([64])], 64)
+    red = _gather(agg, xs)
     assert red.valid_workers == 3 and float(red.mean.max()) < 300.0
 
 
@@ -302,8 +339,7 @@ def test_a_sender_the_rule_leaves_out_reads_as_offending_and_is_named_in_three_s
     honest = rng.normal(size=4096) + rng.normal(scale=0.7, size=(5, 4096))
     xs = [torch.from_numpy(r.astype(np.float32)) for r in honest]
     xs[3] = -xs[3]
-    payloads = [agg.encode([x]).payload for x in xs]
-    red = agg._sum_gathered(payloads, [torch.Size([4096])], 4096)
+    red = _gather(agg, xs)
     assert red.norms is not None and np.isinf(red.norms[3])
     assert all(np.isfinite(red.norms[w]) for w in (0, 1, 2, 4))
     stats = SimpleNamespace(extra={})

@@ -140,6 +140,31 @@ def test_a_strategy_pickles_as_its_one_instance():
         assert pickle.loads(pickle.dumps(s)) is s
 
 
+def test_an_alpha_that_would_mix_nothing_is_refused_in_one_line_and_a_presets_is_dropped():
+    """alpha mixes a result that lands tau >= 1 steps late (under merge=alpha, or CO2's
+    co2_merge=reset). Given where nothing mixes it would do nothing (torchft's DiLoCo mixes at
+    fragment_sync_delay=0; lowcomm replaces there): refused, naming the fix. Streaming's own
+    alpha=0.5 is for its overlap: at overlap=0 the preset has none, and nothing is refused."""
+    from lowcomm.config import SyncConfig
+
+    for kw, fix in [
+        ({"alpha": 0.5}, "set overlap >= 1, or drop alpha"),
+        ({"alpha": 0.5, "overlap": 1, "merge": "continue"}, "set merge=alpha"),
+        ({"alpha": 0.5, "overlap": -1}, "set co2_merge=reset"),
+    ]:
+        with pytest.raises(ConfigError, match=f"alpha=0.5 does nothing here: .*{fix}") as err:
+            SyncConfig(**kw)
+        assert "\n" not in str(err.value)
+    assert SyncConfig(alpha=0.5, overlap=1).alpha == 0.5
+    assert SyncConfig(alpha=0.5, overlap=-1, co2_merge="reset").alpha == 0.5
+    streaming = strategies.get("streaming")
+    assert streaming.config(overlap=0).alpha == 0.0
+    assert streaming.config(merge="continue").alpha == 0.0
+    assert streaming.config().alpha == 0.5
+    with pytest.raises(ConfigError, match="with overlap=0 a sync's result replaces"):
+        streaming.config(overlap=0, alpha=0.5)
+
+
 def test_presets_are_the_documented_settings():
     """Each preset against the values docs/algorithms.md gives (written out independently)."""
     diloco = strategies.get("diloco").config()

@@ -18,9 +18,12 @@ Two rules, each holding one buffer per parameter, keyed by the parameter's name:
   loss-scale overflow) and ``rescale(f)`` multiplies them by ``f`` (the loss scale changed, and
   the buffers hold errors of scaled gradients).
 
-Both follow the :class:`Compensation` protocol, the one surface the engine, the aggregator and
-the per-step hooks call: ``before_send`` -> encode -> ``after_send``, then ``step`` per
-optimizer step.
+Both follow the :class:`Compensation` protocol: ``before_send`` -> encode -> ``after_send``
+for one named tensor (the two-phase reduce's second quantisation), and ``before_flat`` ->
+encode -> ``after_flat`` for a whole group of named tensors one after another (a fragment, a
+gradient bucket's part), then ``step`` per optimizer step. A group's buffers are kept as one
+flat buffer in the storage dtype, each name's buffer a view of it, so a group costs the same
+launches however many tensors it holds.
 
 Storage. Buffers live on ``device`` (``"cpu"`` keeps them off the accelerator; ``None`` keeps
 each one on the device of the tensors it compensates, e.g. FSDP's gradients) in ``dtype``:
@@ -84,6 +87,27 @@ class Compensation(Protocol):
         """Record what was lost: ``sent`` was encoded and peers decode ``decoded``."""
         ...
 
+    takes_sparse: bool  # after_flat may be handed a sparse decode (Encoded.sparse_flat)
+    restores: bool  # restore_flat hands a weighted merge's unapplied part back
+
+    def before_flat(
+        self,
+        names: list[str],
+        shapes: list[torch.Size],
+        x: torch.Tensor,
+        ok: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """What to encode in place of the group ``x`` (FP32, ``names``' tensors of ``shapes``
+        one after another); ``ok``: a 0-d bool on the device, where False the buffers stay."""
+        ...
+
+    def after_flat(
+        self, names: list[str], shapes: list[torch.Size], sent: torch.Tensor, enc: Any
+    ) -> None:
+        """Record what was lost once ``sent`` (what before_flat gave) was encoded as ``enc`` (an
+        aggregate.Encoded: its ``local`` or ``sparse_flat`` decode, its ``ok`` flag)."""
+        ...
+
     def step(self) -> None:
         """Count one optimizer step (periodic resets)."""
         ...
@@ -113,6 +137,16 @@ class _BufferStore:
         self.device = torch.device(device) if device is not None else None
         self.buffers: dict[str, torch.Tensor] = {}
         self.scales: dict[str, torch.Tensor] = {}  # int8 only: fp32 0-d absmax / 127
+        self.groups: dict[tuple[str, ...], _Group] = {}  # group(): named buffers as one
+
+    def group(self, names: list[str], shapes: list[torch.Size], device: torch.device) -> _Group:
+        """The buffers of ``names`` (shaped ``shapes``) as one flat buffer: made from the
+        buffers held (zeros where none is) unless every name's buffer already is its view;
+        on this store's device, else ``device``."""
+        g = self.groups.get(tuple(names))
+        if g is None or not g.holds(self):
+            g = self.groups[tuple(names)] = _Group(self, names, shapes, self.device or device)
+        return g
 
     def __contains__(self, key: str) -> bool:
         return key in self.buffers
@@ -170,6 +204,7 @@ class _BufferStore:
     def clear(self) -> None:
         self.buffers.clear()
         self.scales.clear()
+        self.groups.clear()
 
     def state(self) -> dict[str, Any]:
         return {
@@ -185,12 +220,84 @@ class _BufferStore:
                 f"state holds {state['dtype']} buffers, this compensation stores "
                 f"{_NAMES[self.dtype]}"
             )
+        self.groups.clear()  # rebuilt from the loaded buffers at their next use
         self.buffers = {str(k): v.to(self.device or v.device) for k, v in state["buffers"].items()}
         self.scales = {
             str(k): v.to(self.device or v.device) for k, v in state.get("scales", {}).items()
         }
         if self.dtype == torch.int8 and set(self.scales) != set(self.buffers):
             raise ValueError("int8 compensation state lacks a scale for some buffers")
+
+
+class _Group:
+    """Named buffers kept as one flat buffer in the store's dtype (int8: with one scale per
+    name), each name's buffer a view of it (see :meth:`_BufferStore.group`)."""
+
+    def __init__(
+        self,
+        store: _BufferStore,
+        names: list[str],
+        shapes: list[torch.Size],
+        device: torch.device,
+    ) -> None:
+        sizes = [torch.Size(s).numel() for s in shapes]
+        self.names, self.numel = list(names), sum(sizes)
+        self.lengths = torch.tensor(sizes, dtype=torch.int64, device=device)
+        self.flat = torch.zeros(self.numel, dtype=store.dtype, device=device)
+        self.int8 = store.dtype == torch.int8
+        self.scales = torch.ones(len(names), device=device) if self.int8 else None
+        at = 0
+        for i, (name, shape, n) in enumerate(zip(names, shapes, sizes)):
+            view = self.flat[at : at + n].view(shape)
+            if name in store.buffers:
+                view.copy_(store.buffers[name])
+                if self.scales is not None:
+                    self.scales[i] = store.scales[name]
+            store.buffers[name] = view
+            if self.scales is not None:
+                store.scales[name] = self.scales[i]
+            at += n
+
+    def holds(self, store: _BufferStore) -> bool:
+        """Whether every name's buffer in ``store`` still is this group's view."""
+        at = self.flat.data_ptr()
+        step = self.flat.element_size()
+        for i, name in enumerate(self.names):
+            buf = store.buffers.get(name)
+            if buf is None or buf.data_ptr() != at:
+                return False
+            if self.scales is not None:
+                scale = store.scales.get(name)
+                if scale is None or scale.data_ptr() != self.scales[i].data_ptr():
+                    return False
+            at += buf.numel() * step
+        return True
+
+    def read(self, device: torch.device) -> tuple[torch.Tensor, bool]:
+        """The group as FP32 on ``device``, and whether that is the stored buffer itself (FP32
+        there already: update it in place, nothing to write back)."""
+        if not self.int8 and self.flat.dtype == torch.float32 and self.flat.device == device:
+            return self.flat, True
+        e = self.flat.to(device=device, dtype=torch.float32, copy=True)
+        if self.scales is not None:
+            e.mul_(self._each(self.scales.to(device)))
+        return e, False
+
+    def write(self, e: torch.Tensor) -> None:
+        """Store ``e`` (FP32, what :meth:`read` gave and was updated) in the storage dtype."""
+        if self.scales is None:
+            self.flat.copy_(e)
+            return
+        absmax = torch.segment_reduce(e.abs(), "max", lengths=self.lengths.to(e.device), initial=0)
+        scale = torch.where(absmax > 0, div_scalar(absmax, 127.0), torch.ones_like(absmax))
+        q = torch.round(e / self._each(scale)).clamp_(-127, 127).to(torch.int8)
+        self.flat.copy_(q)
+        self.scales.copy_(scale)
+
+    def _each(self, per_name: torch.Tensor) -> torch.Tensor:
+        """One value per name spread over that name's elements."""
+        lengths = self.lengths.to(per_name.device)
+        return torch.repeat_interleave(per_name, lengths, output_size=self.numel)
 
 
 class _Compensation:
@@ -237,7 +344,8 @@ class ErrorFeedback(_Compensation):
         self.beta = float(beta)
         self._store = _BufferStore(dtype, device)
         self._pending: dict[str, torch.Tensor] = {}
-        self._flats: dict[tuple[str, ...], torch.Tensor] = {}  # accumulate_flat's buffers
+        # before_flat's group between it and after_flat: (group, e, whether e is stored)
+        self._pending_flat: dict[tuple[str, ...], tuple[_Group, torch.Tensor, bool]] = {}
 
     def step(self) -> None:
         """Error feedback has no periodic reset: nothing to count."""
@@ -258,74 +366,64 @@ class ErrorFeedback(_Compensation):
         """The engine's common call: what to encode for ``x`` (here ``accumulate``)."""
         return self.accumulate(key, x)
 
-    def flat_on(self, device: torch.device) -> bool:
-        """Whether :meth:`accumulate_flat` takes groups on ``device`` (FP32 buffers there)."""
-        store = self._store
-        return store.dtype == torch.float32 and store.device in (None, device)
+    takes_sparse = True
+    restores = True
 
-    def accumulate_flat(
+    def before_flat(
         self,
         names: list[str],
-        tensors: list[torch.Tensor],
+        shapes: list[torch.Size],
         x: torch.Tensor,
         ok: torch.Tensor | None = None,
-    ) -> torch.Tensor | None:
-        """``accumulate`` of a group at once: ``x`` holds ``tensors`` (named ``names``) one
-        after another, and the group's buffers become views of one flat FP32 buffer, which is
-        returned (encode it; hand the encoding to :meth:`subtract_flat`). None where the
-        buffers are not FP32 on ``x``'s device (:meth:`flat_on`): then go tensor by tensor.
-
+    ) -> torch.Tensor:
+        """``accumulate`` of a group at once: ``x`` holds ``names``' tensors one after another;
+        returns ``e`` (FP32 on ``x``'s device: the stored buffer itself where it is FP32 there).
         ``ok``: a 0-d bool on the device, whether ``x`` is finite, not read here; where it is
         False the buffers stay as they were (``x`` is zeroed in place, beta taken as 1), and
-        so does the subtraction of what is then encoded (see :meth:`subtract_flat`).
-        """
-        if not self.flat_on(x.device):
-            return None
-        e = self._flat(names, tensors, x.device)
+        so does the subtraction of what is then encoded (see :meth:`after_flat`)."""
+        group = self._store.group(names, shapes, x.device)
+        e, stored = group.read(x.device)
         if ok is None:
             e.mul_(self.beta).add_(x.detach())
         else:
             e.mul_(torch.where(ok, self.beta, 1.0)).add_(x.detach().masked_fill_(~ok, 0.0))
+        self._pending_flat[tuple(names)] = (group, e, stored)
         return e
 
-    def subtract_flat(self, e: torch.Tensor, enc: Any) -> None:
-        """``e <- e - D(C(e))`` for a group encoded at once, from its encoding (an
-        aggregate.Encoded): at the sent entries of a sparse one, else everywhere; nothing
-        where the encoding's device flag ``enc.ok`` says the update was not finite."""
+    def after_flat(
+        self, names: list[str], shapes: list[torch.Size], sent: torch.Tensor, enc: Any
+    ) -> None:
+        """``e <- e - D(C(e))`` for a group, from its encoding (an aggregate.Encoded): at the
+        sent entries of a sparse one, else everywhere; nothing where the encoding's device
+        flag ``enc.ok`` says the update was not finite."""
+        group, e, stored = self._pending_flat.pop(tuple(names))
         if enc.sparse_flat is not None:
             idx, values = enc.sparse_flat
             e.index_add_(0, idx, values if enc.ok is None else values * enc.ok, alpha=-1.0)
         else:
             e.sub_(enc.local if enc.ok is None else enc.local * enc.ok)
+        if not stored:
+            group.write(e)
 
-    def _flat(
-        self, names: list[str], tensors: list[torch.Tensor], device: torch.device
-    ) -> torch.Tensor:
-        """The group's one buffer, made (from the buffers held, zeros where none is) unless
-        every name's buffer already is its view there."""
-        e = self._flats.get(tuple(names))
-        sizes = [t.numel() for t in tensors]
-        if e is not None and self._views_of(e, names, tensors):
-            return e
-        e = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
-        at = 0
-        for name, t in zip(names, tensors):
-            view = e[at : at + t.numel()].view(t.shape)
-            if name in self._store:
-                view.copy_(self._store.get(name, view))
-            self._store.buffers[name] = view
-            at += t.numel()
-        self._flats[tuple(names)] = e
-        return e
-
-    def _views_of(self, e: torch.Tensor, names: list[str], tensors: list[torch.Tensor]) -> bool:
-        at = e.data_ptr()
-        for name, t in zip(names, tensors):
-            buf = self._store.buffers.get(name)
-            if buf is None or buf.data_ptr() != at or buf.shape != t.shape:
-                return False
-            at += t.numel() * 4
-        return True
+    def restore_flat(
+        self,
+        names: list[str],
+        shapes: list[torch.Size],
+        unapplied: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        """``e <- e + u`` for a group: ``u`` is what of the sent message a weighted merge did
+        not apply (flat, or (flat indices, values) with 0 elsewhere), so that overall
+        ``e <- e - s D(C(e))`` with ``s`` the share applied (docs/algorithms.md,
+        "Token-weighted merge")."""
+        dense = unapplied if isinstance(unapplied, torch.Tensor) else unapplied[1]
+        group = self._store.group(names, shapes, dense.device)
+        e, stored = group.read(dense.device)
+        if isinstance(unapplied, tuple):
+            e.index_add_(0, unapplied[0], unapplied[1].to(torch.float32))
+        else:
+            e.add_(unapplied.to(torch.float32))
+        if not stored:
+            group.write(e)
 
     def after_send(self, key: str, sent: torch.Tensor, decoded: torch.Tensor) -> None:
         """The engine's common call once ``sent`` was encoded (here ``subtract``)."""
@@ -409,6 +507,7 @@ class MovingAverageCompensation(_Compensation):
         self.reset_every = int(reset_every)
         self.steps = 0
         self._store = _BufferStore(dtype, device)
+        self._pending_flat: dict[tuple[str, ...], tuple[_Group, torch.Tensor, bool]] = {}
 
     def compensate(self, key: str, g: torch.Tensor) -> torch.Tensor:
         """``h = g + e`` in FP32 on ``g``'s device (encode this)."""
@@ -422,6 +521,39 @@ class MovingAverageCompensation(_Compensation):
     def after_send(self, key: str, h: torch.Tensor, decoded: torch.Tensor) -> None:
         """The engine's common call once ``h`` was encoded (here ``update``)."""
         self.update(key, h, decoded)
+
+    takes_sparse = False
+    restores = False
+
+    def before_flat(
+        self,
+        names: list[str],
+        shapes: list[torch.Size],
+        x: torch.Tensor,
+        ok: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``compensate`` of a group at once: ``h = x + e`` (a new FP32 tensor on ``x``'s
+        device); ``ok`` as :meth:`ErrorFeedback.before_flat` (where False the buffers stay)."""
+        group = self._store.group(names, shapes, x.device)
+        e, stored = group.read(x.device)
+        h = e + x.detach().to(torch.float32)
+        self._pending_flat[tuple(names)] = (group, e, stored)
+        return h
+
+    def after_flat(
+        self, names: list[str], shapes: list[torch.Size], sent: torch.Tensor, enc: Any
+    ) -> None:
+        """``update`` of a group at once from its encoding's dense decode (``enc.local``);
+        nothing where the device flag ``enc.ok`` says the update was not finite."""
+        group, e, stored = self._pending_flat.pop(tuple(names))
+        err = sent - enc.local.to(torch.float32)
+        if enc.ok is None:
+            e.mul_(self.beta).add_(err, alpha=1.0 - self.beta)
+        else:
+            moved = (e * self.beta).add_(err, alpha=1.0 - self.beta)
+            e.copy_(torch.where(enc.ok, moved, e))
+        if not stored:
+            group.write(e)
 
     def update(self, key: str, h: torch.Tensor, decoded: torch.Tensor) -> None:
         """``e <- beta e + (1 - beta)(h - decoded)``."""

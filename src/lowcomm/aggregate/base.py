@@ -1,17 +1,24 @@
-"""What every exchange shares: the Encoded/Reduced records, the abstract Aggregator, and
-``encode_compensated`` (compensate, encode, record the loss) that works with any of them."""
+"""What every exchange shares: the Encoded/Reduced records, the abstract Aggregator, the
+validity flags, and ``encode_compensated`` (compensate, encode, record the loss) that works
+with any of them.
+
+An aggregator works on one fragment at a time: its tensors one after another in one flat FP32
+buffer, cut into buckets (consecutive tensors), one collective each. Everything but the
+collectives runs over the whole fragment at once (the codec's plan, the combine rule), so the
+kernel launches of a sync do not depend on how many tensors or buckets it has.
+"""
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from ..codecs.base import Codec, PayloadError
+from ..codecs.base import Codec, PayloadError, Plan
 from .combine import Combine, SumCombine, check_sum_only, combine_for
 
 if TYPE_CHECKING:  # the math never calls the transport's module, only the object handed in
@@ -32,19 +39,21 @@ Valid = bool | torch.Tensor
 
 @dataclass
 class Encoded:
-    """What one worker contributes to one exchange."""
+    """What one worker contributes to one exchange (one fragment)."""
 
-    payload: torch.Tensor  # what the first collective gets (flag included)
+    payload: torch.Tensor  # what the collectives send, bucket after bucket (flags included)
     shapes: list[torch.Size]  # the shapes of the tensors it encodes, in order
     numel: int  # total elements
     local: torch.Tensor | None  # flat FP32 of what peers will decode from us (for compensation)
     key: str | None = None  # names the reduce-side compensation buffer (two-phase)
+    # where each bucket's collective starts in ``payload`` (its last entry: the end)
+    splits: list[int] = field(default_factory=list)
+    plan: Plan | None = None  # the codec's plan of the whole payload (gather, two-phase)
+    flag_at: torch.Tensor | None = None  # where the payload's validity flags are (gather)
+    layout: Any = None  # how the exchange laid the payload out (two-phase: its Shards)
     shard_numel: int = 0  # two-phase: elements per worker's shard
     out: torch.Tensor | None = None  # flat FP32 the exchange may write its mean into
-    # sparse codecs asked for sparse_local: per tensor, (indices, values) peers will decode
-    sparse: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    # the same for a whole bucket encoded at once: (indices into its tensors one after
-    # another, values)
+    # a sparse codec's own decode, asked for instead of ``local``: (flat indices, values)
     sparse_flat: tuple[torch.Tensor, torch.Tensor] | None = None
     # error feedback counted this whole message as sent: a weighted exchange hands back what
     # of it the weighted combination did not apply (Reduced.unapplied)
@@ -56,20 +65,20 @@ class Encoded:
     senders: int | None = None
 
 
-#: per tensor, a flat FP32 tensor or (flat indices, values): see Reduced.unapplied
-Unapplied = list["torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
+#: flat FP32 over a fragment, or (flat indices, values) with 0 elsewhere: see Reduced.unapplied
+Unapplied = "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"
 
 
 @dataclass
 class Reduced:
-    """The result of one exchange."""
+    """The result of one exchange (one fragment)."""
 
     mean: torch.Tensor  # flat FP32: the rule's combination (the mean) of the valid workers
     valid_workers: int  # how many workers contributed
-    # weighted, for an Encoded that keeps it: per tensor, what of this worker's message the
-    # weighted combination did not apply, in the unweighted rule's units (Combine.unapplied);
-    # None unweighted (all of it was applied) or when this worker sent nothing
-    unapplied: Unapplied | None = None
+    # weighted, for an Encoded that keeps it: what of this worker's message the weighted
+    # combination did not apply, in the unweighted rule's units (Combine.unapplied), over the
+    # whole fragment; None unweighted (all of it was applied) or when this worker sent nothing
+    unapplied: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None
     # tracked (a robust rule on gather, offender_syncs > 0): each sender's (group rank) squared
     # contribution norm, inf where it was not finite or the rule left most of it out (not
     # readable, empty, or against the others); None when not tracked
@@ -81,8 +90,8 @@ class Reduced:
 
 
 class Aggregator(ABC):
-    """Combines flat groups of tensors across workers through one codec, one exchange and one
-    combine rule (:mod:`~lowcomm.aggregate.combine`, chosen here, once).
+    """Combines a fragment across workers through one codec, one exchange and one combine rule
+    (:mod:`~lowcomm.aggregate.combine`, chosen here, once).
 
     Subclasses are the exchanges (all-reduce, gather, two-phase); ``method`` names which.
     """
@@ -94,6 +103,8 @@ class Aggregator(ABC):
     # NONFINITE where it fails (the engine decides, see engine.wiring); elsewhere that flag is
     # a peer's bad payload, named as such
     deferred_checks = False
+    # whether encode takes ``valid`` as a device flag (deferred_checks on: see Valid)
+    takes_device_flag = False
 
     def __init__(
         self, codec: Codec | None, world_size: int, aggregation: str | Combine = "mean"
@@ -110,26 +121,24 @@ class Aggregator(ABC):
     @abstractmethod
     def encode(
         self,
-        tensors: list[torch.Tensor],
-        need_local: bool = False,
-        valid: bool = True,
+        flat: torch.Tensor,
+        shapes: list[torch.Size],
+        buckets: list[int],
+        valid: Valid = True,
+        want: str = "",
         key: str | None = None,
         slab: torch.Tensor | None = None,
-        sparse_local: bool = False,
-        flat: torch.Tensor | None = None,
     ) -> Encoded:
-        """Encode ``tensors`` (FP32, any shapes); ``need_local`` also returns our decoded view.
-
-        ``valid=False`` sends zeros flagged as "left out": peers average without this worker.
-        ``key`` names this group's reduce-side compensation buffer (the same key for the same
-        tensors every step); without one the second quantisation is not compensated.
-        ``slab``: a flat FP32 buffer whose first elements are ``tensors``, in order, plus one
-        spare element; an exchange that can send it as it is takes it as the payload (no copy)
-        and may overwrite it. ``sparse_local`` (with ``need_local``): a sparse codec may give
-        our decoded view as ``Encoded.sparse`` (per tensor, indices and values) or
-        ``Encoded.sparse_flat`` instead of a dense ``local``. ``flat``: the tensors one after
-        another in one FP32 buffer, for an exchange that encodes them at once (no copy).
-        Runs on the compute thread.
+        """Encode a fragment: ``flat`` holds its tensors of ``shapes`` one after another (FP32);
+        ``buckets`` counts the tensors of each collective (consecutive). ``valid=False`` sends
+        zeros flagged as left out: peers combine without this worker; a device flag
+        (:data:`Valid`, where :attr:`takes_device_flag`) goes out as it is. ``want``: what of
+        our own decode the caller needs: "" nothing, "dense" flat FP32 (``Encoded.local``),
+        "sparse" a sparse codec's indices and values (``Encoded.sparse_flat``, else ``local``).
+        ``key`` names this fragment's reduce-side compensation buffer (the same key every
+        sync); ``slab``: ``flat`` with one spare element after it, which an exchange that sends
+        the values as they are may take as its payload (and overwrite). Runs on the compute
+        thread.
         """
 
     @abstractmethod
@@ -146,18 +155,8 @@ class Aggregator(ABC):
 
     @abstractmethod
     def payload_nbytes(self, shapes: list[torch.Size]) -> int:
-        """Bytes this worker hands to the first collective for tensors of ``shapes`` (with flag)."""
-
-    def plan(self, shapes: list[torch.Size], device: torch.device) -> object | None:
-        """A plan that encodes a whole bucket of ``shapes`` on ``device`` at once, or None
-        (tensor by tensor): the engine then hands :meth:`encode` the bucket as one ``flat``."""
-        return None
-
-    def defers(self, shapes: list[torch.Size], device: torch.device, compensated: bool) -> bool:
-        """Whether :meth:`encode` takes ``valid`` as a device flag (:data:`Valid`) for a bucket
-        of ``shapes`` on ``device`` (through error feedback if ``compensated``), and the
-        unweighted :meth:`exchange` reads it with its own result: no host read before it."""
-        return False
+        """Bytes this worker hands to the collectives for one bucket of ``shapes``, flag
+        included."""
 
     def step(self) -> None:
         """Count one optimizer step for the reduce-side buffers (their periodic reset).
@@ -197,8 +196,8 @@ def flag(byte: torch.Tensor | float, sender: int, deferred_checks: bool = False)
 def flag_of(valid: Valid) -> torch.Tensor | float:
     """The flag a payload carries for ``valid``: SENT or LEFT_OUT, or on the device SENT or
     NONFINITE (a worker that sends nothing never holds a device flag)."""
-    if isinstance(valid, torch.Tensor):
-        return torch.where(valid, float(SENT), float(NONFINITE))
+    if isinstance(valid, torch.Tensor):  # a flag byte's
+        return torch.where(valid, SENT, NONFINITE).to(torch.uint8)
     return float(SENT if valid else LEFT_OUT)
 
 
@@ -210,81 +209,70 @@ def numel(shape: torch.Size) -> int:
     return n
 
 
+def tensor_splits(shapes: list[torch.Size], buckets: list[int]) -> list[int]:
+    """Where each bucket starts among ``shapes`` (tensor indices; the last entry: the count)."""
+    at, out = 0, [0]
+    for count in buckets:
+        at += count
+        out.append(at)
+    if at != len(shapes):
+        raise ValueError(f"buckets of {buckets} tensors, for {len(shapes)} shapes")
+    return out
+
+
+def encode_tensors(
+    aggregator: Aggregator,
+    tensors: list[torch.Tensor],
+    valid: Valid = True,
+    want: str = "",
+    key: str | None = None,
+) -> Encoded:
+    """Encode ``tensors`` (FP32 values of any shapes) as one fragment of one bucket."""
+    dev = tensors[0].device if tensors else None
+    flat = torch.cat(
+        [t.detach().reshape(-1).float() for t in tensors] or [torch.empty(0, device=dev)]
+    )
+    return aggregator.encode(flat, [t.shape for t in tensors], [len(tensors)], valid, want, key)
+
+
 def encode_compensated(
     aggregator: Aggregator,
     compensation: Compensation | None,
     names: list[str],
-    tensors: list[torch.Tensor],
+    flat: torch.Tensor,
+    shapes: list[torch.Size],
+    buckets: list[int],
     valid: Valid = True,
     key: str | None = None,
     need_dense: bool = True,
-    flat: torch.Tensor | None = None,
 ) -> Encoded:
-    """Compensate, encode and record the loss of one group of named tensors (one collective).
+    """Compensate, encode and record the loss of one fragment's named tensors (``flat``: the
+    tensors one after another) through the compensation's buffers as one flat group.
 
-    Per tensor: ``x' = before_send(name, x)``; the group is encoded; then ``after_send(name, x',
-    what peers decode of x')``. A group that is not ``valid`` goes out flagged as left out and
-    leaves the buffers alone (a non-finite gradient must not pollute them), as does one whose
-    device flag (:data:`Valid`) turns out False, through the group's buffers as one. Without
-    ``need_dense`` (nobody reads ``Encoded.local``), a compensation that can subtract a sparse
-    decode does so at the sent entries only. ``flat`` (the tensors one after another): a
-    compensation that keeps the group's buffers as one does the group at once.
+    ``x' = before_send(x)``; the group is encoded; then ``after_send(x', what peers decode of
+    x')``. A group that is not ``valid`` goes out flagged as left out and leaves the buffers
+    alone (a non-finite gradient must not pollute them), as does one whose device flag
+    (:data:`Valid`) turns out False. Without ``need_dense`` (nobody reads ``Encoded.local``),
+    a compensation that can subtract a sparse decode does so at the sent entries only.
     """
     ok = valid if isinstance(valid, torch.Tensor) else None
-    comp = compensation if ok is not None or valid else None
-    sparse_ok = comp is not None and not need_dense and hasattr(comp, "subtract_sparse")
-    whole = getattr(comp, "accumulate_flat", None) if flat is not None else None
-    e = whole(names, tensors, flat, ok) if whole is not None else None
-    assert ok is None or e is not None, "a device flag needs the group's buffers as one"
-    if comp is not None and e is not None:  # the group's buffers as one: no loop over tensors
-        to_send = _views(e, tensors)
-        enc = aggregator.encode(
-            to_send, need_local=True, valid=valid, key=key, sparse_local=sparse_ok, flat=e
-        )
-        comp.subtract_flat(e, enc)  # type: ignore[attr-defined]
-        enc.sparse = enc.sparse_flat = None
-        enc.keep_unapplied = hasattr(comp, "restore")
-        return enc
-    to_send = [comp.before_send(n, t) for n, t in zip(names, tensors)] if comp else list(tensors)
-    enc = aggregator.encode(
-        to_send, need_local=comp is not None, valid=valid, key=key, sparse_local=sparse_ok
-    )
-    enc.keep_unapplied = comp is not None and hasattr(comp, "restore")
-    if comp is not None and enc.sparse is not None:
-        for n, (idx, vals) in zip(names, enc.sparse):
-            comp.subtract_sparse(n, idx, vals)  # type: ignore[attr-defined]
-        enc.sparse = None
-    elif comp is not None:
-        assert enc.local is not None
-        offset = 0
-        for n, h in zip(names, to_send):
-            comp.after_send(n, h, enc.local[offset : offset + h.numel()].view_as(h))
-            offset += h.numel()
+    if compensation is None or (ok is None and not valid):
+        return aggregator.encode(flat, shapes, buckets, valid, "dense" if need_dense else "", key)
+    sent = compensation.before_flat(names, shapes, flat, ok)
+    want = "dense" if need_dense or not compensation.takes_sparse else "sparse"
+    enc = aggregator.encode(sent, shapes, buckets, valid, want, key)
+    compensation.after_flat(names, shapes, sent, enc)
+    enc.sparse_flat = None
+    enc.keep_unapplied = compensation.restores
     return enc
-
-
-def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of ``flat`` shaped like ``like``, one after another."""
-    pieces = flat.split([t.numel() for t in like])
-    return [p.view(t.shape) for p, t in zip(pieces, like)]
 
 
 def scaled_unapplied(
     rule: Combine, enc: Encoded, weights: list[float] | None, rank: int
-) -> Unapplied | None:
+) -> torch.Tensor | None:
     """A sum rule's :meth:`~.combine.Combine.unapplied` of this worker's message (``enc.local``,
-    what peers decode of it), for the exchanges that only sum: per tensor, dense."""
+    what peers decode of it), for the exchanges that only sum: flat over the fragment."""
     if weights is None or not enc.keep_unapplied or enc.local is None or weights[rank] <= 0:
         return None
     assert isinstance(rule, SumCombine)
-    kept = enc.local * (1.0 - rule.share(weights, rank))
-    return list(kept.split([numel(s) for s in enc.shapes]))
-
-
-def contribution(
-    tensors: list[torch.Tensor], valid: bool
-) -> tuple[list[torch.Tensor], list[torch.Size], int]:
-    """What a worker contributes (zeros when it is left out), their shapes and element count."""
-    if not valid:
-        tensors = [torch.zeros_like(t) for t in tensors]
-    return tensors, [t.shape for t in tensors], sum(t.numel() for t in tensors)
+    return enc.local * (1.0 - rule.share(weights, rank))

@@ -2,9 +2,12 @@
 exchange that moves the bytes (all-reduce, gather, two-phase).
 
 A rule is one class in one file under ``aggregate/rules/``: it sets ``name`` (which registers
-it in :data:`COMBINES`) and implements :meth:`Combine.combine`, which sees one tensor's
-contributions, one per site that sent one, each decoded when read (:class:`Parts`), with the
-sites' weights. The rule is chosen once, when the aggregator is built (:func:`combine_for`).
+it in :data:`COMBINES`) and implements :meth:`Combine.combine`, which sees one fragment's
+contributions, one per worker that sent one, decoded by the codec's plan
+(:class:`Contributions`), with the workers' weights. A rule that decides per tensor (a robust
+rule's norms, its medians) does so over the fragment at once, tensor by tensor as segments of
+the flat values (:class:`~lowcomm.segments.Segments`): launches that do not grow with the
+number of tensors. The rule is chosen once, when the aggregator is built (:func:`combine_for`).
 
 The all-reduce and two-phase exchanges can only sum: they run a rule only if it is a
 :class:`SumCombine` (the result is ``finish(sum_j w_j x_j, sum_j w_j)``); anything else needs
@@ -14,79 +17,92 @@ the gather exchange, which hands the rule every contribution.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..errors import ConfigError, PayloadError
+from ..errors import ConfigError
+from ..segments import Segments
 
 if TYPE_CHECKING:
-    from ..codecs.base import Codec
+    from ..codecs.base import Codec, Plan
 
 #: every rule by its name (the config's ``aggregation``), filled by the classes themselves
 COMBINES: dict[str, type[Combine]] = {}
 
 
-class Parts(Sequence[torch.Tensor]):
-    """One tensor's contributions from the sites that sent one: ``parts[j]`` decodes site j's
-    payload into a flat FP32 tensor when read (one at a time: a rule that needs them all at
-    once stacks them); ``sparse(j)`` gives a sparse codec's (indices, values) instead."""
+class Contributions:
+    """One fragment's contributions from the workers that sent one, as the codec's plan decodes
+    them: ``values(j)`` (flat FP32: every element for a dense codec, the kept values for a
+    sparse one), ``index(j)`` (a sparse codec's flat indices), each with its ``weights[j]``.
+    Given as ``decoded`` (index, values) pairs, or as the ``payloads``, decoded when read (a
+    sum adds a dense one straight into its total: :meth:`add_into`).
+
+    ``present``: None when every part is a real contribution (the plain rules: the exchange
+    knows its senders); else a 0-d bool per part on the device, whether it is one (a robust
+    rule combines every worker's decode without reading the device first, and leaves out the
+    rest itself)."""
 
     def __init__(
         self,
-        codec: Codec,
-        payloads: list[torch.Tensor],
-        shape: torch.Size,
-        names: list[str],
-        weights: list[float] | None,
-        senders: list[int] | None = None,
-        keep: bool = False,
+        plan: Plan,
+        decoded: list[tuple[torch.Tensor | None, torch.Tensor]] | None = None,
+        weights: list[float] | None = None,
+        present: torch.Tensor | None = None,
+        payloads: list[torch.Tensor] | None = None,
     ) -> None:
-        self.codec, self.payloads, self.shape, self.names = codec, payloads, shape, names
+        assert decoded is not None or payloads is not None
+        self.plan, self.codec = plan, plan.codec
+        self.sparse = plan.sparse
+        self.decoded = decoded
+        self.payloads = payloads
         self.weights = weights  # one per part, or None: every part counts once
-        self.senders = senders  # each part's group rank, to name the sender of a bad payload
-        # keep: each part decoded once, for a second reader (the gather's per-sender norms);
-        # off, parts are decoded one at a time and let go (a plain mean streams them)
-        self._kept: dict[tuple[bool, int], object] | None = {} if keep else None
+        self.present = present
+        self.numel = plan.numel
+        device = plan.device
+        kept = getattr(plan, "kept_sizes", None) if self.sparse else None
+        #: the tensors as segments of ``values(j)`` (of the fragment's elements for ``elements``)
+        self.segments = Segments(kept if kept is not None else plan.sizes, device)
+        self.elements = Segments(plan.sizes, device)
 
     def __len__(self) -> int:
-        return len(self.payloads)
+        return len(self.decoded) if self.decoded is not None else len(self.payloads or [])
 
-    def __getitem__(self, j: int) -> torch.Tensor:  # type: ignore[override]
-        if not -len(self) <= j < len(self):
-            raise IndexError(j)  # ends iteration
-        return self._decoded(False, j % len(self))  # type: ignore[return-value]
+    def _pair(self, j: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        if self.decoded is not None:
+            return self.decoded[j]
+        assert self.payloads is not None
+        idx, values, _ = self.plan.decode(self.payloads[j])
+        return idx, values
 
-    def sparse(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Part ``j`` as the (indices, values) a sparse codec sent (``decode_sparse``)."""
-        return self._decoded(True, j % len(self))  # type: ignore[return-value]
+    def values(self, j: int) -> torch.Tensor:
+        """Part ``j``'s decoded values (dense: the fragment's elements)."""
+        return self._pair(j)[1]
 
-    def _decoded(self, sparse: bool, j: int) -> object:
-        if self._kept is not None and (sparse, j) in self._kept:
-            return self._kept[(sparse, j)]
-        if sparse:
-            decode = self.codec.decode_sparse  # type: ignore[attr-defined]
-            got: object = decode(self.payloads[j], self.shape, self.names[j])
+    def index(self, j: int) -> torch.Tensor:
+        """A sparse part's flat indices into the fragment."""
+        idx = self._pair(j)[0]
+        assert idx is not None
+        return idx
+
+    def add_into(self, j: int, total: torch.Tensor, weight: float | None = None) -> None:
+        """``total += weight * part j`` (unweighted: the part itself, decoded straight into it
+        where it is a dense payload)."""
+        if self.decoded is None and not self.sparse and weight is None:
+            assert self.payloads is not None
+            self.plan.decode(self.payloads[j], into=total, add=True)
+            return
+        idx, x = self._pair(j)
+        # unweighted, the plain sum: x * 1.0 would round the same, but costs a copy
+        part = x * weight if weight is not None else x
+        if idx is None:
+            total += part
         else:
-            got = self.codec.decode(self.payloads[j], self.shape, self.names[j]).reshape(-1)
-        if self._kept is not None:
-            self._kept[(sparse, j)] = got
-        return got
+            total.index_add_(0, idx, part)
 
-    def blame(self, err: PayloadError) -> PayloadError:
-        """``err`` (raised while combining) with the sender of the first part that fails to
-        decode on its own: every receiver tries the parts in the same order, so all name the
-        same one (``err`` as it is when no part fails alone, or the senders are unknown)."""
-        if err.sender is not None or self.senders is None:
-            return err
-        alone = self.sparse if hasattr(self.codec, "decode_sparse") else self.__getitem__
-        for j, sender in enumerate(self.senders):
-            try:
-                alone(j)
-            except PayloadError as bad:
-                return PayloadError(str(bad), sender)
-        return err
+    def rows(self) -> torch.Tensor:
+        """Every part's values stacked: [m, V]."""
+        return torch.stack([self.values(j) for j in range(len(self))])
 
     def total_weight(self) -> float:
         """The sum of the parts' weights (their count when unweighted)."""
@@ -94,7 +110,7 @@ class Parts(Sequence[torch.Tensor]):
 
 
 class Combine(ABC):
-    """A rule that turns the decoded contributions of one tensor into one tensor."""
+    """A rule that turns one fragment's decoded contributions into one flat tensor."""
 
     name: ClassVar[str]  # the config's ``aggregation`` value
     sum_decomposable: ClassVar[bool] = False  # set by SumCombine: all-reduce/two-phase can run it
@@ -102,6 +118,9 @@ class Combine(ABC):
     dense_only: ClassVar[bool] = False
     # unapplied() asked of an unweighted merge too (share-clip hands back what it held back)
     restores: ClassVar[bool] = False
+    # trusts nothing a part says about itself: the exchange hands it every worker's decode,
+    # with which are present, and it leaves out what is not finite or does not decode
+    robust: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -115,17 +134,26 @@ class Combine(ABC):
             COMBINES[cls.name] = cls
 
     @abstractmethod
-    def combine(self, parts: Parts, out: torch.Tensor) -> torch.Tensor:
-        """Write the combination of ``parts`` (at least one) into ``out`` (flat FP32, as long
-        as one part, contents unspecified) and return it. Weighted by ``parts.weights``."""
+    def combine(self, parts: Contributions, out: torch.Tensor) -> torch.Tensor:
+        """Write the combination of ``parts`` (at least one) into ``out`` (flat FP32 over the
+        fragment, contents unspecified) and return it. Weighted by ``parts.weights``."""
 
-    def unapplied(self, parts: Parts, j: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def unapplied(
+        self, parts: Contributions, j: int
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Of part ``j`` (weighted parts), what the weighted combination did not apply, in the
         unweighted rule's units: error feedback counted all of it as sent, as it may when the
         rule is unweighted (then every part is applied as the rule applies one part), and adds
-        this back (docs/algorithms.md, "Token-weighted merge"). A flat FP32 tensor, or (flat
-        indices, values) where the rest is 0. Every rule that takes weights gives it."""
+        this back (docs/algorithms.md, "Token-weighted merge"). A flat FP32 tensor over the
+        fragment, or (flat indices, values) where the rest is 0. Every rule that takes weights
+        gives it."""
         raise NotImplementedError(f"aggregation={self.name} does not say what a weight left out")
+
+    def left_out(self) -> torch.Tensor | None:
+        """After :meth:`combine`: which (part, tensor) it left out, [m, T] bool on the device
+        (the gather exchange counts a sender left out of most of its contribution as
+        offending: engine/check.py); None when it leaves nothing out."""
+        return None
 
 
 class SumCombine(Combine):
@@ -145,17 +173,19 @@ class SumCombine(Combine):
         n = sum(1 for w in weights if w > 0)
         return n * weights[j] / sum(weights)
 
-    def unapplied(self, parts: Parts, j: int) -> torch.Tensor:
+    def unapplied(
+        self, parts: Contributions, j: int
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``(1 - share) x_j``: the sum applied ``w_j / sum w`` of it where the unweighted rule
         applies ``1 / n`` (a negative share over-applied: it is taken back)."""
         assert parts.weights is not None
-        return parts[j] * (1.0 - self.share(parts.weights, j))
+        kept = parts.values(j) * (1.0 - self.share(parts.weights, j))
+        return (parts.index(j), kept) if parts.sparse else kept
 
-    def combine(self, parts: Parts, out: torch.Tensor) -> torch.Tensor:
+    def combine(self, parts: Contributions, out: torch.Tensor) -> torch.Tensor:
         out.zero_()
-        for j, x in enumerate(parts):
-            # unweighted, the plain sum: x * 1.0 would round the same, but costs a copy
-            out += x * parts.weights[j] if parts.weights is not None else x
+        for j in range(len(parts)):  # sender after sender: the same bits on every receiver
+            parts.add_into(j, out, parts.weights[j] if parts.weights is not None else None)
         return self.finish(out, parts.total_weight())
 
 

@@ -66,7 +66,11 @@ def make_aggregator(cfg: SyncConfig, world_size: int) -> Aggregator:
     from ..compensation import make_compensation
 
     codec = make_codec(
-        cfg.codec, block_size=cfg.codec_block, density=cfg.density, value_bits=cfg.value_bits
+        cfg.codec,
+        block_size=cfg.codec_block,
+        density=cfg.density,
+        value_bits=cfg.value_bits,
+        kernels=cfg.kernels,
     )
     # the second quantisation is compensated by the same rule as the first (its own buffers,
     # each on the device of the shard it compensates)

@@ -23,7 +23,7 @@ from ..errors import PayloadError
 from .registry import CodecSpec, codec_names, make_codec, register, specs
 
 #: the names ``make_codec`` and ``codec=NAME`` accept, in the order configs list them
-CODEC_NAMES: tuple[str, ...] = codec_names()
+CODEC_NAMES: tuple[str, ...] = codec_names(core=True)
 
 # public name -> the module that defines it (imported on first access: those import torch)
 _LAZY = {

@@ -15,13 +15,13 @@ Multi-byte fields are little-endian (x86, ARM and CUDA devices all are).
 
 from __future__ import annotations
 
-import math
 import struct
 import sys
 
 import torch
 
-from .base import PayloadError
+from ..errors import PayloadError
+from .base import as_float_input, numel_of  # noqa: F401  (the codecs import them from here)
 from .registry import specs
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian torch platform in use
@@ -60,10 +60,6 @@ def div_scalar(t: torch.Tensor, c: float) -> torch.Tensor:
     if t.device.type == "cpu":
         return t / c
     return t / torch.tensor(c, dtype=t.dtype, device=t.device)
-
-
-def numel_of(shape) -> int:
-    return math.prod(tuple(shape))
 
 
 def write_header(payload: torch.Tensor, codec: str, param: int, numel: int) -> None:
@@ -138,12 +134,3 @@ def check_finite_scales(scales: torch.Tensor, name: str, what: str = "scale") ->
 def check_finite(values: torch.Tensor, name: str, what: str) -> None:
     if values.numel() and not bool(torch.isfinite(values).all()):
         raise PayloadError(f"{name}: non-finite {what}: {values[:8].tolist()}")
-
-
-def as_float_input(x: torch.Tensor) -> torch.Tensor:
-    """Flat fp32 view (or copy) of a float tensor to encode."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"expected a tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"codecs encode floating-point tensors, got {x.dtype}")
-    return x.detach().reshape(-1).to(torch.float32)

@@ -1,5 +1,7 @@
-/* Fused CPU kernels of the codecs (lowcomm.codecs._native loads them; every one has a torch
- * path that gives the same bits, used where this library is not built).
+/* The CPU's kernels (lowcomm.codecs._native builds and loads them, lowcomm.codecs.kernels
+ * chooses them): top-k selection, a block codec's quantisation and dequantisation, and a
+ * fragment's pseudo-gradient with its finite check. Each
+ * gives the bits of its torch implementation, the reference (tests/test_kernels.py).
  *
  * Built with -ffp-contract=off: each float operation rounds as torch's does (no fused
  * multiply-add), so the outputs are bit-identical to the torch path.
@@ -36,7 +38,6 @@ static int32_t kth_largest(const int32_t *a, int64_t n, int64_t k) {
 }
 
 #define GROUP 8
-#define SPAN 16384 /* elements of the tiles gathered at once (they stay in the core's cache) */
 
 /* One tile's selection from its values and magnitudes (see lc_topk_select). */
 static void select_tile(const float *val, const int32_t *mag, int64_t L, int64_t k,
@@ -78,46 +79,47 @@ static void select_tile(const float *val, const int32_t *mag, int64_t L, int64_t
     *out_val = ov;
 }
 
-/* Top-k by magnitude in every tr x tc tile of an R x C row-major matrix, tiles in row-major
- * tile order: the entries above the k-th largest magnitude T, then those equal to T from the
- * lowest index on (magnitudes compared as bit patterns: NaN counts as the largest). Writes
- * k tile-local indices per tile in increasing order and the kept values. L = tr * tc <= 4096.
+/* Top-k by magnitude in each of ``ntiles`` tiles of tr x tc entries: tile t's row r holds the
+ * tc floats from x + base[t] + r * row[t]. Keeps the entries above the k-th largest magnitude
+ * T, then those equal to T from the lowest index on (magnitudes compared as bit patterns: NaN
+ * counts as the largest), and writes their tile-local indices in increasing order and their
+ * values from kept_at[t] on. L = tr * tc <= 4096. Returns 1, having written nothing, if out
+ * of memory.
  *
  * Two stages, exact: the k-th largest of the maxima of groups of 8 neighbours, T0, is at most
  * T (k groups hold an entry >= T0), so every entry >= T lies in a group whose maximum is >= T0;
- * T is then the k-th largest of those groups' entries (about 8k of the tile's L). Tiles are
- * gathered a span of neighbours at a time, row by row, so the input is read in order. */
-int64_t lc_topk_select(const float *x, int64_t R, int64_t C, int64_t tr, int64_t tc, int64_t k,
-                       int64_t *out_idx, float *out_val) {
-    int64_t L = tr * tc, nti = R / tr, ntj = C / tc;
+ * T is then the k-th largest of those groups' entries (about 8k of the tile's L). */
+int64_t lc_select_tiles(const float *x, const int64_t *base, const int64_t *row,
+                        const int64_t *kept_at, int64_t ntiles, int64_t tr, int64_t tc,
+                        int64_t k, int64_t *out_idx, float *out_val) {
+    int64_t L = tr * tc;
     int64_t group = (L % GROUP == 0 && L / GROUP >= k && L >= 256) ? GROUP : 1;
-    int64_t span = SPAN / L > 0 ? SPAN / L : 1; /* tiles per gather */
-    float *val = malloc((size_t)(span * L) * sizeof(float));
-    int32_t *mag = malloc((size_t)(span * L) * sizeof(int32_t));
-    int32_t work[4096], cand[4096];
-    if (!val || !mag) {
+    float *val = malloc((size_t)L * sizeof(float));
+    int32_t *mag = malloc((size_t)L * sizeof(int32_t));
+    int32_t *work = malloc((size_t)L * sizeof(int32_t)), *cand = malloc((size_t)L * sizeof(int32_t));
+    if (!val || !mag || !work || !cand) {
         free(val);
         free(mag);
+        free(work);
+        free(cand);
         return 1;
     }
-    for (int64_t ti = 0; ti < nti; ti++) {
-        for (int64_t tj0 = 0; tj0 < ntj; tj0 += span) {
-            int64_t nt = ntj - tj0 < span ? ntj - tj0 : span;
-            for (int64_t r = 0; r < tr; r++) {
-                const float *row = x + (ti * tr + r) * C + tj0 * tc;
-                for (int64_t t = 0; t < nt; t++) {
-                    float *v = val + t * L + r * tc;
-                    int32_t *m = mag + t * L + r * tc;
-                    memcpy(v, row + t * tc, (size_t)tc * sizeof(float));
-                    for (int64_t c = 0; c < tc; c++) m[c] = (int32_t)(bits_of(v[c]) & 0x7FFFFFFFu);
-                }
-            }
-            for (int64_t t = 0; t < nt; t++)
-                select_tile(val + t * L, mag + t * L, L, k, group, work, cand, &out_idx, &out_val);
+    for (int64_t t = 0; t < ntiles; t++) {
+        for (int64_t r = 0; r < tr; r++) {
+            const float *src = x + base[t] + r * row[t];
+            float *v = val + r * tc;
+            int32_t *m = mag + r * tc;
+            memcpy(v, src, (size_t)tc * sizeof(float));
+            for (int64_t c = 0; c < tc; c++) m[c] = (int32_t)(bits_of(v[c]) & 0x7FFFFFFFu);
         }
+        int64_t *oi = out_idx + kept_at[t];
+        float *ov = out_val + kept_at[t];
+        select_tile(val, mag, L, k, group, work, cand, &oi, &ov);
     }
     free(val);
     free(mag);
+    free(work);
+    free(cand);
     return 0;
 }
 
@@ -133,8 +135,19 @@ static uint32_t max_magnitude(const float *x, int64_t n) {
     return top;
 }
 
-/* FP4 codes of x[0..n) * inv, computed as the encode table does (fp4._encode_table): from
- * y's sign, biased exponent be and first mantissa bit h, 0 if be < 120, else sign << 3 |
+/* int-k codes of x[0..n): the low byte of the pattern of x * inv + (2^23 + offset), as the
+ * torch steps compute them (round to nearest even in the FPU). */
+__attribute__((target_clones("avx2", "default")))
+static void int_codes(const float *x, int64_t n, float inv, float magic, uint8_t *codes) {
+    for (int64_t i = 0; i < n; i++) {
+        float y = x[i] * inv;
+        y = y + magic;
+        codes[i] = (uint8_t)(bits_of(y) & 0xFFu);
+    }
+}
+
+/* FP4 codes of x[0..n) * inv, as the encode table gives them (fp4._encode_table): from y's
+ * sign, biased exponent be and first mantissa bit h, 0 if be < 120, else sign << 3 |
  * clamp(be - 120 + h, 1, 7). Arithmetic, not a lookup, so the loop vectorizes. */
 __attribute__((target_clones("avx2", "default")))
 static void fp4_codes(const float *x, int64_t n, float inv, uint8_t *codes) {
@@ -147,193 +160,177 @@ static void fp4_codes(const float *x, int64_t n, float inv, uint8_t *codes) {
     }
 }
 
-/* FP4 E3M0 encode of n floats, blocks of B (the last may be short): per block the absmax
- * clamped below to min_scale, its codes (the block re-read from the cache), packed planar (in
- * a group of 512 codes byte j holds code j low and code j + half high, half = 256 or, in a
- * last group of m, ceil(m / 2), padded with pad), ``span`` elements (a multiple of 512 and
- * of B) at a time. The same bits as the torch path. Returns 1, having written nothing
- * useful, if an input is not finite (the sign of a NaN made by arithmetic is the hardware's:
- * the torch path encodes those), 2 if out of memory. */
-int64_t lc_fp4_encode(const float *x, int64_t n, int64_t B, int64_t span, float min_scale,
-                      uint8_t pad, float *scales, uint8_t *packed) {
-    uint8_t *codes = malloc((size_t)span);
-    if (!codes) return 2;
-    for (int64_t s0 = 0; s0 < n; s0 += span) {
-        int64_t s1 = n - s0 < span ? n : s0 + span;
-        for (int64_t b0 = s0; b0 < s1; b0 += B) {
-            int64_t m = s1 - b0 < B ? s1 - b0 : B;
-            uint32_t top = max_magnitude(x + b0, m);
-            if (top >= 0x7F800000u) {
-                free(codes);
-                return 1;
-            }
+/* A block codec's rows of B floats to one scale each (the absmax, at least min_scale) and one
+ * code a byte: int-k (qmax > 0) as x * ((1 / s) * qmax) rounded, offset by ``offset`` (torch's
+ * ``qmax / s`` is a reciprocal, then a product: a division differs in the last bit, which moves
+ * a code at a tie); FP4 (qmax 0) as x * (1 / s) by its table's rule. The bits of the torch steps. Returns 1, having written
+ * nothing useful, if an input is not finite (which NaN a scale holds is the hardware's: the
+ * torch steps encode those). */
+int64_t lc_quantize_rows(const float *x, int64_t rows, int64_t B, int64_t qmax, int64_t offset,
+                         float min_scale, float *scales, uint8_t *codes) {
+    float magic = 8388608.0f + (float)offset;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * B;
+        uint32_t top = max_magnitude(row, B);
+        if (top >= 0x7F800000u) return 1;
+        float s;
+        memcpy(&s, &top, 4);
+        s = s < min_scale ? min_scale : s;
+        scales[r] = s;
+        if (qmax > 0) int_codes(row, B, (1.0f / s) * (float)qmax, magic, codes + r * B);
+        else fp4_codes(row, B, 1.0f / s, codes + r * B);
+    }
+    return 0;
+}
+
+/* lc_quantize_rows for each of T tensors laid one after another in x: tensor t's count[t]
+ * values from x + src[t] in blocks of B (its last one may be short), its blocks' scales and
+ * codes from row first[t] on (a short block's missing codes: ``pad``). The torch steps pad a
+ * short block with zeros, whose absmax is the same and whose code is ``pad``. */
+int64_t lc_quantize_runs(const float *x, int64_t T, const int64_t *src, const int64_t *count,
+                         const int64_t *first, int64_t B, int64_t qmax, int64_t offset,
+                         float min_scale, uint8_t pad, float *scales, uint8_t *codes) {
+    float magic = 8388608.0f + (float)offset;
+    for (int64_t t = 0; t < T; t++) {
+        const float *xs = x + src[t];
+        int64_t n = count[t], r0 = first[t];
+        for (int64_t j = 0; j * B < n; j++) {
+            int64_t m = n - j * B < B ? n - j * B : B;
+            const float *block = xs + j * B;
+            uint32_t top = max_magnitude(block, m);
+            if (top >= 0x7F800000u) return 1;
             float s;
             memcpy(&s, &top, 4);
             s = s < min_scale ? min_scale : s;
-            scales[b0 / B] = s;
-            fp4_codes(x + b0, m, 1.0f / s, codes + (b0 - s0));
-        }
-        for (int64_t g0 = s0; g0 < s1; g0 += 512) {
-            int64_t m = s1 - g0 < 512 ? s1 - g0 : 512;
-            int64_t half = m == 512 ? 256 : (m + 1) / 2;
-            const uint8_t *c = codes + (g0 - s0);
-            uint8_t *o = packed + g0 / 2;
-            for (int64_t j = 0; j < m - half; j++) o[j] = (uint8_t)(c[j] | (c[j + half] << 4));
-            for (int64_t j = m - half; j < half; j++) o[j] = (uint8_t)(c[j] | (pad << 4));
+            scales[r0 + j] = s;
+            uint8_t *c = codes + (r0 + j) * B;
+            if (qmax > 0) int_codes(block, m, (1.0f / s) * (float)qmax, magic, c);
+            else fp4_codes(block, m, 1.0f / s, c);
+            memset(c + m, pad, (size_t)(B - m));
         }
     }
-    free(codes);
     return 0;
 }
 
-/* One run of FP4 codes sharing a scale: out[i] = (first ? 0 : out[i]) + dec(code i) * scale
- * (* weight), then / divisor if last; code i in byte i at ``shift``. dec is computed, not
- * looked up (e = code & 7: 0 for e = 0, else +-2^(e-7), whose pattern is (e + 120) << 23 with
- * the sign bit), so the loop vectorizes; it equals the decode table. Returns how many codes
- * were 0b1000. */
-static inline __attribute__((always_inline)) int64_t fp4_run(const uint8_t *bytes, int shift,
-                                                              int64_t n, float scale,
-                                                              float weight, int weighted,
-                                                              int first, int last,
-                                                              float divisor, float *out) {
-    int64_t bad = 0;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t c = (uint32_t)(bytes[i] >> shift) & 15u;
-        uint32_t e = c & 7u;
-        uint32_t pattern = e ? ((e + 120u) << 23) | ((c & 8u) << 28) : 0u;
-        float v;
-        memcpy(&v, &pattern, 4);
-        v = v * scale;
-        if (weighted) v = v * weight;
-        v = (first ? 0.0f : out[i]) + v;
-        out[i] = last ? v / divisor : v;
-        bad += c == 8u;
-    }
-    return bad;
-}
-
-/* The mean of M payloads of FP4 codes (planar: in a group of 512 codes, byte j holds code j
- * in its low nibble and code j + half in its high one, half = 256 or, in a last group of m,
- * ceil(m / 2)), each code decoded as dec[code] * the scale of its block of B and, with
- * weights, times its payload's weight; added in payload order to 0, then divided by
- * ``divisor``, as torch adds decoded tensors to zeros and divides. Returns how many codes
- * were invalid (0b1000, negative zero). */
-/* (cloned for AVX2 as a whole, so the runs inline into it and vectorize) */
+/* The values of a block codec's codes (one a byte) into out (rows x B), or with ``add`` added
+ * to it: int-k as (code - offset) * (s / qmax), FP4 as its table's value times s. Returns how
+ * many codes are outside the format (int-k's 0, FP4's 0b1000). */
 __attribute__((target_clones("avx2", "default")))
-int64_t lc_fp4_decode_mean(int64_t M, const int64_t *packed_at, const int64_t *scales_at,
-                           const float *weights, float divisor, int64_t n, int64_t B,
-                           float *out) {
+int64_t lc_dequantize_rows(const uint8_t *codes, const float *scales, int64_t rows, int64_t B,
+                           int64_t qmax, int64_t offset, int64_t add, float *out) {
     int64_t bad = 0;
-    for (int64_t g0 = 0; g0 < n; g0 += 512) {
-        int64_t m = n - g0 < 512 ? n - g0 : 512;
-        int64_t half = m == 512 ? 256 : (m + 1) / 2;
-        for (int64_t w = 0; w < M; w++) {
-            const uint8_t *bytes = (const uint8_t *)packed_at[w] + g0 / 2;
-            const float *scales = (const float *)scales_at[w];
-            float weight = weights ? weights[w] : 1.0f;
-            for (int64_t i = g0; i < g0 + m;) { /* runs within one plane and one block */
-                int64_t j = i - g0, plane = j >= half, end = g0 + (plane ? m : half);
-                int64_t block_end = (i / B + 1) * B;
-                end = end < block_end ? end : block_end;
-                bad += fp4_run(bytes + (j - plane * half), plane ? 4 : 0, end - i, scales[i / B],
-                               weight, weights != 0, w == 0, w == M - 1, divisor, out + i);
-                i = end;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *c = codes + r * B;
+        float *o = out + r * B;
+        float s = scales[r];
+        if (qmax > 0) {
+            float step = s / (float)qmax, off = (float)offset;
+            for (int64_t i = 0; i < B; i++) {
+                float v = ((float)c[i] - off) * step;
+                o[i] = add ? o[i] + v : v;
+                bad += c[i] == 0;
+            }
+        } else {
+            for (int64_t i = 0; i < B; i++) {
+                uint32_t code = c[i] & 15u, e = code & 7u;
+                uint32_t pattern = e ? ((e + 120u) << 23) | ((code & 8u) << 28) : 0u;
+                float v;
+                memcpy(&v, &pattern, 4);
+                v = v * s;
+                o[i] = add ? o[i] + v : v;
+                bad += code == 8u;
             }
         }
     }
     return bad;
 }
 
-/* The selected mean of M sparse contributions to one tensor: worker w sent K entries at
- * positions idx_w (tiles of k, increasing within a tile, tiles the same on every worker) with
- * values val_w. Each sent position gets the sum of its values (each times its worker's
- * weight, with weights), added in worker order to 0, over how many workers sent it (with
- * weights: the sum of their weights): as torch's index_add_ of one worker after another and
- * a division give. Positions nobody sent are left as they are (the caller zeroes out).
- * Returns 1 if out of memory. */
-int64_t lc_selected_mean(int64_t M, const int64_t *idx_at, const int64_t *val_at,
-                         const float *weights, int64_t K, int64_t k, float *out) {
-    int64_t *pos = malloc((size_t)M * sizeof(int64_t));
-    if (!pos) return 1;
-    for (int64_t t0 = 0; t0 < K; t0 += k) {
-        int64_t t1 = t0 + k;
-        for (int64_t w = 0; w < M; w++) pos[w] = t0;
-        for (;;) {
-            int64_t at = INT64_MAX;
-            for (int64_t w = 0; w < M; w++) {
-                const int64_t *idx = (const int64_t *)idx_at[w];
-                if (pos[w] < t1 && idx[pos[w]] < at) at = idx[pos[w]];
+/* lc_dequantize_rows for each of T tensors: tensor t's count[t] codes from row first[t] of
+ * codes (rows of B) into out + src[t] (or added to it), without its last block's padding. */
+__attribute__((target_clones("avx2", "default")))
+int64_t lc_dequantize_runs(const uint8_t *codes, const float *scales, int64_t T,
+                           const int64_t *src, const int64_t *count, const int64_t *first,
+                           int64_t B, int64_t qmax, int64_t offset, int64_t add, float *out) {
+    int64_t bad = 0;
+    for (int64_t t = 0; t < T; t++) {
+        float *os = out + src[t];
+        int64_t n = count[t], r0 = first[t];
+        for (int64_t j = 0; j * B < n; j++) {
+            int64_t m = n - j * B < B ? n - j * B : B;
+            bad += lc_dequantize_rows(codes + (r0 + j) * B, scales + r0 + j, 1, m, qmax, offset,
+                                      add, os + j * B);
+        }
+    }
+    return bad;
+}
+
+/* Pack codes of ``bits`` in {1, 2, 4} planar (bitpack.pack_planar) for each of T runs: run t's
+ * count[t] codes from codes + src[t] into out + dst[t]; in a group of 256 * per codes (per =
+ * 8 / bits) byte i holds codes i, i + 256, ... at bits 0, bits, ...; a last group of m codes
+ * holds them in nb = ceil(m / per) bytes the same way, padded with ``pad``. */
+int64_t lc_pack_planar(const uint8_t *codes, int64_t T, const int64_t *src, const int64_t *count,
+                       const int64_t *dst, int64_t bits, uint8_t pad, uint8_t *out) {
+    int64_t per = 8 / bits, group = 256 * per;
+    for (int64_t t = 0; t < T; t++) {
+        const uint8_t *c = codes + src[t];
+        uint8_t *o = out + dst[t];
+        int64_t n = count[t], full = n / group;
+        for (int64_t g = 0; g < full; g++) {
+            const uint8_t *cg = c + g * group;
+            uint8_t *og = o + g * 256;
+            for (int64_t i = 0; i < 256; i++) {
+                uint32_t byte = 0;
+                for (int64_t p = 0; p < per; p++) byte |= (uint32_t)cg[p * 256 + i] << (bits * p);
+                og[i] = (uint8_t)byte;
             }
-            if (at == INT64_MAX) break;
-            float sum = 0.0f, weight_sum = 0.0f;
-            int64_t count = 0;
-            for (int64_t w = 0; w < M; w++) {
-                const int64_t *idx = (const int64_t *)idx_at[w];
-                if (pos[w] < t1 && idx[pos[w]] == at) {
-                    float v = ((const float *)val_at[w])[pos[w]++];
-                    if (weights) {
-                        v = v * weights[w];
-                        weight_sum = weight_sum + weights[w];
-                    }
-                    sum = sum + v;
-                    count++;
+        }
+        int64_t rest = n - full * group;
+        if (rest) {
+            int64_t nb = (rest + per - 1) / per;
+            const uint8_t *cg = c + full * group;
+            uint8_t *og = o + full * 256;
+            for (int64_t j = 0; j < nb; j++) {
+                uint32_t byte = 0;
+                for (int64_t p = 0; p < per; p++) {
+                    int64_t at = j + p * nb;
+                    byte |= (uint32_t)(at < rest ? cg[at] : pad) << (bits * p);
                 }
+                og[j] = (uint8_t)byte;
             }
-            out[at] = sum / (weights ? weight_sum : (float)count);
         }
-    }
-    free(pos);
-    return 0;
-}
-
-/* Code j of n packed planar with ``bits`` in {1, 2, 4, 8} (bitpack.pack_planar): groups of
- * 256 * per codes (per = 8 / bits), a group of m codes in nb = ceil(m / per) bytes, code j of
- * the group in byte j % nb at bit offset bits * (j / nb). */
-static inline uint32_t planar_get(const uint8_t *p, int64_t n, int bits, int64_t j) {
-    int64_t per = 8 / bits, group = 256 * per, g = j / group, jj = j - g * group;
-    int64_t m = n - g * group < group ? n - g * group : group;
-    int64_t nb = (m + per - 1) / per;
-    return (uint32_t)(p[g * 256 + jj % nb] >> (bits * (jj / nb))) & ((1u << bits) - 1u);
-}
-
-/* Value j of n packed by bitpack.pack_bits with ``bits`` <= 24: planar streams of the bit
- * slices 8, 8, ..., 4, 2, 1 (the binary digits of bits), low bits first, one after another. */
-static inline uint32_t wide_get(const uint8_t *p, int64_t n, int bits, int64_t j) {
-    uint32_t v = 0;
-    int shift = 0, rest = bits;
-    for (; rest >= 8; rest -= 8, shift += 8, p += n) v |= planar_get(p, n, 8, j) << shift;
-    for (int w = 4; w >= 1; w >>= 1) {
-        if (rest & w) {
-            v |= planar_get(p, n, w, j) << shift;
-            p += (n * w + 7) / 8;
-            shift += w;
-        }
-    }
-    return v;
-}
-
-/* Top-k indices: K tile-local indices (k per tile, pack_bits of index_bits) to flat positions
- * of the R x C tensor (tiles tr x tc, ntj per row of tiles, row-major), validated. Returns 0,
- * 1 if an index is >= L, 2 if a tile's indices do not strictly increase. */
-int64_t lc_topk_indices(const uint8_t *packed, int64_t K, int64_t index_bits, int64_t k,
-                        int64_t L, int64_t ntj, int64_t tr, int64_t tc, int64_t C,
-                        int64_t *out) {
-    int64_t prev = -1;
-    for (int64_t j = 0; j < K; j++) {
-        int64_t li = index_bits ? (int64_t)wide_get(packed, K, (int)index_bits, j) : 0;
-        if (li >= L) return 1;
-        if (j % k && li <= prev) return 2;
-        prev = li;
-        int64_t t = j / k, r = li / tc;
-        out[j] = (t / ntj) * (tr * C) + (t % ntj) * tc + r * C + (li - r * tc);
     }
     return 0;
 }
 
-/* LutCodec values: n codes of ``bits`` in {1, 2, 4, 8} (planar), each lut[code] + shift. */
-int64_t lc_lut_decode(const uint8_t *packed, int64_t n, int64_t bits, const float *lut,
-                      float shift, float *out) {
-    for (int64_t j = 0; j < n; j++) out[j] = lut[planar_get(packed, n, (int)bits, j)] + shift;
+/* The inverse of lc_pack_planar: each run's count[t] codes from payload + dst[t] into
+ * codes + src[t]. */
+int64_t lc_unpack_planar(const uint8_t *payload, int64_t T, const int64_t *src,
+                         const int64_t *count, const int64_t *dst, int64_t bits,
+                         uint8_t *codes) {
+    int64_t per = 8 / bits, group = 256 * per;
+    uint32_t mask = (1u << bits) - 1u;
+    for (int64_t t = 0; t < T; t++) {
+        uint8_t *c = codes + src[t];
+        const uint8_t *o = payload + dst[t];
+        int64_t n = count[t], full = n / group;
+        for (int64_t g = 0; g < full; g++) {
+            uint8_t *cg = c + g * group;
+            const uint8_t *og = o + g * 256;
+            for (int64_t p = 0; p < per; p++)
+                for (int64_t i = 0; i < 256; i++) cg[p * 256 + i] = (uint8_t)((og[i] >> (bits * p)) & mask);
+        }
+        int64_t rest = n - full * group;
+        if (rest) {
+            int64_t nb = (rest + per - 1) / per;
+            uint8_t *cg = c + full * group;
+            const uint8_t *og = o + full * 256;
+            for (int64_t p = 0; p < per; p++)
+                for (int64_t j = 0; j < nb; j++) {
+                    int64_t at = j + p * nb;
+                    if (at < rest) cg[at] = (uint8_t)((og[j] >> (bits * p)) & mask);
+                }
+        }
+    }
     return 0;
 }
 

@@ -1,11 +1,11 @@
-"""The codecs' fused CPU kernels (``_kernels.c``), compiled once per machine and loaded with
-ctypes; ``None`` where that is not possible, and the codecs then use their torch path, which
-gives the same bits (tests/test_native.py compares the two).
+"""Building and loading the CPU's kernels (``_kernels.c``): compiled once per machine and
+loaded with ctypes; ``None`` where that is not possible, and :mod:`.kernels` then chooses the
+torch implementations, which give the same bits.
 
 The library is built with the system C compiler (``cc``, or ``$CC``) into a cache folder
 (``$LOWCOMM_CACHE`` or ``~/.cache/lowcomm``), named by a hash of the source and the flags, on
-first use or by :func:`build` (``make install`` calls it). No torch
-headers, no build step in the package install. ``LOWCOMM_NATIVE=0`` turns the kernels off.
+first use or by :func:`build` (``make install`` calls it). No torch headers, no build step in
+the package install. ``kernels=torch`` runs without them.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import torch
-
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("_kernels.c")
@@ -27,13 +25,33 @@ SOURCE = Path(__file__).with_name("_kernels.c")
 FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
-    "lc_topk_select": (_I64, [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR]),
-    "lc_fp4_encode": (_I64, [_PTR, _I64, _I64, _I64, ctypes.c_float, ctypes.c_uint8, _PTR, _PTR]),
-    "lc_selected_mean": (_I64, [_I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR]),
-    "lc_topk_indices": (_I64, [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _PTR]),
-    "lc_lut_decode": (_I64, [_PTR, _I64, _I64, _PTR, ctypes.c_float, _PTR]),
+    "lc_select_tiles": (_I64, [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR]),
     "lc_sub_check": (_I64, [_PTR, _PTR, _PTR, _PTR, _I64]),
-    "lc_fp4_decode_mean": (_I64, [_I64, _PTR, _PTR, _PTR, ctypes.c_float, _I64, _I64, _PTR]),
+    "lc_quantize_rows": (_I64, [_PTR, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR]),
+    "lc_dequantize_rows": (_I64, [_PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR]),
+    "lc_quantize_runs": (
+        _I64,
+        [
+            _PTR,
+            _I64,
+            _PTR,
+            _PTR,
+            _PTR,
+            _I64,
+            _I64,
+            _I64,
+            ctypes.c_float,
+            ctypes.c_uint8,
+            _PTR,
+            _PTR,
+        ],
+    ),
+    "lc_dequantize_runs": (
+        _I64,
+        [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR],
+    ),
+    "lc_pack_planar": (_I64, [_PTR, _I64, _PTR, _PTR, _PTR, _I64, ctypes.c_uint8, _PTR]),
+    "lc_unpack_planar": (_I64, [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR]),
 }
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -73,8 +91,6 @@ def lib() -> ctypes.CDLL | None:
     if _tried:
         return _lib
     _tried = True
-    if os.environ.get("LOWCOMM_NATIVE", "1") == "0":
-        return None
     try:
         loaded = ctypes.CDLL(str(build()))
         for name, (res, args) in _SIGNATURES.items():
@@ -84,20 +100,3 @@ def lib() -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as e:
         log.info("codec kernels not built (%s): the torch path is used", e)
     return _lib
-
-
-def usable(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    """The kernels if every tensor is a contiguous CPU tensor, else None."""
-    if all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
-        return lib()
-    return None
-
-
-def ptr(t: torch.Tensor) -> int:
-    """The address of a tensor's first element."""
-    return t.data_ptr()
-
-
-def addresses(tensors: list[torch.Tensor]) -> ctypes.Array:
-    """The tensors' addresses as a C array of int64."""
-    return (ctypes.c_int64 * len(tensors))(*[t.data_ptr() for t in tensors])

@@ -1,4 +1,4 @@
-"""The Triton kernels themselves (see :mod:`._triton`, which imports this module only where
+"""The Triton kernels themselves (see :mod:`.kernels`, which imports this module only where
 they may run: importing Triton costs about a second)."""
 
 import triton

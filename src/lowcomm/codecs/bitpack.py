@@ -16,9 +16,20 @@ the width is split into bit slices of 8, 8, ..., 4, 2, 1 (the binary digits of `
 low bits first); slice ``i`` of every value is packed as one planar stream, and the streams are
 concatenated. 12-bit indices are therefore ``n`` bytes of low bits followed by ``ceil(n/2)``
 bytes of high nibbles. ``packed_nbytes(n, bits)`` is the exact size.
+
+**Many streams at once** (:class:`Streams`): a bucket of tensors writes one packed stream per
+tensor (top-k's codes and tile indices). Every stream's planar slices are cut into *segments* of
+at most one group (``256 * per`` codes, the unit of ``pack_planar``), and every segment of one
+slice width is packed or unpacked in one pass: launches that depend on the widths in use (at
+most four), not on the number of streams. A segment is ``(first value, codes, bytes, first
+byte, shift)``: its ``codes`` values, shifted right by ``shift`` and masked to the slice's
+width, fill ``bytes`` bytes from ``first byte`` in the planar order (code ``j`` in byte
+``j % bytes`` at bit ``width * (j // bytes)``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -161,3 +172,83 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 def bits_for(n: int) -> int:
     """ceil(log2(n)) bits to address ``n`` positions (0 for n <= 1)."""
     return 0 if n <= 1 else (n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class Stream:
+    """``count`` values from ``first`` of a value vector, ``bits`` wide each, packed by
+    ``pack_bits``'s layout from payload byte ``at``."""
+
+    first: int
+    count: int
+    bits: int
+    at: int
+
+
+class Streams:
+    """The segments of many streams, by slice width, on one device: the gathers that pack and
+    unpack them worked out once (a few index tensors about as long as the values)."""
+
+    def __init__(self, streams: list[Stream], device: torch.device) -> None:
+        rows: dict[int, list[tuple[int, int, int, int, int]]] = {}
+        for s in streams:
+            at, shift = s.at, 0
+            for width in _slices(s.bits):
+                rows.setdefault(width, []).extend(_segments(s, width, at, shift))
+                at += planar_nbytes(s.count, width)
+                shift += width
+        self.count = max((s.first + s.count for s in streams), default=0)
+        self.packs, self.unpacks = [], []
+        lane = torch.arange(PLANE_BYTES, device=device)
+        for width, r in sorted(rows.items()):
+            if not r:
+                continue
+            first, count, nbytes, at, shift = (
+                torch.tensor(r, dtype=torch.int64, device=device).t().contiguous()
+            )
+            per = 8 // width
+            plane = torch.arange(per, device=device)[None, :, None]
+            j = plane * nbytes[:, None, None] + lane  # (segments, per, 256): each field's code
+            used = (lane < nbytes[:, None, None]) & (j < count[:, None, None])
+            src = torch.where(used, first[:, None, None] + j, self.count)  # count: a zero
+            inside = (lane < nbytes[:, None]).view(-1)
+            dest = (at[:, None] + lane).view(-1)
+            self.packs.append((width, src, shift[:, None, None], width * plane, dest, inside))
+            k = torch.arange(PLANE_BYTES * per, device=device)[None, :]
+            fits = k < count[:, None]
+            fplane = torch.where(fits, torch.div(k, nbytes[:, None], rounding_mode="floor"), 0)
+            byte = torch.where(fits, at[:, None] + k - fplane * nbytes[:, None], 0)
+            where = torch.where(fits, first[:, None] + k, self.count).view(-1)  # count: a sink
+            self.unpacks.append((width, byte, width * fplane, shift[:, None], where))
+
+    def pack(self, values: torch.Tensor, out: torch.Tensor, sink: int) -> None:
+        """Write the streams of ``values`` (1-D, integers >= 0) into ``out`` (uint8); bytes
+        past a segment's end go to ``out[sink]``, which the caller overwrites afterwards."""
+        ext = torch.cat([values.to(torch.int64), values.new_zeros(1, dtype=torch.int64)])
+        for width, src, shift, planes, dest, inside in self.packs:
+            codes = (ext[src] >> shift) & ((1 << width) - 1)
+            byte = (codes << planes).sum(dim=1)  # fields do not overlap: sum == or
+            out.index_put_((torch.where(inside, dest, sink),), byte.view(-1).to(torch.uint8))
+
+    def unpack(self, payload: torch.Tensor, count: int) -> torch.Tensor:
+        """The ``count`` values (int64) the streams hold in ``payload`` (uint8)."""
+        out = torch.zeros(self.count + 1, dtype=torch.int64, device=payload.device)
+        for width, byte, planes, shift, where in self.unpacks:
+            field = (payload[byte].to(torch.int64) >> planes) & ((1 << width) - 1)
+            # slices of one value land in different segments: add == or, integers (exact)
+            out.index_add_(0, where, (field << shift).view(-1))
+        return out[:count]
+
+
+def _segments(s: Stream, width: int, at: int, shift: int) -> list[tuple[int, int, int, int, int]]:
+    """One slice of one stream cut into pack_planar's groups (the last one partial)."""
+    per = 8 // width
+    group = PLANE_BYTES * per
+    full = s.count // group
+    out = [
+        (s.first + g * group, group, PLANE_BYTES, at + g * PLANE_BYTES, shift) for g in range(full)
+    ]
+    rest = s.count - full * group
+    if rest:
+        out.append((s.first + full * group, rest, -(-rest // per), at + full * PLANE_BYTES, shift))
+    return out

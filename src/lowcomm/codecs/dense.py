@@ -4,6 +4,9 @@ Wire format: the 16-byte header (parameter 0), then the ``numel`` values in the 
 little-endian, in the tensor's row-major order. FP32 is exact; BF16/FP16 round to nearest even
 (IEEE conversion: FP16 overflows to inf beyond 65504, and non-finite values pass through, as
 they do in FP32 — dense payloads carry no scales to validate).
+
+A bucket's values are cast once and copied to (and from) each tensor's place as bytes by one
+multi-tensor copy: a tensor's place in a bucket's payload need not be aligned to its dtype.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ._format import HEADER_BYTES, check_payload, numel_of, write_header
-from .base import Codec
+from .base import Codec, Plan, written
 from .registry import register
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -37,32 +40,77 @@ class DenseCodec(Codec):
     def formula_bits_per_param(self, shape: torch.Size) -> float:
         return 8.0 * self.itemsize
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        if not x.is_floating_point():
-            raise TypeError(f"codecs encode floating-point tensors, got {x.dtype}")
-        flat = x.detach().reshape(-1)
-        n = flat.numel()
-        payload = torch.empty(self.nbytes((n,)), dtype=torch.uint8, device=x.device)
-        write_header(payload, self.name, 0, n)
-        payload[HEADER_BYTES:].view(self.dtype).copy_(flat)
-        return payload
+    def _make_plan(
+        self, shapes: list[torch.Size], device: torch.device, at: list[int] | None
+    ) -> DensePlan:
+        return DensePlan(self, shapes, device, at)
 
-    def decode(
-        self, payload: torch.Tensor, shape: torch.Size, name: str = "tensor"
-    ) -> torch.Tensor:
-        shape = torch.Size(shape)
-        n = numel_of(shape)
-        payload = check_payload(
+    def explain(self, payload: torch.Tensor, shape: torch.Size, name: str = "tensor") -> None:
+        check_payload(
             payload,
             name=name,
             codec=self.name,
             describe=self.name,
             expected_nbytes=self.nbytes(shape),
             param=0,
-            numel=n,
+            numel=numel_of(shape),
             shape=shape,
         )
-        data = payload[HEADER_BYTES:].view(self.dtype)
-        out = torch.empty(n, dtype=torch.float32, device=payload.device)
-        out.copy_(data)
-        return out.view(shape)
+
+
+class DensePlan(Plan):
+    """A bucket's values in the codec's dtype after each tensor's header."""
+
+    def __init__(
+        self,
+        codec: DenseCodec,
+        shapes: list[torch.Size],
+        device: torch.device,
+        at: list[int] | None = None,
+    ) -> None:
+        super().__init__(codec, shapes, device, at)
+        self.dtype, size = codec.dtype, codec.itemsize
+        template = torch.zeros(max(self.span, 1), dtype=torch.uint8)
+        headers = []
+        for a, n in zip(self.at, self.sizes):
+            write_header(template[a : a + HEADER_BYTES], codec.name, 0, n)
+            headers.append(torch.arange(a, a + HEADER_BYTES))
+        self.header_at = (torch.cat(headers) if headers else torch.empty(0, dtype=torch.int64)).to(
+            device
+        )
+        self.header_want = template.to(device)[self.header_at]
+        # (payload bytes, bytes of the cast values) of each non-empty tensor
+        self.places = [
+            (a + HEADER_BYTES, s * size, n * size)
+            for a, s, n in zip(self.at, self.starts, self.sizes)
+            if n
+        ]
+
+    def encode(
+        self, flat: torch.Tensor, out: torch.Tensor, decoded: bool = False
+    ) -> tuple[None, torch.Tensor | None]:
+        out[self.header_at] = self.header_want
+        cast = flat.to(self.dtype)
+        raw = cast.view(torch.uint8)
+        _copy(
+            [out[p : p + n] for p, _, n in self.places], [raw[s : s + n] for _, s, n in self.places]
+        )
+        return None, cast.float() if decoded else None
+
+    def decode(
+        self, payload: torch.Tensor, into: torch.Tensor | None = None, add: bool = False
+    ) -> tuple[None, torch.Tensor, torch.Tensor]:
+        bad = (payload[self.header_at] != self.header_want).any()
+        raw = torch.empty(
+            self.numel * self.codec.itemsize, dtype=torch.uint8, device=payload.device
+        )
+        _copy(
+            [raw[s : s + n] for _, s, n in self.places],
+            [payload[p : p + n] for p, _, n in self.places],
+        )
+        return None, written(raw.view(self.dtype), into, add), bad
+
+
+def _copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    if targets:
+        torch._foreach_copy_(targets, sources)

@@ -8,14 +8,16 @@ scaled by their absmax so it neither overflows nor underflows; 0 for fewer than 
 bins at -2..+1 widths. Each code decodes to ``shift + lut[code]`` with ``lut[c]`` the mean of
 ``v - shift`` over the values coded ``c`` (the bin centre ``(c - L/2) * width`` for an empty
 bin). Error: every value decodes to the mean of its bin, so within its bin's range; interior
-bins are ``width`` wide.
+bins are ``width`` wide. The sums behind the mean, the std and the bins' means are float64
+segment sums, each vector's (or bin's) own: a vector's statistics do not depend on what else
+its bucket holds. They are stored in fp32.
 
 Wire format::
 
     header (16 bytes, parameter = bits)
     shift: fp32
     lut:   L x fp32
-    codes: numel x ``bits`` bits (bitpack.pack_bits)
+    codes: numel x ``bits`` bits (bitpack.pack_planar)
 
 Element-wise in the sense the reduce needs (any 1-D slice is self-contained), though the
 statistics are per encoded tensor. Bits per element: ``bits`` (+ ``32 (L + 1)`` per tensor).
@@ -25,17 +27,10 @@ from __future__ import annotations
 
 import torch
 
-from . import _native
-from ._format import (
-    HEADER_BYTES,
-    as_float_input,
-    check_finite,
-    check_payload,
-    numel_of,
-    write_header,
-)
-from .base import Codec
-from .bitpack import pack_bits, packed_nbytes, unpack_bits
+from ..segments import Segments
+from ._format import HEADER_BYTES, check_finite, check_payload, numel_of, write_header
+from .base import Codec, Plan, written
+from .bitpack import Stream, Streams, packed_nbytes
 from .registry import register
 
 
@@ -53,55 +48,22 @@ class LutCodec(Codec):
     def describe(self) -> str:
         return f"lut(bits={self.bits})"
 
-    def _codes_at(self) -> int:
+    def codes_at(self) -> int:
+        """Where a payload's codes start: after the header, the shift and the table."""
         return HEADER_BYTES + 4 * (1 + self.levels)
 
     def nbytes(self, shape: torch.Size) -> int:
-        return self._codes_at() + packed_nbytes(numel_of(shape), self.bits)
+        return self.codes_at() + packed_nbytes(numel_of(shape), self.bits)
 
     def formula_bits_per_param(self, shape: torch.Size) -> float:
         return float(self.bits)
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        v = as_float_input(x)
-        n = v.numel()
-        dev = v.device
-        L = self.levels
-        payload = torch.empty(self.nbytes((n,)), dtype=torch.uint8, device=dev)
-        write_header(payload, self.name, self.bits, n)
-        stats = payload[HEADER_BYTES : self._codes_at()].view(torch.float32)  # shift, lut
-        if n == 0:
-            stats.zero_()
-            return payload
-        shift = v.mean()
-        centred = v - shift
-        # std of the values scaled to [-1, 1], scaled back: squares of 1e30 would overflow
-        # fp32 (and squares of 1e-30 underflow) in a plain std
-        m = centred.abs().amax()
-        m = torch.where(m > 0, m, torch.ones((), device=dev))
-        sigma = (centred / m).std() * m if n > 1 else torch.zeros((), device=dev)
-        # sigma == 0: every value equals the mean; code L/2 decodes to shift + 0
-        width = torch.where(sigma > 0, sigma * (6.0 / L), torch.ones((), device=dev))
-        y = centred / width
-        y.add_(L // 2).round_().clamp_(0, L - 1)
-        codes = y.to(torch.uint8)
-        idx = codes.to(torch.int64)
-        # bin sums in float64: index_add_ adds one value after another, and over 10^4 values
-        # in one bin a float32 running sum drifts by 1e-4 of the mean (found by test_codecs)
-        sums = torch.zeros(L, dtype=torch.float64, device=dev).index_add_(0, idx, centred.double())
-        counts = torch.bincount(idx, minlength=L).to(torch.float64)
-        centres = (torch.arange(L, dtype=torch.float32, device=dev) - L // 2) * width
-        lut = torch.where(counts > 0, (sums / counts.clamp(min=1)).float(), centres)
-        stats[0] = shift
-        stats[1:] = lut
-        payload[self._codes_at() :] = pack_bits(codes, self.bits)
-        return payload
+    def _make_plan(
+        self, shapes: list[torch.Size], device: torch.device, at: list[int] | None
+    ) -> LutPlan:
+        return LutPlan(self, shapes, device, at)
 
-    def decode(
-        self, payload: torch.Tensor, shape: torch.Size, name: str = "tensor"
-    ) -> torch.Tensor:
-        shape = torch.Size(shape)
-        n = numel_of(shape)
+    def explain(self, payload: torch.Tensor, shape: torch.Size, name: str = "tensor") -> None:
         payload = check_payload(
             payload,
             name=name,
@@ -109,26 +71,115 @@ class LutCodec(Codec):
             describe=self.describe(),
             expected_nbytes=self.nbytes(shape),
             param=self.bits,
-            numel=n,
+            numel=numel_of(shape),
             shape=shape,
         )
-        stats = payload[HEADER_BYTES : self._codes_at()].view(torch.float32)
-        check_finite(stats, name, "shift or lookup table")
-        # every bits-bit code indexes the table, so codes need no range check
-        kernels = _native.usable(payload) if self.bits in (1, 2, 4, 8) else None
-        if kernels is not None:  # unpacked and looked up in one pass (the same bits)
-            out = torch.empty(n, dtype=torch.float32)
-            lut = stats[1:].contiguous()
-            kernels.lc_lut_decode(
-                _native.ptr(payload[self._codes_at() :]),
-                n,
-                self.bits,
-                _native.ptr(lut),
-                float(stats[0]),
-                _native.ptr(out),
-            )
-            return out.view(shape)
-        codes = unpack_bits(payload[self._codes_at() :], self.bits, n)
-        out = stats[1:].index_select(0, codes)
-        out.add_(stats[0])
-        return out.view(shape)
+        check_finite(payload[HEADER_BYTES : self.codes_at()].view(torch.float32), name,
+                     "shift or lookup table")  # fmt: skip
+
+
+class LutPlan(Plan):
+    """A bucket of value vectors under one lookup codec: each vector's statistics (its shift
+    and table) from segment sums over the bucket, every code packed by one set of streams."""
+
+    def __init__(
+        self,
+        codec: LutCodec,
+        shapes: list[torch.Size],
+        device: torch.device,
+        at: list[int] | None = None,
+    ) -> None:
+        super().__init__(codec, shapes, device, at)
+        L = self.levels = codec.levels
+        template = torch.zeros(max(self.span, 1), dtype=torch.uint8)
+        headers, stats_at, streams = [], [], []
+        for a, s, n in zip(self.at, self.starts, self.sizes):
+            write_header(template[a : a + HEADER_BYTES], codec.name, codec.bits, n)
+            headers.append(torch.arange(a, a + HEADER_BYTES))
+            stats_at.append(torch.arange(a + HEADER_BYTES, a + codec.codes_at()))
+            streams.append(Stream(s, n, codec.bits, a + codec.codes_at()))
+        self.header_at = _cat(headers, device)
+        self.header_want = template.to(device)[self.header_at]
+        self.stats_at = _cat(stats_at, device)
+        self.codes = Streams(streams, device)
+        self.tensors = len(self.shapes)
+        sizes = torch.tensor(self.sizes, dtype=torch.int64)
+        self.count = sizes.to(device)
+        self.segments = Segments(self.sizes, device)
+        self.seg = torch.repeat_interleave(
+            torch.arange(self.tensors), sizes, output_size=self.numel
+        ).to(device)
+        self.centres = torch.arange(L, device=device) - L // 2
+
+    def encode(
+        self, flat: torch.Tensor, out: torch.Tensor, decoded: bool = False
+    ) -> tuple[None, torch.Tensor]:
+        """Encode the values ``flat`` into ``out``; returns what peers decode of them."""
+        codes, stats, values = self.table(flat)
+        out[self.header_at] = self.header_want
+        out[self.stats_at] = stats.reshape(-1).view(torch.uint8)
+        self.codes.pack(codes, out, sink=out.numel() - 1)
+        return None, values
+
+    def table(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The codes, each vector's statistics (T x (1 + levels): shift, table) and the decoded
+        values of ``v`` (see the module doc), with no host read. Every sum is a vector's own
+        segment, so a vector holding a NaN poisons only its own statistics (its receivers
+        refuse that table)."""
+        L, segs, dev = self.levels, self.segments, v.device
+        each = segs.spread  # a value per vector over its entries
+        n = self.count.double()
+        shift = (segs.sum(v.double()) / n.clamp(min=1)).float()
+        centred = v - each(shift)
+        m = segs.max(centred.abs())
+        m = torch.where(m > 0, m, 1.0)  # std of the values scaled to [-1, 1], scaled back
+        y = (centred / each(m)).double()
+        dev2 = (y - each(segs.sum(y) / n.clamp(min=1))).square()
+        sigma = torch.where(n > 1, (segs.sum(dev2) / (n - 1).clamp(min=1)).sqrt(), 0.0)
+        sigma = sigma.float() * m
+        width = torch.where(sigma > 0, sigma * (6.0 / L), 1.0)
+        y32 = centred / each(width)
+        # a NaN (a vector holding one: its shift is NaN) codes as 0, as a cast to uint8 leaves
+        # it; receivers refuse its NaN table either way
+        codes = y32.add_(L // 2).round_().clamp_(0, L - 1).to(torch.int64).clamp_(0, L - 1)
+        sums, counts = self._bins(codes, centred.double(), dev)
+        centres = self.centres * width[:, None]
+        lut = torch.where(counts > 0, (sums / counts.clamp(min=1)).float(), centres)
+        stats = torch.cat([shift[:, None], lut], dim=1)
+        stats = torch.where(self.count[:, None] > 0, stats, 0.0)  # an empty vector's: zeros
+        decoded = lut.view(-1)[self.seg * L + codes] + each(shift)
+        return codes, stats, decoded
+
+    def _bins(
+        self, codes: torch.Tensor, centred: torch.Tensor, dev: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each vector's sum of ``centred`` (float64) and count per code: [T, levels] each. A
+        few codes: one masked segment sum per code; many: the values sorted by (vector, code)
+        and summed per run (each run in order either way: the same bits on every device)."""
+        L, segs = self.levels, self.segments
+        if L <= 16:
+            hit = [codes == c for c in range(L)]
+            sums = torch.stack([segs.sum(torch.where(h, centred, 0.0)) for h in hit], dim=1)
+            counts = torch.stack([segs.sum(h.double()) for h in hit], dim=1)
+            return sums, counts
+        bins = self.seg * L + codes
+        count = torch.zeros(self.tensors * L, dtype=torch.int64, device=dev)
+        count.index_add_(0, bins, torch.ones_like(bins))  # whole numbers: exact in any order
+        order = torch.argsort(bins, stable=True)
+        sums = Segments(count, dev).sum(centred[order])
+        return sums.view(-1, L), count.view(-1, L).double()
+
+    def decode(
+        self, payload: torch.Tensor, into: torch.Tensor | None = None, add: bool = False
+    ) -> tuple[None, torch.Tensor, torch.Tensor]:
+        bad = (payload[self.header_at] != self.header_want).any()
+        stats = payload[self.stats_at].view(torch.float32).view(self.tensors, 1 + self.levels)
+        bad |= ~torch.isfinite(stats).all()
+        codes = self.codes.unpack(payload, self.numel)
+        seg = self.seg
+        values = stats[:, 1:].reshape(-1)[seg * self.levels + codes] + stats[:, 0][seg]
+        return None, written(values, into, add), bad
+
+
+def _cat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return (torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)).to(device)

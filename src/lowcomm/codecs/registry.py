@@ -158,12 +158,14 @@ def _declared(path: Path, tree: ast.Module) -> list[CodecSpec]:
     return out
 
 
-def codec_names(**where: bool) -> tuple[str, ...]:
+def codec_names(core: bool = False, **where: bool) -> tuple[str, ...]:
     """The names a config may choose (``codec=NAME``) whose specs have every given property,
-    e.g. ``codec_names(dense=True)``."""
+    e.g. ``codec_names(dense=True)``; ``core``: this package's only (not a plugin's, whether
+    or not one was loaded yet)."""
+    table = _package_specs() if core else specs()
     return tuple(
         s.name
-        for s in specs().values()
+        for s in table.values()
         if s.config and all(getattr(s, k) == v for k, v in where.items())
     )
 
@@ -180,6 +182,7 @@ def make_codec(name: str, **opts: Any) -> Codec:
 
     A config may pass every codec knob to every codec: options of *other* codecs and options
     given as None are ignored, while an option no codec reads (a typo) raises ValueError.
+    ``kernels`` ("auto" or "torch", :mod:`.kernels`) is every codec's.
     """
     table = specs()
     if name not in table and plugins.load():  # a plugin's codec, perhaps
@@ -187,6 +190,7 @@ def make_codec(name: str, **opts: Any) -> Codec:
     spec = table.get(name)
     if spec is None or not spec.config:
         raise ValueError(f"unknown codec {name!r}; valid names: {', '.join(codec_names())}")
+    mode = opts.pop("kernels", None)  # every codec's: which kernels its plans run
     known = {o for s in table.values() if s.config for o in s.options}
     unknown = sorted(set(opts) - known)
     if unknown:
@@ -194,4 +198,9 @@ def make_codec(name: str, **opts: Any) -> Codec:
     if spec.alias_of is not None:
         spec = table[spec.alias_of]
     kwargs = {k: v for k, v in opts.items() if v is not None and k in spec.options}
-    return codec_class(spec.name)(**spec.args, **kwargs)
+    codec = codec_class(spec.name)(**spec.args, **kwargs)
+    if mode is not None:
+        from .kernels import check_mode
+
+        codec.kernels = check_mode(mode)
+    return codec

@@ -6,7 +6,7 @@ tensor as ``1 x numel``. The ``R x C`` matrix is cut into tiles ``tr x tc`` wher
 the largest divisor of that dimension <= 64 (so 1-D tensors are cut into pieces of the largest
 divisor of their length <= 64; a 4096 x 4096 weight into 4096 tiles of 64 x 64). Every tile
 keeps ``k = max(1, round(L * density))`` entries (``L = tr * tc``, rounded half to even, at most
-``L``), the k largest in magnitude (ties broken by ``torch.topk``).
+``L``): the k largest in magnitude and, among equal magnitudes, the lower indices.
 
 Wire format::
 
@@ -21,28 +21,30 @@ Wire format::
 A 0-element tensor is the header alone. A decoder rejects indices >= L and indices that are not
 strictly increasing within a tile (which also rules out duplicates). Bits per element:
 ``K * (ceil(log2 L) + value bits) / numel`` (e.g. 64/4096 * (12 + 2) = 0.219 at density 1/64).
+
+A :class:`TopKPlan` encodes and decodes a bucket at once, in launches that do not grow with its
+number of tensors:
+
+- **Selection.** The tiles of one geometry (``tr x tc``, ``k``) of every tensor form a group
+  (:class:`Tiles`), selected by the ``select`` kernel (:mod:`.kernels`).
+- **Values.** The value codec's own plan over every tensor's kept values, at their places.
+- **Indices.** One set of packed streams (:class:`~.bitpack.Streams`); headers written at once.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _native
-from ._format import (
-    HEADER_BYTES,
-    as_float_input,
-    check_payload,
-    chunk_elems,
-    numel_of,
-    write_header,
-)
-from .base import Codec, PayloadError
-from .bitpack import bits_for, pack_bits, packed_nbytes, unpack_bits
+from . import kernels
+from ._format import HEADER_BYTES, check_payload, numel_of, write_header
+from .base import Codec, PayloadError, Plan
+from .bitpack import Stream, Streams, bits_for, packed_nbytes, unpack_bits
 from .lut import LutCodec
 from .registry import make_codec, register
-from .topk_many import TopKPlan, wanted
 
 MAX_SIDE = 64
+#: elements per band of the torch selection: bounds its temporaries (about 24 bytes an element)
+BAND_ELEMS = 1 << 23
 
 
 def largest_divisor(n: int, limit: int = MAX_SIDE) -> int:
@@ -74,73 +76,6 @@ class _Geometry:
         self.K = self.ntiles * self.k
         self.index_bits = bits_for(self.L)
 
-    def global_index(self, local: torch.Tensor) -> torch.Tensor:
-        """(ntiles, k) tile-local indices -> flat indices into the row-major tensor."""
-        t = torch.arange(self.ntiles, device=local.device)
-        base = (t // self.ntj) * (self.tr * self.C) + (t % self.ntj) * self.tc
-        r = torch.div(local, self.tc, rounding_mode="floor")
-        return base[:, None] + r * self.C + (local - r * self.tc)
-
-
-def _group_size(L: int, k: int) -> int:
-    """Group size for the two-stage exact top-k (1: plain torch.topk is cheaper)."""
-    if L < 1024 or k == 1:
-        return 1
-    best, cost = 1, L
-    for g in range(2, 65):
-        if L % g == 0 and L // g >= k and L // g + g * k < cost:
-            best, cost = g, L // g + g * k
-    return best if cost <= L // 2 else 1
-
-
-def _topk_indices(mag: torch.Tensor, k: int, group: int) -> torch.Tensor:
-    """Indices of the k largest entries of each row of ``mag`` (rows, L), unordered.
-
-    With ``group > 1`` (CPU: torch.topk costs ~10 ns an element there), two exact stages:
-    split each row into G = L / group groups of ``group`` neighbours, keep the k groups with
-    the largest maxima, then take the top k of their k * group elements. Exact: every element
-    larger than the k-th largest group maximum lies in a kept group, and the kept groups hold
-    k elements at least that large, so the k largest values survive (equal values may be
-    exchanged for one another, as torch.topk may do too). For 64x64 tiles and k = 64 this runs
-    topk over 1024 instead of 4096 elements per tile. Neighbouring groups make the second
-    stage a copy of whole 32-byte rows, not a gather; the magnitudes (>= 0, so their bit
-    patterns order like the values) are compared as int32, which topk sorts faster.
-    """
-    if k == 1:
-        return mag.argmax(dim=1, keepdim=True)
-    if group <= 1:
-        return torch.topk(mag, k, dim=1, sorted=False).indices
-    rows, L = mag.shape
-    G = L // group
-    bits = mag.view(torch.int32)
-    gmax = bits.view(rows, G, group).amax(dim=2)
-    top_groups = torch.topk(gmax, k, dim=1, sorted=False).indices  # (rows, k)
-    first = torch.arange(0, rows * G, G, device=mag.device).unsqueeze(1)
-    cand = bits.view(rows * G, group).index_select(0, (top_groups + first).view(-1))
-    pick = torch.topk(cand.view(rows, k * group), k, dim=1, sorted=False).indices
-    in_group = torch.div(pick, group, rounding_mode="floor")
-    return torch.gather(top_groups, 1, in_group) * group + (pick - in_group * group)
-
-
-def _lowest_among_ties(mag: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``idx`` (rows, k), the k largest of each row of ``mag``, with the tie rule made exact:
-    where more entries equal the k-th largest than are kept, keep the lowest indices (torch.topk
-    leaves that choice open; the fused kernel makes this one). Rows without such a tie are
-    left as they are: their set is unique."""
-    bits = mag.view(torch.int32)
-    least = torch.gather(bits, 1, idx).amin(dim=1, keepdim=True)
-    above = (bits > least).sum(dim=1)
-    equal = (bits == least).sum(dim=1)
-    tied = (equal > idx.shape[1] - above).nonzero().view(-1)
-    if tied.numel() == 0:
-        return idx
-    L = mag.shape[1]
-    # a unique key per entry: magnitude first, then the lower index
-    key = bits[tied].to(torch.int64) * L + (L - 1 - torch.arange(L, device=mag.device))
-    idx = idx.clone()
-    idx[tied] = torch.topk(key, idx.shape[1], dim=1, sorted=False).indices
-    return idx
-
 
 @register(
     "topk",
@@ -159,14 +94,13 @@ class TopKCodec(Codec):
         if not (isinstance(density, (int, float)) and 0 < density <= 1):
             raise ValueError(f"top-k density must be in (0, 1], got {density!r}")
         self.density = float(density)
-        if value_codec is None:
-            value_codec = LutCodec(value_bits)
+        if value_codec is None:  # 32 bits: the values as they are, FP32
+            value_codec = make_codec("fp32") if value_bits == 32 else LutCodec(value_bits)
         elif isinstance(value_codec, str):  # a codec name (value_codec="fp32" in make_codec)
             value_codec = make_codec(value_codec)
         if not isinstance(value_codec, Codec) or not value_codec.elementwise:
             raise ValueError(f"top-k values need an element-wise codec, got {value_codec!r}")
         self.value_codec = value_codec
-        self._plans: dict[tuple, TopKPlan] = {}  # plan() caches one per (shapes, device)
 
     def __repr__(self) -> str:
         return f"TopKCodec(density={self.density}, value_codec={self.value_codec!r})"
@@ -193,86 +127,30 @@ class TopKCodec(Codec):
         vbits = self.value_codec.formula_bits_per_param((g.K,))
         return g.K * (g.index_bits + vbits) / g.n
 
-    # ---- encode ------------------------------------------------------------------------------
+    def _make_plan(
+        self, shapes: list[torch.Size], device: torch.device, at: list[int] | None
+    ) -> TopKPlan:
+        self.value_codec.kernels = self.kernels
+        return TopKPlan(self, shapes, device, at)
+
     def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k per tile: (tile-local indices (ntiles, k), increasing in each row, and the
-        kept values (ntiles, k) in FP32). Among equal magnitudes the lower index is kept."""
-        flat = as_float_input(x)
+        """One tensor's top-k per tile: (tile-local indices (ntiles, k), increasing in each
+        row, and the kept values (ntiles, k) in FP32)."""
         g = self.geometry(x.shape)
-        dev = flat.device
-        local = torch.empty(g.ntiles, g.k, dtype=torch.int64, device=dev)
-        values = torch.empty(g.ntiles, g.k, dtype=torch.float32, device=dev)
-        if g.n == 0:
-            return local, values
-        kernels = _native.usable(flat)
-        if kernels is not None and not kernels.lc_topk_select(  # one read, the same bits
-            _native.ptr(flat), g.R, g.C, g.tr, g.tc, g.k, _native.ptr(local), _native.ptr(values)
-        ):
-            return local, values
-        nti = g.R // g.tr
-        row_elems = g.tr * g.C  # one row of tiles
-        band = max(1, chunk_elems(dev) // row_elems)
-        mag = torch.empty(min(band, nti) * row_elems, dtype=torch.float32, device=dev)
-        x2 = flat.view(g.R, g.C)
-        t = torch.arange(min(band, nti) * g.ntj, device=dev)
-        tile_at = (t // g.ntj) * row_elems + (t % g.ntj) * g.tc  # each tile's offset in a band
-        group = _group_size(g.L, g.k) if dev.type == "cpu" else 1
-        for b0 in range(0, nti, band):
-            nb = min(band, nti - b0)
-            rows = nb * g.ntj
-            xb = x2[b0 * g.tr : (b0 + nb) * g.tr]
-            src = xb.view(nb, g.tr, g.ntj, g.tc).permute(0, 2, 1, 3)
-            mt = mag[: nb * row_elems].view(rows, g.L)
-            # the tiles' magnitudes, gathered in one pass over x (no signed copy of the tiles)
-            torch.abs(src, out=mt.view(nb, g.ntj, g.tr, g.tc))
-            li = _lowest_among_ties(mt, _topk_indices(mt, g.k, group))
-            li = li.sort(dim=1).values  # canonical order (k is small)
-            local[b0 * g.ntj : b0 * g.ntj + rows] = li
-            r = torch.div(li, g.tc, rounding_mode="floor")
-            at = tile_at[:rows, None] + r * g.C + (li - r * g.tc)  # the kept entries in the band
-            out = values[b0 * g.ntj : b0 * g.ntj + rows].view(-1)
-            torch.index_select(xb.reshape(-1), 0, at.view(-1), out=out)
-        return local, values
+        plan = self.plan([x.shape], x.device)
+        local, values = plan.select(x.detach().reshape(-1).float())
+        return local.view(g.ntiles, g.k), values.view(g.ntiles, g.k)
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        plan = self.plan([x.shape], x.device) if wanted(x.device) else None
-        if plan is not None:  # an accelerator: the plan's few launches (topk_many)
-            payload = torch.empty(plan.nbytes + 1, dtype=torch.uint8, device=x.device)
-            plan.encode(as_float_input(x), payload)
-            return payload[:-1]
-        g = self.geometry(x.shape)
-        _, idx_at, total = self._layout(g)
-        payload = torch.empty(total, dtype=torch.uint8, device=x.device)
-        write_header(payload, self.name, g.k, g.n)
-        if g.n == 0:
-            return payload
-        local, values = self.select(x)
-        payload[HEADER_BYTES:idx_at] = self.value_codec.encode(values.view(-1))
-        payload[idx_at:] = pack_bits(local.view(-1), g.index_bits)
-        return payload
-
-    # ---- many tensors at once (an accelerator's path: topk_many) -----------------------------
-    def plan(self, shapes: list[torch.Size], device: torch.device) -> TopKPlan | None:
-        """The plan that encodes and decodes tensors of ``shapes`` together on ``device``
-        (cached), or None where this codec has none (a value codec other than the table)."""
-        if not isinstance(self.value_codec, LutCodec):
-            return None
-        key = (tuple(tuple(s) for s in shapes), str(device))
-        if key not in self._plans:
-            self._plans[key] = TopKPlan(self, [torch.Size(s) for s in shapes], device)
-        return self._plans[key]
-
-    # ---- decode ------------------------------------------------------------------------------
     def decode_sparse(
         self, payload: torch.Tensor, shape: torch.Size, name: str = "tensor"
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Validated (flat int64 indices (K,), fp32 values (K,)) of a payload."""
+        """Validated (flat int64 indices (K,), fp32 values (K,)) of one tensor's payload."""
+        idx, values = self.decode_parts(payload, shape, name)
+        assert idx is not None
+        return idx, values
+
+    def explain(self, payload: torch.Tensor, shape: torch.Size, name: str = "tensor") -> None:
         shape = torch.Size(shape)
-        plan = self._checked_plan(payload, shape)
-        if plan is not None:  # one host read; a payload that breaks a rule goes on below
-            idx, values, bad = plan.decode(payload)
-            if not bool(bad):
-                return idx, values
         g = self.geometry(shape)
         _, idx_at, total = self._layout(g)
         payload = check_payload(
@@ -285,28 +163,12 @@ class TopKCodec(Codec):
             numel=g.n,
             shape=shape,
         )
-        dev = payload.device
         if g.n == 0:
-            return torch.empty(0, dtype=torch.int64, device=dev), torch.empty(0, device=dev)
-        values = self.value_codec.decode(
-            payload[HEADER_BYTES:idx_at], (g.K,), name=f"{name} (top-k values)"
-        )
-        kernels = _native.usable(payload)
-        if kernels is not None:  # unpacked, checked and placed in one pass (the same bits)
-            flat = torch.empty(g.K, dtype=torch.int64)
-            if not kernels.lc_topk_indices(
-                _native.ptr(payload[idx_at:]),
-                g.K,
-                g.index_bits,
-                g.k,
-                g.L,
-                g.ntj,
-                g.tr,
-                g.tc,
-                g.C,
-                _native.ptr(flat),
-            ):
-                return flat, values
+            return
+        values = payload[HEADER_BYTES:idx_at]
+        vname = f"{name} (top-k values)"
+        self.value_codec.explain_size(values, torch.Size([g.K]), vname)
+        self.value_codec.explain(values, torch.Size([g.K]), vname)
         local = unpack_bits(payload[idx_at:], g.index_bits, g.K).view(g.ntiles, g.k)
         if bool((local >= g.L).any()):
             bad = local[local >= g.L][:3].tolist()
@@ -316,23 +178,167 @@ class TopKCodec(Codec):
                 f"{name}: top-k indices not strictly increasing within a tile (duplicates or "
                 "unsorted)"
             )
-        return g.global_index(local).view(-1), values
 
-    def _checked_plan(self, payload: torch.Tensor, shape: torch.Size) -> TopKPlan | None:
-        """The plan that decodes ``payload`` on its device, if it takes this path and is a
-        uint8 tensor of the right size (anything else is for check_payload to describe)."""
-        if not (isinstance(payload, torch.Tensor) and wanted(payload.device)):
-            return None
-        if payload.dtype != torch.uint8 or payload.dim() != 1:
-            return None
-        plan = self.plan([shape], payload.device)
-        return plan if plan is not None and payload.numel() == plan.nbytes else None
 
-    def decode(
-        self, payload: torch.Tensor, shape: torch.Size, name: str = "tensor"
-    ) -> torch.Tensor:
-        shape = torch.Size(shape)
-        idx, values = self.decode_sparse(payload, shape, name)
-        out = torch.zeros(numel_of(shape), dtype=torch.float32, device=values.device)
-        out.index_copy_(0, idx, values)
-        return out.view(shape)
+class Tiles:
+    """The tiles of one geometry, over every tensor of a plan: each tile's first element in the
+    flat input, its tensor's row length, and where its k values go among all kept values.
+    Where every tile row starts on a multiple of ``tc`` (``rows``), the torch selection
+    gathers a tile as ``tr`` whole rows of ``tc`` elements (an index per row); else element
+    by element."""
+
+    def __init__(self, tr: int, tc: int, k: int, index_bits: int, rows: bool) -> None:
+        self.tr, self.tc, self.k, self.index_bits, self.rows = tr, tc, k, index_bits, rows
+        self.L = tr * tc
+        self.base: list[torch.Tensor] = []
+        self.row: list[torch.Tensor] = []
+        self.kept_at: list[torch.Tensor] = []
+
+    def add(self, g: _Geometry, elem_at: int, kept_at: int) -> None:
+        """The tiles of one tensor of geometry ``g``, its first element at ``elem_at``."""
+        t = torch.arange(g.ntiles, dtype=torch.int64)
+        self.base.append(elem_at + (t // g.ntj) * (g.tr * g.C) + (t % g.ntj) * g.tc)
+        self.row.append(torch.full((g.ntiles,), g.C, dtype=torch.int64))
+        self.kept_at.append(kept_at + t * g.k)
+
+    def to(self, device: torch.device) -> None:
+        """Fix the tile lists on ``device``, with the offsets of an element within a tile."""
+        base, row = torch.cat(self.base), torch.cat(self.row)
+        self.kept_t = torch.cat(self.kept_at).to(device)
+        self.ntiles = base.numel()
+        at = torch.arange(self.L, dtype=torch.int64)
+        self.base_t, self.row_t = base.to(device), row.to(device)
+        if self.rows:  # each tile's rows, as indices of tc-element rows of the input
+            r = torch.arange(self.tr, dtype=torch.int64)
+            self.row_index = ((base[:, None] + r * row[:, None]) // self.tc).view(-1).to(device)
+        else:
+            self.r, self.c = (at // self.tc).to(device), (at % self.tc).to(device)
+        self.rev = (self.L - 1 - at).to(device)  # the lower index ranks higher among ties
+        self.lane = torch.arange(self.k, dtype=torch.int64, device=device)
+        self.band = max(1, BAND_ELEMS // self.L)
+        del self.base, self.row, self.kept_at
+
+    def tiles(self, flat: torch.Tensor, s: int) -> torch.Tensor:
+        """Tiles ``s`` to ``s + band`` of ``flat`` as rows of ``L`` (tile-local order)."""
+        if self.rows:
+            as_rows = flat.as_strided((flat.numel() // self.tc, self.tc), (self.tc, 1))
+            picked = self.row_index[s * self.tr : (s + self.band) * self.tr]
+            return as_rows.index_select(0, picked).view(-1, self.L)
+        base, row = self.base_t[s : s + self.band], self.row_t[s : s + self.band]
+        return flat.take(base[:, None] + self.r * row[:, None] + self.c)
+
+
+class TopKPlan(Plan):
+    """One bucket's shapes under one top-k codec, on one device (see the module doc)."""
+
+    sparse = True
+
+    def __init__(
+        self,
+        codec: TopKCodec,
+        shapes: list[torch.Size],
+        device: torch.device,
+        at: list[int] | None = None,
+    ) -> None:
+        super().__init__(codec, shapes, device, at)
+        self.kernels = kernels.choose(device, codec.kernels)
+        geos = [codec.geometry(s) for s in self.shapes]
+        template = torch.zeros(max(self.span, 1), dtype=torch.uint8)
+        headers, indices, per_tensor, value_shapes, value_at = [], [], [], [], []
+        groups: dict[tuple[int, int, int, bool], Tiles] = {}
+        kept = 0
+        for g, a, elem in zip(geos, self.at, self.starts):
+            write_header(template[a : a + HEADER_BYTES], codec.name, g.k, g.n)
+            headers.append(torch.arange(a, a + HEADER_BYTES))
+            if g.n:
+                value_shapes.append(torch.Size([g.K]))
+                value_at.append(a + HEADER_BYTES)
+                indices.append(Stream(kept, g.K, g.index_bits, a + codec._layout(g)[1]))
+                rows = elem % g.tc == 0 and g.tc >= 16
+                key = (g.tr, g.tc, g.k, rows)
+                group = groups.setdefault(key, Tiles(g.tr, g.tc, g.k, g.index_bits, rows))
+                group.add(g, elem, kept)
+                per_tensor.append((elem, kept, g.K, g.k, g.tr, g.tc, g.C, g.ntj, g.L))
+            kept += g.K
+        self.kept = kept
+        self.kept_sizes = [g.K for g in geos]  # each tensor's kept values (a decode's segments)
+        self.tensors = len(per_tensor)
+        self.groups = list(groups.values())
+        for grp in self.groups:
+            grp.to(device)
+        self.header_at = (torch.cat(headers) if headers else torch.empty(0, dtype=torch.int64)).to(
+            device
+        )
+        self.header_want = template.to(device)[self.header_at]
+        self.values = codec.value_codec.plan(value_shapes, device, value_at)
+        self.indices = Streams(indices, device)
+        cols = torch.tensor(per_tensor, dtype=torch.int64).reshape(-1, 9).t().to(device)
+        (
+            self.elem_at,
+            self.kept_at,
+            self.count,
+            self.k,
+            self.tr,
+            self.tc,
+            self.row,
+            self.ntj,
+            self.tile,
+        ) = cols.contiguous()
+        self.seg = torch.repeat_interleave(
+            torch.arange(self.tensors, device=device), self.count, output_size=kept
+        )
+        self.first = self.kept_at[self.seg]  # each kept value's tensor's first kept value
+        # each kept value's tile's first element, and its tensor's tile width and row length
+        # (flat_index's, worked out once)
+        seg = self.seg
+        tile = torch.div(
+            torch.arange(kept, device=device) - self.first, self.k[seg], rounding_mode="floor"
+        )
+        ti = torch.div(tile, self.ntj[seg], rounding_mode="floor")
+        self.slot_tc, self.slot_row = self.tc[seg], self.row[seg]
+        self.slot_base = (
+            self.elem_at[seg] + ti * self.tr[seg] * self.slot_row
+            + (tile - ti * self.ntj[seg]) * self.slot_tc
+        )  # fmt: skip
+        self.first_in_tile = (torch.arange(kept, device=device) - self.first) % self.k[seg] == 0
+
+    # ---- encode ------------------------------------------------------------------------------
+    def encode(
+        self, flat: torch.Tensor, out: torch.Tensor, decoded: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode ``flat`` (the tensors, FP32, one after another) into ``out``; returns what
+        peers decode of it, as (flat indices into ``flat``, values)."""
+        local, values = self.select(flat.contiguous())  # (rows are read as a strided view)
+        out[self.header_at] = self.header_want
+        _, sent = self.values.encode(values, out, decoded=True)
+        self.indices.pack(local, out, sink=out.numel() - 1)
+        assert sent is not None
+        return self.flat_index(local), sent
+
+    def select(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every tile's kept (tile-local indices, values), tensor after tensor, tile after
+        tile, each tile's in increasing index order (the payload's order)."""
+        local = torch.empty(self.kept, dtype=torch.int64, device=flat.device)
+        values = torch.empty(self.kept, dtype=torch.float32, device=flat.device)
+        for grp in self.groups:
+            self.kernels.select(flat, grp, local, values)
+        return local, values
+
+    # ---- decode ------------------------------------------------------------------------------
+    def decode(self, payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(flat indices, FP32 values, a 0-d bool: whether the payload breaks a rule of the
+        format) of ``payload`` read at the plan's places, with no host read."""
+        bad = (payload[self.header_at] != self.header_want).any()
+        _, values, bad_values = self.values.decode(payload)
+        local = self.indices.unpack(payload, self.kept)
+        seg = self.seg
+        bad |= bad_values | (local >= self.tile[seg]).any()
+        first = self.first_in_tile  # a tile's first index has no predecessor
+        bad |= ((local[1:] <= local[:-1]) & ~first[1:]).any()
+        return self.flat_index(local), values, bad
+
+    def flat_index(self, local: torch.Tensor) -> torch.Tensor:
+        """Tile-local indices (the payload's order) -> indices into the flat tensors: the
+        tile's first element, then the index's row and column in it."""
+        r = torch.div(local, self.slot_tc, rounding_mode="floor")
+        return self.slot_base + r * self.slot_row + (local - r * self.slot_tc)

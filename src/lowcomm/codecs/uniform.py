@@ -8,7 +8,7 @@ On the wire a code is stored offset-binary, ``q + 2**(bits-1)``, so the unused c
 decoder rejects any 0 code (the unused fields of the last byte are padding: the encoder writes
 the zero code ``2**(bits-1)`` there and a decoder ignores them). Two int4 / four int2 codes
 per byte, planar (see bitpack).
-Wire format: see ``_block``. Bits per element: ``bits + 32 / block_size``.
+Wire format: see ``block``. Bits per element: ``bits + 32 / block_size``.
 
 Rounding: to nearest (ties to even), or stochastic with ``stochastic=True``
 (``floor(y + u)`` with a 16-bit uniform dither u, unbiased). Error per element:
@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _triton
-from ._block import DEFAULT_BLOCK_SIZE, MIN_SCALE, BlockCodec, dither
 from ._format import div_scalar
+from .block import DEFAULT_BLOCK_SIZE, BlockCodec, dither
 from .registry import register
 
 _MAGIC = float(2**23)
@@ -55,14 +54,9 @@ class UniformCodec(BlockCodec):
         self.invalid_codes = f"code 0, i.e. {-self.offset}"
         super().__init__(block_size, stochastic, generator)
 
-    def _quantize(self, xb, scales, work, iwork, codes):
-        if not self.stochastic and _triton.quantize(
-            xb, scales, codes, self.qmax, self.offset, MIN_SCALE
-        ):  # one pass on a GPU, the same bits
-            return
-        s = self._block_absmax(xb, work, scales)
-        inv = self.qmax / s
-        torch.mul(xb, inv[:, None], out=work)
+    def quantize_rows(self, xb: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor) -> None:
+        s = self.block_absmax(xb, scales)
+        work = torch.mul(xb, (self.qmax / s)[:, None])
         if self.stochastic:
             u = dither(work.numel(), self.generator, work.device).view(work.shape)
             # round(y + u - 1/2) = floor(y + u)
@@ -71,10 +65,17 @@ class UniformCodec(BlockCodec):
         work.add_(_MAGIC + self.offset)
         codes.copy_(work.view(torch.int32).view(-1))  # narrowing keeps the low byte
 
-    def _dequantize(self, codes, scales, out, iwork):
-        bad = _triton.dequantize(codes, scales, out, self.qmax, self.offset)
-        if bad is not None:  # one pass on a GPU, the same bits
-            return bad
+    def dequantize_rows(
+        self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
         out.copy_(codes.view(out.shape))
         out.sub_(float(self.offset)).mul_(div_scalar(scales, self.qmax)[:, None])
         return codes.amin() == 0  # (uint8 min is far faster than == / any on a CPU)
+
+    def invalid(self, codes: torch.Tensor) -> torch.Tensor:
+        return codes.amin() == 0
+
+    def triton_format(
+        self, device: torch.device, decode: bool = False
+    ) -> tuple[int, int, torch.Tensor | None]:
+        return self.qmax, self.offset, None

@@ -75,6 +75,26 @@ def check_types(cfg: Any) -> None:
             raise ConfigError(f"{f.name} must be a string, got {value!r}")
 
 
+def alpha_mixes(overlap: int, merge: str, co2_merge: str) -> bool:
+    """Whether a result enters the local weights by the alpha-mix: only one that lands tau >= 1
+    steps late, under merge=alpha (CO2's whole round, overlap=-1: under co2_merge=reset)."""
+    if overlap == -1:
+        return co2_merge == "reset"
+    return overlap > 0 and merge == "alpha"
+
+
+def _why_no_mix(cfg: Any) -> str:
+    if cfg.overlap == 0:
+        return (
+            "with overlap=0 a sync's result replaces the local weights (torchft's DiLoCo mixes "
+            "at fragment_sync_delay=0; lowcomm mixes only a result that lands late): set "
+            "overlap >= 1, or drop alpha"
+        )
+    if cfg.overlap == -1:
+        return "CO2's whole round merges by co2_merge=continue: set co2_merge=reset, or drop alpha"
+    return "merge=continue keeps the steps taken since the send: set merge=alpha, or drop alpha"
+
+
 def validate_sync(cfg: Any) -> None:
     """Raise ConfigError on any SyncConfig setting that cannot work."""
     check_types(cfg)
@@ -96,6 +116,8 @@ def validate_sync(cfg: Any) -> None:
         raise ConfigError(f"overlap (tau) must be >= 0, or -1 for a whole round; got {cfg.overlap}")
     if not 0.0 <= cfg.alpha <= 1.0:
         raise ConfigError(f"alpha must be in [0, 1], got {cfg.alpha}")
+    if cfg.alpha and not alpha_mixes(cfg.overlap, cfg.merge, cfg.co2_merge):
+        raise ConfigError(f"alpha={cfg.alpha} does nothing here: {_why_no_mix(cfg)}")
     if not 0.0 < cfg.density <= 1.0:
         raise ConfigError(f"density must be in (0, 1], got {cfg.density}")
     if cfg.value_bits not in (1, 2, 4, 8, 32):

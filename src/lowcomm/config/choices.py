@@ -23,6 +23,8 @@ Merge = Literal["alpha", "continue"]
 CO2Merge = Literal["continue", "reset"]
 Buffers = Literal["average", "broadcast", "local"]
 StateDevice = Literal["cpu", "model"]
+#: which implementations the codecs' kernels run (lowcomm.codecs.kernels.MODES)
+Kernels = Literal["auto", "torch"]
 LocoQuantizer = Literal["ours", "authors"]
 Shard = Literal["striped", "contiguous"]
 DdpHook = Literal["allreduce", "bf16", "powersgd"]
@@ -33,10 +35,10 @@ Late = Literal["carry", "drop"]
 Weighting = Literal["steps", "plain", "normalized"]
 
 # the codec names by the properties their @register declares
-CODECS: tuple[str, ...] = codec_names()
-DENSE_CODECS: tuple[str, ...] = codec_names(dense=True)
-ELEMENTWISE_CODECS: tuple[str, ...] = codec_names(elementwise=True)
-SPARSE_CODECS: tuple[str, ...] = codec_names(sparse=True)
+CODECS: tuple[str, ...] = codec_names(core=True)
+DENSE_CODECS: tuple[str, ...] = codec_names(core=True, dense=True)
+ELEMENTWISE_CODECS: tuple[str, ...] = codec_names(core=True, elementwise=True)
+SPARSE_CODECS: tuple[str, ...] = codec_names(core=True, sparse=True)
 
 
 def _rule_names() -> tuple[str, ...]:

@@ -27,6 +27,7 @@ from .choices import (
     DdpHook,
     FragmentPattern,
     InnerParallel,
+    Kernels,
     LocoQuantizer,
     LogTo,
     Merge,
@@ -84,7 +85,11 @@ class SyncConfig:
     density: float = knob(
         1 / 64, "Top-k codec: fraction of entries kept per chunk (1/64 = 64 of 4096)."
     )
-    value_bits: int = knob(2, "Top-k codec: bits per kept value (2 = 4-entry lookup of bin means).")
+    value_bits: int = knob(
+        2,
+        "Top-k codec: bits per kept value (2 = 4-entry lookup of bin means; 32 = the values "
+        "as FP32).",
+    )
     reduce: Reduce = knob(
         "auto",
         "Collective for the outer gradient: allreduce (dense codecs), gather "
@@ -193,6 +198,12 @@ class SyncConfig:
         "at the price of crossing to the host at every sync.",
     )
     bucket_mb: float = knob(64.0, "Largest flat buffer handed to one collective, in MiB.")
+    kernels: Kernels = knob(
+        "auto",
+        "Which implementations a sync's kernels run: auto (Triton's on CUDA where it is "
+        "installed, C's on the CPU where a compiler is) or torch (the reference ones, on "
+        "every device: the same bits, slower).",
+    )
     buffers: Buffers = knob(
         "average",
         "Module buffers (e.g. BatchNorm statistics): average (floating "

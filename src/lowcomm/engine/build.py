@@ -107,6 +107,7 @@ def build_fragments(
                 views(flat, params),
                 buckets(params, bucket_numel),
                 part=placement.part,
+                kernels=cfg.kernels,
             )
             if merge.needs_snapshot:
                 # (a clone would not be pinned: host state copies at full speed both ways)

@@ -13,21 +13,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..codecs.topk_many import wanted
+from ..codecs import kernels
 from ..config import ConfigError
 from .state import RunState, StatePart
-from .tensors import (
-    Part,
-    copy_into,
-    elsewhere,
-    fused_minus,
-    local,
-    minus_params_into,
-    on_device_of,
-    pieces,
-    values_on,
-    views,
-)
+from .tensors import Part, copy_into, local, on_device_of, values_on, views
 
 
 @dataclass
@@ -43,6 +32,7 @@ class Fragment:
     unsent: int = 0  # inner steps since this fragment was last sent
     snapshot: torch.Tensor | None = None  # continue merge: local weights at the last send
     part: Part | None = None  # DDP inside a worker: (this rank's part, parts)
+    kernels: str = "auto"  # which implementations run (codecs.kernels: auto or torch)
 
     @property
     def key(self) -> str:
@@ -70,43 +60,27 @@ class Fragment:
         global copy."""
         return self.snapshot if self.snapshot is not None else self.global_flat
 
-    def pseudo_grad_into(self, out: list[torch.Tensor], take_snapshot: bool = False) -> bool | None:
+    def pseudo_grad_into(
+        self, out: list[torch.Tensor], take_snapshot: bool = False
+    ) -> torch.Tensor:
         """The pseudo-gradient ``reference - local`` (FP32) written into ``out`` (views shaped
         like the parameters); with ``take_snapshot``, then :meth:`take_snapshot`, in the same
-        pass over the weights.
-
-        Returns whether every entry is finite where the fused kernel found it out on the way
-        (FP32 parameters on a CPU), else None.
-        """
-        fused = fused_minus(
-            out, self.reference, self.params, self.snapshot if take_snapshot else None
+        pass over the weights (the ``difference`` kernel). Returns a 0-d bool on the state's
+        device, whether every entry is finite (nothing read)."""
+        ref = self.reference
+        params = self.params
+        plain = values_on(ref.device, params)
+        snaps = (
+            views(self.snapshot, params) if take_snapshot and self.snapshot is not None else None
         )
-        if fused is not None:
-            return fused
-        if not take_snapshot:
-            minus_params_into(out, self.reference, self.params)
-            return None
-        assert self.snapshot is not None
-        snap = views(self.snapshot, self.params)
-        if wanted(self.snapshot.device) or elsewhere(self.params, self.snapshot.device):
-            # multi-tensor kernels (launches not per tensor); host state: one transfer in
-            plain = values_on(self.snapshot.device, self.params)
-            torch._foreach_copy_(out, snap)
-            torch._foreach_sub_(out, plain)
-            torch._foreach_copy_(snap, plain)
-            return None
-        for o, s, p in zip(out, snap, self.params):
-            for pc, sc, oc in pieces([p.detach()], s.reshape(-1), o.reshape(-1)):
-                torch.sub(sc, pc.to(sc.device, torch.float32), out=oc)
-                sc.copy_(pc)
-        return None
+        ops = kernels.choose(ref.device, self.kernels)
+        return ops.difference(out, views(ref, params), plain, snaps)
 
     def take_snapshot(self) -> None:
         """Remember the local weights (in FP32) as the continue merge's reference."""
         assert self.snapshot is not None
         params = self.params
-        for s, v in zip(views(self.snapshot, params), values_on(self.snapshot.device, params)):
-            s.copy_(v)
+        copy_into(views(self.snapshot, params), values_on(self.snapshot.device, params))
 
 
 def register_fragment_state(state: RunState, frags: list[Fragment]) -> None:

@@ -32,7 +32,6 @@ import torch.nn as nn
 from .. import _buffers
 from ..aggregate import Aggregator, Encoded, Reduced, encode_compensated
 from ..aggregate.base import Valid
-from ..codecs.topk_many import wanted
 from ..config import SyncConfig
 from ..errors import SiteLeft
 from ..outer import OuterOptimizer
@@ -45,16 +44,7 @@ from .guards import NonFiniteGuard, ReplicaCheck, restart
 from .placement import Placement
 from .state import RunState, StatePart
 from .stats import SyncStats, SyncTimes
-from .tensors import (
-    Slabs,
-    all_finite,
-    copy_into,
-    elsewhere,
-    finite_flag,
-    on_device_of,
-    pieces,
-    views,
-)
+from .tensors import Slabs, copy_into, elsewhere, on_device_of, views
 
 if TYPE_CHECKING:
     from ..elastic import Runner
@@ -105,7 +95,7 @@ def send(
     control flags already gathered (a worker that has left); a blocking exchange's results go
     into ``results``."""
     frags = parts.fragments
-    encoded: dict[int, list[Encoded]] = {}
+    encoded: dict[int, Encoded] = {}
     owns: dict[int, torch.Tensor | None] = {}
     nonfinite = False
     # quorum rounds weight each contribution by the steps it holds (encoding resets them)
@@ -116,8 +106,7 @@ def send(
             had = frags[p].unsent > 0
             encoded[p], owns[p], bad = parts.encoder.encode(frags[p], step)
             nonfinite |= bad
-            deferred = any(e.ok is not None for e in encoded[p])
-            sent[p] = -1 if deferred else int(had and not bad)
+            sent[p] = -1 if encoded[p].ok is not None else int(had and not bad)
     mine = None
     if flags is None:
         mine = parts.exchange.flags(step, False, nonfinite, covered, sent)
@@ -205,7 +194,7 @@ class Encoder:
         n = self._sends.get(frag.index, 0)
         self._sends[frag.index] = n + 1
         if len(sets) <= n % self.in_flight:
-            sets.append(Slabs(frag.params, frag.buckets, frag.global_flat.device))
+            sets.append(Slabs(frag.params, frag.global_flat.device))
         return sets[n % self.in_flight]
 
     def count_step(self, transport: Transport) -> None:
@@ -218,111 +207,69 @@ class Encoder:
 
     def encode(
         self, frag: Fragment, step: int, defer: bool = True
-    ) -> tuple[list[Encoded], torch.Tensor | None, bool]:
-        """One fragment's pseudo-gradient, compensated and encoded per bucket.
+    ) -> tuple[Encoded, torch.Tensor | None, bool]:
+        """One fragment's pseudo-gradient, compensated and encoded (the whole fragment at
+        once: its buckets are only the collectives').
 
-        Returns the payloads, what this worker sent decoded (for the continue merge) and
+        Returns the payload, what this worker sent decoded (for the continue merge) and
         whether its update was found non-finite here. A fragment without inner steps since its
         last send (a worker that has left its loop) is not contributed; a non-finite one is
         left out: peers average without it and its error buffer is not polluted. Where the
-        aggregator :meth:`~lowcomm.aggregate.Aggregator.defers`, the finite check is not read
-        here: the payload carries it, and the exchange's result tells (``left_out_here``);
+        aggregator takes a device flag and the run defers its checks, the finite check is not
+        read here: the payload carries it, and the exchange's result tells (``left_out_here``);
         ``defer=False`` reads it here all the same (the exit's last exchange, applied apart).
+        Compensation, when there is one: error feedback, e <- beta e + delta, send e,
+        e <- e - sent; LoCo, h = delta + e, e <- moving average of h - sent.
         """
         slabs = self.slabs(frag)
         need_own = frag.snapshot is not None  # continue merge: keep what is sent, and the weights
         finite = frag.pseudo_grad_into(slabs.views, take_snapshot=need_own)
         contributes = frag.unsent > 0
-        valid, nonfinite = self._valid(frag, slabs, finite, contributes, defer)
+        valid, nonfinite = self._valid(finite, contributes, defer)
         if nonfinite:
             self.guard.leave_out(frag, step)
         compensation = self.compensation
         sends = contributes and not nonfinite
         if sends:  # contribution hooks act here: past the site's own checks, before encoding
-            weights = [frag.global_views[i] for g in frag.buckets for i in g]  # views' order
-            c = self.hooks.contribution(Contribution(step, slabs.views, weights))
+            c = self.hooks.contribution(Contribution(step, slabs.views, frag.global_views))
             if not c.compensate:
                 compensation = None
-        encoded = self._buckets(frag, slabs, valid, need_own, compensation)
+        shapes = [v.shape for v in slabs.views]
+        counts = [len(b) for b in frag.buckets]
+        # (the name of the reduce-side buffer from when each bucket had its own: checkpoints
+        # hold it)
+        key = f"fragment {frag.index} bucket 0"
+        if compensation is None:
+            want = "dense" if need_own else ""
+            enc = self.aggregator.encode(slabs.values, shapes, counts, valid, want, key, slabs.flat)
+        else:
+            enc = encode_compensated(
+                self.aggregator, compensation, frag.names, slabs.values, shapes, counts, valid,
+                key, need_dense=need_own,
+            )  # fmt: skip
         own = None
         if need_own:
             own = slabs.own()
             if sends:  # a copy: own never aliases a payload (unread if left out after all)
-                torch.cat([e.local for e in encoded], out=own)  # type: ignore[misc]
+                assert enc.local is not None
+                own.copy_(enc.local)
             else:
                 own.zero_()
-            for e in encoded:
-                e.local = None  # kept in own: the exchange may now reduce the payload in place
-        for e, slab in zip(encoded, slabs.slabs):
-            if e.payload is not slab:  # the slab is free again: the mean may land there
-                e.out = slab[:-1]
+            enc.local = None  # kept in own: the exchange may now reduce the payload in place
+        if enc.payload is not slabs.flat:  # the slab is free again: the mean may land there
+            enc.out = slabs.values
         frag.unsent = 0
-        return encoded, own, nonfinite
+        return enc, own, nonfinite
 
-    def _valid(
-        self, frag: Fragment, slabs: Slabs, finite: bool | None, contributes: bool, defer: bool
-    ) -> tuple[Valid, bool]:
-        """Whether ``frag``'s update goes out valid (a 0-d bool on the device where the
-        aggregator takes one and ``defer``: nothing read), and whether it was found non-finite
-        here."""
-        if contributes and defer and self._deferred(frag, slabs):
-            dev = slabs.slabs[0].device
-            if finite is not None:  # the CPU's fused kernel found out already
-                return torch.tensor(finite, device=dev), False
-            return finite_flag(*(s[:-1] for s in slabs.slabs)), False
-        if contributes and finite is None:
-            finite = all_finite(*(s[:-1] for s in slabs.slabs))
-        nonfinite = contributes and not finite
+    def _valid(self, finite: torch.Tensor, contributes: bool, defer: bool) -> tuple[Valid, bool]:
+        """Whether a fragment's update goes out valid (``finite`` itself, a 0-d bool on the
+        device, where the aggregator takes one and the run defers its checks: nothing read),
+        and whether it was found non-finite here."""
+        agg = self.aggregator
+        if contributes and defer and agg.deferred_checks and agg.takes_device_flag:
+            return finite, False
+        nonfinite = contributes and not bool(finite)
         return contributes and not nonfinite, nonfinite
-
-    def _deferred(self, frag: Fragment, slabs: Slabs) -> bool:
-        """Whether every bucket of ``frag`` may carry a device flag (see :meth:`_valid`)."""
-        if not self.aggregator.deferred_checks or not slabs.slabs:
-            return False
-        if frag.index not in self._defers:
-            comp, dev = self.compensation, slabs.slabs[0].device
-            flat_ok = comp is None or (hasattr(comp, "flat_on") and comp.flat_on(dev))
-            self._defers[frag.index] = flat_ok and all(
-                self.aggregator.defers([slabs.views[i].shape for i in b], dev, comp is not None)
-                for b in frag.buckets
-            )
-        return self._defers[frag.index]
-
-    def _buckets(
-        self, frag: Fragment, slabs: Slabs, valid: Valid, need_own: bool, compensation: Any
-    ) -> list[Encoded]:
-        """Encode per bucket, through the error compensation when there is one (error feedback:
-        e <- beta e + delta, send e, e <- e - sent; LoCo: h = delta + e, e <- moving average of
-        h - sent). The key names each bucket's buffer for a compensated two-phase reduce.
-        Without compensation a bucket's slab is offered to the aggregator as its payload."""
-        encoded = []
-        for b, bucket in enumerate(frag.buckets):
-            names, tensors = [frag.names[i] for i in bucket], [slabs.views[i] for i in bucket]
-            key = f"fragment {frag.index} bucket {b}"
-            slab = slabs.slabs[b]
-            # a bucket the aggregator encodes at once is handed over as one flat buffer
-            whole = self.aggregator.plan([t.shape for t in tensors], slab.device) is not None
-            flat = slab[:-1] if whole else None
-            if compensation is None:
-                encoded.append(
-                    self.aggregator.encode(
-                        tensors, need_local=need_own, valid=valid, key=key, slab=slab, flat=flat
-                    )
-                )
-            else:
-                encoded.append(
-                    encode_compensated(
-                        self.aggregator,
-                        compensation,
-                        names,
-                        tensors,
-                        valid,
-                        key=key,
-                        need_dense=need_own,
-                        flat=flat,
-                    )
-                )
-        return encoded
 
 
 # -- the exchange ------------------------------------------------------------------------------
@@ -378,26 +325,6 @@ def senders_of(flags: torch.Tensor, p: int, world: int) -> int | None:
         return None
     col = flags[:, _validity_at(flags) + p].tolist()
     return None if min(col) < 0 else sum(col)
-
-
-def _joined(out: list[Reduced]) -> Reduced:
-    """One fragment's buckets' results as one (the unapplied parts, per tensor, in order)."""
-    unapplied = [u for r in out for u in r.unapplied or []]
-    held = any(r.unapplied is not None for r in out)
-    norms: dict[int, float] | None = None
-    if all(r.norms is not None for r in out):  # tracked: each sender's over every bucket
-        norms = {}
-        for r in out:
-            for w, v in (r.norms or {}).items():
-                norms[w] = norms.get(w, 0.0) + v
-    return Reduced(
-        torch.cat([r.mean for r in out]),
-        min(r.valid_workers for r in out),
-        unapplied if held else None,
-        norms,
-        tuple(sorted(set().union(*(r.nonfinite for r in out)))),
-        any(r.left_out_here for r in out),
-    )
 
 
 class Exchange:
@@ -465,7 +392,7 @@ class Exchange:
 
     def job(
         self,
-        encoded: dict[int, list[Encoded]],
+        encoded: dict[int, Encoded],
         mine: torch.Tensor | None,
         flags: torch.Tensor | None,
         tag: str,
@@ -484,7 +411,7 @@ class Exchange:
         self,
         transport: Transport,
         buffer_transport: Transport,
-        encoded: dict[int, list[Encoded]],
+        encoded: dict[int, Encoded],
         mine: torch.Tensor | None,
         flags: torch.Tensor | None,
         buffers: torch.Tensor | None,
@@ -494,17 +421,15 @@ class Exchange:
         gathered = flags if mine is None else torch.stack(transport.all_gather(mine, control=True))
         sent0 = transport.meter.sent_bytes
         reduced = {}
-        for p, parts in encoded.items():
+        for p, enc in encoded.items():
             if self.runner is not None:  # an attempt may fail half-way: keep the bytes intact
-                parts = [dataclasses.replace(e, payload=e.payload.clone()) for e in parts]
+                enc = dataclasses.replace(enc, payload=enc.payload.clone())
             t1 = time.perf_counter()
             w = self.weights(gathered, p) if self.weighted else None
-            senders = senders_of(gathered, p, transport.world_size)
-            for e in parts:  # an all-reduce need not read its count from the device
-                e.senders = senders
-            out = [aggregator.exchange(e, transport, w) for e in parts]
+            # an all-reduce need not read its count from the device
+            enc.senders = senders_of(gathered, p, transport.world_size)
+            reduced[p] = self._by_site(aggregator.exchange(enc, transport, w))
             exchanging += time.perf_counter() - t1
-            reduced[p] = self._by_site(out[0] if len(out) == 1 else _joined(out))
         self.stats.peak_bytes_per_sync = max(
             self.stats.peak_bytes_per_sync, transport.meter.sent_bytes - sent0
         )
@@ -727,11 +652,10 @@ class Apply:
         """A weighted exchange applied only part of this worker's message: the rest goes back
         into its error buffers (error feedback had counted all of it as sent). Here, once the
         sync committed: an attempt that failed and was retried restores nothing."""
-        if reduced.unapplied is None or not hasattr(self.compensation, "restore"):
+        if reduced.unapplied is None or not getattr(self.compensation, "restores", False):
             return
-        names = [frag.names[i] for bucket in frag.buckets for i in bucket]
-        for name, part in zip(names, reduced.unapplied, strict=True):
-            self.compensation.restore(name, part)
+        shapes = [v.shape for v in frag.global_views]
+        self.compensation.restore_flat(frag.names, shapes, reduced.unapplied)
 
     def one(
         self,
@@ -804,20 +728,12 @@ class AlphaMix(Merge):
         self.alpha = alpha
 
     def merge(self, frag: Fragment, in_flight: torch.Tensor | None) -> None:
+        # multi-tensor kernels: launches that do not grow with the number of parameters (host
+        # state of an accelerator's model: in one transfer)
         params = [p.detach() for p in frag.params]
-        dev = params[0].device if params else frag.global_flat.device
-        if wanted(dev) and all(p.dtype == torch.float32 and p.device == dev for p in params):
-            # an accelerator: multi-tensor kernels (launches that do not grow with the number
-            # of parameters), the same element-wise ops and bits; host state in one transfer
-            glob = on_device_of(params, frag.global_flat)
-            torch._foreach_mul_(params, self.alpha)
-            torch._foreach_add_(params, views(glob, params), alpha=1.0 - self.alpha)
-            return
-        for p, g in pieces(frag.params, frag.global_flat):  # one pass: p is re-read in cache
-            self._mix(p, g)
-
-    def _mix(self, p: torch.Tensor, g: torch.Tensor) -> None:
-        p.mul_(self.alpha).add_(g.to(p.device, p.dtype), alpha=1.0 - self.alpha)
+        glob = on_device_of(params, frag.global_flat)
+        torch._foreach_mul_(params, self.alpha)
+        torch._foreach_add_(params, views(glob, params), alpha=1.0 - self.alpha)
 
 
 class Continue(Merge):
@@ -838,21 +754,8 @@ class Continue(Merge):
         assert frag.snapshot is not None
         if elsewhere(frag.params, frag.global_flat.device):
             self._merge_on_the_accelerator(frag, in_flight)
-            return
-        if wanted(frag.global_flat.device):
+        else:
             self._merge_at_once(frag, in_flight)
-            return
-        # chunk by chunk, so progress and the new weights are temporaries of one chunk: one
-        # read of global, own, snapshot and local, one write of local and snapshot
-        flats = [frag.global_flat, frag.snapshot]
-        if in_flight is not None:
-            flats.append(in_flight.to(frag.global_flat.device))
-        for p, g, snap, *own in pieces(frag.params, *flats):
-            progress = snap - p.to(snap.device, torch.float32)
-            new_local = torch.sub(g, own[0], alpha=self.keep) if own else g.clone()
-            new_local.sub_(progress)
-            torch.add(new_local, progress, out=snap)
-            p.copy_(new_local)
 
     def _merge_at_once(
         self,
@@ -860,24 +763,23 @@ class Continue(Merge):
         in_flight: torch.Tensor | None,
         state: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """The same steps as multi-tensor kernels over every parameter (an accelerator's
-        launches then do not grow with the number of parameters); the same bits. ``state``:
-        (global copy, snapshot) where the work is done, if not the fragment's own."""
+        """The merge as multi-tensor kernels over every parameter (launches that do not grow
+        with the number of parameters). ``state``: (global copy, snapshot) where the work is
+        done, if not the fragment's own."""
         assert frag.snapshot is not None
         glob_flat, snap_flat = state or (frag.global_flat, frag.snapshot)
-        params = frag.params
-        dev = glob_flat.device
-        local = [p.detach().to(dev, torch.float32) for p in params]
+        params = [p.detach() for p in frag.params]
         snap = views(snap_flat, params)
-        progress = torch._foreach_sub(snap, local)
+        progress = torch._foreach_sub(snap, params)  # FP32 whatever the parameters' dtype
         glob = views(glob_flat, params)
         if in_flight is not None:
-            new_local = torch._foreach_sub(glob, views(in_flight.to(dev), params), alpha=self.keep)
+            own = views(in_flight.to(glob_flat.device), params)
+            new_local = torch._foreach_sub(glob, own, alpha=self.keep)
+            torch._foreach_sub_(new_local, progress)
         else:
-            new_local = [g.clone() for g in glob]
-        torch._foreach_sub_(new_local, progress)
+            new_local = torch._foreach_sub(glob, progress)
         torch._foreach_copy_(snap, torch._foreach_add(new_local, progress))
-        copy_into([p.detach() for p in params], new_local)
+        copy_into(params, new_local)
 
     def _merge_on_the_accelerator(self, frag: Fragment, in_flight: torch.Tensor | None) -> None:
         """Host state of an accelerator's model: the global copy, the snapshot and what is in

@@ -229,12 +229,14 @@ def fingerprint(
     ranks: int = 1,
 ) -> str:
     """What every site of one run must share, hashed: the run id, the sync settings (but where
-    a site keeps its state), the fragments' parameter names, shapes and dtypes, and how many
-    ranks a site has ("" without ``elastic``: a fixed world checks nothing here)."""
+    a site keeps its state and which kernels it runs), the fragments' parameter names, shapes
+    and dtypes, and how many ranks a site has ("" without ``elastic``: a fixed world checks
+    nothing here)."""
     if elastic is None:
         return ""
     settings: dict[str, Any] = dataclasses.asdict(cfg)
     settings.pop("state_device", None)
+    settings.pop("kernels", None)  # every implementation gives the same bits
     shapes = [
         [(n, list(by_name[n].shape), str(by_name[n].dtype)) for n in frag]
         for frag in fragment_names

@@ -35,6 +35,7 @@ from ..aggregate import (
     aggregator_for,
     encode_compensated,
 )
+from ..codecs.kernels import finite_flag
 from ..compensation import DEFAULT_RESET_EVERY, MovingAverageCompensation
 from ..errors import ConfigError
 from ..transport import Transport
@@ -189,17 +190,20 @@ def loco_hook(state: LoCoState, bucket: dist.GradBucket) -> torch.futures.Future
     parts = state.plan(names, [g.shape for g in grads])
     t0 = time.perf_counter()
     with torch.no_grad():
-        # a host sync per bucket, on purpose: whether this worker's gradient is finite decides
+        # one host read per bucket, on purpose: whether this worker's gradient is finite decides
         # what it sends (its validity flag) and whether its error buffers may take it
-        valid = all(bool(torch.isfinite(g).all()) for g in grads)
+        valid = bool(finite_flag(*grads))
         encoded = [
             encode_compensated(
                 part.aggregator,
                 state.compensation if part.compensated else None,
                 [names[i] for i in part.index],
-                [grads[i].float() for i in part.index],
+                torch.cat([grads[i].reshape(-1) for i in part.index]).float(),
+                [grads[i].shape for i in part.index],
+                [len(part.index)],
                 valid,
                 part.key,
+                need_dense=part.compensated,
             )
             for part in parts
         ]

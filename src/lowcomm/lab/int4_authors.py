@@ -8,15 +8,15 @@ and the symmetric codes ``-7..7``: one code fewer, but no clipping. The authors 
 the ``block_size`` it is built with, so that any 1-D slice encodes the same way (element-wise).
 The LoCo hooks' ``loco_quantizer=authors`` uses it (the lab registers it as ``int4-authors``).
 
-Wire format: as every block codec (see ``_block``); a code ``q`` is stored as ``q + 8``, so all
-16 codes are valid. Bits per element: ``4 + 32 / block_size``.
+Wire format: as every block codec (see ``lowcomm.codecs.block``); a code ``q`` is stored as
+``q + 8``, so all 16 codes are valid. Bits per element: ``4 + 32 / block_size``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lowcomm.codecs._block import DEFAULT_BLOCK_SIZE, BlockCodec
+from lowcomm.codecs.block import DEFAULT_BLOCK_SIZE, BlockCodec
 from lowcomm.codecs.registry import register
 
 _MAGIC = float(2**23)
@@ -33,16 +33,18 @@ class AuthorsInt4Codec(BlockCodec):
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         super().__init__(block_size, stochastic=False, generator=None)
 
-    def _quantize(self, xb, scales, work, iwork, codes):
-        s = self._block_absmax(xb, work, scales).div_(8.0)
+    def quantize_rows(self, xb: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor) -> None:
+        s = self.block_absmax(xb, scales).div_(8.0)
         scales.copy_(s)
-        torch.div(xb, s[:, None], out=work)
+        work = torch.div(xb, s[:, None])
         # round half to even into the low mantissa bits: codes land in [0, 16], then clip 16
         work.add_(_MAGIC + 8.0)
         codes.copy_(work.view(torch.int32).view(-1))
         codes.clamp_(max=15)
 
-    def _dequantize(self, codes, scales, out, iwork):
+    def dequantize_rows(
+        self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
         out.copy_(codes.view(out.shape))
         out.sub_(8.0).mul_(scales[:, None])
         return torch.zeros((), dtype=torch.bool, device=out.device)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from .. import plugins
 from ..config import ConfigError, SyncConfig
+from ..config.checks import alpha_mixes
 
 if TYPE_CHECKING:
     from ..config import MembershipConfig, TrainConfig
@@ -54,6 +55,10 @@ class Strategy:
             raise ConfigError("give fragments (a count) or blocks_per_fragment, not both")
         base.update(self.by_workers(workers, overrides))
         base.update(overrides)
+        if "alpha" not in overrides and not alpha_mixes(
+            base.get("overlap", 0), base.get("merge", "alpha"), base.get("co2_merge", "continue")
+        ):  # a preset's alpha is for the overlap it ships with: none where nothing mixes
+            base.pop("alpha", None)
         return SyncConfig(**base)
 
     def by_workers(self, workers: int | None, overrides: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,78 +1,69 @@
 """What the robust combine rules share (``median``, ``trimmed-mean``, ``centered-clip``,
-``norm-clip``): they defend the merge against a minority of bad contributions, so they trust
-nothing a contribution says about itself.
+``norm-clip``, ``cosine-clip``, ``share-clip``): they defend the merge against a minority of bad
+contributions, so they trust nothing a contribution says about itself.
 
-- A contribution that is not finite, or does not decode (a NaN scale, an index out of range),
-  is dropped, whatever its validity flag says (a site's own flag is what a bad site controls);
-  the plain rules stop the run on it instead (the sender named).
+- A part that is not finite in a tensor is left out of that tensor; a payload that does not
+  decode (a NaN scale, an index out of range) is left out of the whole fragment, whatever its
+  validity flag says (a site's own flag is what a bad site controls); the plain rules stop the
+  run on it instead (the sender named).
 - Every contribution counts once: a self-reported step weight (quorum rounds) would let a site
   buy influence by reporting more steps, so these rules take no weights, and what a weight
   left out of a part (:meth:`~lowcomm.aggregate.combine.Combine.unapplied`) is nothing.
 - Each runs on the gather exchange, which hands every receiver every contribution in the same
   order; sums run in that order, so every receiver computes the same bits.
+- Each decides per tensor, over the whole fragment at once: a part's norm, the median of the
+  norms and what is left out are per (part, tensor), as segments of the flat values
+  (:class:`~lowcomm.segments.Segments`), with no read of the device.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Any
 
 import torch
 
-from ...errors import PayloadError
-from ..combine import Combine, Parts
+from ...segments import Segments
+from ..combine import Combine, Contributions
 
 
 class Robust(Combine):
-    """A rule over the finite contributions of one tensor, each counted once."""
+    """A rule over the finite contributions of each tensor, each counted once."""
 
     dense_only = True  # a coordinate's median or trim needs every site's value there
-    # the parts the last combine left out (indices into its parts): the gather exchange counts
-    # a sender left out of most of its contribution as offending (engine/check.py, Offenders)
-    excluded: list[int] = []
+    robust = True
+    _left: torch.Tensor | None = None
 
-    def combine(self, parts: Parts, out: torch.Tensor) -> torch.Tensor:
-        rows, at = finite_rows(parts)
-        self.excluded = left_out(parts, at)
-        if not at:  # nothing finite arrived: no step from this tensor
-            return out.zero_()
-        return out.copy_(self.robust(rows))
+    def combine(self, parts: Contributions, out: torch.Tensor) -> torch.Tensor:
+        rows, usable = usable_rows(parts)
+        self._left = ~usable
+        return out.copy_(self.robust_rows(rows, usable, parts.segments))
 
     @abstractmethod
-    def robust(self, rows: torch.Tensor) -> torch.Tensor:
-        """The combination of ``rows`` (n x d FP32, n >= 1, all finite), a d-vector."""
+    def robust_rows(self, rows: torch.Tensor, usable: torch.Tensor, seg: Segments) -> torch.Tensor:
+        """The combination of ``rows`` (m x V FP32, zero where not ``usable``: [m, T], which
+        part may count in which tensor), a V-vector; 0 in a tensor no part may count in."""
 
-    def unapplied(self, parts: Parts, j: int) -> torch.Tensor:
+    def unapplied(
+        self, parts: Contributions, j: int
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Nothing: the rule takes no weights, so no weight left anything of part ``j`` out."""
-        device = parts.payloads[j].device if parts.payloads else None
-        return torch.zeros(parts.shape.numel(), dtype=torch.float32, device=device)
+        return torch.zeros(parts.numel, dtype=torch.float32, device=parts.values(j).device)
+
+    def left_out(self) -> torch.Tensor | None:
+        return self._left
 
 
-def readable(parts: Parts, j: int, sparse: bool = False) -> Any:
-    """Part ``j`` decoded (``sparse``: as indices and values), or None if it does not decode
-    or is not finite: every receiver reads the same bytes, so all drop the same parts."""
-    try:
-        got = parts.sparse(j) if sparse else parts[j]
-    except PayloadError:
-        return None
-    values = got[1] if sparse else got
-    return got if bool(torch.isfinite(values).all()) else None
-
-
-def finite_rows(parts: Parts) -> tuple[torch.Tensor, list[int]]:
-    """The finite contributions of ``parts`` that decode, stacked in their order (n x d), and
-    which parts they are."""
-    decoded = [(j, readable(parts, j)) for j in range(len(parts))]
-    at = [j for j, x in decoded if x is not None]
-    if not at:
-        return torch.empty(0, parts.shape.numel(), dtype=torch.float32), at
-    return torch.stack([x for _, x in decoded if x is not None]), at
-
-
-def left_out(parts: Parts, at: list[int]) -> list[int]:
-    """The indices of ``parts`` not in ``at`` (those a rule kept)."""
-    kept = set(at)
-    return [j for j in range(len(parts)) if j not in kept]
+def usable_rows(parts: Contributions, nonempty: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every part's values stacked (m x V), zeroed where a part may not count, and where it may
+    ([m, T]): present, and finite in that tensor (and with ``nonempty``, not all zero there)."""
+    rows = parts.rows()
+    top = parts.segments.max(rows.abs())
+    usable = torch.isfinite(top)
+    if nonempty:
+        usable &= top > 0
+    if parts.present is not None:
+        usable &= parts.present[:, None]
+    return torch.where(parts.segments.spread(usable), rows, 0.0), usable
 
 
 def sum_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -83,26 +74,39 @@ def sum_rows(rows: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def mean_rows(rows: torch.Tensor) -> torch.Tensor:
-    """The mean of ``rows`` summed one row after the other (the same bits on every receiver)."""
-    return sum_rows(rows).div_(rows.shape[0])
+def divided(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``total / count`` entry by entry, 0 where ``count`` is 0."""
+    return torch.where(count > 0, total / count.clamp(min=1), 0.0)
 
 
-def median_rows(rows: torch.Tensor) -> torch.Tensor:
-    """Each coordinate's median over ``rows``; with an even count, the mean of the middle two."""
-    n = rows.shape[0]
-    ordered = rows.sort(dim=0).values
-    if n % 2:
-        return ordered[n // 2].clone()
-    return (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+def median_of(v: torch.Tensor, usable: torch.Tensor) -> torch.Tensor:
+    """Each column's median over its usable entries (the mean of the middle two for an even
+    count; 0 for a column with none): ``v`` and ``usable`` m x C."""
+    c = usable.sum(dim=0)
+    ordered = torch.where(usable, v, float("inf")).sort(dim=0).values
+    lo = ((c - 1).clamp(min=0) // 2)[None]
+    hi = (c // 2).clamp(max=v.shape[0] - 1)[None]
+    a, b = ordered.gather(0, lo)[0], ordered.gather(0, hi)[0]
+    return torch.where(c > 0, torch.where(c % 2 == 1, a, (a + b) / 2), 0.0)
 
 
-def median_of(values: torch.Tensor) -> torch.Tensor:
-    """The median of a 1-d tensor (the mean of the middle two for an even count)."""
-    return median_rows(values.reshape(-1, 1)).reshape(())
+def scale_to(norms: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """What each part's tensor is multiplied by to bring its norm (``norms``, m x T) down to
+    ``bound`` (per tensor) where it is above it."""
+    return torch.where(norms > bound, bound / norms.clamp_min(1e-30), 1.0)
 
 
-def clip_to(rows: torch.Tensor, norms: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
-    """``rows`` each scaled down to norm ``bound`` where its norm (``norms``) is above it."""
-    scale = torch.where(norms > bound, bound / norms.clamp_min(1e-30), torch.ones_like(norms))
-    return rows * scale.unsqueeze(1)
+def clipped_rows(rows: torch.Tensor, usable: torch.Tensor, seg: Segments) -> torch.Tensor:
+    """``rows`` each scaled down, tensor by tensor, to the median norm of the usable parts."""
+    norms = seg.sum(rows * rows).sqrt()
+    return rows * seg.spread(scale_to(norms, median_of(norms, usable)))
+
+
+def agreeing(
+    clipped: torch.Tensor, total: torch.Tensor, usable: torch.Tensor, seg: Segments
+) -> torch.Tensor:
+    """Which usable (part, tensor) does not point against the sum of the others: a dot product
+    with it of at least 0 (0 is no evidence), or the tensor's only usable part ([m, T])."""
+    dot = seg.sum(clipped * (total - clipped))
+    alone = usable.sum(dim=0) == 1
+    return usable & (alone[None] | (dot >= 0))

@@ -6,13 +6,15 @@ The paper starts from the previous round's aggregate (with momentum) and fixes `
 contributions are one round of it, so we start from the coordinate-wise median (robust on its
 own) and take ``tau`` as the median distance to the centre each iteration: no setting to tune
 per model, and at most half the sites, the far ones, are clipped. Three iterations, as the
-paper's experiments. Dense codecs only (see ``median``)."""
+paper's experiments; a tensor whose ``tau`` is 0 (half the sites sit on its centre) stops
+there. Dense codecs only (see ``median``)."""
 
 from __future__ import annotations
 
 import torch
 
-from ._robust import Robust, clip_to, mean_rows, median_of, median_rows
+from ...segments import Segments
+from ._robust import Robust, divided, median_of, scale_to, sum_rows
 
 ITERATIONS = 3
 
@@ -22,13 +24,16 @@ class CenteredClip(Robust):
 
     name = "centered-clip"
 
-    def robust(self, rows: torch.Tensor) -> torch.Tensor:
-        centre = median_rows(rows)
+    def robust_rows(self, rows: torch.Tensor, usable: torch.Tensor, seg: Segments) -> torch.Tensor:
+        each = seg.spread(usable)
+        count = seg.spread(usable.sum(dim=0))
+        centre = median_of(rows, each)
+        moving = torch.ones(seg.count, dtype=torch.bool, device=rows.device)
         for _ in range(ITERATIONS):
-            away = rows - centre
-            norms = away.norm(dim=1)
-            tau = median_of(norms)
-            if not bool(tau > 0):  # half the sites sit on the centre: it stays
-                break
-            centre = centre + mean_rows(clip_to(away, norms, tau))
+            away = torch.where(each, rows - centre, 0.0)
+            norms = seg.sum(away * away).sqrt()
+            tau = median_of(norms, usable)
+            moving &= tau > 0
+            step = divided(sum_rows(away * seg.spread(scale_to(norms, tau))), count)
+            centre = torch.where(seg.spread(moving), centre + step, centre)
         return centre

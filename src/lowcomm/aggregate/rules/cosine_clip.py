@@ -10,18 +10,18 @@ product with it is negative while an honest one's is positive. A dot product of 
 evidence and is kept: on top-k a small tensor's one or two entries often meet nobody else's
 (leaving those out cost 3-4 % of loss on a seed where 2 of 8 sites sent nothing). An empty
 (all-zero) contribution is left out before anything else (see ``norm-clip``). The decision
-is per tensor, as every rule's, and the same on every receiver (the same sums in the same
-order). A lone contribution is kept: nobody disagrees with it. Like every norm rule it takes
-no weights and drops what is not finite or does not decode."""
+is per tensor, and the same on every receiver (the same sums in the same order). A lone
+contribution is kept: nobody disagrees with it. Like every norm rule it takes no weights and
+drops what is not finite or does not decode."""
 
 from __future__ import annotations
 
 import torch
 
-from ..combine import Parts
-from ._robust import clip_to, finite_rows, left_out, mean_rows, median_of, sum_rows
-from .norm_clip import NormClip, clipped_sparse
-from .selected_mean import selected_mean, tile_k
+from ...segments import Segments
+from ..combine import Contributions
+from ._robust import agreeing, clipped_rows, divided, sum_rows, usable_rows
+from .norm_clip import NormClip, clipped_sparse, merged
 
 
 class CosineClip(NormClip):
@@ -29,54 +29,34 @@ class CosineClip(NormClip):
     the (selected) mean of the rest."""
 
     name = "cosine-clip"
-    dense_only = False
 
-    def combine(self, parts: Parts, out: torch.Tensor) -> torch.Tensor:
-        if hasattr(parts.codec, "decode_sparse"):
-            sent, at = clipped_sparse(parts)
-            total = torch.zeros(parts.shape.numel(), dtype=torch.float32, device=out.device)
-            for idx, vals in sent:  # one sender after the other: the same bits everywhere
-                total.index_add_(0, idx, vals)
-            keep = [_agrees(torch.dot(v, total[i] - v), len(sent)) for i, v in sent]
-            kept = [j for j, ok in zip(at, keep) if ok]
-            self.excluded = left_out(parts, kept)
-            return self.merge_sparse(parts, [s for s, ok in zip(sent, keep) if ok], kept, out)
-        rows, at = finite_rows(parts)
-        clipped, keep = _screen(rows) if at else (rows, [])
-        self.excluded = left_out(parts, [j for j, ok in zip(at, keep) if ok])
-        return out.copy_(_kept_mean(clipped, keep)) if any(keep) else out.zero_()
+    def combine(self, parts: Contributions, out: torch.Tensor) -> torch.Tensor:
+        if parts.sparse:
+            clipped, usable = clipped_sparse(parts)
+            total = torch.zeros(parts.numel, dtype=torch.float32, device=out.device)
+            for j in range(len(parts)):  # one sender after the other: the same bits everywhere
+                total.index_add_(0, parts.index(j), clipped[j])
+            at_total = torch.stack([total[parts.index(j)] for j in range(len(parts))])
+            keep = agreeing(clipped, at_total, usable, parts.segments)
+            self._left = ~keep
+            kept = torch.where(parts.segments.spread(keep), clipped, 0.0)
+            return self.merge_sparse(parts, kept, keep, out)
+        rows, usable = usable_rows(parts)
+        self._left = ~usable
+        out.copy_(self.robust_rows(rows, usable, parts.segments))
+        return out
 
     def merge_sparse(
-        self,
-        parts: Parts,
-        sent: list[tuple[torch.Tensor, torch.Tensor]],
-        at: list[int],
-        out: torch.Tensor,
+        self, parts: Contributions, kept: torch.Tensor, keep: torch.Tensor, out: torch.Tensor
     ) -> torch.Tensor:
-        """The kept, clipped top-k contributions ``sent`` (parts ``at``) merged into ``out``:
-        here their selected mean."""
-        return selected_mean(sent, None, out, tile_k(parts))
+        """The kept, clipped top-k values ``kept`` (m x K; ``keep``: which (part, tensor))
+        merged into ``out``: here their selected mean."""
+        return merged(parts, kept, keep, out)
 
-    def robust(self, rows: torch.Tensor) -> torch.Tensor:
-        clipped, keep = _screen(rows)
-        return _kept_mean(clipped, keep) if any(keep) else torch.zeros_like(rows[0])
-
-
-def _screen(rows: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
-    """``rows`` (n x d, finite) clipped to their median norm, and which of them agree with the
-    sum of the others (an all-zero row never: it is empty, as on top-k)."""
-    clipped = clip_to(rows, rows.norm(dim=1), median_of(rows.norm(dim=1)))
-    total = sum_rows(clipped)
-    n = len(clipped)
-    return clipped, [bool(r.any()) and _agrees(torch.dot(r, total - r), n) for r in clipped]
-
-
-def _kept_mean(clipped: torch.Tensor, keep: list[bool]) -> torch.Tensor:
-    return mean_rows(clipped[torch.tensor(keep, device=clipped.device)])
-
-
-def _agrees(dot: torch.Tensor, n: int) -> bool:
-    """A contribution with this dot product against the sum of the other ``n - 1`` is kept:
-    unless it points against them. A dot product of 0 is no evidence (on top-k, a small
-    tensor's one or two entries that no other site sent): kept."""
-    return n == 1 or bool(dot >= 0)
+    def robust_rows(self, rows: torch.Tensor, usable: torch.Tensor, seg: Segments) -> torch.Tensor:
+        clipped = clipped_rows(rows, usable, seg)
+        nonempty = seg.max(clipped.abs()) > 0
+        keep = agreeing(clipped, sum_rows(clipped), usable & nonempty, seg)
+        self._left = ~keep
+        each = seg.spread(keep)
+        return divided(sum_rows(torch.where(each, clipped, 0.0)), seg.spread(keep.sum(dim=0)))

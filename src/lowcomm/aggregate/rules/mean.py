@@ -5,27 +5,21 @@ from __future__ import annotations
 
 import torch
 
-from ..combine import Parts, SumCombine
+from ..combine import SumCombine
 
 
 class Mean(SumCombine):
-    """The (weighted) mean; where the codec has a fused decode-and-mean kernel, that (same bits)."""
+    """The (weighted) mean."""
 
     name = "mean"
 
-    def finish(self, total: torch.Tensor, weight: float) -> torch.Tensor:
+    def finish(self, total: torch.Tensor, weight: float | torch.Tensor) -> torch.Tensor:
+        """``total / weight``; ``weight`` may be a 0-d tensor on the device (nothing read)."""
         return total.div_(_divisor(weight))
 
-    def combine(self, parts: Parts, out: torch.Tensor) -> torch.Tensor:
-        fused = getattr(parts.codec, "decode_mean", None)
-        divisor = _divisor(parts.total_weight())
-        if fused is not None and fused(
-            parts.payloads, parts.shape, out, parts.weights, divisor, parts.names
-        ):
-            return out
-        return super().combine(parts, out)
 
-
-def _divisor(weight: float) -> float:
+def _divisor(weight: float | torch.Tensor) -> float | torch.Tensor:
     # no contribution, or all of weight 0: what was summed (zeros) stays as it is
+    if isinstance(weight, torch.Tensor):
+        return torch.where(weight > 0, weight, 1.0)
     return weight if weight > 0 else 1.0

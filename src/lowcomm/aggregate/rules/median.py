@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ._robust import Robust, median_rows
+from ...segments import Segments
+from ._robust import Robust, median_of
 
 
 class Median(Robust):
@@ -16,5 +17,5 @@ class Median(Robust):
 
     name = "median"
 
-    def robust(self, rows: torch.Tensor) -> torch.Tensor:
-        return median_rows(rows)
+    def robust_rows(self, rows: torch.Tensor, usable: torch.Tensor, seg: Segments) -> torch.Tensor:
+        return median_of(rows, seg.spread(usable))

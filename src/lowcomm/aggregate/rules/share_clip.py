@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..combine import Parts
-from ._robust import readable
+from ..combine import Contributions
 from .cosine_clip import CosineClip
 
 
@@ -32,35 +31,28 @@ class ShareClip(CosineClip):
     restores = True  # unweighted too: the gather exchange asks unapplied() of this rule
 
     def merge_sparse(
-        self,
-        parts: Parts,
-        sent: list[tuple[torch.Tensor, torch.Tensor]],
-        at: list[int],
-        out: torch.Tensor,
+        self, parts: Contributions, kept: torch.Tensor, keep: torch.Tensor, out: torch.Tensor
     ) -> torch.Tensor:
-        n = parts.shape.numel()
-        counts = torch.zeros(n, dtype=torch.float32, device=out.device)
+        each = parts.segments.spread(keep)
+        counts = torch.zeros(parts.numel, dtype=torch.float32, device=out.device)
         out.zero_()
-        for idx, vals in sent:  # one sender after the other: the same bits everywhere
-            out.index_add_(0, idx, vals)
-            counts.index_add_(0, idx, torch.ones(idx.numel(), device=out.device))
-        divisor = counts.clamp_min(len(parts) // 2 + 1)  # max(senders, a majority)
+        for j in range(len(parts)):  # one sender after the other: the same bits everywhere
+            out.index_add_(0, parts.index(j), kept[j])
+            counts.index_add_(0, parts.index(j), each[j].float())
+        present = parts.present.sum() if parts.present is not None else len(parts)
+        divisor = counts.clamp_min(present // 2 + 1)  # max(senders, a majority)
         out.div_(divisor)
-        # each entry's share applied, c / max(c, floor), and which parts it was of (unapplied)
-        self._share, self._kept = counts / divisor, set(at)
+        # each entry's share applied, c / max(c, floor), and which (part, tensor) it was of
+        self._share, self._keep = counts / divisor, keep
         return out
 
-    def unapplied(self, parts: Parts, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def unapplied(self, parts: Contributions, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         """On top-k: what of part ``j`` the last merge held back, in the units of the error
         buffer (those of the selected mean, which applies a part whole): ``(1 - c / max(c,
-        floor)) v`` at its entries, ``v`` where the part was left out. (What clipping took is
-        not handed back, as no robust rule hands it back.) Dense: nothing."""
-        if not hasattr(parts.codec, "decode_sparse"):
-            return super().unapplied(parts, j)
-        got = readable(parts, j, sparse=True)
-        if got is None:  # (never this site's own: it checked its values before sending)
-            return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float32)
-        idx, vals = got
-        if j not in getattr(self, "_kept", ()):
-            return idx, vals
-        return idx, vals * (1.0 - self._share[idx])
+        floor)) v`` at its entries, ``v`` in a tensor where the part was left out. (What
+        clipping took is not handed back, as no robust rule hands it back.) Dense: nothing."""
+        if not parts.sparse:
+            return super().unapplied(parts, j)  # type: ignore[return-value]
+        idx, vals = parts.index(j), parts.values(j)
+        kept = parts.segments.spread(self._keep[j])
+        return idx, torch.where(kept, vals * (1.0 - self._share[idx]), vals)

@@ -5,11 +5,10 @@ only, as ``median`` (top-k coordinates have one sender or none)."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ._robust import Robust, mean_rows
+from ...segments import Segments
+from ._robust import Robust, divided
 
 
 class TrimmedMean(Robust):
@@ -26,10 +25,13 @@ class TrimmedMean(Robust):
         """``b``: how many values are dropped at each end of a coordinate's ``n``."""
         if n < 3 or self.trim == 0:
             return 0
-        return min(max(1, math.floor(self.trim * n)), (n - 1) // 2)
+        return min(max(1, int(self.trim * n)), (n - 1) // 2)
 
-    def robust(self, rows: torch.Tensor) -> torch.Tensor:
-        b = self.dropped(rows.shape[0])
-        if b == 0:
-            return mean_rows(rows)
-        return mean_rows(rows.sort(dim=0).values[b : rows.shape[0] - b])
+    def robust_rows(self, rows: torch.Tensor, usable: torch.Tensor, seg: Segments) -> torch.Tensor:
+        c = usable.sum(dim=0)  # per tensor
+        b = torch.tensor([self.dropped(n) for n in range(rows.shape[0] + 1)], device=c.device)[c]
+        c, b = seg.spread(c), seg.spread(b)
+        ordered = torch.where(seg.spread(usable), rows, float("inf")).sort(dim=0).values
+        at = torch.arange(rows.shape[0], device=rows.device)[:, None]
+        kept = (at >= b) & (at < c - b)
+        return divided(torch.where(kept, ordered, 0.0).sum(dim=0), c - 2 * b)

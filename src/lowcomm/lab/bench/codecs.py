@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from lowcomm.codecs import Codec, _triton, make_codec
+from lowcomm.codecs import Codec, kernels, make_codec
 
 #: (label, codec name, options)
 CODECS: list[tuple[str, str, dict]] = [
@@ -217,9 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for label, name, opts in chosen:
         for case, tensors in cases:
-            fused = _triton.launched
+            fused = kernels.launched
             row = measure(label, make_codec(name, **opts), tensors, args.repeats)
-            row["triton"] = _triton.launched > fused  # its Triton kernels ran (a GPU)
+            row["triton"] = kernels.launched > fused  # its Triton kernels ran (a GPU)
             row["case"] = case or f"{'x'.join(map(str, big_shape))}"
             rows.append(row)
             if not args.json:

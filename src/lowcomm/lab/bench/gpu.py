@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lowcomm.codecs import _triton
+from lowcomm.codecs import kernels
 
 if TYPE_CHECKING:
     from lowcomm.engine import LowComm
@@ -271,9 +271,9 @@ def run(args: argparse.Namespace, rank: int) -> dict[str, Any]:
             # the plain loop just before and just after: the device's own drift (clocks,
             # allocator) between phases is as large as the effects looked for
             before = plain(loop, args)
-            fused = _triton.launched
+            fused = kernels.launched
             got = method(loop, strategy, h, args)
-            got["triton_launches"] = _triton.launched - fused  # (0: the torch path ran)
+            got["triton_launches"] = kernels.launched - fused  # (0: the torch path ran)
             _release(loop.device)
             after = plain(loop, args)
             base_s = (before["s"] + after["s"]) / 2
@@ -303,7 +303,7 @@ def run(args: argparse.Namespace, rank: int) -> dict[str, Any]:
     else:
         counts = {"tensors": loop.tensors}
     # whether Triton kernels ran in this worker (none on the CPU's state, or where they failed)
-    return {"params": loop.params, **counts, "rows": rows, "triton": _triton.launched > 0}
+    return {"params": loop.params, **counts, "rows": rows, "triton": kernels.launched > 0}
 
 
 def _preset_h(strategy: str) -> int:

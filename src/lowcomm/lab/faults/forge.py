@@ -48,12 +48,23 @@ def forge(
     honest = [r for r in valid if r not in bad]
     if not honest:
         return payload
-    n = sum(s.numel() for s in shapes)
-    rows = torch.stack([agg._decode_flat(last[r][:-1], shapes, n) for r in honest])
+    plan = agg.codec.plan(shapes, payload.device)  # one bucket's tensors, its flag after
+    rows = torch.stack([_dense(plan, last[r]) for r in honest])
     spread = rows.std(dim=0) if len(honest) > 1 else torch.zeros_like(rows[0])
     forged = rows.mean(dim=0) - alie_z(len(last), len(bad)) * spread
-    pieces = list(torch.split(forged, [s.numel() for s in shapes]))
-    return agg.encode([p.reshape(s) for p, s in zip(pieces, shapes)]).payload
+    out = torch.empty(plan.span + 1, dtype=torch.uint8, device=payload.device)
+    plan.encode(forged, out)
+    out[-1] = payload[-1]  # its own flag: it sends
+    return out
+
+
+def _dense(plan: Any, payload: torch.Tensor) -> torch.Tensor:
+    """What a bucket's payload decodes to, as one flat FP32 tensor (zeros where a sparse
+    codec sent nothing)."""
+    idx, values, _ = plan.decode(payload)
+    if idx is None:
+        return values
+    return torch.zeros(plan.numel, device=values.device).index_copy_(0, idx, values)
 
 
 def alie_z(n: int, m: int) -> float:
