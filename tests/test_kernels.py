@@ -48,7 +48,8 @@ def _selected(plan, flat: torch.Tensor, impl) -> tuple[torch.Tensor, torch.Tenso
 def test_the_choice_is_made_in_one_place():
     cpu = kernels.choose(torch.device("cpu"))
     want = "c" if HAS_C else "torch"
-    ops = ("select", "quantize", "dequantize", "pack", "unpack", "difference")
+    ops = ("select", "quantize", "dequantize", "pack", "unpack", "scan", "pack_streams")
+    ops = (*ops, "unpack_streams", "difference")
     assert cpu.names == dict.fromkeys(ops, want)
     assert set(kernels.choose(torch.device("cpu"), "torch").names.values()) == {"torch"}
     with pytest.raises(ValueError, match="kernels='triton': choose one of auto, torch"):
@@ -160,6 +161,21 @@ def test_c_block_kernels_are_the_references_bits(name):
     broken = codes.clone()
     broken[100] = 0 if name != "fp4" else 8  # a code outside the format
     assert bool(kernels.dequantize_c(plan, broken, scales, torch.empty(plan.numel)))
+    # the scan of the packed payload: none found, then each tensor's last code broken
+    payload = torch.zeros(plan.span + 1, dtype=torch.uint8)
+    plan.encode(flat, payload)
+    assert not bool(kernels.scan_c(plan, payload)) and not bool(kernels.scan_torch(plan, payload))
+    for b0, n, at in zip(*(r.tolist() for r in plan.runs)):
+        if not n:
+            continue
+        spoiled = payload.clone()
+        if plan.per == 1:  # one code a byte, where the tensor's codes lie
+            spoiled[at + n - 1] = codec.bad_code
+        else:
+            one = codes.clone()
+            one[b0 + n - 1] = codec.bad_code
+            kernels.pack_torch(plan, one, spoiled)
+        assert bool(kernels.scan_c(plan, spoiled)) and bool(kernels.scan_torch(plan, spoiled))
     if plan.per > 1:
         out_c = torch.zeros(plan.span + 1, dtype=torch.uint8)
         out_t = torch.zeros_like(out_c)
@@ -170,6 +186,31 @@ def test_c_block_kernels_are_the_references_bits(name):
         kernels.unpack_c(plan, out_c, back_c)
         kernels.unpack_torch(plan, out_c, back_t)
         assert torch.equal(back_c, back_t)
+
+
+@needs_c
+def test_c_streams_are_the_references_bytes_and_values():
+    """Streams of every width the codecs use (a 2-bit table's codes, top-k's 6 to 18-bit
+    indices, whole and partial planar groups): C packs the reference's bytes (and nothing past
+    a segment) and unpacks its values."""
+    from lowcomm.codecs.bitpack import Stream, Streams
+
+    g = torch.Generator().manual_seed(3)
+    streams, first, at = [], 0, 0
+    for bits, count in [(2, 5000), (12, 3000), (18, 700), (6, 1), (9, 0), (16, 513), (1, 77)]:
+        streams.append(Stream(first, count, bits, at))
+        first += count
+        at += -(-count * bits // 8) + 300  # room for planar groups, and gaps between them
+    values = torch.cat([torch.randint(0, 1 << s.bits, (s.count,), generator=g) for s in streams])
+    st = Streams(streams, torch.device("cpu"))
+    want = torch.full((at + 1,), 0xA5, dtype=torch.uint8)
+    got = want.clone()
+    kernels.pack_streams_torch(st, values, want, sink=at)
+    kernels.pack_streams_c(st, values, got, sink=at)
+    want[at] = got[at] = 0  # the sink: the caller's to overwrite
+    assert torch.equal(got, want)
+    assert torch.equal(kernels.unpack_streams_c(st, got, first), values)
+    assert torch.equal(kernels.unpack_streams_torch(st, got, first), values)
 
 
 @needs_c

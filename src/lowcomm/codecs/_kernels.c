@@ -334,6 +334,82 @@ int64_t lc_unpack_planar(const uint8_t *payload, int64_t T, const int64_t *src,
     return 0;
 }
 
+/* Streams (bitpack.Streams): S segments, each a row of (first, count, nbytes, at, shift,
+ * width): values first..first+count of a vector, their bits shift..shift+width, packed planar
+ * in nbytes bytes from payload byte at (plane p of byte j holds value p * nbytes + j). */
+int64_t lc_pack_streams(const int64_t *values, int64_t S, const int64_t *rows, uint8_t *out) {
+    for (int64_t s = 0; s < S; s++) {
+        const int64_t *r = rows + 6 * s;
+        int64_t first = r[0], count = r[1], nb = r[2], at = r[3], shift = r[4], w = r[5];
+        int64_t per = 8 / w, mask = (1 << w) - 1;
+        for (int64_t j = 0; j < nb; j++) {
+            uint32_t byte = 0;
+            for (int64_t p = 0; p < per; p++) {
+                int64_t k = p * nb + j;
+                if (k < count) byte |= (uint32_t)((values[first + k] >> shift) & mask) << (w * p);
+            }
+            out[at + j] = (uint8_t)byte;
+        }
+    }
+    return 0;
+}
+
+/* The inverse of lc_pack_streams: each segment's bits ORed into values (zeroed by the caller). */
+int64_t lc_unpack_streams(const uint8_t *payload, int64_t S, const int64_t *rows,
+                          int64_t *values) {
+    for (int64_t s = 0; s < S; s++) {
+        const int64_t *r = rows + 6 * s;
+        int64_t first = r[0], count = r[1], nb = r[2], at = r[3], shift = r[4], w = r[5];
+        int64_t per = 8 / w, mask = (1 << w) - 1;
+        for (int64_t p = 0; p < per; p++)
+            for (int64_t j = 0; j < nb && p * nb + j < count; j++)
+                values[first + p * nb + j] |= (int64_t)((payload[at + j] >> (w * p)) & mask)
+                                               << shift;
+    }
+    return 0;
+}
+
+/* Whether a field of ``bits`` in the n bytes at o equals code (every field of those bytes is a
+ * code: whole planar groups). Constant shifts and an OR, so the loop vectorizes. */
+__attribute__((target_clones("avx2", "default")))
+static int fields_hold(const uint8_t *o, int64_t n, int64_t bits, uint8_t code) {
+    uint8_t hit = 0;
+    if (bits == 8) {
+        for (int64_t i = 0; i < n; i++) hit |= o[i] == code;
+    } else if (bits == 4) {
+        for (int64_t i = 0; i < n; i++) hit |= ((o[i] & 15) == code) | ((o[i] >> 4) == code);
+    } else {
+        for (int64_t i = 0; i < n; i++) {
+            uint8_t b = o[i];
+            hit |= ((b & 3) == code) | (((b >> 2) & 3) == code) | (((b >> 4) & 3) == code) |
+                   ((b >> 6) == code);
+        }
+    }
+    return hit != 0;
+}
+
+/* Whether ``code`` (one outside the format) is among each of T tensors' count[t] codes packed
+ * planar at payload + dst[t] (see lc_pack_planar; bits 8: the bytes themselves): a decoder's
+ * check of the codes without unpacking them. */
+int64_t lc_has_code(const uint8_t *payload, int64_t T, const int64_t *count, const int64_t *dst,
+                    int64_t bits, uint8_t code) {
+    int64_t per = 8 / bits, group = 256 * per;
+    uint32_t mask = (1u << bits) - 1u;
+    for (int64_t t = 0; t < T; t++) {
+        const uint8_t *o = payload + dst[t];
+        int64_t n = count[t], full = n / group, rest = n - full * group;
+        if (fields_hold(o, full * 256, bits, code)) return 1;
+        if (rest) {  /* the last group: fields past the codes are padding */
+            int64_t nb = (rest + per - 1) / per;
+            const uint8_t *og = o + full * 256;
+            for (int64_t p = 0; p < per; p++)
+                for (int64_t j = 0; j < nb && j + p * nb < rest; j++)
+                    if (((og[j] >> (bits * p)) & mask) == code) return 1;
+        }
+    }
+    return 0;
+}
+
 /* out = ref - p, and snap = p if snap is given (snap may be ref itself: each ref[i] is read
  * before snap[i] is written), in one pass; returns whether some difference is not finite. */
 __attribute__((target_clones("avx2", "default")))

@@ -30,6 +30,7 @@ width, fill ``bytes`` bytes from ``first byte`` in the planar order (code ``j`` 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -198,6 +199,10 @@ class Streams:
                 at += planar_nbytes(s.count, width)
                 shift += width
         self.count = max((s.first + s.count for s in streams), default=0)
+        # every segment as (first, count, nbytes, at, shift, width): the C kernels' walk
+        self.rows = torch.tensor(
+            [(*r, w) for w, rs in sorted(rows.items()) for r in rs], dtype=torch.int64
+        ).reshape(-1, 6)
         self.packs, self.unpacks = [], []
         lane = torch.arange(PLANE_BYTES, device=device)
         for width, r in sorted(rows.items()):
@@ -221,17 +226,31 @@ class Streams:
             where = torch.where(fits, first[:, None] + k, self.count).view(-1)  # count: a sink
             self.unpacks.append((width, byte, width * fplane, shift[:, None], where))
 
-    def pack(self, values: torch.Tensor, out: torch.Tensor, sink: int) -> None:
+    def pack(self, values: torch.Tensor, out: torch.Tensor, sink: int, kernels: Any = None) -> None:
         """Write the streams of ``values`` (1-D, integers >= 0) into ``out`` (uint8); bytes
-        past a segment's end go to ``out[sink]``, which the caller overwrites afterwards."""
+        past a segment's end go to ``out[sink]``, which the caller overwrites afterwards.
+        ``kernels``: the plan's (:mod:`.kernels`; else the torch steps)."""
+        if kernels is not None:
+            kernels.pack_streams(self, values, out, sink)
+        else:
+            self.pack_torch(values, out, sink)
+
+    def unpack(self, payload: torch.Tensor, count: int, kernels: Any = None) -> torch.Tensor:
+        """The ``count`` values (int64) the streams hold in ``payload`` (uint8)."""
+        if kernels is not None:
+            return kernels.unpack_streams(self, payload, count)  # type: ignore[no-any-return]
+        return self.unpack_torch(payload, count)
+
+    def pack_torch(self, values: torch.Tensor, out: torch.Tensor, sink: int) -> None:
+        """:meth:`pack` by torch steps: a gather and a sum per slice width."""
         ext = torch.cat([values.to(torch.int64), values.new_zeros(1, dtype=torch.int64)])
         for width, src, shift, planes, dest, inside in self.packs:
             codes = (ext[src] >> shift) & ((1 << width) - 1)
             byte = (codes << planes).sum(dim=1)  # fields do not overlap: sum == or
             out.index_put_((torch.where(inside, dest, sink),), byte.view(-1).to(torch.uint8))
 
-    def unpack(self, payload: torch.Tensor, count: int) -> torch.Tensor:
-        """The ``count`` values (int64) the streams hold in ``payload`` (uint8)."""
+    def unpack_torch(self, payload: torch.Tensor, count: int) -> torch.Tensor:
+        """:meth:`unpack` by torch steps: a gather and an index-add per slice width."""
         out = torch.zeros(self.count + 1, dtype=torch.int64, device=payload.device)
         for width, byte, planes, shift, where in self.unpacks:
             field = (payload[byte].to(torch.int64) >> planes) & ((1 << width) - 1)

@@ -32,6 +32,8 @@ depend on the bucket's size and not on its number of tensors, with no host read:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from . import kernels
@@ -74,6 +76,8 @@ class BlockCodec(Codec):
     min_scale = MIN_SCALE
     #: human description of the codes a decoder rejects
     invalid_codes: str = ""
+    #: the one code outside the format (what ``invalid`` looks for)
+    bad_code: int = 0
 
     def __init__(
         self,
@@ -354,28 +358,44 @@ class BlockPlan(Plan):
 
     def check(self, payload: torch.Tensor) -> torch.Tensor:
         """Whether ``payload`` breaks a rule of the format (a 0-d bool): :meth:`decode`'s flag,
-        without the values."""
-        bad, scales, codes = self._read(payload)
-        return bad if scales is None else bad | self.codec.invalid(codes)
+        without the values (the codes scanned where they lie)."""
+        bad, scales = self._read_scales(payload)
+        return bad if scales is None else bad | self.kernels.scan(self, payload)
 
-    def _read(
-        self, payload: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Whether the headers or scales break the format, the scales and the block-laid codes
-        (a short block's missing codes: padding); None, None for empty tensors only."""
-        codec, B, dev = self.codec, self.codec.block_size, payload.device
+    def codes_bad(self, payload: torch.Tensor) -> torch.Tensor:
+        """Whether ``payload``'s codes hold one outside the format (a 0-d bool), unpacked (the
+        ``scan`` kernel's reference)."""
+        codes = self._read(payload, kernels.unpack_torch)[2]
+        if codes is None:
+            return torch.zeros((), dtype=torch.bool, device=payload.device)
+        return self.codec.invalid(codes)
+
+    def _read_scales(self, payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Whether the headers or scales break the format, and the scales (None for empty
+        tensors only)."""
         bad = (payload[self.header_at] != self.header_want).any()
         if self.blocks == 0:
-            return bad, None, None
-        scales = torch.empty(self.blocks, dtype=torch.float32, device=dev)
+            return bad, None
+        scales = torch.empty(self.blocks, dtype=torch.float32, device=payload.device)
         _copy(self._scale_views_of(scales), self._scale_views(payload))
-        bad |= ~(torch.isfinite(scales) & (scales >= 0)).all()
+        return bad | ~(torch.isfinite(scales) & (scales >= 0)).all(), scales
+
+    def _read(
+        self, payload: torch.Tensor, unpack: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Whether the headers or scales break the format, the scales and the block-laid codes
+        (a short block's missing codes: padding); None, None for empty tensors only.
+        ``unpack``: the implementation (else the plan's kernel)."""
+        codec, B, dev = self.codec, self.codec.block_size, payload.device
+        bad, scales = self._read_scales(payload)
+        if scales is None:
+            return bad, None, None
         codes = torch.empty(self.blocks * B, dtype=torch.uint8, device=dev)
         codes[self.pad_at] = codec.pad_code
         if self.per == 1:
             _copy(self._codes_of(codes), self._code_views(payload))
         else:
-            self.kernels.unpack(self, payload, codes)
+            (unpack or self.kernels.unpack)(self, payload, codes)
         return bad, scales, codes
 
     def _dequantized(

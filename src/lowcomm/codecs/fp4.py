@@ -63,6 +63,7 @@ class FP4Codec(BlockCodec):
     bits = 4
     pad_code = 0
     invalid_codes = "0b1000, negative zero"
+    bad_code = 8
 
     def quantize_rows(self, xb: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor) -> None:
         # the 10-bit table key (sign, exponent, first mantissa bit) of x / s, then its code

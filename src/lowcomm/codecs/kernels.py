@@ -11,16 +11,19 @@ The operations:
   whether a code outside the format was read (:class:`~.block.BlockCodec` holds the format,
   :class:`~.block.BlockPlan` where each tensor's blocks are);
 - ``pack`` / ``unpack``: a block plan's codes, one a byte, to each tensor's planar bits in the
-  payload (:func:`~.bitpack.pack_planar`'s layout), and back;
+  payload (:func:`~.bitpack.pack_planar`'s layout), and back; ``scan``: whether a payload
+  holds a code outside the format (a decoder's check; C reads the packed bytes);
+  ``pack_streams`` / ``unpack_streams``: integers of any width in :class:`~.bitpack.Streams`
+  (top-k's indices, the 2-bit table's codes);
 - ``difference``: a fragment's pseudo-gradient ``reference - params`` into its slabs (with the
   continue merge's snapshot in the same pass) and a 0-d bool, whether every entry is finite.
 
 Each has a torch implementation, the reference, present on every device. Triton's take over
 on CUDA where Triton imports (:mod:`._triton_kernels`; under ``TRITON_INTERPRET=1`` they run on
 a CPU, for the tests); C's on the CPU where they beat torch there (``_kernels.c``, built by
-:mod:`._native`): top-k selection, a block's quantisation and dequantisation, and the
-pseudo-gradient's difference with its finite check (benchmarks/kernels.md measures each
-against its reference). Every implementation gives the
+:mod:`._native`): top-k selection, a block's quantisation, dequantisation, packing and scan,
+and the pseudo-gradient's difference with its finite check (benchmarks/kernels.md measures
+each against its reference). Every implementation gives the
 reference's bits; tests/test_kernels.py compares them.
 
 The plans call the operations, never an implementation: what runs is :func:`choose`'s answer
@@ -59,6 +62,9 @@ class Kernels:
     dequantize: Callable[..., torch.Tensor]
     pack: Callable[..., None]
     unpack: Callable[..., None]
+    scan: Callable[..., torch.Tensor]
+    pack_streams: Callable[..., None]
+    unpack_streams: Callable[..., torch.Tensor]
     difference: Callable[..., torch.Tensor]
     names: dict[str, str] = field(default_factory=dict)
 
@@ -83,6 +89,9 @@ def choose(device: torch.device, mode: str = "auto") -> Kernels:
         "dequantize": "triton" if triton else "c" if c else "torch",
         "pack": "c" if c else "torch",
         "unpack": "c" if c else "torch",
+        "scan": "c" if c else "torch",
+        "pack_streams": "c" if c else "torch",
+        "unpack_streams": "c" if c else "torch",
         "difference": "c" if c else "torch",
     }
     return Kernels(**{op: _IMPLS[op][name] for op, name in picked.items()}, names=picked)
@@ -310,6 +319,56 @@ def unpack_c(plan: Any, payload: torch.Tensor, codes: torch.Tensor) -> None:
     )  # fmt: skip
 
 
+def scan_torch(plan: Any, payload: torch.Tensor) -> torch.Tensor:
+    """Whether a block plan's ``payload`` holds a code outside the format (a 0-d bool):
+    its codes unpacked, then the codec's check."""
+    return plan.codes_bad(payload)
+
+
+def scan_c(plan: Any, payload: torch.Tensor) -> torch.Tensor:
+    """:func:`scan_torch` by the C kernel, on the packed bytes (nothing unpacked)."""
+    lib = _native.lib()
+    assert lib is not None
+    _, count, dst = plan.runs
+    payload = payload.contiguous()
+    found = lib.lc_has_code(
+        payload.data_ptr(), count.numel(), count.data_ptr(), dst.data_ptr(), plan.codec.bits,
+        plan.codec.bad_code,
+    )  # fmt: skip
+    return torch.tensor(found > 0)
+
+
+def pack_streams_torch(streams: Any, values: torch.Tensor, out: torch.Tensor, sink: int) -> None:
+    """:class:`~.bitpack.Streams` of ``values`` (integers >= 0) into ``out`` by torch steps
+    (bytes past a segment's end to ``out[sink]``, which the caller overwrites)."""
+    streams.pack_torch(values, out, sink)
+
+
+def unpack_streams_torch(streams: Any, payload: torch.Tensor, count: int) -> torch.Tensor:
+    """The first ``count`` values (int64) of :class:`~.bitpack.Streams` in ``payload``."""
+    return streams.unpack_torch(payload, count)  # type: ignore[no-any-return]
+
+
+def pack_streams_c(streams: Any, values: torch.Tensor, out: torch.Tensor, sink: int) -> None:
+    """:func:`pack_streams_torch` by the C kernel, byte by byte (nothing past a segment)."""
+    lib = _native.lib()
+    assert lib is not None
+    values = values.to(torch.int64).contiguous()
+    rows = streams.rows
+    lib.lc_pack_streams(values.data_ptr(), rows.shape[0], rows.data_ptr(), out.data_ptr())
+
+
+def unpack_streams_c(streams: Any, payload: torch.Tensor, count: int) -> torch.Tensor:
+    """:func:`unpack_streams_torch` by the C kernel."""
+    lib = _native.lib()
+    assert lib is not None
+    payload = payload.contiguous()
+    values = torch.zeros(max(streams.count, count), dtype=torch.int64)
+    rows = streams.rows
+    lib.lc_unpack_streams(payload.data_ptr(), rows.shape[0], rows.data_ptr(), values.data_ptr())
+    return values[:count]
+
+
 # -- difference -------------------------------------------------------------------------------
 def difference_torch(
     out: list[torch.Tensor],
@@ -365,6 +424,9 @@ _IMPLS: dict[str, dict[str, Callable[..., Any]]] = {
     "dequantize": {"torch": dequantize_torch, "c": dequantize_c, "triton": dequantize_triton},
     "pack": {"torch": pack_torch, "c": pack_c},
     "unpack": {"torch": unpack_torch, "c": unpack_c},
+    "scan": {"torch": scan_torch, "c": scan_c},
+    "pack_streams": {"torch": pack_streams_torch, "c": pack_streams_c},
+    "unpack_streams": {"torch": unpack_streams_torch, "c": unpack_streams_c},
     "difference": {"torch": difference_torch, "c": difference_c},
 }
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..segments import Segments
+from . import kernels
 from ._format import HEADER_BYTES, check_finite, check_payload, numel_of, write_header
 from .base import Codec, Plan, written
 from .bitpack import Stream, Streams, packed_nbytes
@@ -102,6 +103,7 @@ class LutPlan(Plan):
         self.header_want = template.to(device)[self.header_at]
         self.stats_at = _cat(stats_at, device)
         self.codes = Streams(streams, device)
+        self.kernels = kernels.choose(device, codec.kernels)
         self.tensors = len(self.shapes)
         sizes = torch.tensor(self.sizes, dtype=torch.int64)
         self.count = sizes.to(device)
@@ -118,7 +120,7 @@ class LutPlan(Plan):
         codes, stats, values = self.table(flat)
         out[self.header_at] = self.header_want
         out[self.stats_at] = stats.reshape(-1).view(torch.uint8)
-        self.codes.pack(codes, out, sink=out.numel() - 1)
+        self.codes.pack(codes, out, out.numel() - 1, self.kernels)
         return None, values
 
     def table(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -175,7 +177,7 @@ class LutPlan(Plan):
         bad = (payload[self.header_at] != self.header_want).any()
         stats = payload[self.stats_at].view(torch.float32).view(self.tensors, 1 + self.levels)
         bad |= ~torch.isfinite(stats).all()
-        codes = self.codes.unpack(payload, self.numel)
+        codes = self.codes.unpack(payload, self.numel, self.kernels)
         seg = self.seg
         values = stats[:, 1:].reshape(-1)[seg * self.levels + codes] + stats[:, 0][seg]
         return None, written(values, into, add), bad

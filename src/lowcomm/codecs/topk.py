@@ -311,7 +311,7 @@ class TopKPlan(Plan):
         local, values = self.select(flat.contiguous())  # (rows are read as a strided view)
         out[self.header_at] = self.header_want
         _, sent = self.values.encode(values, out, decoded=True)
-        self.indices.pack(local, out, sink=out.numel() - 1)
+        self.indices.pack(local, out, out.numel() - 1, self.kernels)
         assert sent is not None
         return self.flat_index(local), sent
 
@@ -330,7 +330,7 @@ class TopKPlan(Plan):
         format) of ``payload`` read at the plan's places, with no host read."""
         bad = (payload[self.header_at] != self.header_want).any()
         _, values, bad_values = self.values.decode(payload)
-        local = self.indices.unpack(payload, self.kept)
+        local = self.indices.unpack(payload, self.kept, self.kernels)
         seg = self.seg
         bad |= bad_values | (local >= self.tile[seg]).any()
         first = self.first_in_tile  # a tile's first index has no predecessor
