@@ -48,7 +48,8 @@ def _selected(plan, flat: torch.Tensor, impl) -> tuple[torch.Tensor, torch.Tenso
 def test_the_choice_is_made_in_one_place():
     cpu = kernels.choose(torch.device("cpu"))
     want = "c" if HAS_C else "torch"
-    ops = ("select", "quantize", "dequantize", "pack", "unpack", "scan", "pack_streams")
+    ops = ("select", "quantize", "dequantize", "decode_packed", "pack", "unpack", "scan")
+    ops = (*ops, "pack_streams")
     ops = (*ops, "unpack_streams", "difference")
     assert cpu.names == dict.fromkeys(ops, want)
     assert set(kernels.choose(torch.device("cpu"), "torch").names.values()) == {"torch"}
@@ -161,6 +162,15 @@ def test_c_block_kernels_are_the_references_bits(name):
     broken = codes.clone()
     broken[100] = 0 if name != "fp4" else 8  # a code outside the format
     assert bool(kernels.dequantize_c(plan, broken, scales, torch.empty(plan.numel)))
+    # the values straight from the packed payload, written and added
+    if plan.per > 1:
+        payload = torch.zeros(plan.span + 1, dtype=torch.uint8)
+        plan.encode(flat, payload)
+        for add in (False, True):
+            out_c, out_t = torch.ones(plan.numel), torch.ones(plan.numel)
+            bad_c = kernels.decode_packed_c(plan, payload, scales, out_c, add)
+            bad_t = kernels.decode_packed_torch(plan, payload, scales, out_t, add)
+            assert torch.equal(out_c, out_t) and bool(bad_c) == bool(bad_t) is False
     # the scan of the packed payload: none found, then each tensor's last code broken
     payload = torch.zeros(plan.span + 1, dtype=torch.uint8)
     plan.encode(flat, payload)

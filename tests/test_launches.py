@@ -175,15 +175,24 @@ def _recorded(calls: list[str]) -> None:
         for name in ("encode", "decode", "select", "table"):
             if name in vars(cls):
                 setattr(cls, name, _logging(getattr(cls, name), f"{cls.__name__}.{name}", calls))
+    inside = [0]  # a kernel operation's own steps (a reference composed of others) are its own
     for op, impls in kernels._IMPLS.items():
         for impl in impls:
-            impls[impl] = _logging(impls[impl], f"kernel.{op}", calls)
+            impls[impl] = _logging(impls[impl], f"kernel.{op}", calls, inside)
 
 
-def _logging(fn, name: str, calls: list[str]):
+def _logging(fn, name: str, calls: list[str], inside: list[int] | None = None):
     def run(*args, **kwargs):
-        calls.append(name)
-        return fn(*args, **kwargs)
+        if inside is None:
+            calls.append(name)
+            return fn(*args, **kwargs)
+        if not inside[0]:
+            calls.append(name)
+        inside[0] += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            inside[0] -= 1
 
     return run
 

@@ -212,6 +212,31 @@ int64_t lc_quantize_runs(const float *x, int64_t T, const int64_t *src, const in
     return 0;
 }
 
+/* One block's n codes at c with scale s into o (or added to it), as lc_dequantize_rows does;
+ * how many are outside the format. The add and the format chosen outside the loops. */
+static inline int64_t dequantize_row(const uint8_t *c, int64_t n, float s, int64_t qmax,
+                                     int64_t offset, int64_t add, float *o) {
+    int64_t bad = 0;
+    if (qmax > 0) {
+        float step = s / (float)qmax, off = (float)offset;
+        if (add)
+            for (int64_t i = 0; i < n; i++) o[i] = o[i] + ((float)c[i] - off) * step;
+        else
+            for (int64_t i = 0; i < n; i++) o[i] = ((float)c[i] - off) * step;
+        for (int64_t i = 0; i < n; i++) bad += c[i] == 0;
+    } else {
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t code = c[i] & 15u, e = code & 7u;
+            uint32_t pattern = e ? ((e + 120u) << 23) | ((code & 8u) << 28) : 0u;
+            float v;
+            memcpy(&v, &pattern, 4);
+            o[i] = add ? o[i] + v * s : v * s;
+        }
+        for (int64_t i = 0; i < n; i++) bad += (c[i] & 15u) == 8u;
+    }
+    return bad;
+}
+
 /* The values of a block codec's codes (one a byte) into out (rows x B), or with ``add`` added
  * to it: int-k as (code - offset) * (s / qmax), FP4 as its table's value times s. Returns how
  * many codes are outside the format (int-k's 0, FP4's 0b1000). */
@@ -259,6 +284,48 @@ int64_t lc_dequantize_runs(const uint8_t *codes, const float *scales, int64_t T,
             int64_t m = n - j * B < B ? n - j * B : B;
             bad += lc_dequantize_rows(codes + (r0 + j) * B, scales + r0 + j, 1, m, qmax, offset,
                                       add, os + j * B);
+        }
+    }
+    return bad;
+}
+
+/* lc_dequantize_runs straight from codes of ``bits`` in {2, 4} packed planar (lc_pack_planar's
+ * layout): tensor t's count[t] codes at payload + dst[t], its blocks' scales from
+ * scales + first[t], into out + src[t] (or added to it). A group of codes at a time is unpacked
+ * into a buffer that stays in cache: the codes are never written out whole. */
+__attribute__((target_clones("avx2", "default")))
+int64_t lc_dequantize_planar(const uint8_t *payload, const float *scales, int64_t T,
+                             const int64_t *src, const int64_t *count, const int64_t *first,
+                             const int64_t *dst, int64_t bits, int64_t B, int64_t qmax,
+                             int64_t offset, int64_t add, float *out) {
+    int64_t per = 8 / bits, group = 256 * per, bad = 0;
+    uint8_t mask = (uint8_t)((1u << bits) - 1u);
+    uint8_t buf[256 * 8];
+    for (int64_t t = 0; t < T; t++) {
+        const uint8_t *o = payload + dst[t];
+        float *os = out + src[t];
+        int64_t n = count[t];
+        for (int64_t g0 = 0, g = 0; g0 < n; g0 += group, g++) {
+            int64_t m = n - g0 < group ? n - g0 : group;
+            const uint8_t *og = o + g * 256;
+            if (m == group) {
+                for (int64_t p = 0; p < per; p++) {
+                    int shift = (int)(bits * p);
+                    for (int64_t j = 0; j < 256; j++) buf[p * 256 + j] = (og[j] >> shift) & mask;
+                }
+            } else {
+                int64_t nb = (m + per - 1) / per;
+                for (int64_t p = 0; p < per; p++)
+                    for (int64_t j = 0; j < nb && p * nb + j < m; j++)
+                        buf[p * nb + j] = (og[j] >> (bits * p)) & mask;
+            }
+            for (int64_t k = 0; k < m;) {
+                int64_t blk = (g0 + k) / B, end = (blk + 1) * B - g0;
+                end = end < m ? end : m;
+                bad += dequantize_row(buf + k, end - k, scales[first[t] + blk], qmax, offset,
+                                      add, os + g0 + k);
+                k = end;
+            }
         }
     }
     return bad;

@@ -52,6 +52,10 @@ _SIGNATURES = {
     ),
     "lc_pack_planar": (_I64, [_PTR, _I64, _PTR, _PTR, _PTR, _I64, ctypes.c_uint8, _PTR]),
     "lc_unpack_planar": (_I64, [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR]),
+    "lc_dequantize_planar": (
+        _I64,
+        [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR],
+    ),
     "lc_pack_streams": (_I64, [_PTR, _I64, _PTR, _PTR]),
     "lc_unpack_streams": (_I64, [_PTR, _I64, _PTR, _PTR]),
     "lc_has_code": (_I64, [_PTR, _I64, _PTR, _PTR, _I64, ctypes.c_uint8]),

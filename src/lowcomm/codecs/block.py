@@ -349,12 +349,29 @@ class BlockPlan(Plan):
         payload breaks a rule of the format) of ``payload`` read at the plan's places, with no
         host read. ``into``: an FP32 buffer of ``numel`` the values are written into, or with
         ``add`` added to (returned as the values)."""
-        bad, scales, codes = self._read(payload)
+        if self.per > 1:  # packed codes: dequantised where they lie
+            bad, scales = self._read_scales(payload)
+            if scales is not None:
+                values = (
+                    into if into is not None else torch.empty(self.numel, device=payload.device)
+                )
+                invalid = self.kernels.decode_packed(
+                    self, payload, scales, values, into is not None and add
+                )
+                return None, values, bad | invalid
+        else:
+            bad, scales, codes = self._read(payload)
         if scales is None:  # empty tensors only: their headers are all there is
             values = torch.zeros(0, device=payload.device)
             return None, values if into is None else into, bad
         values, invalid = self._dequantized(codes, scales, into, add)
         return None, values, bad | invalid
+
+    def unpacked(self, payload: torch.Tensor) -> torch.Tensor:
+        """The block-laid codes of ``payload`` (a short block's missing codes: padding)."""
+        codes = self._read(payload)[2]
+        assert codes is not None
+        return codes
 
     def check(self, payload: torch.Tensor) -> torch.Tensor:
         """Whether ``payload`` breaks a rule of the format (a 0-d bool): :meth:`decode`'s flag,

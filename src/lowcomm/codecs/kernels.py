@@ -10,6 +10,7 @@ The operations:
   values and one code a byte, and back (or added to what is there), with a 0-d bool saying
   whether a code outside the format was read (:class:`~.block.BlockCodec` holds the format,
   :class:`~.block.BlockPlan` where each tensor's blocks are);
+- ``decode_packed``: ``dequantize`` straight from 2- or 4-bit codes packed in a payload;
 - ``pack`` / ``unpack``: a block plan's codes, one a byte, to each tensor's planar bits in the
   payload (:func:`~.bitpack.pack_planar`'s layout), and back; ``scan``: whether a payload
   holds a code outside the format (a decoder's check; C reads the packed bytes);
@@ -60,6 +61,7 @@ class Kernels:
     select: Callable[..., None]
     quantize: Callable[..., None]
     dequantize: Callable[..., torch.Tensor]
+    decode_packed: Callable[..., torch.Tensor]
     pack: Callable[..., None]
     unpack: Callable[..., None]
     scan: Callable[..., torch.Tensor]
@@ -87,6 +89,7 @@ def choose(device: torch.device, mode: str = "auto") -> Kernels:
         "select": "triton" if triton else "c" if c else "torch",
         "quantize": "triton" if triton else "c" if c else "torch",
         "dequantize": "triton" if triton else "c" if c else "torch",
+        "decode_packed": "c" if c else "torch",
         "pack": "c" if c else "torch",
         "unpack": "c" if c else "torch",
         "scan": "c" if c else "torch",
@@ -221,6 +224,38 @@ def dequantize_c(
     bad = lib.lc_dequantize_runs(
         codes.data_ptr(), scales.data_ptr(), count.numel(), src.data_ptr(), count.data_ptr(),
         first.data_ptr(), codec.block_size, qmax, offset, int(add), values.data_ptr(),
+    )  # fmt: skip
+    return torch.tensor(bad > 0)
+
+
+def decode_packed_torch(
+    plan: Any, payload: torch.Tensor, scales: torch.Tensor, values: torch.Tensor, add: bool
+) -> torch.Tensor:
+    """A block plan's values (written into ``values``, or added to it) straight from its
+    packed ``payload`` (2 or 4 bits a code), and whether a code outside the format was read:
+    the codes unpacked into a block-laid buffer, then dequantised (the plan's ``unpack`` and
+    ``dequantize``: the reference, and what a GPU runs)."""
+    return plan.kernels.dequantize(plan, plan.unpacked(payload), scales, values, add)
+
+
+def decode_packed_c(
+    plan: Any, payload: torch.Tensor, scales: torch.Tensor, values: torch.Tensor, add: bool
+) -> torch.Tensor:
+    """:func:`decode_packed_torch` in one C pass, a group of codes unpacked at a time."""
+    codec = plan.codec
+    fmt = codec.triton_format(values.device, decode=True)
+    if fmt is None or not values.is_contiguous():
+        return decode_packed_torch(plan, payload, scales, values, add)
+    lib = _native.lib()
+    assert lib is not None
+    qmax, offset, _ = fmt
+    src, count, first = plan.value_runs
+    dst = plan.runs[2]
+    payload = payload.contiguous()
+    bad = lib.lc_dequantize_planar(
+        payload.data_ptr(), scales.data_ptr(), count.numel(), src.data_ptr(), count.data_ptr(),
+        first.data_ptr(), dst.data_ptr(), codec.bits, codec.block_size, qmax, offset, int(add),
+        values.data_ptr(),
     )  # fmt: skip
     return torch.tensor(bad > 0)
 
@@ -422,6 +457,7 @@ _IMPLS: dict[str, dict[str, Callable[..., Any]]] = {
     "select": {"torch": select_torch, "c": select_c, "triton": select_triton},
     "quantize": {"torch": quantize_torch, "c": quantize_c, "triton": quantize_triton},
     "dequantize": {"torch": dequantize_torch, "c": dequantize_c, "triton": dequantize_triton},
+    "decode_packed": {"torch": decode_packed_torch, "c": decode_packed_c},
     "pack": {"torch": pack_torch, "c": pack_c},
     "unpack": {"torch": unpack_torch, "c": unpack_c},
     "scan": {"torch": scan_torch, "c": scan_c},
