@@ -769,8 +769,10 @@ class Continue(Merge):
         assert frag.snapshot is not None
         glob_flat, snap_flat = state or (frag.global_flat, frag.snapshot)
         params = [p.detach() for p in frag.params]
-        snap = views(snap_flat, params)
-        progress = torch._foreach_sub(snap, params)  # FP32 whatever the parameters' dtype
+        # the snapshot holds the progress since the last send, then the new snapshot: one
+        # temporary the model's size (new_local), not three (each a fresh allocation)
+        progress = views(snap_flat, params)
+        torch._foreach_sub_(progress, params)  # FP32 whatever the parameters' dtype
         glob = views(glob_flat, params)
         if in_flight is not None:
             own = views(in_flight.to(glob_flat.device), params)
@@ -778,8 +780,8 @@ class Continue(Merge):
             torch._foreach_sub_(new_local, progress)
         else:
             new_local = torch._foreach_sub(glob, progress)
-        torch._foreach_copy_(snap, torch._foreach_add(new_local, progress))
         copy_into(params, new_local)
+        torch._foreach_add_(progress, new_local)  # progress + new_local: the next snapshot
 
     def _merge_on_the_accelerator(self, frag: Fragment, in_flight: torch.Tensor | None) -> None:
         """Host state of an accelerator's model: the global copy, the snapshot and what is in
