@@ -80,3 +80,32 @@ def test_an_accused_group_rank_is_the_site_at_that_rank():
     assert _accused(view, PayloadError("bad flag", 3)) is None  # no such rank
     assert _accused(view, PayloadError("bad flag")) is None  # sender unknown
     assert _accused(view, RuntimeError("peer gone")) is None
+
+
+@pytest.mark.parametrize("name", ["fp4", "int4", "int8", "fp32", "bf16"])
+def test_the_sum_decoded_straight_into_its_total_is_the_sum_of_the_decodes(name):
+    """The plain sum decodes dense payloads into its total (the first written over it where
+    no value can be -0.0): the same bits as each payload decoded, then added to zeros in
+    sender order. -0.0 entries included, which a write would keep and an add would not."""
+    from lowcomm.aggregate.combine import Contributions, combine_for
+
+    codec = make_codec(name)
+    shapes = [torch.Size([300, 7]), torch.Size([129])]
+    plan = codec.plan(shapes, torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    payloads = []
+    for _ in range(3):
+        flat = torch.randn(plan.numel, generator=g)
+        flat[::17] = -0.0
+        out = torch.zeros(plan.span + 1, dtype=torch.uint8)
+        plan.encode(flat, out)
+        payloads.append(out)
+    want = torch.zeros(plan.numel)
+    for p in payloads:
+        want += plan.decode(p)[1]
+    want /= 3
+    rule = combine_for("mean")
+    lazy = Contributions(plan, None, None, payloads=payloads)
+    got = rule.combine(lazy, torch.full((plan.numel,), float("nan")))
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert lazy.writes_first() == (name not in ("fp32", "bf16"))

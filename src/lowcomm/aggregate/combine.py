@@ -85,13 +85,17 @@ class Contributions:
         assert idx is not None
         return idx
 
-    def add_into(self, j: int, total: torch.Tensor, weight: float | None = None) -> None:
+    def add_into(
+        self, j: int, total: torch.Tensor, weight: float | None = None, write: bool = False
+    ) -> None:
         """``total += weight * part j`` (unweighted: the part itself, decoded straight into it
-        where it is a dense payload)."""
+        where it is a dense payload; with ``write`` (see :meth:`writes_first`), written over
+        ``total`` instead: the same bits as added to zeros, one pass less)."""
         if self.decoded is None and not self.sparse and weight is None:
             assert self.payloads is not None
-            self.plan.decode(self.payloads[j], into=total, add=True)
+            self.plan.decode(self.payloads[j], into=total, add=not write)
             return
+        assert not write
         idx, x = self._pair(j)
         # unweighted, the plain sum: x * 1.0 would round the same, but costs a copy
         part = x * weight if weight is not None else x
@@ -99,6 +103,18 @@ class Contributions:
             total += part
         else:
             total.index_add_(0, idx, part)
+
+    def writes_first(self) -> bool:
+        """Whether a sum may write its first part over its total rather than add it to zeros:
+        unweighted dense payloads whose decode never gives -0.0 (0 + x is then x, bit for
+        bit)."""
+        return (
+            self.decoded is None
+            and not self.sparse
+            and self.weights is None
+            and len(self) > 0
+            and not self.plan.negative_zeros
+        )
 
     def rows(self) -> torch.Tensor:
         """Every part's values stacked: [m, V]."""
@@ -183,9 +199,12 @@ class SumCombine(Combine):
         return (parts.index(j), kept) if parts.sparse else kept
 
     def combine(self, parts: Contributions, out: torch.Tensor) -> torch.Tensor:
-        out.zero_()
+        first = parts.writes_first()
+        if not first:
+            out.zero_()
         for j in range(len(parts)):  # sender after sender: the same bits on every receiver
-            parts.add_into(j, out, parts.weights[j] if parts.weights is not None else None)
+            w = parts.weights[j] if parts.weights is not None else None
+            parts.add_into(j, out, w, write=first and j == 0)
         return self.finish(out, parts.total_weight())
 
 

@@ -127,9 +127,12 @@ class Plan:
     Each tensor's payload sits at byte ``at[i]`` of a buffer (``span`` bytes hold them all);
     ``starts[i]`` is its first element among the tensors one after another (``numel`` in all).
     ``sparse``: decodes are (flat indices, values) into those ``numel`` elements, else dense.
+    ``negative_zeros``: whether a decoded value can be -0.0.
     """
 
     sparse = False
+    #: whether a decode can give -0.0 (0 + -0.0 is +0.0: a sum must then start from zeros)
+    negative_zeros = True
 
     def __init__(
         self,

@@ -195,6 +195,7 @@ class BlockPlan(Plan):
     """One bucket's shapes under one block codec, on one device (see the module doc)."""
 
     sparse = False
+    negative_zeros = False  # a code's value is (code - offset) * s / qmax, or FP4's (no -0) * s
 
     def __init__(
         self,
