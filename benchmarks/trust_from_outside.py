@@ -9,7 +9,12 @@ patched site:
 - swarm: the flood from 400 threads (more than the front's 256), for 60 s;
 - junk: the same stranger asks once as site 9 with data claiming the run (its id, a bad MAC)
   before the sites start;
-- liar: site 2 runs with `lowcomm.engine.guards.global_checksum` patched to a constant.
+- liar: site 2 runs with `lowcomm.engine.guards.global_checksum` patched to a constant;
+- kill: site 2 SIGKILLed from outside after its 5th sync (300 steps; the lighthouse with its
+  default join wait and heartbeat timeout, as `lowcomm lighthouse --secret-file F --run-id R`
+  starts it): the control of
+- beats: the same kill, and from then a stranger calling torchft's own
+  `LighthouseClient.heartbeat` under site 2's name every 0.2 s.
 
 Prints one JSON row per case: each site's exit code, wall seconds, final validation loss,
 whether the models of the sites that finished are equal, and the last line of any site that
@@ -47,12 +52,14 @@ LIAR = (
 )
 
 
-def lighthouse(port: int, secret: Path | None) -> subprocess.Popen:
-    """`lowcomm lighthouse` on ``port`` (behind its front with ``secret``), answering."""
+def lighthouse(port: int, secret: Path | None, defaults: bool = False) -> subprocess.Popen:
+    """`lowcomm lighthouse` on ``port`` (behind its front with ``secret``), answering;
+    ``defaults``: its own timeouts (else 30 s and 2 s)."""
     keyed = ["--secret-file", str(secret), "--run-id", RUN_ID] if secret is not None else []
+    timeouts = [] if defaults else ["--timeout-s", "30", "--heartbeat-timeout-s", "2"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lowcomm.cli", "lighthouse", "--port", str(port),
-         "--timeout-s", "30", "--heartbeat-timeout-s", "2", *keyed],
+        [sys.executable, "-m", "lowcomm.cli", "lighthouse", "--port", str(port), *timeouts,
+         *keyed],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     assert "lighthouse at" in (proc.stdout.readline() if proc.stdout else "")
@@ -61,7 +68,7 @@ def lighthouse(port: int, secret: Path | None) -> subprocess.Popen:
 
 def stranger(port: int, name: str, data: dict, stop: threading.Event, threads: int) -> None:
     """Quorum requests under ``name`` from ``threads`` threads until ``stop`` (once if 0)."""
-    from lowcomm.bench.stranger import flood
+    from lowcomm.lab.bench.stranger import flood
 
     flood(f"127.0.0.1:{port}", name, data, stop, threads)
 
@@ -71,7 +78,8 @@ def run_case(case: str, out: Path, secret: Path) -> dict:
     from lowcomm.train.ports import free_port
 
     port = free_port(host="")
-    lh = lighthouse(port, secret if FRONT else None)
+    killing = case in ("kill", "beats")
+    lh = lighthouse(port, secret if FRONT else None, defaults=killing)
     stop = threading.Event()
     if case == "junk":  # once, before the sites start
         junk = {"site": 9, "tag": "start", "phase": "sync", "gen": 0, "join_from": 0,
@@ -86,19 +94,63 @@ def run_case(case: str, out: Path, secret: Path) -> dict:
         head = ["-c", LIAR] if case == "liar" and i == 2 else ["-m", "lowcomm.cli"]
         args = [*SITE, f"site={i}", f"lighthouse=127.0.0.1:{port}", f"secret_file={secret}",
                 "--out", str(out / case / f"site{i}")]  # fmt: skip
+        if killing:  # the finding's command: 300 steps, the lighthouse's heartbeat timeout
+            args = [a for a in args if not a.startswith("heartbeat_timeout_s=")]
+            args[args.index("--steps") + 1] = "300"
         procs.append(subprocess.Popen([sys.executable, *head, *args], stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))  # fmt: skip
+    killed_at = None
+    if killing:
+        killed_at = kill_after(procs[2], out / case / "site2" / "metrics.jsonl", 50) - t0
+        if case == "beats":
+            threading.Thread(target=beat, args=(port, f"{RUN_ID}/site0002", stop),
+                             daemon=True).start()  # fmt: skip
     said = [p.communicate(timeout=900) for p in procs]
     wall = time.time() - t0
     stop.set()
     lh.terminate()
     lh.communicate(timeout=30)
-    return summarize(case, out / case, [p.returncode for p in procs], said, wall)
+    row = summarize(case, out / case, [p.returncode for p in procs], said, wall)
+    if killed_at is not None:
+        row["killed_at_s"] = round(killed_at, 1)
+        row["after_kill_s"] = round(wall - killed_at, 1)
+    return row
+
+
+def kill_after(proc: subprocess.Popen, metrics: Path, step: int) -> float:
+    """SIGKILL ``proc`` once its metrics show ``step`` (its 5th sync at H = 10); when."""
+    while proc.poll() is None:
+        try:
+            lines = metrics.read_text().splitlines()
+            if any(json.loads(x).get("step", 0) >= step for x in lines if x.strip()):
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    proc.kill()
+    return time.time()
+
+
+def beat(port: int, name: str, stop: threading.Event) -> None:
+    """A stranger's heartbeats under ``name`` every 0.2 s until ``stop``: torchft's own client."""
+    from datetime import timedelta
+
+    from torchft.coordination import LighthouseClient
+
+    client = LighthouseClient(f"http://127.0.0.1:{port}", connect_timeout=timedelta(seconds=5))
+    while not stop.is_set():
+        try:
+            client.heartbeat(name)
+        except Exception:
+            pass
+        stop.wait(0.2)
 
 
 def summarize(case: str, folder: Path, codes: list[int], said: list, wall: float) -> dict:
     """The row of one case."""
-    finished = [i for i, c in enumerate(codes) if c == 0]
+    finished = [
+        i for i, c in enumerate(codes) if c == 0 and (folder / f"site{i}" / "model.pt").exists()
+    ]
     losses, models = {}, []
     for i in finished:
         summary = json.loads((folder / f"site{i}" / "summary.json").read_text())

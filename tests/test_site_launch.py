@@ -25,13 +25,15 @@ SITE = ["train", "--strategy", "diloco", "--model", "tiny", "--steps", "240", "s
         "heartbeat_timeout_s=1", "timeout_s=20", "sites=3"]  # fmt: skip
 
 
-def _lighthouse() -> tuple[subprocess.Popen, int]:
+def _lighthouse(secret: Path | None = None) -> tuple[subprocess.Popen, int]:
+    """`lowcomm lighthouse` (keyed with ``secret``: sites with a secret refuse an open one)."""
     from lowcomm.train.ports import free_port
 
     port = free_port(host="")
+    keyed = ["--secret-file", str(secret)] if secret is not None else []
     proc = subprocess.Popen(
         [*LOWCOMM, "lighthouse", "--port", str(port), "--timeout-s", "20",
-         "--heartbeat-timeout-s", "1"],
+         "--heartbeat-timeout-s", "1", *keyed],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     assert "lowcomm: lighthouse at" in proc.stdout.readline()
@@ -157,17 +159,17 @@ def _stranger(port: int, stop: threading.Event, claims: str) -> None:
 
 def test_two_sites_launched_on_their_own_train_to_the_same_model(tmp_path, monkeypatch):
     """The default suite's case of one launch per site (one rank each, no fault): two
-    commands, two folders, the lighthouse between them, a run secret; both end with the same
-    parameters and write their own summary, and keep the run id in their folders. A stranger
-    asking as a site of the run with a bad MAC from before the start to the end decides
-    nothing: each site counts what it ignored. (The finding, one such request stopping every
-    entering site, is pinned by test_admission's test_a_strangers_junk_stops_no_site_at_the_start:
-    here the lighthouse did not put the stranger in an entering site's quorum before the fix.)"""
-    lighthouse, port = _lighthouse()
-    outs = [tmp_path / f"site{i}" for i in range(2)]
-    short = [a if a != "240" else "30" for a in SITE if a != "sites=3"] + ["sites=2"]
+    commands, two folders, the keyed lighthouse between them, a run secret; both end with the
+    same parameters and write their own summary, and keep the run id in their folders. A
+    stranger asking as a site of the run with a bad MAC from before the start to the end
+    decides nothing: the lighthouse's front refuses it, and no site ever reads it. (Behind an
+    open lighthouse the sites ignored its requests: test_admission's
+    test_a_strangers_junk_stops_no_site_at_the_start pins that reading.)"""
     secret = tmp_path / "secret"
     secret.write_text("the run's secret\n")
+    lighthouse, port = _lighthouse(secret)
+    outs = [tmp_path / f"site{i}" for i in range(2)]
+    short = [a if a != "240" else "30" for a in SITE if a != "sites=3"] + ["sites=2"]
     monkeypatch.delenv("LOWCOMM_SECRET", raising=False)
     claims = "trial-run"  # the run id the stranger read somewhere (a quorum, a log)
     stop = threading.Event()
@@ -187,11 +189,13 @@ def test_two_sites_launched_on_their_own_train_to_the_same_model(tmp_path, monke
         for p in procs:
             p.kill()
         lighthouse.send_signal(signal.SIGTERM)
-        lighthouse.communicate(timeout=30)
+        told, _ = lighthouse.communicate(timeout=30)
     a, b = (torch.load(o / "model.pt", weights_only=True) for o in outs)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert all((o / "summary.json").exists() for o in outs)
     assert [(o / "run_id").read_text().strip() for o in outs] == [claims, claims]
     ignored = [json.loads((o / "summary.json").read_text())["ignored_messages"]
                for o in outs]  # fmt: skip
-    assert all(n > 0 for n in ignored), ignored
+    assert ignored == [0, 0]
+    refused = int(told.split("the front refused ")[1].split()[0])
+    assert refused > 0, told

@@ -132,7 +132,11 @@ def cmd_lighthouse(args: argparse.Namespace) -> int:
     )
     stop.wait()
     if front is not None:
-        print(f"lowcomm: the front refused {front.refused} requests", flush=True)
+        print(
+            f"lowcomm: the front refused {front.refused} requests and dropped "
+            f"{front.dropped} unsealed or stale beats",
+            flush=True,
+        )
         front.stop()
     server.shutdown()
     print("lowcomm: lighthouse stopped", flush=True)

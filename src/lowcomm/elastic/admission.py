@@ -14,15 +14,17 @@ What carries a MAC under that key (HMAC-SHA256):
 - every hint of quorum rounds (a site's arrival at a sync, its pace, a sync closed), bound to the
   hint's key, which names the sync and the sender: a forged one is read as absent;
 - the digest of the state a heal hands over, bound to the sync, the attempt and the member;
+- every heartbeat, which names the run, the process and its stamp (a keyed front forwards
+  only those: a stranger's beats cannot keep a dead site "alive").
 - (not a MAC carried, a MAC used) each group's store prefix, so a process without the key cannot
   tell where a group's keys will be.
 
+
 The lighthouse itself has no authentication (torchft's); a keyed run's serves behind an
-authenticating front (:mod:`.front`) that forwards only sealed requests. Behind a bare one a
-process that heartbeats under a site's name can keep a dead site "alive", and one that asks
-under a live site's name displaces its requests; the site then asks under a fresh name and the
-others wait for it, at most ``timeout_s`` (see :mod:`.reading`). Nothing a stranger sends
-decides anything.
+authenticating front (:mod:`.front`) that forwards only sealed requests and beats, and proves
+it holds the run's key: a keyed site refuses a lighthouse that cannot (an open one, where a
+stranger could heartbeat under a dead site's name or ask under a live one's) before it starts.
+Nothing a stranger sends decides anything.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .messages import Request, unsealed
+from .messages import Beat, Request, unsealed
 
 log = logging.getLogger("lowcomm")
 
@@ -166,6 +168,23 @@ class Admission:
         if self._key is None:
             return not d.sealed
         return self.valid(d.mac, "request", d.signed)
+
+    # -- heartbeats and the front's proof ---------------------------------------------------
+    def beat(self, name: str, inc: str, seq: int) -> bytes:
+        """The seal of a heartbeat under ``name`` from process ``inc``, stamped ``seq`` (a keyed
+        front forwards only sealed beats: see .front); b'' without a secret."""
+        if self._key is None:
+            return b""
+        beat = Beat(self.run_id, inc, seq)
+        return Beat(**{**beat.signed, "mac": self.mac("beat", name, beat.signed)}).to_wire()
+
+    def beat_valid(self, name: str, beat: Beat) -> bool:
+        """Whether ``beat``'s MAC is valid for a beat under ``name``."""
+        return self.valid(beat.mac, "beat", name, beat.signed)
+
+    def proof(self, nonce: str) -> str:
+        """What a keyed front answers a site's ``nonce`` with: its MAC under the run's key."""
+        return self.mac("front", nonce)
 
     # -- hints of quorum rounds ------------------------------------------------------------------
     def hint(self, key: str, value: str) -> str:

@@ -95,7 +95,10 @@ class LockStep:
         votes kept missing a member's ('' while attempts go on)."""
         if self._unsure < UNSURE_FAILURES:
             return ""
-        return f"its commit vote missed a member's {self._unsure} attempts in a row"
+        return (
+            f"its commit vote missed a member's in {self._unsure} attempts of this sync (at "
+            f"most {UNSURE_FAILURES} such attempts a sync, each bounded by its deadline)"
+        )
 
     def after(self, outcome: Outcome, verdict: Verdict) -> Retry | None:
         """Note a failed attempt; what the next one asks with (None: ask as the first did)."""

@@ -24,12 +24,15 @@ recorded in another run more than ``FRESH_S`` ago (a launcher's front takes its 
 only: none at all). The bytes go on
 unchanged, with the caller's deadline; the lighthouse's own error comes back as it was.
 
-A heartbeat names only a replica: it is forwarded for a name a valid request came in under (a
-``names_file`` keeps those across restarts), and for any name in the front's first
-``REGISTER_S`` (the sites re-register with a restarted lighthouse by their beats before they
-ask again) under a name of a site's form of a served run; otherwise it is answered and
-dropped (the lighthouse keeps every name it hears a beat from). A stranger's beats under a
-member's name still count (documented). Nothing else of the service is served.
+A heartbeat is forwarded only when it carries a seal (a field the lighthouse never reads: the
+front strips it) under the key of a served run, for the name it came with, stamped within
+``FRESH_S`` of this machine's clock and later than the last one forwarded from the same process
+of that name. So a stranger's beats, under a dead or paused site's name, never reach the
+lighthouse (it keeps every name it hears a beat from, and waits for each one it keeps); a beat
+recorded and replayed is older than its process's last. Nothing else of torchft's service is
+served. ``lowcomm.Front/Prove`` answers a site's nonce with a MAC under its run's key: a keyed
+site asks it first, and an open lighthouse, which does not know the method, is refused before
+the site starts (a stranger there could take a member's name).
 """
 
 from __future__ import annotations
@@ -38,13 +41,13 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from .admission import Admission
-from .messages import RUN_ID, Request
+from .messages import Beat, Request, proof_request
 
 SERVICE = "torchft.LighthouseService"
+PROOF = "/lowcomm.Front/Prove"  # a keyed front's own method (see the module)
 REFUSED = "lowcomm front: refused: this request carries no valid MAC under the run's secret"
 STALE = "lowcomm front: refused: a stale or replayed request"
 OTHER_RUN = "lowcomm front: refused: another run's request"
@@ -69,8 +72,6 @@ def served_run(details: str) -> str | None:
 # a request sent longer ago than this (by its sealed seq, against this machine's clock) is a
 # recording; each send is sealed anew (see .link), so only clocks apart by more refuse a site
 FRESH_S = 300.0
-# after it starts, every heartbeat is forwarded for this long (see the module)
-REGISTER_S = 30.0
 TARPIT_S = 0.5  # a refusal's delay (see Front._quorum)
 _THREADS = 256  # each quorum request holds a thread while its quorum forms
 _HELD = 64  # refusals held at once: past these, refused at once (threads stay for the sites)
@@ -82,8 +83,8 @@ _MEMBER = {1: 2, 2: 2, 3: 2, 4: 0, 5: 0, 6: 0, 7: 2, 8: 0}
 
 class Front:
     """Forwards valid requests from ``bind`` (HOST:PORT; port 0: any) to the lighthouse at
-    ``upstream``, under ``secret`` (``run_ids``: only these runs'; ``names_file``: the names
-    that asked, kept across restarts); :meth:`start`, then :attr:`port`; :meth:`stop`."""
+    ``upstream``, under ``secret`` (``run_ids``: only these runs'); :meth:`start`, then
+    :attr:`port`; :meth:`stop`. ``refused``: quorum requests refused; ``dropped``: beats."""
 
     def __init__(
         self,
@@ -91,23 +92,21 @@ class Front:
         secret: bytes,
         bind: str,
         run_ids: frozenset[str] | None = None,
-        names_file: Path | None = None,
     ) -> None:
         import grpc
 
-        self.secret, self.run_ids, self.names_file = secret, run_ids, names_file
-        self.refused = 0
+        self.secret, self.run_ids = secret, run_ids
+        self.refused = self.dropped = 0
         self._channel = grpc.insecure_channel(upstream.removeprefix("http://"))
         self._calls = {
             m: self._channel.unary_unary(f"/{SERVICE}/{m}") for m in ("Quorum", "Heartbeat")
         }
         self._runs: dict[str, Admission] = {}  # run id -> its key (derived once)
-        self._vouched: set[str] = _names(names_file)  # names a valid request came in under
         # (name, process) -> its newest seq, and when that one first came
         self._newest: dict[tuple[str, str], tuple[int, float]] = {}
+        self._beats: dict[tuple[str, str], int] = {}  # (name, process) -> its last beat's stamp
         self._lock = threading.Lock()
         self._held = threading.BoundedSemaphore(_HELD)
-        self._started = time.monotonic()
         handlers = {
             "Quorum": grpc.unary_unary_rpc_method_handler(self._quorum),
             "Heartbeat": grpc.unary_unary_rpc_method_handler(self._heartbeat),
@@ -117,8 +116,12 @@ class Front:
             # one lighthouse per port: a second bind fails, as torchft's own does
             options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", _MAX_BYTES)],
         )
+        own = {"Prove": grpc.unary_unary_rpc_method_handler(self._prove)}
         self._server.add_generic_rpc_handlers(
-            [grpc.method_handlers_generic_handler(SERVICE, handlers)]
+            [
+                grpc.method_handlers_generic_handler(SERVICE, handlers),
+                grpc.method_handlers_generic_handler(PROOF.split("/")[1], own),
+            ]
         )
         try:  # (grpcio raises where it cannot bind; older ones returned 0)
             self.port = self._server.add_insecure_port(bind)
@@ -129,7 +132,6 @@ class Front:
 
     def start(self) -> None:
         """Serve (in threads of its own)."""
-        self._started = time.monotonic()
         self._server.start()
 
     def stop(self) -> None:
@@ -158,25 +160,46 @@ class Front:
     def _heartbeat(self, request: bytes, context: Any) -> bytes:
         import grpc
 
-        fields = _strict(request, {1: 2})
+        fields = _strict(request, {1: 2, 2: 2})
         if fields is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lowcomm front: a malformed beat")
-        name = bytes(fields.get(1, b"")).decode(errors="replace")
-        with self._lock:
-            known = name in self._vouched
-        # unvouched: only in the first seconds, and only a name a site of a served run could
-        # carry (the lighthouse keeps every name it hears a beat from)
-        if not known and (
-            time.monotonic() - self._started > REGISTER_S or not self._site_name(name)
-        ):
-            return b""
-        return self._forward("Heartbeat", request, context)
+        name = bytes(fields.get(1, b""))
+        if not self.beat_passes(name.decode(errors="replace"), bytes(fields.get(2, b""))):
+            with self._lock:
+                self.dropped += 1
+            return b""  # answered as the lighthouse would: a stranger learns nothing
+        return self._forward("Heartbeat", beat_request(name), context)
 
-    def _site_name(self, name: str) -> bool:
-        """Whether ``name`` has the form of a site's name (``RUN/siteNNNN``) of a served run."""
-        run, _, site = name.rpartition("/site")
-        served = self.run_ids is None or run in self.run_ids
-        return served and RUN_ID.fullmatch(run) is not None and site.isdigit() and len(site) <= 6
+    def beat_passes(self, name: str, seal: bytes) -> bool:
+        """Whether a beat under ``name`` with ``seal`` is forwarded (see the module): then its
+        stamp is its process's newest."""
+        beat = Beat.from_wire(seal)
+        if beat is None or not _of_run(name, beat.run):
+            return False
+        if self.run_ids is not None and beat.run not in self.run_ids:
+            return False
+        if not self._admission(beat.run).beat_valid(name, beat):
+            return False
+        if abs(beat.seq - time.time_ns()) > FRESH_S * 1e9:
+            return False
+        with self._lock:
+            if beat.seq <= self._beats.get((name, beat.inc), 0):
+                return False  # a recording, replayed
+            self._beats[(name, beat.inc)] = beat.seq
+        return True
+
+    def _prove(self, request: bytes, context: Any) -> bytes:
+        """A site's proof request (run, nonce): the MAC of the nonce under the run's key
+        (another run's, on a front serving some only: refused, naming the run served)."""
+        import grpc
+
+        asked = proof_request(request)
+        if asked is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lowcomm front: a malformed proof")
+        run, nonce = asked
+        if self.run_ids is not None and run not in self.run_ids:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, other_run(run, min(self.run_ids)))
+        return self._admission(run).proof(nonce).encode()
 
     def _forward(self, method: str, request: bytes, context: Any) -> bytes:
         """``request`` to the lighthouse with the caller's deadline, cancelled if the caller
@@ -192,8 +215,8 @@ class Front:
             raise  # (abort raises)
 
     def refusal(self, request: bytes) -> str:
-        """Why ``request`` (a ``LighthouseQuorumRequest``'s bytes) is refused; '' if it passes
-        (its name is then vouched for)."""
+        """Why ``request`` (a ``LighthouseQuorumRequest``'s bytes) is refused; '' if it
+        passes."""
         member = _requester(request)
         if member is None:
             return REFUSED
@@ -217,8 +240,8 @@ class Front:
         return self._fresh(name, request_)
 
     def _fresh(self, name: str, request: Request) -> str:
-        """'' if ``request`` (valid) is recent and no older than its process's last: then its
-        name is vouched for; else why not."""
+        """'' if ``request`` (valid) is recent and no older than its process's last; else
+        why not."""
         now = time.monotonic()
         with self._lock:
             who = (name, request.inc)
@@ -229,11 +252,6 @@ class Front:
                 return f"{STALE}: older than its site's last"
             if request.seq > seq:
                 self._newest[who] = (request.seq, now)
-            if name not in self._vouched:
-                self._vouched.add(name)
-                if self.names_file is not None:
-                    with open(self.names_file, "a") as f:
-                        f.write(name + "\n")
         return ""
 
     def _admission(self, run_id: str) -> Admission:
@@ -246,11 +264,27 @@ class Front:
             return admission
 
 
-def _names(path: Path | None) -> set[str]:
-    try:
-        return set(path.read_text().split()) if path is not None else set()
-    except OSError:
-        return set()
+def _of_run(name: str, run: str) -> bool:
+    """Whether ``name`` is one a site of ``run`` carries (``RUN/siteNNNN``, or a fresh one
+    after it: see .reading)."""
+    head = name.removeprefix(run + "/").partition("/")[0]
+    return name.startswith(run + "/site") and head[4:].isdigit() and len(head) <= 10
+
+
+def beat_request(name: bytes, seal: bytes = b"") -> bytes:
+    """A ``LighthouseHeartbeatRequest`` for ``name`` (field 1), with ``seal`` as field 2 (a
+    field torchft's lighthouse skips; a keyed front checks and strips it)."""
+    out = b"\x0a" + _varint_bytes(len(name)) + name
+    return out + (b"\x12" + _varint_bytes(len(seal)) + seal if seal else b"")
+
+
+def _varint_bytes(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
 
 
 def _requester(request: bytes) -> dict[int, Any] | None:

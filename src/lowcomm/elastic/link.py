@@ -11,6 +11,7 @@ the site stops with one line naming the lighthouse. ``epoch`` counts the outages
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -18,7 +19,8 @@ from datetime import timedelta
 from typing import Any
 
 from ..errors import MembershipError
-from .front import FRESH_S, REFUSED, STALE, served_run
+from .front import FRESH_S, PROOF, REFUSED, STALE, beat_request, served_run
+from .messages import proof_of
 
 log = logging.getLogger("lowcomm")
 
@@ -28,19 +30,26 @@ SETTLE_BEATS = 5
 
 
 class Link:
-    """This site's clients of the lighthouse (one for quorums, one for the heartbeat thread)."""
+    """This site's clients of the lighthouse (one for quorums, one for the heartbeat thread).
+    With ``admission`` keyed, the lighthouse must prove it holds the run's key (a keyed front:
+    an open lighthouse is refused, with one line) and each beat is sealed."""
 
     def __init__(
         self, elastic: Any, seal: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-        name: Callable[[], str] | None = None,
+        name: Callable[[], str] | None = None, admission: Any = None, inc: str = "",
     ) -> None:  # fmt: skip
         # elastic: a membership.Elastic (it imports this module); seal: adds a request's MAC;
-        # name: this site's name at the lighthouse now (it changes if taken: see .reading)
+        # name: this site's name at the lighthouse now (it changes if taken: see .reading);
+        # admission (an .admission.Admission) and inc (this process): a keyed site's beats
         from torchft.coordination import LighthouseClient
 
         self.elastic = elastic
         self.name = name or (lambda: elastic.replica_id)
         self._seal = seal or (lambda data: data)
+        self._admission = admission if admission is not None and admission.keyed else None
+        self._inc, self._beat_seq = inc, 0
+        if self._admission is not None:
+            prove(elastic, self._admission)
         self.epoch = 0  # lighthouse outages seen (or heard of from a quorum): names groups
         self.sent_seq = 0  # the seq its last quorum request was sent with (see quorum)
         # when the last heartbeat that found the lighthouse unreachable was sent, and when this
@@ -50,7 +59,7 @@ class Link:
         self._client = LighthouseClient(elastic.lighthouse, connect_timeout=timeout)
         self._beat_client = LighthouseClient(elastic.lighthouse, connect_timeout=timeout)
         self._stop = threading.Event()
-        self._beat_client.heartbeat(self.name())
+        self._send_beat(self._beat_client)
         self._beats = threading.Thread(target=self._beat, name="lowcomm-heartbeat", daemon=True)
         self._beats.start()
 
@@ -58,10 +67,22 @@ class Link:
         while not self._stop.wait(self.elastic.heartbeat_s):
             sent = time.monotonic()
             try:
-                self._beat_client.heartbeat(self.name())
+                self._send_beat(self._beat_client)
             except Exception as e:  # the lighthouse is away: the next quorum waits for it
                 log.debug("heartbeat failed: %s", e)
                 self._lost_at = sent
+
+    def _send_beat(self, client: Any) -> None:
+        """One heartbeat under this site's name: by torchft's ``client``, or sealed (a keyed
+        site's), by a call of its own to the same method."""
+        if self._admission is None:
+            client.heartbeat(self.name())
+            return
+        # stamped by the clock, never back (as a quorum request's seq)
+        self._beat_seq = max(time.time_ns(), self._beat_seq + 1)
+        name = self.name()
+        seal = self._admission.beat(name, self._inc, self._beat_seq)
+        _call(self.elastic.lighthouse, BEAT, beat_request(name.encode(), seal), BEAT_S)
 
     def quorum(self, tag: str, data: dict[str, Any], wait_s: float, address: str) -> Any:
         """torchft's quorum for this site's request ``data`` (sent with this site's epoch as
@@ -140,7 +161,7 @@ class Link:
         while True:
             try:
                 client = LighthouseClient(e.lighthouse, connect_timeout=timedelta(seconds=1))
-                client.heartbeat(self.name())
+                self._send_beat(client)
                 self._back_at = time.monotonic()
                 break
             except Exception as err:
@@ -164,3 +185,75 @@ class Link:
     def close(self) -> None:
         """Stop the heartbeats (the lighthouse then leaves this site out)."""
         self._stop.set()
+
+
+BEAT = "/torchft.LighthouseService/Heartbeat"
+BEAT_S = 5.0  # bound on one heartbeat call
+# (process, lighthouse address) -> its gRPC channel: one per process (a forked child makes its
+# own: a channel does not survive a fork)
+_channels: dict[tuple[int, str], Any] = {}
+_channels_lock = threading.Lock()
+
+
+def _call(lighthouse: str, method: str, request: bytes, timeout_s: float) -> bytes:
+    """``request`` (bytes) to ``method`` of the lighthouse, its answer's bytes."""
+    import grpc
+
+    target = lighthouse.removeprefix("http://").removeprefix("https://")
+    key = (os.getpid(), target)
+    with _channels_lock:
+        channel = _channels.get(key)
+        if channel is None:
+            # reconnect within a heartbeat or so of a restarted lighthouse (gRPC's own backoff
+            # grows to minutes)
+            options = [("grpc.initial_reconnect_backoff_ms", 200),
+                       ("grpc.max_reconnect_backoff_ms", 1000)]  # fmt: skip
+            channel = _channels[key] = grpc.insecure_channel(target, options=options)
+    return channel.unary_unary(method)(request, timeout=timeout_s)  # type: ignore[no-any-return]
+
+
+def prove(elastic: Any, admission: Any) -> None:
+    """A keyed site's first call: the lighthouse answers a fresh nonce with its MAC under the
+    run's key, or this site stops here with one line (an open lighthouse, which a stranger can
+    take a member's name at; a front of another secret, or of another run). An unreachable one
+    is asked again for ``timeout_s``, as a quorum waits for it."""
+    import grpc
+
+    e = elastic
+    nonce = os.urandom(16).hex()
+    request = proof_of(e.run_id, nonce)
+    deadline = time.monotonic() + e.timeout_s
+    while True:
+        try:
+            answer = _call(e.lighthouse, PROOF, request, BEAT_S).decode(errors="replace")
+            break
+        except grpc.RpcError as err:
+            code, details = err.code(), err.details() or ""
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                raise MembershipError(
+                    f"site {e.site}: the lighthouse at {e.lighthouse} is open (it holds no "
+                    f"secret), and this site holds the run's: a stranger there could keep a "
+                    f"dead site alive or take a member's name; serve the run with `lowcomm "
+                    f"lighthouse --secret-file F --run-id {e.run_id}` (or start the sites "
+                    f"without secret_file=)"
+                ) from None
+            served = served_run(details)
+            if served is not None:
+                raise MembershipError(
+                    f"site {e.site}: the lighthouse at {e.lighthouse} serves run {served} "
+                    f"only, and this site is of run {e.run_id}: give it run_id={served} (or "
+                    f"start the lighthouse with --run-id {e.run_id})"
+                ) from None
+            if time.monotonic() >= deadline:
+                why = details.splitlines()[0] if details else str(code)
+                raise MembershipError(
+                    f"site {e.site}: the lighthouse at {e.lighthouse} was unreachable for "
+                    f"{e.timeout_s:g} s (timeout_s) ({why}): start it, or give the sites its "
+                    f"address"
+                ) from None
+            time.sleep(e.heartbeat_s)
+    if answer != admission.proof(nonce):
+        raise MembershipError(
+            f"site {e.site}: the lighthouse at {e.lighthouse} holds another secret than this "
+            f"site's: give the site and `lowcomm lighthouse --secret-file` the same one"
+        )

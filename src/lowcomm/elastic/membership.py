@@ -161,7 +161,10 @@ class Membership:
         self._store, self._listening = listening_store(self.host or "127.0.0.1")
         self.store_address = f"{self.host or '127.0.0.1'}:{self._store.port}"
         # heartbeats from now on; quorums wait out an outage
-        self._link = Link(elastic, self.admission.seal, lambda: self.reader.name)
+        self._link = Link(
+            elastic, self.admission.seal, lambda: self.reader.name, self.admission,
+            self.incarnation,
+        )  # fmt: skip
 
     def quorum(
         self, tag: str, ok: bool = True, phase: str = "sync", ready: bool = False,

@@ -7,6 +7,7 @@ no decision, for every member alike (the lighthouse hands every member the same 
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass, field
@@ -132,6 +133,59 @@ class Request:
             unreached=tuple(s for s in (said if isinstance(said, list) else ()) if is_int(s)),
             mac=d.get("mac"), sealed="mac" in d, signed=unsealed(d),
         )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Beat:
+    """A keyed site's heartbeat seal (see .front): its run, its process, the beat's stamp
+    (nanoseconds, never back) and their MAC with the name it beats under."""
+
+    run: str
+    inc: str
+    seq: int
+    mac: str = ""
+
+    @property
+    def signed(self) -> dict[str, Any]:
+        """The fields the MAC covers (beside the name)."""
+        return {"run": self.run, "inc": self.inc, "seq": self.seq}
+
+    def to_wire(self) -> bytes:
+        """The seal's bytes (a heartbeat request's field 2)."""
+        return json.dumps({**self.signed, "mac": self.mac}, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_wire(cls, raw: bytes) -> Beat | None:
+        """The seal in ``raw``, every field of its type; None for anything else."""
+        try:
+            d = json.loads(raw.decode(errors="replace")) if raw else None
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(d, dict):
+            return None
+        run, inc, seq, mac = d.get("run"), d.get("inc"), d.get("seq"), d.get("mac")
+        if not all(isinstance(x, str) for x in (run, inc, mac)) or type(seq) is not int:
+            return None
+        if not RUN_ID.fullmatch(run):
+            return None
+        return cls(run, inc, seq, mac)
+
+
+def proof_request(raw: bytes) -> tuple[str, str] | None:
+    """(run, nonce) of a keyed site's ``lowcomm.Front/Prove`` request; None if malformed."""
+    try:
+        d = json.loads(raw.decode(errors="replace"))
+    except (ValueError, RecursionError):
+        return None
+    run, nonce = (d.get("run"), d.get("nonce")) if isinstance(d, dict) else (None, None)
+    if not isinstance(run, str) or not RUN_ID.fullmatch(run) or not isinstance(nonce, str):
+        return None
+    return run, nonce[:64]
+
+
+def proof_of(run: str, nonce: str) -> bytes:
+    """The bytes of a ``Prove`` request for ``run`` with ``nonce``."""
+    return json.dumps({"run": run, "nonce": nonce}).encode()
 
 
 def unsealed(data: dict[str, Any]) -> dict[str, Any]:

@@ -21,7 +21,6 @@ from typing import Any
 from .ports import free_port
 
 _UP_S = 30.0  # bound on a (re)started lighthouse's process listening on its port
-LIGHTHOUSE_NAMES = ".lighthouse_names"  # (in the run's folder) see Keeper
 
 
 def serve(
@@ -29,12 +28,11 @@ def serve(
     options: dict[str, int],
     secret: bytes | None,
     run_id: str = "",
-    names_file: Path | None = None,
 ) -> tuple[Any, Any]:
     """torchft's lighthouse at ``bind`` (HOST:PORT); with a run ``secret``, on loopback behind
     an authenticating :class:`~lowcomm.elastic.front.Front` at ``bind`` instead, which forwards
-    only requests sealed under it (``run_id``: of that run only; ``names_file``: where it keeps
-    the names that asked). Both are held by the caller (dropped, they stop)."""
+    only requests and beats sealed under it (``run_id``: of that run only). Both are held by
+    the caller (dropped, they stop)."""
     from torchft.coordination import LighthouseServer
 
     if secret is None:
@@ -44,7 +42,7 @@ def serve(
     server = LighthouseServer(bind="127.0.0.1:0", **options)
     upstream = server.address().rsplit(":", 1)[1]
     runs = frozenset([run_id]) if run_id else None
-    front = Front(f"127.0.0.1:{upstream}", secret, bind, runs, names_file)
+    front = Front(f"127.0.0.1:{upstream}", secret, bind, runs)
     front.start()
     return server, front
 
@@ -54,7 +52,7 @@ def _serve(
 ) -> None:
     """The lighthouse's process: serve until killed (RUST_LOG=warn: see :class:`Keeper`),
     after ``setup`` (a network namespace to serve in, say), behind a front if ``front``
-    (secret, run id, names file) holds a secret; ``up`` is set once it listens."""
+    (secret, run id) holds a secret; ``up`` is set once it listens."""
     from ..elastic.messages import quiet_junk
 
     quiet_junk()
@@ -92,9 +90,8 @@ class Keeper:
         self.port = free_port(host="")  # every interface: the sites may be on other machines
         self.address = f"http://{host or socket.gethostname()}:{self.port}"
         self._proc: Any = None
-        # a keyed run's lighthouse serves behind a front that takes this run's requests only,
-        # and keeps the names that asked (a restarted one still knows whose beats count)
-        self.front = (secret, run_id, out_dir / LIGHTHOUSE_NAMES)
+        # a keyed run's lighthouse serves behind a front that takes this run's requests only
+        self.front = (secret, run_id)
         self._back_at: float | None = None  # when a lighthouse restarted on purpose is back
 
     def start(self) -> None:
@@ -139,4 +136,3 @@ class Keeper:
         if self._proc is not None and self._proc.exitcode is None:
             self._proc.kill()
             self._proc.join()
-        (self.out_dir / LIGHTHOUSE_NAMES).unlink(missing_ok=True)
