@@ -247,8 +247,22 @@ def _draw_adversary(
         site = rng.randrange(sched.sites)
         delay = 0.0 if kind == "junk" else round(rng.uniform(0.5, 4.0), 1)
         seconds = rng.choice([20.0, 40.0])
+        if kind == "beat":  # under a dead site's name where one dies, for the rest of the run
+            site = _victim(sched.faults, rng) if rng.random() < 0.7 else site
+            seconds = 300.0
         sched.stranger = {"kind": kind, "site": site, "delay_s": delay, "seconds": seconds}
         sched.adversary = f"{kind}:{site}+{delay:g}s x{seconds:g}s"
+
+
+def _victim(faults_: list[str], rng: random.Random) -> int:
+    """A site a schedule's fault kills, hangs or pauses (``KIND:SITE@STEP``), else site 0."""
+    hit = []
+    for f in faults_:
+        kind, _, rest = f.partition(":")
+        site = rest.split("@")[0]
+        if kind in ("kill", "rejoin", "hang", "pause") and site.isdigit():
+            hit.append(int(site))
+    return rng.choice(hit) if hit else 0
 
 
 def _draw_network(sched: Schedule, rng: random.Random, busy: set[int]) -> None:

@@ -5,6 +5,8 @@ each), every fault done to them from outside, as an operator or a failing machin
 - ``kill``: SIGKILL of one rank of a site (torchrun takes the rest of the site down with it);
 - ``rejoin``: the same, then the site's same command again once its torchrun has exited;
 - ``pause``: SIGSTOP of one rank for 2, 8 or 30 s, then SIGCONT (the site goes on, or leaves);
+- ``lose``: a lost machine: SIGKILL of the site's whole process group (torchrun and every rank),
+  its same command again 5 s later (a stranger drawn beside it most often takes its name);
 - ``lighthouse``: the lighthouse killed and started again at its address 1 or 3 s later.
 
 At most ``sites - min_workers`` faults take a site away; the rank hit (0, the member, or
@@ -33,7 +35,8 @@ from . import stranger as strangers
 from .deployed import Deployment
 
 METHODS = {"diloco": [], "streaming": ["fragments=2", "overlap=1"], "sparseloco": [], "co2": []}
-KINDS = ("kill", "rejoin", "pause")
+KINDS = ("kill", "rejoin", "pause", "lose")  # lose: the machine (its torchrun and every rank)
+LOST_S = 5.0  # a lost machine's command runs again this long after
 MIN_WORKERS = 2
 BATCH, SEQ, EVERY = 4, 64, 10
 OVER = ("no run is going", "found no run to join", "no other site has been in the run")
@@ -150,6 +153,10 @@ def _draw_adversary(
     site = rng.randrange(sched.sites)
     delay = 0.0 if kind == "junk" else round(rng.uniform(0.5, 4.0), 1)
     seconds = rng.choice([20.0, 40.0])
+    lost = [f["site"] for f in sched.faults if f["kind"] in KINDS]
+    if kind in ("beat", "flood") and lost and rng.random() < 0.7:
+        # under the name of the site a machine loss (and its relaunch) takes: both at once
+        site, seconds = rng.choice(lost), 300.0 if kind == "beat" else seconds
     sched.stranger = {"kind": kind, "site": site, "delay_s": delay, "seconds": seconds}
     sched.adversary = f"{kind}:{site}+{delay:g}s x{seconds:g}s"
 
@@ -169,6 +176,11 @@ class Faults:
             run.lighthouse.kill()
             run.lighthouse.wait()
             self.later.append((now + fault["seconds"], "lighthouse", None))
+            return
+        if fault["kind"] == "lose":  # the whole process group, then the same command again
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(run.procs[fault["site"]].pid, signal.SIGKILL)
+            self.later.append((now + LOST_S, "restart", fault["site"]))
             return
         pid = run.rank_pid(fault["site"], fault["rank"])
         if pid is None:
@@ -280,7 +292,7 @@ def check(sched: SitesSchedule, out: Path, codes: dict[int, int | None], limit: 
 
 
 def _again(sched: SitesSchedule, site: int) -> bool:
-    return any(f["kind"] == "rejoin" and f["site"] == site for f in sched.faults)
+    return any(f["kind"] in ("rejoin", "lose") and f["site"] == site for f in sched.faults)
 
 
 def main(

@@ -10,7 +10,10 @@ what the trust benchmark acts out:
 - ``replay``: a member's sealed request captured from an earlier run (the campaign keeps the
   ones its strangers saw, DIR/captured.jsonl) sent under a site's current name, for a time;
 - ``store``: once a quorum has shown it the members' store addresses, random keys written into
-  every store, for a time (a group's keys sit under a prefix only the run's key derives).
+  every store, for a time (a group's keys sit under a prefix only the run's key derives);
+- ``beat``: heartbeats under a site's name every 0.2 s, for a time: dead (the campaigns draw a
+  site they kill), paused or alive, the lighthouse would wait for it (a keyed front drops
+  them: they carry no seal).
 
 Every quorum a stranger takes part in hands it the members' requests: it keeps them (one line
 each, with the run id they name) for later replays.
@@ -35,7 +38,8 @@ from typing import Any
 
 from lowcomm.elastic.messages import replica_name
 
-KINDS = ("flood", "junk", "replay", "store")
+KINDS = ("flood", "junk", "replay", "store", "beat")
+BEAT_S = 0.2  # a beat stranger's period (a site's own)
 RUN_FILE = "elastic.json"  # what the launcher writes while the run goes (train/join_site.py)
 RUN_ID_FILE = "site0/run_id"  # sites launched one by one: what site 0 keeps (train/launch.py)
 THREADS = 8
@@ -123,6 +127,9 @@ class Stranger:
                 self._ask(address, replica_name(run_id, n), data)
             return
         name = replica_name(run_id, self.site)
+        if self.kind == "beat":
+            self._beat(address, name, until)
+            return
         if self.kind == "store":
             while not self.stores and not self.stop.is_set() and time.monotonic() < until:
                 self._ask(address, f"{run_id}/stranger", {})  # a quorum shows the stores
@@ -188,6 +195,23 @@ class Stranger:
                 self.seen[m.replica_id] = dict(m.data)
             if m.store_address:
                 self.stores.add(m.store_address)
+
+    def _beat(self, address: str, name: str, until: float) -> None:
+        """Heartbeats under ``name`` until ``until`` (torchft's own client: no seal)."""
+        from torchft.coordination import LighthouseClient
+
+        client = None
+        while not self.stop.is_set() and time.monotonic() < until:
+            try:
+                client = client or LighthouseClient(
+                    _url(address), connect_timeout=timedelta(seconds=2)
+                )
+                client.heartbeat(name)
+                with self._count:
+                    self.asked += 1
+            except Exception:  # the lighthouse away: beat again
+                client = None
+            self.stop.wait(BEAT_S)
 
     def _write_stores(self, until: float) -> None:
         """Random keys into every store seen, until ``until``."""
