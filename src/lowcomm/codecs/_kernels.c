@@ -331,6 +331,25 @@ int64_t lc_dequantize_planar(const uint8_t *payload, const float *scales, int64_
     return bad;
 }
 
+/* One whole planar group: byte i of og holds codes i, i + 256, ... of cg at bits 0, bits, ...
+ * (the widths spelled out, so each loop vectorizes). */
+__attribute__((target_clones("avx2", "default")))
+static void pack_group(const uint8_t *cg, int64_t bits, uint8_t *og) {
+    if (bits == 4) {
+        for (int64_t i = 0; i < 256; i++) og[i] = (uint8_t)(cg[i] | (cg[256 + i] << 4));
+    } else if (bits == 2) {
+        for (int64_t i = 0; i < 256; i++)
+            og[i] = (uint8_t)(cg[i] | (cg[256 + i] << 2) | (cg[512 + i] << 4) |
+                              (cg[768 + i] << 6));
+    } else {
+        for (int64_t i = 0; i < 256; i++) {
+            uint32_t byte = 0;
+            for (int64_t p = 0; p < 8 / bits; p++) byte |= (uint32_t)cg[p * 256 + i] << (bits * p);
+            og[i] = (uint8_t)byte;
+        }
+    }
+}
+
 /* Pack codes of ``bits`` in {1, 2, 4} planar (bitpack.pack_planar) for each of T runs: run t's
  * count[t] codes from codes + src[t] into out + dst[t]; in a group of 256 * per codes (per =
  * 8 / bits) byte i holds codes i, i + 256, ... at bits 0, bits, ...; a last group of m codes
@@ -342,15 +361,8 @@ int64_t lc_pack_planar(const uint8_t *codes, int64_t T, const int64_t *src, cons
         const uint8_t *c = codes + src[t];
         uint8_t *o = out + dst[t];
         int64_t n = count[t], full = n / group;
-        for (int64_t g = 0; g < full; g++) {
-            const uint8_t *cg = c + g * group;
-            uint8_t *og = o + g * 256;
-            for (int64_t i = 0; i < 256; i++) {
-                uint32_t byte = 0;
-                for (int64_t p = 0; p < per; p++) byte |= (uint32_t)cg[p * 256 + i] << (bits * p);
-                og[i] = (uint8_t)byte;
-            }
-        }
+        for (int64_t g = 0; g < full; g++)
+            pack_group(c + g * group, bits, o + g * 256);
         int64_t rest = n - full * group;
         if (rest) {
             int64_t nb = (rest + per - 1) / per;
