@@ -5,7 +5,8 @@ outside (the trust issue's second finding): three sites of 2 ranks, each its own
 in a network namespace of its own behind a 50 Mbit/s `tbf` uplink, `lowcomm lighthouse`
 standalone on the bridge. Then:
 
-1. after site 0's third sync its whole process group (torchrun and both ranks) is SIGKILLed;
+1. after site 0's third sync its torchrun and both ranks are SIGKILLed (a lost machine; each
+   rank runs in a session of its own, so a kill of torchrun's process group would leave them);
 2. its unchanged command is run again 5 s later;
 3. three syncs later a process without the secret starts as `site=1` from a fourth namespace,
    with the same command otherwise.
@@ -74,8 +75,7 @@ def one_run(out: Path, net: ShapedNetwork, secret: Path, keyed: bool) -> dict:
             codes = [dep.procs[s].wait(timeout=300) for s in range(3)]
             return _row(dep, codes, time.monotonic() - t0, None)
         wait_for(lambda: dep.syncs(0) >= 3 or dep.procs[0].poll() is not None)
-        os.killpg(dep.procs[0].pid, signal.SIGKILL)  # a lost machine: torchrun and its ranks
-        dep.procs[0].wait()
+        dep.lose(0)  # a lost machine: torchrun and both ranks (each in a session of its own)
         time.sleep(5.0)
         dep.start(0)  # the same command again
         at = dep.syncs(1)
@@ -115,11 +115,17 @@ def _row(dep: Deployment, codes: list[int], wall: float, stranger) -> dict:
         models.append(torch.load(path, weights_only=True) if path.exists() else None)
     done = [m for m in models if m is not None]
     equal = len(done) == 3 and all(all(torch.equal(m[k], done[0][k]) for k in m) for m in done)
-    last = {s: dep.log(s).strip().splitlines()[-1][:300] for s in range(3) if codes[s] != 0}
+    last = {}
+    for s in range(3):
+        lines = dep.log(s).strip().splitlines()
+        errors = [x for x in lines if x.startswith("error:")]
+        if codes[s] != 0 or errors:  # a start that stopped with its line, or the last one
+            last[s] = (errors[-1] if errors else lines[-1] if lines else "")[:300]
     said = ""
     if stranger is not None:
         lines = (dep.root / "stranger.log").read_text().strip().splitlines()
-        said = (lines[-1] if lines else "")[:300]
+        errors = [x for x in lines if x.startswith("error:")]  # its ranks' one line
+        said = (errors[-1] if errors else lines[-1] if lines else "")[:300]
     code = None if stranger is None else stranger.poll()
     return {"codes": codes, "wall_s": round(wall, 1), "models_equal": equal,
             "started": dep.started, "stopped": last,

@@ -56,7 +56,7 @@ def buckets(params: list[torch.Tensor], bucket_numel: int) -> list[list[int]]:
 
 class Slabs:
     """A persistent flat FP32 buffer for one fragment's pseudo-gradient, so a sync writes it
-    without allocating (on a CPU a fresh model-sized tensor costs its page faults,
+    without allocating (on a CPU a fresh model-sized tensor pays a first touch of every page,
     benchmarks/sync_cost.md). The parameters' values one after another, then one spare
     element, where the all-reduce's validity flag goes, so the slab can be the payload itself
     (``flat``; ``values`` without the spare, ``views`` shaped like the parameters)."""

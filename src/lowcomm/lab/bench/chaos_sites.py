@@ -5,7 +5,7 @@ each), every fault done to them from outside, as an operator or a failing machin
 - ``kill``: SIGKILL of one rank of a site (torchrun takes the rest of the site down with it);
 - ``rejoin``: the same, then the site's same command again once its torchrun has exited;
 - ``pause``: SIGSTOP of one rank for 2, 8 or 30 s, then SIGCONT (the site goes on, or leaves);
-- ``lose``: a lost machine: SIGKILL of the site's whole process group (torchrun and every rank),
+- ``lose``: a lost machine: SIGKILL of the site's torchrun and every rank (each its own session),
   its same command again 5 s later (a stranger drawn beside it most often takes its name);
 - ``lighthouse``: the lighthouse killed and started again at its address 1 or 3 s later.
 
@@ -177,9 +177,8 @@ class Faults:
             run.lighthouse.wait()
             self.later.append((now + fault["seconds"], "lighthouse", None))
             return
-        if fault["kind"] == "lose":  # the whole process group, then the same command again
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(run.procs[fault["site"]].pid, signal.SIGKILL)
+        if fault["kind"] == "lose":  # the machine: torchrun and every rank, then its command
+            run.lose(fault["site"])
             self.later.append((now + LOST_S, "restart", fault["site"]))
             return
         pid = run.rank_pid(fault["site"], fault["rank"])

@@ -126,6 +126,23 @@ class Deployment:
                     return int(pid)
         return None
 
+    def lose(self, site: int) -> None:
+        """Site ``site``'s machine lost: SIGKILL of its torchrun and of every rank (torchrun
+        starts each rank in a session of its own, so a kill of its process group leaves them
+        running)."""
+        root = self.procs[site].pid
+        tree, todo = [root], [root]
+        while todo:
+            kids = subprocess.run(
+                ["pgrep", "-P", str(todo.pop())], capture_output=True, text=True
+            ).stdout.split()
+            tree += [int(k) for k in kids]
+            todo += [int(k) for k in kids]
+        for pid in tree:  # torchrun first: an orphaned rank is not started again
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.procs[site].wait()
+
     def log(self, site: int) -> str:
         """Everything site ``site``'s commands printed."""
         return "\n".join(p.read_text() for p in sorted(self.root.glob(f"site{site}.*.log")))
