@@ -21,7 +21,7 @@ import sys
 import torch
 
 from ..errors import PayloadError
-from .base import as_float_input, numel_of  # noqa: F401  (the codecs import them from here)
+from .base import as_float_input, check_bytes, numel_of  # noqa: F401  (codecs import them here)
 from .registry import specs
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian torch platform in use
@@ -79,15 +79,7 @@ def check_payload(
     shape,
 ) -> torch.Tensor:
     """Validate size and header; return the payload, copied if its start is misaligned."""
-    if not isinstance(payload, torch.Tensor):
-        raise PayloadError(
-            f"{name}: payload is a {type(payload).__name__}, expected a uint8 tensor"
-        )
-    if payload.dtype != torch.uint8 or payload.dim() != 1:
-        raise PayloadError(
-            f"{name}: payload must be a 1-D uint8 tensor, got {payload.dtype} of shape "
-            f"{tuple(payload.shape)}"
-        )
+    check_bytes(payload, name)
     n = payload.numel()
     if n != expected_nbytes:
         raise PayloadError(

@@ -93,15 +93,7 @@ class Codec(ABC):
 
     def explain_size(self, payload: Any, shape: torch.Size, name: str) -> None:
         """PayloadError unless ``payload`` is a 1-D uint8 tensor of ``nbytes(shape)`` bytes."""
-        if not isinstance(payload, torch.Tensor):
-            raise PayloadError(
-                f"{name}: payload is a {type(payload).__name__}, expected a uint8 tensor"
-            )
-        if payload.dtype != torch.uint8 or payload.dim() != 1:
-            raise PayloadError(
-                f"{name}: payload must be a 1-D uint8 tensor, got {payload.dtype} of shape "
-                f"{tuple(payload.shape)}"
-            )
+        check_bytes(payload, name)
         want = self.nbytes(shape)
         if payload.numel() != want:
             describe = getattr(self, "describe", lambda: self.name)()
@@ -221,6 +213,19 @@ def written(values: torch.Tensor, into: torch.Tensor | None, add: bool) -> torch
     if into is None:
         return values if values.dtype == torch.float32 else values.float()
     return into.add_(values) if add else into.copy_(values)
+
+
+def check_bytes(payload: Any, name: str) -> None:
+    """PayloadError naming ``name`` unless ``payload`` is a 1-D uint8 tensor."""
+    if not isinstance(payload, torch.Tensor):
+        raise PayloadError(
+            f"{name}: payload is a {type(payload).__name__}, expected a uint8 tensor"
+        )
+    if payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise PayloadError(
+            f"{name}: payload must be a 1-D uint8 tensor, got {payload.dtype} of shape "
+            f"{tuple(payload.shape)}"
+        )
 
 
 def numel_of(shape: Any) -> int:
