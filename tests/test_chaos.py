@@ -162,3 +162,24 @@ def test_the_deployed_checker_reads_each_sites_folder(tmp_path):
     _site(tmp_path / "site0", 0, {10: "a", 20: "c"})
     assert any(v.startswith("no split: at step 20") for v in
                check(sched, tmp_path, {0: 0, 1: 1, 2: 1}, 60.0))  # fmt: skip
+
+
+def test_a_stranger_finds_the_run_the_launcher_writes(tmp_path):
+    """A campaign's stranger reads the lighthouse and the run id from the launcher's
+    DIR/elastic.json, as written today (the settings tree: the run id is membership's). It
+    read them from an older layout and, finding none, did nothing in every schedule."""
+    from test_trust import _spec
+
+    from lowcomm.lab.bench.stranger import Stranger
+    from lowcomm.train.join_site import write_run_file
+    from lowcomm.train.site_role import ElasticSite
+
+    spec = _spec(tmp_path, run_id="r7")
+    tmp_path.mkdir(exist_ok=True)
+    write_run_file(spec, ElasticSite(0, 3, "http://h:1"), "http://h:1", [])
+    import threading
+
+    stranger = Stranger("beat", tmp_path, 1, 0.0, 1.0, tmp_path / "captured.jsonl")
+    threading.Timer(10.0, stranger.stop.set).start()  # one it cannot read: waits, then None
+    assert stranger._wait_for_run() == ("http://h:1", "r7")
+    stranger.stop.set()

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from lowcomm.elastic.messages import replica_name
+from lowcomm.train.spec import saved_values
 
 KINDS = ("flood", "junk", "replay", "store", "beat")
 BEAT_S = 0.2  # a beat stranger's period (a site's own)
@@ -162,7 +163,7 @@ class Stranger:
                     self.run_id = path.read_text().strip()
                     return self.lighthouse, self.run_id
                 record = json.loads(path.read_text())
-                self.run_id = record["run"]["train"]["run_id"]
+                self.run_id = str(saved_values(record["run"])["run_id"])
                 return record["lighthouse"], self.run_id
             except (OSError, ValueError, KeyError):
                 time.sleep(0.05)
