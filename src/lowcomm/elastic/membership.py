@@ -50,7 +50,7 @@ from .decide import (
 )
 from .groups import arrive, gloo_group, group_name, listening_store, store_of, unreachable
 from .joining import Joiner
-from .link import Link
+from .link import Link, prove
 from .messages import replica_name
 from .reading import Reader
 from .site import SiteRanks
@@ -155,7 +155,12 @@ class Membership:
         self._link: Link | None = None
         self.store_address = ""
         if site is not None and not site.leads:
-            return  # a site's other ranks: rank 0 hosts the store and talks to the lighthouse
+            # a site's other ranks: rank 0 hosts the store and talks to the lighthouse; a keyed
+            # one's ranks each check the lighthouse's proof, so every rank refuses an open one
+            # with the same line (not "another rank of this site is gone")
+            if self.admission.keyed:
+                prove(elastic, self.admission)
+            return
         # this site hosts a store, on its data-plane address alone; the groups of a quorum
         # live on its first member's store
         self._store, self._listening = listening_store(self.host or "127.0.0.1")
