@@ -21,7 +21,7 @@ import sys
 import torch
 
 from ..errors import PayloadError
-from .base import as_float_input, check_bytes, numel_of  # noqa: F401  (codecs import them here)
+from .base import Plan, as_float_input, check_bytes, numel_of  # noqa: F401  (codecs: from here)
 from .registry import specs
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian torch platform in use
@@ -65,6 +65,18 @@ def div_scalar(t: torch.Tensor, c: float) -> torch.Tensor:
 def write_header(payload: torch.Tensor, codec: str, param: int, numel: int) -> None:
     raw = _STRUCT.pack(MAGIC, VERSION, codec_ids()[codec], param, numel)
     payload[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+
+
+def set_headers(plan: Plan, params: list[int]) -> None:
+    """Each of ``plan``'s tensors' header (its codec, ``params[i]``, its element count) at its
+    place: ``plan.header_at`` the bytes, ``plan.header_want`` what they hold, on its device."""
+    template = torch.zeros(max(plan.span, 1), dtype=torch.uint8)
+    at = []
+    for a, p, n in zip(plan.at, params, plan.sizes):
+        write_header(template[a : a + HEADER_BYTES], plan.codec.name, p, n)
+        at.append(torch.arange(a, a + HEADER_BYTES))
+    plan.header_at = (torch.cat(at) if at else torch.empty(0, dtype=torch.int64)).to(plan.device)
+    plan.header_want = template.to(plan.device)[plan.header_at]
 
 
 def check_payload(

@@ -168,6 +168,11 @@ class Plan:
         added to), returned as the values."""
         raise NotImplementedError
 
+    def headers_bad(self, payload: torch.Tensor) -> torch.Tensor:
+        """Whether a header of ``payload`` is not its tensor's (a 0-d bool, nothing read;
+        ``header_at`` and ``header_want`` are :func:`._format.set_headers`')."""
+        return (payload[self.header_at] != self.header_want).any()
+
     def check(self, payload: torch.Tensor) -> torch.Tensor:
         """Whether ``payload`` breaks a rule of the format (a 0-d bool), without its values
         where the plan can tell so."""

@@ -43,7 +43,7 @@ from ._format import (
     check_payload,
     chunk_elems,
     numel_of,
-    write_header,
+    set_headers,
 )
 from .base import Codec, PayloadError, Plan
 from .bitpack import PLANE_BYTES, planar_nbytes, unpack_planar
@@ -212,17 +212,13 @@ class BlockPlan(Plan):
         blocks = [-(-n // B) for n in self.sizes]
         self.blocks = sum(blocks)
         self.aligned = all(n % B == 0 for n in self.sizes)
-        template = torch.zeros(max(self.span, 1), dtype=torch.uint8)
-        headers, self.spans = [], []
+        set_headers(self, [B] * len(self.sizes))
+        self.spans = []
         b0 = e0 = 0
         for n, nb, at0 in zip(self.sizes, blocks, self.at):
-            write_header(template[at0 : at0 + HEADER_BYTES], codec.name, B, n)
-            headers.append(torch.arange(at0, at0 + HEADER_BYTES))
             codes_at = at0 + HEADER_BYTES + 4 * nb
             self.spans.append((n, nb, b0, e0, at0 + HEADER_BYTES, codes_at))
             b0, e0 = b0 + nb, e0 + n
-        self.header_at = _ints_cat(headers, device)
-        self.header_want = template.to(device)[self.header_at]
         rows = max(1, chunk_elems(device) // B)
         self.chunk_rows = rows
         self._index(B, device)
@@ -391,7 +387,7 @@ class BlockPlan(Plan):
     def _read_scales(self, payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Whether the headers or scales break the format, and the scales (None for empty
         tensors only)."""
-        bad = (payload[self.header_at] != self.header_want).any()
+        bad = self.headers_bad(payload)
         if self.blocks == 0:
             return bad, None
         scales = torch.empty(self.blocks, dtype=torch.float32, device=payload.device)
@@ -510,7 +506,3 @@ def _copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
 
 def _ints(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64).to(device)
-
-
-def _ints_cat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    return (torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)).to(device)

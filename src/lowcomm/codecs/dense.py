@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ._format import HEADER_BYTES, check_payload, numel_of, write_header
+from ._format import HEADER_BYTES, check_payload, numel_of, set_headers
 from .base import Codec, Plan, written
 from .registry import register
 
@@ -70,15 +70,7 @@ class DensePlan(Plan):
     ) -> None:
         super().__init__(codec, shapes, device, at)
         self.dtype, size = codec.dtype, codec.itemsize
-        template = torch.zeros(max(self.span, 1), dtype=torch.uint8)
-        headers = []
-        for a, n in zip(self.at, self.sizes):
-            write_header(template[a : a + HEADER_BYTES], codec.name, 0, n)
-            headers.append(torch.arange(a, a + HEADER_BYTES))
-        self.header_at = (torch.cat(headers) if headers else torch.empty(0, dtype=torch.int64)).to(
-            device
-        )
-        self.header_want = template.to(device)[self.header_at]
+        set_headers(self, [0] * len(self.sizes))
         # (payload bytes, bytes of the cast values) of each non-empty tensor
         self.places = [
             (a + HEADER_BYTES, s * size, n * size)
@@ -100,7 +92,7 @@ class DensePlan(Plan):
     def decode(
         self, payload: torch.Tensor, into: torch.Tensor | None = None, add: bool = False
     ) -> tuple[None, torch.Tensor, torch.Tensor]:
-        bad = (payload[self.header_at] != self.header_want).any()
+        bad = self.headers_bad(payload)
         raw = torch.empty(
             self.numel * self.codec.itemsize, dtype=torch.uint8, device=payload.device
         )

@@ -29,7 +29,7 @@ import torch
 
 from ..segments import Segments
 from . import kernels
-from ._format import HEADER_BYTES, check_finite, check_payload, numel_of, write_header
+from ._format import HEADER_BYTES, check_finite, check_payload, numel_of, set_headers
 from .base import Codec, Plan, written
 from .bitpack import Stream, Streams, packed_nbytes
 from .registry import register
@@ -92,15 +92,11 @@ class LutPlan(Plan):
     ) -> None:
         super().__init__(codec, shapes, device, at)
         L = self.levels = codec.levels
-        template = torch.zeros(max(self.span, 1), dtype=torch.uint8)
-        headers, stats_at, streams = [], [], []
+        set_headers(self, [codec.bits] * len(self.sizes))
+        stats_at, streams = [], []
         for a, s, n in zip(self.at, self.starts, self.sizes):
-            write_header(template[a : a + HEADER_BYTES], codec.name, codec.bits, n)
-            headers.append(torch.arange(a, a + HEADER_BYTES))
             stats_at.append(torch.arange(a + HEADER_BYTES, a + codec.codes_at()))
             streams.append(Stream(s, n, codec.bits, a + codec.codes_at()))
-        self.header_at = _cat(headers, device)
-        self.header_want = template.to(device)[self.header_at]
         self.stats_at = _cat(stats_at, device)
         self.codes = Streams(streams, device)
         self.kernels = kernels.choose(device, codec.kernels)
@@ -174,7 +170,7 @@ class LutPlan(Plan):
     def decode(
         self, payload: torch.Tensor, into: torch.Tensor | None = None, add: bool = False
     ) -> tuple[None, torch.Tensor, torch.Tensor]:
-        bad = (payload[self.header_at] != self.header_want).any()
+        bad = self.headers_bad(payload)
         stats = payload[self.stats_at].view(torch.float32).view(self.tensors, 1 + self.levels)
         bad |= ~torch.isfinite(stats).all()
         codes = self.codes.unpack(payload, self.numel, self.kernels)

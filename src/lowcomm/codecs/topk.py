@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
-from ._format import HEADER_BYTES, check_payload, numel_of, write_header
+from ._format import HEADER_BYTES, check_payload, numel_of, set_headers
 from .base import Codec, PayloadError, Plan
 from .bitpack import Stream, Streams, bits_for, packed_nbytes, unpack_bits
 from .lut import LutCodec
@@ -243,13 +243,11 @@ class TopKPlan(Plan):
         super().__init__(codec, shapes, device, at)
         self.kernels = kernels.choose(device, codec.kernels)
         geos = [codec.geometry(s) for s in self.shapes]
-        template = torch.zeros(max(self.span, 1), dtype=torch.uint8)
-        headers, indices, per_tensor, value_shapes, value_at = [], [], [], [], []
+        set_headers(self, [g.k for g in geos])
+        indices, per_tensor, value_shapes, value_at = [], [], [], []
         groups: dict[tuple[int, int, int, bool], Tiles] = {}
         kept = 0
         for g, a, elem in zip(geos, self.at, self.starts):
-            write_header(template[a : a + HEADER_BYTES], codec.name, g.k, g.n)
-            headers.append(torch.arange(a, a + HEADER_BYTES))
             if g.n:
                 value_shapes.append(torch.Size([g.K]))
                 value_at.append(a + HEADER_BYTES)
@@ -266,10 +264,6 @@ class TopKPlan(Plan):
         self.groups = list(groups.values())
         for grp in self.groups:
             grp.to(device)
-        self.header_at = (torch.cat(headers) if headers else torch.empty(0, dtype=torch.int64)).to(
-            device
-        )
-        self.header_want = template.to(device)[self.header_at]
         self.values = codec.value_codec.plan(value_shapes, device, value_at)
         self.indices = Streams(indices, device)
         cols = torch.tensor(per_tensor, dtype=torch.int64).reshape(-1, 9).t().to(device)
@@ -328,7 +322,7 @@ class TopKPlan(Plan):
     def decode(self, payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(flat indices, FP32 values, a 0-d bool: whether the payload breaks a rule of the
         format) of ``payload`` read at the plan's places, with no host read."""
-        bad = (payload[self.header_at] != self.header_want).any()
+        bad = self.headers_bad(payload)
         _, values, bad_values = self.values.decode(payload)
         local = self.indices.unpack(payload, self.kept, self.kernels)
         seg = self.seg
