@@ -171,3 +171,31 @@ def test_a_standalone_lighthouse_serves_a_run_and_survives_a_restart_at_its_addr
         said, _ = lighthouse.communicate(timeout=30)
     assert lighthouse.returncode == 0 and "lowcomm: lighthouse stopped" in said
     assert "lowcomm: the front refused 0 requests" in said
+
+
+@pytest.mark.parametrize("heartbeat_s", [0.05, 0.2, 1.0])
+def test_a_site_back_from_an_outage_asks_only_after_every_beat_channel_reconnects(
+    monkeypatch, heartbeat_s
+):
+    """A restarted lighthouse forms a quorum of the sites that ask once every site it has
+    heard from asks: a live member whose beat channel is still in gRPC's reconnect backoff
+    when the others ask is left out (chaos --ranks 2, a joiner right after the lighthouse came
+    back). The channel a beat goes by must reconnect, jitter included, and send its next beat
+    within the settle a site waits before it asks."""
+    import grpc
+
+    from lowcomm.elastic import link
+
+    seen: dict[str, int] = {}
+
+    def channel(target, options):
+        seen.update(dict(options))
+        raise RuntimeError("no channel here")
+
+    monkeypatch.setattr(grpc, "insecure_channel", channel)
+    monkeypatch.setattr(link, "_channels", {})
+    with pytest.raises(RuntimeError, match="no channel here"):
+        link._call("127.0.0.1:1", link.BEAT, b"", 0.1)
+    worst_s = 1.2 * seen["grpc.max_reconnect_backoff_ms"] / 1000  # gRPC's jitter is 20 %
+    assert worst_s + 2 * heartbeat_s <= link.settle_s(heartbeat_s)
+    assert link.settle_s(heartbeat_s) >= link.SETTLE_BEATS * heartbeat_s

@@ -24,9 +24,21 @@ from .messages import proof_of
 
 log = logging.getLogger("lowcomm")
 
-# back after an outage, a site asks the lighthouse only after this many heartbeat periods: every
-# live site's heartbeat (retried every period) has reached the restarted lighthouse by then
+# back after an outage, a site asks the lighthouse only after this many heartbeat periods, and
+# never sooner than every live site's beat channel has reconnected (see settle_s): a restarted
+# lighthouse forms a quorum of those who ask once every site it has heard from asks, so a
+# member whose beat lands late is left out
 SETTLE_BEATS = 5
+# gRPC's reconnect backoff grows to this (its own default grows to minutes), with up to 20 %
+# jitter: the longest a beat channel lags a lighthouse that is back
+RECONNECT_MAX_MS = 250
+
+
+def settle_s(heartbeat_s: float) -> float:
+    """How long a site back from an outage waits before it asks: SETTLE_BEATS heartbeat
+    periods, and at least the longest reconnect of another site's beat channel plus two
+    periods (its next beat sent, and received)."""
+    return max(SETTLE_BEATS * heartbeat_s, 1.2 * RECONNECT_MAX_MS / 1000 + 2 * heartbeat_s)
 
 
 class Link:
@@ -172,7 +184,7 @@ class Link:
                         f"this site stops here"
                     ) from None
                 time.sleep(e.heartbeat_s)
-        time.sleep(SETTLE_BEATS * e.heartbeat_s)
+        time.sleep(settle_s(e.heartbeat_s))
         self._client = client
         self.epoch += 1
         log.warning(
@@ -206,8 +218,8 @@ def _call(lighthouse: str, method: str, request: bytes, timeout_s: float) -> byt
         if channel is None:
             # reconnect within a heartbeat or so of a restarted lighthouse (gRPC's own backoff
             # grows to minutes)
-            options = [("grpc.initial_reconnect_backoff_ms", 200),
-                       ("grpc.max_reconnect_backoff_ms", 1000)]  # fmt: skip
+            options = [("grpc.initial_reconnect_backoff_ms", 100),
+                       ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS)]  # fmt: skip
             channel = _channels[key] = grpc.insecure_channel(target, options=options)
     return channel.unary_unary(method)(request, timeout=timeout_s)  # type: ignore[no-any-return]
 
