@@ -383,6 +383,31 @@ def test_a_site_paused_past_its_heartbeat_never_stops_the_others(tmp_path, round
         assert alone or back, (events, done.stdout[-2000:])
 
 
+def test_two_sites_back_after_the_others_finished_never_write_over_the_run(tmp_path):
+    """Sites 2 and 3 of five stopped together (SIGSTOP) until the other three have finished
+    the run: back, they find only each other at the lighthouse and train on as if they were
+    the run (not fixed yet: benchmarks/split_two_paused.py). The run's model.pt and
+    summary.json stay the others'; the lowest of the two writes beside them and stops with
+    one line. Before, it wrote over them: the run's output was two paused sites' model."""
+    out = tmp_path / "run"
+    elastic = ["elastic=true", "min_workers=2", "heartbeat_timeout_s=1", "timeout_s=5"]
+    done = _train("--strategy", "diloco", "--workers", "5", "--model", "tiny", "--steps", "40",
+                  "sync_every=10", "eval_every=0", "progress=false", "batch_size=4",
+                  "seq_len=64", *elastic, "--faults",
+                  "pause:2@15x6,pause:3@15x6", "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["membership"][0]["members"] == [0, 1, 4], summary["membership"]
+    assert all(e["members"][0] == 0 for e in summary["membership"]), summary["membership"]
+    apart = out / "model.site2.pt"
+    if apart.exists():  # back in time to train on alone together (the case this pins)
+        assert "site 2 is gone (exit 1): site 2: the run was finished by other sites" in done.stdout
+        theirs = json.loads((out / "summary.site2.json").read_text())
+        assert theirs["membership"][-1]["members"] == [2, 3], theirs["membership"]
+        assert not torch.equal(_model(out)["embed.weight"],
+                               torch.load(apart, weights_only=True)["embed.weight"])  # fmt: skip
+
+
 # the replay of an exclusion by hand (-m slow): it doubles the run (the hung site's replay, in
 # the default suite, checks the same helper)
 @pytest.mark.parametrize("codec,replay", [

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..errors import MembershipError
 from ..provenance import git_rev
 from ..transport import Transport, ring_all_reduce_bytes, shutdown
 from .callbacks import Callbacks
@@ -56,6 +57,7 @@ def run_worker(spec: RunSpec, role: ElasticSite | None = None) -> dict[str, Any]
     """
     cfg = spec.train
     place = role or FIXED_WORLD
+    began = time.time()  # a summary of the run's folder newer than this is of this run
     run = set_up(spec, place)
     if not place.elastic:
         _write_workers_json(run)  # an elastic run's launcher keeps it
@@ -94,10 +96,12 @@ def run_worker(spec: RunSpec, role: ElasticSite | None = None) -> dict[str, Any]
                 after_step(run, run.progress.start_step - 1, log)  # the others' collectives
             _train_loop(run, log, fresh=saved is None and not healed)
             finish(run)
-        summary = summarize(run, log)
+        summary = summarize(run, log, began)
     finally:
         log.close()
     _tear_down(run)
+    if summary is not None and summary.extra.get("apart"):  # after every rank is done
+        raise MembershipError(summary.extra["apart"])
     return summary.to_dict() if summary is not None else None
 
 
@@ -283,8 +287,10 @@ def finish(run: Run) -> None:
             run.comm.engine.finish()
 
 
-def summarize(run: Run, log: RunLog) -> RunSummary | None:
-    """Final evaluation, then the summary over all workers; rank 0 writes its files."""
+def summarize(run: Run, log: RunLog, began: float = 0.0) -> RunSummary | None:
+    """Final evaluation, then the summary over all workers; rank 0 writes its files (a site
+    that finds the run's summary written since ``began``, by another site, writes beside it
+    and stops: see :func:`_finished_without`)."""
     rounds = _rounds_table(run)  # a collective: before the other sites may have left
     val_loss = run.evaluate()
     totals = run.meter_totals()
@@ -344,9 +350,42 @@ def summarize(run: Run, log: RunLog) -> RunSummary | None:
             summary.extra["ignored_messages"] = admission.ignored
     if rounds is not None:
         _record_rounds(summary, rounds, run.spec.train.batch_size * run.spec.train.seq_len)
+    if _finished_without(run, began):
+        _write_apart(run, state, summary)
+        return summary
     save_model(run, state)
     summary.write(run.spec.out / "summary.json")
     return summary
+
+
+def _finished_without(run: Run, began: float) -> bool:
+    """Whether, in a folder the sites share, another site wrote the run's summary since this
+    one began: the run ended without this site, which then trained on apart from it (sites
+    left out together and back after the others finished find only each other at the
+    lighthouse), so what it holds is not the run's model."""
+    role = run.place.role
+    if not isinstance(role, ElasticSite) or role.alone or not began:
+        return False
+    with contextlib.suppress(OSError):
+        return (run.spec.out / "summary.json").stat().st_mtime >= began
+    return False
+
+
+def _write_apart(run: Run, state: dict[str, torch.Tensor], summary: RunSummary) -> None:
+    """This site's model and summary beside the run's (``model.siteN.pt``,
+    ``summary.siteN.json``), never over them; ``summary.extra["apart"]`` holds the line it
+    stops with (once every rank is done)."""
+    role = run.place.role
+    assert isinstance(role, ElasticSite)  # see _finished_without
+    site, out = role.site, run.spec.out
+    summary.extra["apart"] = (
+        f"site {site}: the run was finished by other sites while this one was apart from it "
+        f"(left out, then back after they ended), and it trained on with the sites it found; "
+        f"its model is not the run's: it is in {out / f'model.site{site}.pt'}, the run's "
+        f"model.pt and summary.json are the others'"
+    )
+    torch.save(state, out / f"model.site{site}.pt")
+    summary.write(out / f"summary.site{site}.json")
 
 
 ROUND_COLUMNS = ("trained_steps", "syncs", "cut_rounds", "cut_steps", "late_syncs")
