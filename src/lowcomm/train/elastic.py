@@ -31,6 +31,7 @@ from .join_site import RUN_FILE, run_site, write_run_file
 from .lighthouse import Keeper
 from .site_role import ElasticSite
 from .spec import RunSpec, check_fixed, check_membership, lighthouse_options
+from .summary import written_since
 
 # after one site finished the run, how long the launcher waits for the others to finish too
 # (they end at the same sync, within a moment) before it stops those still behind
@@ -350,19 +351,12 @@ def _wait(
             return [p.exitcode for p in procs]
         if tick is not None:
             tick()
-        if finished is None and started is not None and _summarized(out_dir, started):
+        if finished is None and started is not None and written_since(out_dir, started):
             finished = time.monotonic()  # a site that left on purpose (a replay) exits 0 too
         if finished is not None and time.monotonic() - finished > FINISH_GRACE_S:
             _end_laggards(procs)
             return [p.exitcode for p in procs]
         time.sleep(0.2)
-
-
-def _summarized(out_dir: Path, started: float) -> bool:
-    """Whether this run's summary has been written: the run is over."""
-    with contextlib.suppress(OSError):
-        return (out_dir / "summary.json").stat().st_mtime >= started
-    return False
 
 
 def _end_laggards(procs: list[Any]) -> None:
@@ -409,7 +403,7 @@ def _outcome(codes: list[int | None], out_dir: Path, started: float) -> dict[str
     messages = user_errors(out_dir)
     summary = out_dir / "summary.json"
     # this run's summary (a resumed run's folder holds the one of before)
-    if summary.exists() and summary.stat().st_mtime >= started and any(c == 0 for c in codes):
+    if written_since(out_dir, started) and any(c == 0 for c in codes):
         return json.loads(summary.read_text())
     if 130 in codes:  # the sites were interrupted (Ctrl-C): said as for any interrupted run
         raise KeyboardInterrupt

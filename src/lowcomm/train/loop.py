@@ -31,7 +31,7 @@ from .run import Run, init_distributed, lr_lambda, resolve_device, set_up, wrap_
 from .site_role import FIXED_WORLD, ElasticSite, record_membership
 from .sites import full_state_dict, rows_of
 from .spec import RunSpec
-from .summary import RunSummary
+from .summary import RunSummary, written_since
 from .synclog import SyncLog
 
 __all__ = [
@@ -366,9 +366,7 @@ def _finished_without(run: Run, began: float) -> bool:
     role = run.place.role
     if not isinstance(role, ElasticSite) or role.alone or not began:
         return False
-    with contextlib.suppress(OSError):
-        return (run.spec.out / "summary.json").stat().st_mtime >= began
-    return False
+    return written_since(run.spec.out, began)
 
 
 def _write_apart(run: Run, state: dict[str, torch.Tensor], summary: RunSummary) -> None:

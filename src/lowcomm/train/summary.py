@@ -8,6 +8,7 @@ class does not know are kept in ``extra`` and written back unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -240,3 +241,11 @@ def ddp_reference(results: list[RunSummary], run: RunSummary) -> float | None:
     key = run.problem_key()
     losses = [r.final_val_loss for r in results if _is_baseline(r) and r.problem_key() == key]
     return sum(losses) / len(losses) if losses else None
+
+
+def written_since(out_dir: Path, t: float) -> bool:
+    """Whether ``DIR/summary.json`` was written at or after ``t`` (``time.time()``): this
+    run's summary, not one a resumed or overwritten run's folder held before."""
+    with contextlib.suppress(OSError):
+        return (out_dir / "summary.json").stat().st_mtime >= t
+    return False
