@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import lowcomm
+from lowcomm.lab.bench.records import split as split_of
 
 pytest.importorskip("torchft")
 
@@ -385,10 +386,10 @@ def test_a_site_paused_past_its_heartbeat_never_stops_the_others(tmp_path, round
 
 def test_two_sites_back_after_the_others_finished_never_write_over_the_run(tmp_path):
     """Sites 2 and 3 of five stopped together (SIGSTOP) until the other three have finished
-    the run: back, they find only each other at the lighthouse and train on as if they were
-    the run (not fixed yet: benchmarks/split_two_paused.py). The run's model.pt and
-    summary.json stay the others'; the lowest of the two writes beside them and stops with
-    one line. Before, it wrote over them: the run's output was two paused sites' model."""
+    the run: back, an open run's two find only each other at the lighthouse and train on as
+    if they were the run (a keyed run's are told it is over: the next test). The run's
+    model.pt and summary.json stay the others'; the lowest of the two writes beside them and
+    stops with one line. Before, it wrote over them: the run's output was two paused sites'."""
     out = tmp_path / "run"
     elastic = ["elastic=true", "min_workers=2", "heartbeat_timeout_s=1", "timeout_s=5"]
     done = _train("--strategy", "diloco", "--workers", "5", "--model", "tiny", "--steps", "40",
@@ -406,6 +407,28 @@ def test_two_sites_back_after_the_others_finished_never_write_over_the_run(tmp_p
         assert theirs["membership"][-1]["members"] == [2, 3], theirs["membership"]
         assert not torch.equal(_model(out)["embed.weight"],
                                torch.load(apart, weights_only=True)["embed.weight"])  # fmt: skip
+
+
+def test_keyed_sites_back_after_the_others_finished_are_told_the_run_is_over(tmp_path):
+    """The same two sites, keyed: the sites that finish the run tell the lighthouse's front,
+    which refuses the two when they come back, so they stop with one line instead of training
+    on as the run (before: two models under one run's syncs, benchmarks/split_two_paused.py)."""
+    out, secret = tmp_path / "run", tmp_path / "secret"
+    secret.write_text(os.urandom(16).hex())
+    elastic = ["elastic=true", "min_workers=2", "heartbeat_timeout_s=1", "timeout_s=5",
+               f"secret_file={secret}"]  # fmt: skip
+    done = _train("--strategy", "diloco", "--workers", "5", "--model", "tiny", "--steps", "40",
+                  "sync_every=10", "eval_every=0", "progress=false", "batch_size=4",
+                  "seq_len=64", *elastic, "--faults",
+                  "pause:2@15x10,pause:3@15x10", "--out", str(out))  # fmt: skip
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-3000:]
+    for site in (2, 3):
+        assert f"site {site}: at sync@20, the lighthouse says the run is over" in said, said[-3000:]
+    assert not (out / "model.site2.pt").exists()
+    assert split_of(out) == ""
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["membership"][-1]["members"] == [0, 1, 4], summary["membership"]
 
 
 # the replay of an exclusion by hand (-m slow): it doubles the run (the hung site's replay, in

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .messages import Beat, Request, unsealed
+from .messages import Beat, End, Request, unsealed
 
 log = logging.getLogger("lowcomm")
 
@@ -181,6 +181,18 @@ class Admission:
     def beat_valid(self, name: str, beat: Beat) -> bool:
         """Whether ``beat``'s MAC is valid for a beat under ``name``."""
         return self.valid(beat.mac, "beat", name, beat.signed)
+
+    def end(self, inc: str, seq: int, tag: str) -> bytes:
+        """The sealed word that this site (process ``inc``) finished the run after ``tag``,
+        stamped ``seq`` (see .front); b'' without a secret."""
+        if self._key is None:
+            return b""
+        end = End(self.run_id, self.site, inc, seq, tag)
+        return End(**{**end.signed, "mac": self.mac("end", end.signed)}).to_wire()
+
+    def end_valid(self, end: End) -> bool:
+        """Whether ``end``'s MAC is valid."""
+        return self.valid(end.mac, "end", end.signed)
 
     def proof(self, nonce: str) -> str:
         """What a keyed front answers a site's ``nonce`` with: its MAC under the run's key."""

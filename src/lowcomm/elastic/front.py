@@ -33,6 +33,14 @@ recorded and replayed is older than its process's last. Nothing else of torchft'
 served. ``lowcomm.Front/Prove`` answers a site's nonce with a MAC under its run's key: a keyed
 site asks it first, and an open lighthouse, which does not know the method, is refused before
 the site starts (a stranger there could take a member's name).
+
+``lowcomm.Front/End``: a site that finished the run says so, sealed. From then on every process
+of that run whose requests came through before is refused with the line ``ENDED`` names. Why:
+sites left out together (paused, cut off) that come back after the others finished find only
+each other at the lighthouse, which has no memory of a run, and would train on as the run
+(chaos seed 103). A process that never asked before (a later run under the same id, a site
+started again) is not refused; each process ends a run once (a recording of its word, sent
+again, ends nothing more).
 """
 
 from __future__ import annotations
@@ -44,10 +52,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .admission import Admission
-from .messages import Beat, Request, proof_request
+from .messages import Beat, End, Request, proof_request
 
 SERVICE = "torchft.LighthouseService"
-PROOF = "/lowcomm.Front/Prove"  # a keyed front's own method (see the module)
+PROOF = "/lowcomm.Front/Prove"  # a keyed front's own methods (see the module)
+END = "/lowcomm.Front/End"
+ENDED = "lowcomm front: the run is over"
 REFUSED = "lowcomm front: refused: this request carries no valid MAC under the run's secret"
 STALE = "lowcomm front: refused: a stale or replayed request"
 OTHER_RUN = "lowcomm front: refused: another run's request"
@@ -105,6 +115,9 @@ class Front:
         # (name, process) -> its newest seq, and when that one first came
         self._newest: dict[tuple[str, str], tuple[int, float]] = {}
         self._beats: dict[tuple[str, str], int] = {}  # (name, process) -> its last beat's stamp
+        self._asked: dict[str, set[str]] = {}  # run -> the processes whose requests came through
+        self._ended: dict[tuple[str, str], str] = {}  # (run, process) -> why it is refused
+        self._enders: set[tuple[str, str]] = set()  # (run, process) that said it finished
         self._lock = threading.Lock()
         self._held = threading.BoundedSemaphore(_HELD)
         handlers = {
@@ -116,7 +129,10 @@ class Front:
             # one lighthouse per port: a second bind fails, as torchft's own does
             options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", _MAX_BYTES)],
         )
-        own = {"Prove": grpc.unary_unary_rpc_method_handler(self._prove)}
+        own = {
+            "Prove": grpc.unary_unary_rpc_method_handler(self._prove),
+            "End": grpc.unary_unary_rpc_method_handler(self._end),
+        }
         self._server.add_generic_rpc_handlers(
             [
                 grpc.method_handlers_generic_handler(SERVICE, handlers),
@@ -143,6 +159,8 @@ class Front:
         import grpc
 
         why = self.refusal(request)
+        if why.startswith(ENDED):  # a site of the run, back after it ended: told at once
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
         if why:
             with self._lock:
                 self.refused += 1
@@ -201,6 +219,29 @@ class Front:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, other_run(run, min(self.run_ids)))
         return self._admission(run).proof(nonce).encode()
 
+    def _end(self, request: bytes, context: Any) -> bytes:
+        """A site's sealed word that it finished the run: every process of that run that asked
+        before is refused from now on (see the module)."""
+        import grpc
+
+        end = End.from_wire(request)
+        if end is None or (self.run_ids is not None and end.run not in self.run_ids):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lowcomm front: a malformed end")
+        assert end is not None  # (abort raises)
+        if not self._admission(end.run).end_valid(end):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, REFUSED)
+        if abs(end.seq - time.time_ns()) > FRESH_S * 1e9:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, STALE)
+        line = f"{ENDED}: site {end.site} finished run {end.run} after {end.tag}"
+        with self._lock:
+            who = (end.run, end.inc)
+            if who in self._enders or end.inc not in self._asked.get(end.run, ()):
+                return b""  # said again (a recording), or a process that never asked: nothing
+            self._enders.add(who)
+            for inc in self._asked[end.run]:
+                self._ended.setdefault((end.run, inc), line)
+        return b""
+
     def _forward(self, method: str, request: bytes, context: Any) -> bytes:
         """``request`` to the lighthouse with the caller's deadline, cancelled if the caller
         goes; the lighthouse's error relayed as it was."""
@@ -244,6 +285,10 @@ class Front:
         why not."""
         now = time.monotonic()
         with self._lock:
+            ended = self._ended.get((str(request.run), request.inc))
+            if ended is not None:
+                return ended
+            self._asked.setdefault(str(request.run), set()).add(request.inc)
             who = (name, request.inc)
             seq, first = self._newest.get(who, (0, now))
             # each send is stamped anew: the same seq again is the transport's retry, for a

@@ -19,7 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..errors import MembershipError
-from .front import FRESH_S, PROOF, REFUSED, STALE, beat_request, served_run
+from .front import END, ENDED, FRESH_S, PROOF, REFUSED, STALE, beat_request, served_run
 from .messages import proof_of
 
 log = logging.getLogger("lowcomm")
@@ -126,6 +126,8 @@ class Link:
                     f"than min_workers={e.min_workers} sites may remain"
                 ) from None
             except Exception as err:  # unreachable (refused, reset): it may be restarting
+                if ENDED in str(err):  # the others finished the run while this site was away
+                    raise MembershipError(_ended(e.site, str(err), tag)) from None
                 served = served_run(str(err))
                 if served is not None:  # a front serving one run: the run ids differ
                     raise MembershipError(
@@ -156,6 +158,26 @@ class Link:
                     e.timeout_s,
                 )
                 self._reach(tag, asked)
+
+    def end(self, tag: str) -> None:
+        """A keyed site that finished the run after sync ``tag`` tells the front, which then
+        refuses the run's other processes (see .front). Best effort, for a few seconds: a
+        lighthouse away at the run's end leaves that gap open; an older front (that does
+        not know the method) is not asked again."""
+        import grpc
+
+        if self._admission is None:
+            return
+        for _ in range(END_TRIES):
+            word = self._admission.end(self._inc, time.time_ns(), tag)
+            try:
+                _call(self.elastic.lighthouse, END, word, BEAT_S)
+                return
+            except grpc.RpcError as err:
+                log.debug("site %d: the end of the run not told: %s", self.elastic.site, err)
+                if err.code() != grpc.StatusCode.UNAVAILABLE:
+                    return
+            time.sleep(self.elastic.heartbeat_s)
 
     def adopt(self, epochs: list[int]) -> None:
         """A quorum's members reported ``epochs``: a higher one is an outage this site missed."""
@@ -201,6 +223,20 @@ class Link:
 
 BEAT = "/torchft.LighthouseService/Heartbeat"
 BEAT_S = 5.0  # bound on one heartbeat call
+END_TRIES = 10  # a finished site tells the front for up to this many heartbeat periods
+
+
+def _ended(site: int, details: str, tag: str) -> str:
+    """The line a site stops with when the front says its run is over (see .front)."""
+    # (torchft's client quotes the front's line inside its own)
+    said = details.split(ENDED, 1)[1].lstrip(": ").splitlines()[0].split('"')[0]
+    return (
+        f"site {site}: at {tag}, the lighthouse says the run is over ({said}): it ended while "
+        f"this site was away from it (paused, or cut off); this site stops here, and what it "
+        f"holds is not the run's model"
+    )
+
+
 # (process, lighthouse address) -> its gRPC channel: one per process (a forked child makes its
 # own: a channel does not survive a fork)
 _channels: dict[tuple[int, str], Any] = {}

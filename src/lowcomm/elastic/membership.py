@@ -378,6 +378,13 @@ class Membership:
         if group is not None:
             group.abort()
 
+    def ended(self, tag: str) -> None:
+        """This site finished the run after sync ``tag``: a keyed site tells its lighthouse's
+        front, so that a site still away from the run never takes itself for the run when
+        it comes back (see .front). Rank 0 of a site only."""
+        if self._link is not None:
+            self._link.end(tag)
+
     def close(self) -> None:
         """Stop the heartbeats (the lighthouse then leaves this site out) and the groups."""
         if self._link is not None:

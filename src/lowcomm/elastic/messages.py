@@ -171,6 +171,51 @@ class Beat:
         return cls(run, inc, seq, mac)
 
 
+@dataclass(frozen=True)
+class End:
+    """A keyed site's word to its front that it finished the run (see .front): its run, its
+    site and process, the last sync it took part in, a stamp (nanoseconds) and their MAC."""
+
+    run: str
+    site: int
+    inc: str
+    seq: int
+    tag: str
+    mac: str = ""
+
+    @property
+    def signed(self) -> dict[str, Any]:
+        """The fields the MAC covers."""
+        return {
+            "run": self.run,
+            "site": self.site,
+            "inc": self.inc,
+            "seq": self.seq,
+            "tag": self.tag,
+        }
+
+    def to_wire(self) -> bytes:
+        """The message's bytes (a ``lowcomm.Front/End`` request)."""
+        return json.dumps({**self.signed, "mac": self.mac}, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_wire(cls, raw: bytes) -> End | None:
+        """The message in ``raw``, every field of its type; None for anything else."""
+        try:
+            d = json.loads(raw.decode(errors="replace")) if raw else None
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(d, dict):
+            return None
+        run, site, inc, seq, tag, mac = (d.get(k) for k in ("run", "site", "inc", "seq", "tag",
+                                                             "mac"))  # fmt: skip
+        if not all(isinstance(x, str) for x in (run, inc, tag, mac)):
+            return None
+        if type(site) is not int or type(seq) is not int or not RUN_ID.fullmatch(run):
+            return None
+        return cls(run, site, inc, seq, tag[:64], mac)
+
+
 def proof_request(raw: bytes) -> tuple[str, str] | None:
     """(run, nonce) of a keyed site's ``lowcomm.Front/Prove`` request; None if malformed."""
     try:

@@ -311,6 +311,10 @@ class Runner:
         """The run's membership changes (see :class:`.record.Record`)."""
         return self.record.events
 
+    def ended(self) -> None:
+        """This site finished the run: say so at the lighthouse (see :meth:`.Membership.ended`)."""
+        self.membership.ended(self.record.last_tag or "start")
+
     def _leave(self, tag: str) -> None:
         """Replay: this site left here in the recorded run; it leaves the same way, at once
         (its heartbeat stops, so the others go on without it from the next sync), by raising

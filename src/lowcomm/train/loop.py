@@ -97,6 +97,9 @@ def run_worker(spec: RunSpec, role: ElasticSite | None = None) -> dict[str, Any]
             _train_loop(run, log, fresh=saved is None and not healed)
             finish(run)
         summary = summarize(run, log, began)
+        ended = getattr(run.membership, "ended", None)
+        if ended is not None:  # its last collective done: a site still away must not go on
+            ended()  # alone
     finally:
         log.close()
     _tear_down(run)
