@@ -55,6 +55,7 @@ class _Checker(Membership):
         self.admission = Admission(site, self.elastic.run_id, None, sites)
         self.asking_back_at, self.joiner = "", Joiner(self)
         self.reader, self.last_members = Reader(self.elastic, "", self.admission, 1), []
+        self.last_stores, self.reached = {}, None
 
 
 def test_a_site_paused_past_its_heartbeat_stops_alone_and_the_others_go_on():
@@ -569,6 +570,57 @@ def test_a_quorum_holding_votes_on_the_same_sync_is_asked_again_not_run_by_half(
                              heartbeat_s=0.01)  # fmt: skip
     assert member.quorum("sync@50").members == [0, 1, 3, 4]
     assert answers == []
+
+
+def test_a_quorum_of_at_most_half_the_live_expected_sites_is_asked_again_then_stops():
+    """Chaos seeds 102 and 113: torchft's lighthouse forms a quorum at once when every member
+    of its previous quorum asks, however few of the live sites they are, so two groups of one
+    sync both went on. A sync quorum that is no more than half of its members and the expected
+    sites missing from it whose stores answer is asked again (two halves meet), and past
+    timeout_s its site stops instead of going on with a model of its own. Sites whose stores
+    do not answer (gone, or stopped: a listener nobody reads) are not counted; a quorum of more
+    than half goes on at once."""
+    import socket
+
+    live = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in "ab"]
+    stopped = socket.socket()  # a stopped process's store: the kernel takes, nobody answers
+    stopped.bind(("127.0.0.1", 0))
+    stopped.listen(8)
+    gone = socket.socket()
+    gone.bind(("127.0.0.1", 0))
+    gone_at = f"127.0.0.1:{gone.getsockname()[1]}"
+    gone.close()
+    at = {3: f"127.0.0.1:{live[0].port}", 4: f"127.0.0.1:{live[1].port}"}
+    at_stopped = f"127.0.0.1:{stopped.getsockname()[1]}"
+    half = _view(_d(0, "sync@40"), _d(1, "sync@40"))
+    whole = _view(*(_d(s, "sync@40") for s in (0, 1, 3, 4)))
+
+    def member(answers, expected, timeout_s=5.0):
+        class Scripted(_Checker):
+            def _member_view(self, tag, ok, phase, ready):
+                return answers.pop(0) if len(answers) > 1 else answers[0]
+
+        m = Scripted(0)
+        m.elastic = Elastic(lighthouse="http://unused", site=0, sites=4, min_workers=2,
+                            heartbeat_s=0.01, timeout_s=timeout_s)  # fmt: skip
+        m.last_stores = {0: "here", 1: "127.0.0.1:1", **expected}
+        return m
+
+    try:
+        answers = [half, half, whole]  # the other half asks a moment later: they meet
+        assert member(answers, at).quorum("sync@40").members == [0, 1, 3, 4]
+        assert answers == [whole]
+        with pytest.raises(MembershipError, match=r"its quorum \[0, 1\] was no more than half"):
+            member([half], at, timeout_s=0.3).quorum("sync@40")
+        # the missing sites gone, or stopped: two is the quorum
+        assert member([half], {3: gone_at, 4: at_stopped}).quorum("sync@40").members == [0, 1]
+        three = _view(*(_d(s, "sync@40") for s in (0, 1, 3)))
+        assert member([three], at).quorum("sync@40").members == [0, 1, 3]  # more than half
+        quorum_rounds = member([half], at)
+        quorum_rounds.reached = lambda site, tag: False  # not arrived: late, rightly left out
+        assert quorum_rounds.quorum("sync@40").members == [0, 1]
+    finally:
+        stopped.close()
 
 
 def test_a_joiner_takes_part_in_the_sync_that_admitted_it_without_waiting_for_arrivals():

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -76,6 +77,39 @@ def unreachable(stores: dict[int, str], timeout_s: float) -> list[int]:
     with ThreadPoolExecutor(max_workers=max(1, len(stores))) as pool:
         ok = dict(zip(stores, pool.map(reach, stores.values())))
     return sorted(r for r, fine in ok.items() if not fine)
+
+
+def unanswered(stores: dict[int, str], timeout_s: float) -> list[int]:
+    """Of ``stores`` (site -> HOST:PORT), those whose store does not answer a ping within
+    ``timeout_s``: a process gone, or stopped (SIGSTOP: its kernel still takes connections,
+    which :func:`unreachable` counts as reached, but nothing reads them). A store that answers
+    in a way this does not read (another torch's protocol) counts as not answering."""
+
+    def answers(address: str) -> bool:
+        nonce = int.from_bytes(os.urandom(4), "little")
+        try:
+            host, port = address.rsplit(":", 1)
+            with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+                sock.settimeout(timeout_s)
+                sock.sendall(_PING + nonce.to_bytes(4, "little"))
+                got = b""
+                while len(got) < 4:
+                    chunk = sock.recv(4 - len(got))
+                    if not chunk:
+                        return False
+                    got += chunk
+                return int.from_bytes(got, "little") == nonce
+        except (OSError, ValueError):
+            return False
+
+    with ThreadPoolExecutor(max_workers=max(1, len(stores))) as pool:
+        ok = dict(zip(stores, pool.map(answers, stores.values())))
+    return sorted(s for s, fine in ok.items() if not fine)
+
+
+# torch's TCPStore wire protocol: the client's validation (query 0 and the magic number), then
+# a ping (query 13 and a nonce, which the store sends back)
+_PING = bytes([0]) + (0x3C85F7CE).to_bytes(4, "little") + bytes([13])
 
 
 def listening_store(host: str) -> tuple[dist.TCPStore, socket.socket]:

@@ -48,7 +48,15 @@ from .decide import (
     run_tag,
     without,
 )
-from .groups import arrive, gloo_group, group_name, listening_store, store_of, unreachable
+from .groups import (
+    arrive,
+    gloo_group,
+    group_name,
+    listening_store,
+    store_of,
+    unanswered,
+    unreachable,
+)
 from .joining import Joiner
 from .link import Link, prove
 from .messages import replica_name
@@ -147,6 +155,9 @@ class Membership:
         self.admission = Admission(elastic.site, elastic.run_id, secret, elastic.sites)
         self.reader = Reader(elastic, fingerprint, self.admission, self.ranks)  # its quorums
         self.last_members: list[int] = []  # the members of the last sync quorum it checked
+        self.last_stores: dict[int, str] = {}  # ... and their stores
+        # quorum rounds: whether a site reached a sync (its arrival hint: see .rounds)
+        self.reached: Callable[[int, str], bool] | None = None
         atexit.register(self.close)  # groups aborted before torch tears itself down
         # the address this site's data plane listens on and advertises (its store, and its
         # gloo connections to the other sites); unset: loopback, gloo's own choice
@@ -214,7 +225,8 @@ class Membership:
         # a commit vote is never asked again: an attempt's vote among fewer sites fails it, and
         # the next attempt's quorum (which may admit a joiner) is the one that must be enough
         patience = Patience(self.elastic, self._excluded_inc, retry, tag in self.elastic.heal_at,
-                            names=(self.reader, self.last_members))  # fmt: skip
+                            names=(self.reader, self.last_members),
+                            expected=self._expected(tag))  # fmt: skip
         while phase == "sync" and patience.more(view):
             log.debug("site %d: %s quorum of %s: not yet", self.elastic.site, tag, view.members)
             time.sleep(self.elastic.heartbeat_s)  # the lighthouse answers a lone asker at once
@@ -224,6 +236,15 @@ class Membership:
                 f"site {self.elastic.site} was left out of the run at {tag}: it stops here"
             )
         return view
+
+    def _expected(self, tag: str) -> dict[int, str]:
+        """Whom sync ``tag`` expects besides this site (site -> store): the last sync's
+        members; with quorum rounds, only those that reached it (the rest are late for it,
+        and rightly left out)."""
+        expected = {s: a for s, a in self.last_stores.items() if s != self.elastic.site}
+        if self.reached is not None:
+            expected = {s: a for s, a in expected.items() if self.reached(s, tag)}
+        return expected
 
     def _member_view(self, tag: str, ok: bool, phase: str, ready: bool) -> View:
         """One quorum, as the members of the run see it (joiners filtered by :func:`admit`)."""
@@ -295,8 +316,13 @@ class Membership:
         view = self.quorum("start")
         while len(view.members) < self.elastic.sites:
             view = self.quorum("start")
-        self.last_members = list(view.members)  # whom the first sync waits for (see Patience)
+        self._last(view)  # whom the first sync waits for (see Patience)
         return view
+
+    def _last(self, view: View) -> None:
+        """``view`` is the last sync's: its members, and their stores."""
+        self.last_members = list(view.members)
+        self.last_stores = {d.site: d.store for d in view.data if d.store}
 
     def check(self, view: View, tag: str, vote: bool = False) -> View:
         """The members of ``view`` that take part in sync ``tag``: a member at another sync
@@ -319,7 +345,7 @@ class Membership:
             )
         view = in_sync(view, tag)
         if not vote:
-            self.last_members = list(view.members)
+            self._last(view)
         if not vote and len(view.members) < e.min_workers:
             raise MembershipError(
                 f"only {len(view.members)} sites remain ({view.members}) after {e.timeout_s:g} "
@@ -417,14 +443,18 @@ class Patience:
     ``timeout_s`` (its command may be started again a moment later than the others got there).
     ``names``: this site's :class:`.reading.Reader` and the last sync's members: asked again
     while this site's name was taken, or a member's name came with junk and it is missing, for
-    ``timeout_s``."""
+    ``timeout_s``. ``expected``: the sites this sync expects (site -> store): while the quorum
+    is no more than half of its members and the expected sites missing from it whose stores
+    answer, asked again for ``timeout_s``, then this site stops (see :meth:`_outnumbered`)."""
 
     def __init__(
         self, elastic: Elastic, excluded: dict[int, str], retry: Retry | None, heal: bool = False,
-        names: tuple[Reader, list[int]] | None = None,
+        names: tuple[Reader, list[int]] | None = None, expected: dict[int, str] | None = None,
     ) -> None:  # fmt: skip
         self.elastic, self.excluded, self.retry = elastic, excluded, retry
         self.names = names  # this site's reading, and the last sync's members (see .reading)
+        self.expected = expected or {}
+        self._outnumbered_at: float | None = None
         self._until: float | None = None
         self._named: float | None = None
         self._awaiting: float | None = None
@@ -441,6 +471,8 @@ class Patience:
         if ask_again(view, self.excluded, self.elastic.min_workers, split):
             self._until = self._until or now + self.elastic.timeout_s
             return now < self._until
+        if self._outnumbered(view, now):
+            return True
         absent = {
             s: a
             for s, a in (retry.members if retry else {}).items()
@@ -450,6 +482,38 @@ class Patience:
             self._awaiting = self._awaiting or now + (retry.wait_s if retry else 0.0)
             return now < self._awaiting
         return self._taken(view, now)
+
+    def _outnumbered(self, view: View, now: float) -> bool:
+        """Whether ``view`` is no more than half of the sites this sync expects that are
+        alive: its members and the expected sites missing from it whose stores answer.
+
+        Why: torchft's lighthouse forms a quorum at once when every member of its previous
+        quorum asks, however few of the live sites they are; after a small quorum (a joiner's,
+        a restarted lighthouse's first), two groups asking a moment apart for one sync both
+        got one and both went on (chaos seeds 102, 113). Two groups cannot both hold more
+        than half of the same sites: asked again, the smaller waits for the rest, and two of
+        equal size meet. Past ``timeout_s`` the others are taken to have gone on without this
+        site, which stops with one line (going on would be a model of its own)."""
+        missing = {
+            s: a
+            for s, a in self.expected.items()
+            if s not in view.members and s not in self.excluded
+        }
+        if 2 * len(view.members) > len(view.members) + len(missing):
+            return False
+        silent = unanswered(missing, _PROBE_S)
+        live = [s for s in missing if s not in silent]
+        if 2 * len(view.members) > len(view.members) + len(live):
+            return False
+        self._outnumbered_at = self._outnumbered_at or now
+        if now - self._outnumbered_at < self.elastic.timeout_s:
+            return True
+        raise MembershipError(
+            f"site {self.elastic.site}: its quorum {view.members} was no more than half of the "
+            f"live sites of the last sync ({sorted([*view.members, *live])}) for "
+            f"{self.elastic.timeout_s:g} s (timeout_s): the others went on without it (it was "
+            f"left out); this site stops here"
+        )
 
     def _taken(self, view: View, now: float) -> bool:
         """This site was displaced from its name, or a member of the last sync is missing and

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .decide import View
+from .decide import View, step_of
 from .membership import Membership
 
 log = logging.getLogger("lowcomm")
@@ -144,6 +144,11 @@ class Rounds:
             self._post(_key(step, "stale"))
         self._wait(step)
         return True
+
+    def reached(self, site: int, tag: str) -> bool:
+        """Whether ``site`` told this site it reached sync ``tag`` (its arrival hint)."""
+        step = step_of(tag)
+        return tag.startswith("sync@") and step >= 0 and self._has(_key(step, f"at{site}"))
 
     def admitted(self, step: int) -> None:
         """A joiner: the quorum of the sync at ``step`` admitted it (it healed there)."""

@@ -56,6 +56,8 @@ class Runner:
         self._collective_s = 0.0  # seconds of the last attempt's collectives
         # rounds=quorum: syncs close on a quorum plus a grace window (see .rounds)
         self.rounds = Rounds(membership) if membership.elastic.rounds == "quorum" else None
+        if self.rounds is not None:  # a sync expects only the sites that reached it
+            membership.reached = self.rounds.reached
         self._policy = policy_for(membership.elastic.rounds)  # how a failed attempt is retried
 
     def run(self, tag: str, collectives: Collectives[T]) -> T:
