@@ -152,23 +152,13 @@ class Beat:
 
     def to_wire(self) -> bytes:
         """The seal's bytes (a heartbeat request's field 2)."""
-        return json.dumps({**self.signed, "mac": self.mac}, separators=(",", ":")).encode()
+        return _wire({**self.signed, "mac": self.mac})
 
     @classmethod
     def from_wire(cls, raw: bytes) -> Beat | None:
         """The seal in ``raw``, every field of its type; None for anything else."""
-        try:
-            d = json.loads(raw.decode(errors="replace")) if raw else None
-        except (ValueError, RecursionError):
-            return None
-        if not isinstance(d, dict):
-            return None
-        run, inc, seq, mac = d.get("run"), d.get("inc"), d.get("seq"), d.get("mac")
-        if not all(isinstance(x, str) for x in (run, inc, mac)) or type(seq) is not int:
-            return None
-        if not RUN_ID.fullmatch(run):
-            return None
-        return cls(run, inc, seq, mac)
+        d = _typed(raw, {"run": str, "inc": str, "seq": int, "mac": str})
+        return cls(**d) if d is not None else None
 
 
 @dataclass(frozen=True)
@@ -196,24 +186,34 @@ class End:
 
     def to_wire(self) -> bytes:
         """The message's bytes (a ``lowcomm.Front/End`` request)."""
-        return json.dumps({**self.signed, "mac": self.mac}, separators=(",", ":")).encode()
+        return _wire({**self.signed, "mac": self.mac})
 
     @classmethod
     def from_wire(cls, raw: bytes) -> End | None:
         """The message in ``raw``, every field of its type; None for anything else."""
-        try:
-            d = json.loads(raw.decode(errors="replace")) if raw else None
-        except (ValueError, RecursionError):
-            return None
-        if not isinstance(d, dict):
-            return None
-        run, site, inc, seq, tag, mac = (d.get(k) for k in ("run", "site", "inc", "seq", "tag",
-                                                             "mac"))  # fmt: skip
-        if not all(isinstance(x, str) for x in (run, inc, tag, mac)):
-            return None
-        if type(site) is not int or type(seq) is not int or not RUN_ID.fullmatch(run):
-            return None
-        return cls(run, site, inc, seq, tag[:64], mac)
+        kinds = {"run": str, "site": int, "inc": str, "seq": int, "tag": str, "mac": str}
+        d = _typed(raw, kinds)
+        return cls(**{**d, "tag": d["tag"][:64]}) if d is not None else None
+
+
+def _wire(fields: dict[str, Any]) -> bytes:
+    """A message's bytes: its fields as compact JSON."""
+    return json.dumps(fields, separators=(",", ":")).encode()
+
+
+def _typed(raw: bytes, kinds: dict[str, type]) -> dict[str, Any] | None:
+    """The fields ``kinds`` names from the JSON mapping in ``raw``, each of its type (an int
+    that is no bool; ``run`` a run id); None for anything else."""
+    try:
+        d = json.loads(raw.decode(errors="replace")) if raw else None
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(d, dict):
+        return None
+    out = {k: d.get(k) for k in kinds}
+    if any(type(v) is not kinds[k] for k, v in out.items()):
+        return None
+    return out if RUN_ID.fullmatch(out.get("run", "")) else None
 
 
 def proof_request(raw: bytes) -> tuple[str, str] | None:
