@@ -230,11 +230,14 @@ def _ended(site: int, details: str, tag: str) -> str:
     """The line a site stops with when the front says its run is over (see .front)."""
     # (torchft's client quotes the front's line inside its own)
     said = details.split(ENDED, 1)[1].lstrip(": ").splitlines()[0].split('"')[0]
-    return (
-        f"site {site}: at {tag}, the lighthouse says the run is over ({said}): it ended while "
-        f"this site was away from it (paused, or cut off); this site stops here, and what it "
-        f"holds is not the run's model"
-    )
+    if tag == "join":  # asking to join, never let in: it came too late, it was not away
+        why = "it ended before this site was let back in; this site stops here"
+    else:
+        why = (
+            "it ended while this site was away from it (paused, or cut off); this site stops "
+            "here, and what it holds is not the run's model"
+        )
+    return f"site {site}: at {tag}, the lighthouse says the run is over ({said}): {why}"
 
 
 # (process, lighthouse address) -> its gRPC channel: one per process (a forked child makes its
