@@ -431,6 +431,26 @@ def test_keyed_sites_back_after_the_others_finished_are_told_the_run_is_over(tmp
     assert summary["membership"][-1]["members"] == [0, 1, 4], summary["membership"]
 
 
+def test_an_insider_that_says_mid_run_it_finished_stops_only_itself(tmp_path):
+    """An insider holding the secret tells the front mid-run that it finished: the front ends
+    only the processes away from the run (none) and the insider itself, which stops at its
+    next sync; the honest sites, beating, finish with equal models (before: every site that
+    had asked was refused, and the run stopped)."""
+    out, secret = tmp_path / "run", tmp_path / "secret"
+    secret.write_text(os.urandom(16).hex())
+    done = _train("--strategy", "diloco", "--workers", "3", "--model", "tiny", "--steps", "30",
+                  "sync_every=10", "eval_every=0", "progress=false", "batch_size=4",
+                  "seq_len=64", "elastic=true", "min_workers=2", "timeout_s=5",
+                  f"secret_file={secret}", "--faults", "ender:2@15", "--out", str(out))  # fmt: skip
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-3000:]
+    assert "site 2: at sync@20, the lighthouse says the run is over (site 2 finished" in said
+    assert "site 0: at" not in said and "site 1: at" not in said, said[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["membership"][-1]["members"] == [0, 1], summary["membership"]
+    assert split_of(out) == ""
+
+
 # the replay of an exclusion by hand (-m slow): it doubles the run (the hung site's replay, in
 # the default suite, checks the same helper)
 @pytest.mark.parametrize("codec,replay", [

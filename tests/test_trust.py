@@ -476,47 +476,58 @@ def test_the_front_forwards_a_beat_only_sealed_fresh_and_newer_than_its_processs
         front.stop()
 
 
-def test_once_a_site_finished_the_run_the_front_refuses_its_other_processes_not_new_ones():
-    """A site's sealed word that it finished the run ends every process of that run that had
-    asked before (a site back from a pause after the run ended is told so at once, in one
-    line), and nothing else: a process that never asked (a later run under the same id), a
-    word said again, one from a process that never asked, or one without the secret."""
+def test_once_a_site_finished_the_run_the_front_refuses_the_processes_away_from_it():
+    """A site's sealed word that it finished the run ends the processes of that run that had
+    asked before and whose beats had lapsed (a site back from a pause after the run ended is
+    told so at once, in one line), and nothing else: a process beating when the word came (an
+    insider saying it mid-run stops no honest site), one that never asked (a later run under
+    the same id), a word said again, one from a process that never asked, or one without the
+    secret."""
     import time
 
     import grpc
 
     from lowcomm.elastic.admission import Admission
-    from lowcomm.elastic.front import END, ENDED
-    from lowcomm.elastic.link import _call
+    from lowcomm.elastic.front import END, ENDED, beat_request
+    from lowcomm.elastic.link import BEAT, _call
     from lowcomm.elastic.messages import replica_name
 
     address, front, server = _front(b"the run's secret", join_s=0.1)
+    name = replica_name("r1", 0)
     try:
         run = Admission(0, "r1", b"the run's secret")
 
         def ask(inc: str):  # site 0's process ``inc`` (under one name: each quorum at once)
-            name = replica_name("r1", 0)
             d = {"site": 0, "tag": "sync@30", "phase": "sync", "gen": 0, "join_from": 0}
             d.update(run="r1", fp="f", name=name, seq=time.time_ns(), inc=inc)
             return _ask(address, name, run.seal(d), timeout_s=5.0)
 
+        def beat(admission: Admission, inc: str) -> None:
+            seal = admission.beat(name, inc, time.time_ns())
+            _call(address, BEAT, beat_request(name.encode(), seal), 5.0)
+
         def end(admission: Admission, inc: str) -> None:
             _call(address, END, admission.end(inc, time.time_ns(), "sync@60"), 5.0)
 
-        for inc in "abc":
+        for inc in "abcef":
             assert ask(inc).participants
+        beat(run, "b")  # lapsed by the time of the word (the test lighthouse's 1 s)
+        time.sleep(front.lapse_s + 0.2)
+        beat(run, "e")  # beating when the word comes: alive, whoever says the run is over
+        beat(Admission(0, "r1", b"another"), "f")  # a stranger's beat for f: dropped
         with pytest.raises(grpc.RpcError, match="PERMISSION_DENIED"):  # without the secret
             end(Admission(0, "r1", b"another"), "a")
         end(run, "z")  # a process that never asked: it ends nothing
         assert ask("b").participants
         end(run, "a")
-        for inc in "bca":
+        for inc in "bcfa":
             with pytest.raises(Exception, match=f"{ENDED}: site 0 finished run r1 after sync@60"):
                 ask(inc)
+        assert ask("e").participants
         assert ask("d").participants  # a new process: a later run under the same id
         end(run, "a")  # said again: nothing more
         assert ask("d").participants
-        assert front.refused == 0  # told, not counted as refused
+        assert front.refused == 0 and front.dropped == 1  # told, not counted as refused
     finally:
         front.stop()
         server.shutdown()

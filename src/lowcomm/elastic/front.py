@@ -34,13 +34,19 @@ served. ``lowcomm.Front/Prove`` answers a site's nonce with a MAC under its run'
 site asks it first, and an open lighthouse, which does not know the method, is refused before
 the site starts (a stranger there could take a member's name).
 
-``lowcomm.Front/End``: a site that finished the run says so, sealed. From then on every process
-of that run whose requests came through before is refused with the line ``ENDED`` names. Why:
-sites left out together (paused, cut off) that come back after the others finished find only
-each other at the lighthouse, which has no memory of a run, and would train on as the run
-(chaos seed 103). A process that never asked before (a later run under the same id, a site
-started again) is not refused; each process ends a run once (a recording of its word, sent
-again, ends nothing more).
+``lowcomm.Front/End``: a site that finished the run says so, sealed. From then on the
+processes of that run that were away from it when the word came are refused with the line
+``ENDED`` names: those whose requests came through before and whose beats had lapsed (none for
+``lapse_s``, the lighthouse's own heartbeat timeout: it had left them out too), and the one that
+said it. Why: sites left out together (paused, cut off) that come back after the others
+finished find only each other at the lighthouse, which has no memory of a run, and would train
+on as the run (chaos seed 103). Why not every process that asked: an insider (a member holding
+the secret, its code changed) could then say it mid-run and stop every honest site; a process
+beating at the front when the word comes is alive, whoever says otherwise, and a beat cannot
+be taken back. One beating but left out (a joiner not yet let in) is not told: it finds only
+joiners at the lighthouse, no run to join, and says so after ``timeout_s`` (.joining). A
+process that never asked before (a later run under the same id, a site started again) is not
+refused; each process ends a run once (a recording of its word, sent again, ends nothing more).
 """
 
 from __future__ import annotations
@@ -94,7 +100,8 @@ _MEMBER = {1: 2, 2: 2, 3: 2, 4: 0, 5: 0, 6: 0, 7: 2, 8: 0}
 class Front:
     """Forwards valid requests from ``bind`` (HOST:PORT; port 0: any) to the lighthouse at
     ``upstream``, under ``secret`` (``run_ids``: only these runs'); :meth:`start`, then
-    :attr:`port`; :meth:`stop`. ``refused``: quorum requests refused; ``dropped``: beats."""
+    :attr:`port`; :meth:`stop`. ``refused``: quorum requests refused; ``dropped``: beats.
+    ``lapse_s``: the lighthouse's heartbeat timeout (a process silent this long is away)."""
 
     def __init__(
         self,
@@ -102,10 +109,11 @@ class Front:
         secret: bytes,
         bind: str,
         run_ids: frozenset[str] | None = None,
+        lapse_s: float = 2.0,
     ) -> None:
         import grpc
 
-        self.secret, self.run_ids = secret, run_ids
+        self.secret, self.run_ids, self.lapse_s = secret, run_ids, lapse_s
         self.refused = self.dropped = 0
         self._channel = grpc.insecure_channel(upstream.removeprefix("http://"))
         self._calls = {
@@ -118,6 +126,7 @@ class Front:
         self._asked: dict[str, set[str]] = {}  # run -> the processes whose requests came through
         self._ended: dict[tuple[str, str], str] = {}  # (run, process) -> why it is refused
         self._enders: set[tuple[str, str]] = set()  # (run, process) that said it finished
+        self._beat_at: dict[tuple[str, str], float] = {}  # (run, process) -> its last beat, here
         self._lock = threading.Lock()
         self._held = threading.BoundedSemaphore(_HELD)
         handlers = {
@@ -204,6 +213,7 @@ class Front:
             if beat.seq <= self._beats.get((name, beat.inc), 0):
                 return False  # a recording, replayed
             self._beats[(name, beat.inc)] = beat.seq
+            self._beat_at[(beat.run, beat.inc)] = time.monotonic()
         return True
 
     def _prove(self, request: bytes, context: Any) -> bytes:
@@ -220,8 +230,8 @@ class Front:
         return self._admission(run).proof(nonce).encode()
 
     def _end(self, request: bytes, context: Any) -> bytes:
-        """A site's sealed word that it finished the run: every process of that run that asked
-        before is refused from now on (see the module)."""
+        """A site's sealed word that it finished the run: the processes of that run away from
+        it now (see the module) are refused from then on."""
         import grpc
 
         end = End.from_wire(request)
@@ -238,8 +248,11 @@ class Front:
             if who in self._enders or end.inc not in self._asked.get(end.run, ()):
                 return b""  # said again (a recording), or a process that never asked: nothing
             self._enders.add(who)
+            self._ended.setdefault(who, line)
+            lapsed = time.monotonic() - self.lapse_s
             for inc in self._asked[end.run]:
-                self._ended.setdefault((end.run, inc), line)
+                if self._beat_at.get((end.run, inc), 0.0) < lapsed:
+                    self._ended.setdefault((end.run, inc), line)
         return b""
 
     def _forward(self, method: str, request: bytes, context: Any) -> bytes:

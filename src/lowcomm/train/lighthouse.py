@@ -42,7 +42,8 @@ def serve(
     server = LighthouseServer(bind="127.0.0.1:0", **options)
     upstream = server.address().rsplit(":", 1)[1]
     runs = frozenset([run_id]) if run_id else None
-    front = Front(f"127.0.0.1:{upstream}", secret, bind, runs)
+    lapse_s = options.get("heartbeat_timeout_ms", 2000) / 1000
+    front = Front(f"127.0.0.1:{upstream}", secret, bind, runs, lapse_s)
     front.start()
     return server, front
 

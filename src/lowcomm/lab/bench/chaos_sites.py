@@ -39,10 +39,16 @@ KINDS = ("kill", "rejoin", "pause", "lose")  # lose: the machine (its torchrun a
 LOST_S = 5.0  # a lost machine's command runs again this long after
 MIN_WORKERS = 2
 BATCH, SEQ, EVERY = 4, 64, 10
-OVER = ("no run is going", "found no run to join", "no other site has been in the run")
+OVER = (
+    "no run is going",
+    "found no run to join",
+    "no other site has been in the run",
+    "it ended before this site was let back in",
+)
 # an insider here lies in its votes (a false checksum stops sites of several ranks on purpose:
 # their replica check is no vote, docs/reliability.md); or a stranger at the lighthouse
-ADVERSARIES = ("dissent", "accuse", *strangers.KINDS)
+INSIDERS = ("dissent", "accuse", "ender")
+ADVERSARIES = (*INSIDERS, *strangers.KINDS)
 SECRET, CAPTURED = "secret", "captured.jsonl"  # in the campaign's folder
 
 
@@ -139,11 +145,11 @@ def _draw_adversary(
     away within the same budget, else a stranger comes instead)."""
     kind = rng.choice(ADVERSARIES)
     free = [s for s in range(sched.sites) if s not in busy]
-    if kind in ("dissent", "accuse") and (not free or sched.lost >= sched.sites - MIN_WORKERS):
+    if kind in INSIDERS and (not free or sched.lost >= sched.sites - MIN_WORKERS):
         kind = rng.choice(strangers.KINDS)
     if kind not in allowed:
         return
-    if kind in ("dissent", "accuse"):
+    if kind in INSIDERS:
         site, at = rng.choice(free), rng.randint(15, sched.steps - 25)
         sched.insider, sched.insider_site = f"{kind}:{site}@{at}", site
         sched.adversary = sched.insider

@@ -61,7 +61,10 @@ default).
   without ``@STEP``): ``liar:2@30`` reports a false checksum of its global copy at every replica
   check (a liar, or a copy whose memory flipped a bit); ``dissent:2@30`` votes every sync's
   commit failed; ``accuse:2@30`` votes every sync's commit failed and names the lowest other
-  member's payload as undecodable. None of them may stop the run: the others exclude it;
+  member's payload as undecodable; ``ender:2@30`` tells its lighthouse's front at step 30 that
+  it finished the run (the sealed word a site that finished sends: with a run secret only) and
+  trains on. None of them may stop the run: the others exclude it (an ender the front refuses
+  as finished);
 - ``slow:1x3``   site 1 computes 3x slower (from step 1, or ``slow:1@40x3`` from step 40): after
   each inner step it sleeps twice that step's compute time. Sleeping frees the CPU, so on a
   machine with fewer cores than sites the others do not slow down with it;
@@ -86,7 +89,7 @@ from lowcomm.errors import ConfigError
 
 # on what a site sends (see attack; copy and alie forge it from the others': see forge)
 ATTACKS = ("signflip", "scale", "noise", "zero", "nan", "copy", "alie", "drift", "collude")
-INSIDERS = ("liar", "dissent", "accuse")  # a member's lies in its votes and checks
+INSIDERS = ("liar", "dissent", "accuse", "ender")  # a member's lies in its votes, checks, word
 KINDS = (
     "kill",
     "hang",

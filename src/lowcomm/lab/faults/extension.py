@@ -64,7 +64,8 @@ class Lab(Extension):
         "a handover or a sync), lighthouse:0@30x3, link:2@40x20 (its data plane cut for "
         "20 s); attacks on what a site sends: signflip:1@20, scale:1x1000, noise:1x2, zero:1, "
         "nan:1, and with reduce=gather copy:1 (another site's last send), alie:1 (a little is "
-        "enough). Also --faults.",
+        "enough); insiders (with a run secret): liar:2@30, dissent:2@30, accuse:2@30, "
+        "ender:2@30 (says mid-run it finished). Also --faults.",
     )
     site_link: str = knob(
         "",

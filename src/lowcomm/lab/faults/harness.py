@@ -61,6 +61,8 @@ class Harness(TrainerCallback):
                 self.armed.add(f.kind)
             if f.kind in ATTACKS:
                 self.attacking = f
+            if f.kind == "ender" and self.engine is not None and self.engine.membership:
+                self.engine.membership.ended()  # mid-run: a lie (see lowcomm.elastic.front)
             if f.kind == "slowlink":
                 self.link_delay_s = f.factor or 0.0
             if f.kind == "lighthouse" and self.out is not None:
