@@ -499,7 +499,7 @@ def test_once_a_site_finished_the_run_the_front_refuses_the_processes_away_from_
 
         def ask(inc: str):  # site 0's process ``inc`` (under one name: each quorum at once)
             d = {"site": 0, "tag": "sync@30", "phase": "sync", "gen": 0, "join_from": 0}
-            d.update(run="r1", fp="f", name=name, seq=time.time_ns(), inc=inc)
+            d.update(run="r1", fp="f", name=name, seq=time.time_ns(), inc=inc, join=inc == "j")
             return _ask(address, name, run.seal(d), timeout_s=5.0)
 
         def beat(admission: Admission, inc: str) -> None:
@@ -509,18 +509,19 @@ def test_once_a_site_finished_the_run_the_front_refuses_the_processes_away_from_
         def end(admission: Admission, inc: str) -> None:
             _call(address, END, admission.end(inc, time.time_ns(), "sync@60"), 5.0)
 
-        for inc in "abcef":
+        for inc in "abcefj":
             assert ask(inc).participants
         beat(run, "b")  # lapsed by the time of the word (the test lighthouse's 1 s)
         time.sleep(front.lapse_s + 0.2)
         beat(run, "e")  # beating when the word comes: alive, whoever says the run is over
+        beat(run, "j")  # beating, but its last request a joiner's: never let in
         beat(Admission(0, "r1", b"another"), "f")  # a stranger's beat for f: dropped
         with pytest.raises(grpc.RpcError, match="PERMISSION_DENIED"):  # without the secret
             end(Admission(0, "r1", b"another"), "a")
         end(run, "z")  # a process that never asked: it ends nothing
         assert ask("b").participants
         end(run, "a")
-        for inc in "bcfa":
+        for inc in "bcfja":
             with pytest.raises(Exception, match=f"{ENDED}: site 0 finished run r1 after sync@60"):
                 ask(inc)
         assert ask("e").participants

@@ -37,16 +37,17 @@ the site starts (a stranger there could take a member's name).
 ``lowcomm.Front/End``: a site that finished the run says so, sealed. From then on the
 processes of that run that were away from it when the word came are refused with the line
 ``ENDED`` names: those whose requests came through before and whose beats had lapsed (none for
-``lapse_s``, the lighthouse's own heartbeat timeout: it had left them out too), and the one that
-said it. Why: sites left out together (paused, cut off) that come back after the others
-finished find only each other at the lighthouse, which has no memory of a run, and would train
-on as the run (chaos seed 103). Why not every process that asked: an insider (a member holding
-the secret, its code changed) could then say it mid-run and stop every honest site; a process
-beating at the front when the word comes is alive, whoever says otherwise, and a beat cannot
-be taken back. One beating but left out (a joiner not yet let in) is not told: it finds only
-joiners at the lighthouse, no run to join, and says so after ``timeout_s`` (.joining). A
-process that never asked before (a later run under the same id, a site started again) is not
-refused; each process ends a run once (a recording of its word, sent again, ends nothing more).
+``lapse_s``, the lighthouse's own heartbeat timeout: it had left them out too) or whose last
+request was a joiner's (never let back in: a lone joiner at a lighthouse whose join wait is
+long would wait on unbounded), and the one that said it. Why: sites left out together
+(paused, cut off) that come back after the others finished find only each other at the
+lighthouse, which has no memory of a run, and would train on as the run (chaos seed 103). Why
+not every process that asked: an insider (a member holding the secret, its code changed) could
+then say it mid-run and stop every honest site; a process beating at the front when the word
+comes is alive, whoever says otherwise, and a beat cannot be taken back (an insider can still
+stop a joiner asking at that moment). A process that never asked before (a later run under
+the same id, a site started again) is not refused; each process ends a run once (a recording
+of its word, sent again, ends nothing more).
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ class Front:
         self._ended: dict[tuple[str, str], str] = {}  # (run, process) -> why it is refused
         self._enders: set[tuple[str, str]] = set()  # (run, process) that said it finished
         self._beat_at: dict[tuple[str, str], float] = {}  # (run, process) -> its last beat, here
+        self._joining: set[tuple[str, str]] = set()  # (run, process) whose last request joins
         self._lock = threading.Lock()
         self._held = threading.BoundedSemaphore(_HELD)
         handlers = {
@@ -251,7 +253,8 @@ class Front:
             self._ended.setdefault(who, line)
             lapsed = time.monotonic() - self.lapse_s
             for inc in self._asked[end.run]:
-                if self._beat_at.get((end.run, inc), 0.0) < lapsed:
+                process = (end.run, inc)
+                if process in self._joining or self._beat_at.get(process, 0.0) < lapsed:
                     self._ended.setdefault((end.run, inc), line)
         return b""
 
@@ -302,6 +305,8 @@ class Front:
             if ended is not None:
                 return ended
             self._asked.setdefault(str(request.run), set()).add(request.inc)
+            process = (str(request.run), request.inc)
+            (self._joining.add if request.join else self._joining.discard)(process)
             who = (name, request.inc)
             seq, first = self._newest.get(who, (0, now))
             # each send is stamped anew: the same seq again is the transport's retry, for a
