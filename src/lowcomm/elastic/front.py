@@ -255,7 +255,7 @@ class Front:
             for inc in self._asked[end.run]:
                 process = (end.run, inc)
                 if process in self._joining or self._beat_at.get(process, 0.0) < lapsed:
-                    self._ended.setdefault((end.run, inc), line)
+                    self._ended.setdefault(process, line)
         return b""
 
     def _forward(self, method: str, request: bytes, context: Any) -> bytes:
